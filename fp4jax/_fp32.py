@@ -1,0 +1,123 @@
+"""Correctly rounded float32 arithmetic that XLA cannot rewrite, from integer operations.
+
+The NVFP4 algorithm divides twice (``S_enc = 2688 / amax`` and ``escale = 1 / (dscale * S_dec)``)
+and rounds to E4M3 and E2M1. On the H200, XLA's f32 division is not correctly rounded (13% of
+``1/d`` one ulp off, DESIGN.md §5.2), and XLA may fold float conversion pairs into no-ops (§5.1).
+Both change quantized codes at rounding ties. Everything here is done on the integer bit pattern,
+which every backend computes identically, so CPU and GPU give the same bits.
+"""
+
+import jax.numpy as jnp
+from jax import lax
+
+F32_MAX = float(jnp.finfo(jnp.float32).max)
+_EXP_MASK = 0xFF
+_MANT_BITS = 23
+_IMPLICIT = 1 << _MANT_BITS
+_INF_BITS = 0x7F800000
+
+
+def _bits(x):
+  return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
+def _from_bits(b):
+  return lax.bitcast_convert_type(b.astype(jnp.int32), jnp.float32)
+
+
+def _unpack(x):
+  """Positive finite f32 -> (mantissa in [2^23, 2^24) as int32, unbiased-ish exponent), subnormals normalized."""
+  b = _bits(x)
+  e = (b >> _MANT_BITS) & _EXP_MASK
+  f = b & (_IMPLICIT - 1)
+  # Subnormal: shift the fraction up until bit 23 is set; the exponent drops by the same amount.
+  lz = jnp.where(e == 0, lax.clz(jnp.maximum(f, 1)) - 8, 0)
+  m = jnp.where(e == 0, f << lz, f | _IMPLICIT)
+  e = jnp.where(e == 0, 1 - lz, e)
+  return m, e
+
+
+def div_rn(a, b):
+  """IEEE round-to-nearest-even ``a / b`` for float32 ``a >= 0`` finite and ``b >= 0`` (exact on any backend).
+
+  ``b == 0`` gives ``inf`` for ``a > 0`` and NaN for ``a == 0``; inputs must not be NaN or inf
+  (callers guard those).
+  """
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  ma, ea = _unpack(a)
+  mb, eb = _unpack(b)
+  # Bring the mantissa ratio into [1, 2).
+  small = ma < mb
+  ma = jnp.where(small, ma << 1, ma)
+  ea = jnp.where(small, ea - 1, ea)
+  # Restoring division: q = floor(ma * 2^25 / mb) in [2^25, 2^26), r the remainder (times 2).
+  q = jnp.zeros_like(ma)
+  r = ma
+  for _ in range(26):
+    bit = r >= mb
+    r = jnp.where(bit, r - mb, r)
+    q = (q << 1) | bit.astype(jnp.int32)
+    r = r << 1
+  sticky = r != 0
+  e = ea - eb + 127  # biased exponent of the result, whose mantissa is q / 2^25 in [1, 2)
+  # Drop 2 bits for a normal result, more where the result is subnormal (e < 1).
+  drop = jnp.clip(2 + jnp.maximum(1 - e, 0), 2, 28)
+  kept = q >> drop
+  rem = q & ((1 << drop) - 1)
+  half = 1 << (drop - 1)
+  up = (rem > half) | ((rem == half) & (sticky | ((kept & 1) == 1)))
+  kept = kept + up.astype(jnp.int32)
+  # Normal: the implicit bit in `kept` adds one to the exponent field, and a carry to 2^24 adds another.
+  bits = jnp.where(e >= 1, ((e - 1) << _MANT_BITS) + kept, kept)
+  bits = jnp.where(e >= 255, _INF_BITS, jnp.minimum(bits, _INF_BITS))
+  # Zero tests on the bit pattern: XLA's CPU backend treats subnormals as zero in comparisons.
+  a_zero = _bits(a) == 0
+  b_zero = _bits(b) == 0
+  bits = jnp.where(a_zero, 0, bits)
+  bits = jnp.where(b_zero, jnp.where(a_zero, 0x7FC00000, _INF_BITS), bits)
+  return _from_bits(bits)
+
+
+def flush_subnormals(x):
+  """Float32 subnormals -> +0.0, decided on the bit pattern so every backend agrees."""
+  x = jnp.asarray(x, jnp.float32)
+  b = _bits(x)
+  return jnp.where((b & _INF_BITS) == 0, 0.0, x)
+
+
+def round_to_e4m3(v):
+  """Round float32 ``v`` in [0, 448] to the nearest E4M3 value, ties to even.
+
+  Returns ``(value as float32, E4M3 byte as uint8)``. E4M3 subnormals (multiples of 2^-9) are kept.
+  """
+  v = jnp.asarray(v, jnp.float32)
+  b = _bits(v)
+  e = ((b >> _MANT_BITS) & _EXP_MASK) - 127
+  # Normal E4M3 (v >= 2^-6): keep 3 mantissa bits by rounding the f32 pattern; carries ripple into
+  # the exponent, which is what rounding up to the next binade must do.
+  lsb = (b >> 20) & 1
+  normal_bits = ((b + (1 << 19) - 1 + lsb) >> 20) << 20
+  normal = _from_bits(normal_bits)
+  # Subnormal E4M3: multiples of 2^-9; v * 512 is exact and round() is ties-to-even.
+  sub_k = lax.round(v * 512.0, lax.RoundingMethod.TO_NEAREST_EVEN)
+  sub = sub_k * (1.0 / 512.0)
+  is_normal = e >= -6
+  value = jnp.where(is_normal, normal, sub)
+  nb = _bits(value)
+  ne = ((nb >> _MANT_BITS) & _EXP_MASK) - 127
+  normal_code = ((ne + 7) << 3) | ((nb >> 20) & 7)
+  # A subnormal that rounded up to 2^-6 is the smallest normal, code 8: (k = 8) gives that too.
+  code = jnp.where(value >= 2.0**-6, normal_code, sub_k.astype(jnp.int32))
+  return value, code.astype(jnp.uint8)
+
+
+def e4m3_to_f32(code):
+  """Decode E4M3 bytes (uint8, no NaN) to float32 with integer operations."""
+  c = code.astype(jnp.int32)
+  e = (c >> 3) & 0xF
+  m = c & 7
+  normal = _from_bits(((e - 7 + 127) << _MANT_BITS) | (m << 20))
+  sub = m.astype(jnp.float32) * (1.0 / 512.0)
+  mag = jnp.where(e == 0, sub, normal)
+  return jnp.where((c & 0x80) != 0, -mag, mag)

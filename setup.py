@@ -1,0 +1,30 @@
+"""fp4jax: LLM pretraining with every expensive part in NVFP4, in JAX/Flax."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="fp4jax",
+    version="0.1.0",
+    description="Full-stack NVFP4 (4-bit) LLM pretraining in JAX: linear layers, optimizer states, "
+    "Newton-Schulz and attention",
+    python_requires=">=3.12",
+    packages=find_packages(include=["fp4jax", "fp4jax.*", "kernels", "kernels.*", "experiments",
+                                    "experiments.*"]),
+    install_requires=[
+        "jax>=0.11.2,<0.12",
+        "jaxlib>=0.11.2,<0.12",
+        "flax>=0.12.10,<0.13",
+        "optax>=0.2.8,<0.3",
+        "orbax-checkpoint>=0.12.4,<0.13",
+        "chex>=0.1.92",
+        "ml-collections>=1.1.0",
+        "grain>=0.2.18,<0.3",
+        "ml_dtypes>=0.5",
+        "numpy>=2.0",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "nbformat>=5.10", "nbclient>=0.10", "ipykernel>=6", "matplotlib>=3.8",
+                 "ruff>=0.6"],
+        "notebooks": ["matplotlib>=3.8", "jupyter"],
+    },
+)
