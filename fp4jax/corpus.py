@@ -469,11 +469,14 @@ def main(argv: Sequence[str] | None = None) -> None:
   p.add_argument("--data_dir", default=None, help=f"data root (default ${ENV_DATA_DIR})")
   p.add_argument("--out", default=None, help="pack: archive path")
   a = p.parse_args(argv)
-  if a.command == "pack":
-    path = pack_corpus(a.corpus, a.out, a.data_dir)
-    print(f"{path}\t{path.stat().st_size} bytes")
-    return
-  c = builtin_corpus(a.corpus, a.data_dir)
+  try:
+    if a.command == "pack":
+      path = pack_corpus(a.corpus, a.out, a.data_dir)
+      print(f"{path}\t{path.stat().st_size} bytes")
+      return
+    c = builtin_corpus(a.corpus, a.data_dir)
+  except (ValueError, OSError, CorpusUnavailableError) as e:
+    raise SystemExit(f"error: {e}") from e
   for split in ("train", "validation"):
     files = c.split(split)
     print(f"{split}\t{len(files)} documents\t{sum(f.stat().st_size for f in files)} bytes")

@@ -432,14 +432,17 @@ def main(argv: Sequence[str] | None = None) -> None:
   pi = sub.add_parser("info", help="print a data dir's summary")
   pi.add_argument("dir")
   a = p.parse_args(argv)
-  if a.command == "info":
-    meta, out = read_meta(a.dir), Path(a.dir)
-  else:
-    files = corpus_lib.resolve_corpus(a.corpus, a.data_dir)
-    out = Path(a.out) if a.out else default_out_dir(files.name, a.tokenizer, a.vocab_size,
-                                                    a.data_dir)
-    meta = prepare(files, out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
-                   shard_tokens=a.shard_tokens, cache_dir=a.data_dir, overwrite=a.overwrite)
+  try:
+    if a.command == "info":
+      meta, out = read_meta(a.dir), Path(a.dir)
+    else:
+      files = corpus_lib.resolve_corpus(a.corpus, a.data_dir)
+      out = Path(a.out) if a.out else default_out_dir(files.name, a.tokenizer, a.vocab_size,
+                                                      a.data_dir)
+      meta = prepare(files, out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
+                     shard_tokens=a.shard_tokens, cache_dir=a.data_dir, overwrite=a.overwrite)
+  except (ValueError, OSError, corpus_lib.CorpusUnavailableError) as e:
+    raise SystemExit(f"error: {e}") from e
   print("\n".join(_summary(meta, out)))
 
 
