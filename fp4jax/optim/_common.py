@@ -1,0 +1,178 @@
+"""Shared pieces of the NVFP4 optimizers: which leaves are stored in NVFP4, state codecs, keys, bytes.
+
+Storage rule (the same for every optimizer state in this package): a state leaf is stored as an
+``NVFP4Tensor`` with 1×16 blocks along its **last** axis iff that axis is a multiple of 16 and the
+leaf has at least ``min_size`` elements (default 4096, bitsandbytes' ``min_8bit_size``). Every
+other leaf (biases and norm scales of small models, odd shapes, scalars) stays float32 and follows
+optax's arithmetic exactly. Small leaves are a negligible share of the bytes of any real model, and
+a 16-element block with one global scale is a poor fit for a 64-element vector.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from fp4jax import nvfp4
+from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
+
+DEFAULT_MIN_SIZE = 4096
+ROUNDINGS = ("nearest", "stochastic")
+_F32 = jnp.dtype(jnp.float32)
+# A block whose E4M3 scale rounds to zero had block_amax * S_enc / 6 <= 2^-10 (half the smallest
+# subnormal E4M3, tie to even): its values are at most this many S_dec.
+_ZERO_BLOCK_BOUND = 6.0 * 2.0**-10
+
+
+def is_nvfp4(x) -> bool:
+  return isinstance(x, NVFP4Tensor)
+
+
+def stores_nvfp4(shape, min_size: int) -> bool:
+  """The storage rule of the module docstring."""
+  shape = tuple(shape)
+  return len(shape) >= 1 and shape[-1] % BLOCK == 0 and math.prod(shape) >= min_size
+
+
+def check_common(min_size, rounding):
+  if not isinstance(min_size, int) or min_size < 0:
+    raise ValueError(f"min_size must be a non-negative int, got {min_size!r}")
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+
+
+def zeros_nvfp4(shape) -> NVFP4Tensor:
+  """``quantize(zeros(shape))`` without computing it (works for abstract shapes in ``init``)."""
+  shape = tuple(shape)
+  *lead, n = shape
+  return NVFP4Tensor(
+      codes=jnp.zeros((*lead, n // 2), jnp.uint8),
+      scales=jnp.zeros((*lead, n // BLOCK), jnp.float8_e4m3fn),
+      global_scale=jnp.ones((), jnp.float32),
+      shape=shape, block=(1, BLOCK), axis=len(shape) - 1, dtype=_F32)
+
+
+def zeros_state(shape, min_size: int, quantize: bool):
+  """A zero moment for a parameter of ``shape``: NVFP4 under the storage rule, else float32."""
+  if quantize and stores_nvfp4(shape, min_size):
+    return zeros_nvfp4(shape)
+  return jnp.zeros(shape, jnp.float32)
+
+
+def encode(x, rounding: str, key) -> NVFP4Tensor:
+  """float32 ``x`` -> NVFP4, 1×16 blocks along the last axis."""
+  return nvfp4.quantize(x.astype(jnp.float32), block=(1, BLOCK), axis=-1, rounding=rounding,
+                        key=key if rounding == "stochastic" else None)
+
+
+def decode(t: NVFP4Tensor) -> jax.Array:
+  return t.dequantize(jnp.float32)
+
+
+def zero_floor(t: NVFP4Tensor) -> jax.Array:
+  """Per element, the largest value that round-to-nearest stores as code 0 in its block.
+
+  ``0.25 * dscale * S_dec`` in a block with a non-zero scale; ``6 * 2^-10 * S_dec`` (the largest
+  block amax whose E4M3 scale rounds to zero) in a zero-scale block. For a non-negative tensor
+  quantized with round-to-nearest, ``max(dequantize(t), zero_floor(t))`` is never below the value
+  that was stored where the code is 0, and equals ``dequantize(t)`` elsewhere.
+  """
+  d = t.block_scales()
+  unit = jnp.where(d > 0, 0.25 * d, _ZERO_BLOCK_BOUND) * t.global_scale
+  return jnp.repeat(unit, BLOCK, axis=t.axis)
+
+
+def decode_guarded(t: NVFP4Tensor) -> jax.Array:
+  """Dequantize a non-negative tensor, lifting codes 0 to their block's rounding threshold."""
+  return jnp.maximum(decode(t), zero_floor(t))
+
+
+def step_key(seed: int, count) -> jax.Array:
+  """The random key of one step: ``fold_in(key(seed), count)``; deterministic and checkpoint-free."""
+  return jax.random.fold_in(jax.random.key(seed), count)
+
+
+def leaf_key(key, index: int, stream: int) -> jax.Array:
+  return jax.random.fold_in(jax.random.fold_in(key, index), stream)
+
+
+def state_nbytes(state) -> int:
+  """Bytes held by an optimizer state: packed codes, E4M3 scales and global scales of NVFP4 leaves
+  plus every other array leaf, counted from shapes (works on ``jax.eval_shape`` output).
+
+  Args:
+    state: any pytree of arrays, ``jax.ShapeDtypeStruct`` and ``NVFP4Tensor``.
+
+  Returns:
+    The total number of bytes.
+  """
+  total = 0
+  for leaf in jax.tree.leaves(state, is_leaf=is_nvfp4):
+    if is_nvfp4(leaf):
+      total += sum(_leaf_nbytes(x) for x in (leaf.codes, leaf.scales, leaf.global_scale))
+    else:
+      total += _leaf_nbytes(leaf)
+  return total
+
+
+def _leaf_nbytes(x) -> int:
+  if not hasattr(x, "shape"):
+    return np.asarray(x).nbytes
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return int(np.prod(x.shape)) * 8
+  return int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+
+
+def state_sharding(state, params_sharding, replicated=None):
+  """Shardings for an optimizer state that follow the parameters' shardings.
+
+  Every subtree of ``state`` with the structure of the parameters (optax moments, ``MaskedNode``s
+  allowed) is matched leaf by leaf with ``params_sharding``: an array of the parameter's shape gets
+  the parameter's sharding; an ``NVFP4Tensor`` gets it for its packed codes and its E4M3 scales
+  (both keep the parameter's axes, the last one divided by 2 and 16, so a shard holds its own codes
+  and scales), and a replicated global scale. Everything else (counts, scalars) is replicated.
+
+  Args:
+    state: the optimizer state, or its ``jax.eval_shape``.
+    params_sharding: a pytree like the parameters, of ``NamedSharding``s.
+    replicated: sharding for the other leaves; default: replicated on the mesh of the first
+      parameter sharding.
+
+  Returns:
+    A pytree of shardings with the structure of ``state`` (usable as ``out_shardings``).
+  """
+  shardings, p_def = jax.tree.flatten(params_sharding)
+  if not shardings:
+    raise ValueError("params_sharding has no leaves")
+  if replicated is None:
+    replicated = NamedSharding(shardings[0].mesh, PartitionSpec())
+  masked = optax.MaskedNode
+  is_leaf = lambda x: is_nvfp4(x) or isinstance(x, masked)  # noqa: E731
+
+  def leaf_for(param_sharding, x):
+    if isinstance(x, masked):
+      return x
+    if is_nvfp4(x):
+      return NVFP4Tensor(codes=param_sharding, scales=param_sharding, global_scale=replicated,
+                         shape=x.shape, block=x.block, axis=x.axis, dtype=x.dtype)
+    spec = getattr(param_sharding, "spec", ())
+    return param_sharding if len(getattr(x, "shape", ())) >= max(len(spec), 1) else replicated
+
+  def walk(node):
+    leaves, sdef = jax.tree.flatten(node, is_leaf=is_leaf)
+    if sdef == p_def:
+      return jax.tree.unflatten(sdef, [leaf_for(s, x) for s, x in zip(shardings, leaves)])
+    if isinstance(node, masked):
+      return node
+    children, tdef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+    if jax.tree_util.treedef_is_leaf(tdef):
+      return None if node is None else replicated
+    return jax.tree_util.tree_unflatten(tdef, [walk(c) for c in children])
+
+  return walk(state)
+

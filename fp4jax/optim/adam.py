@@ -1,0 +1,221 @@
+"""AdamW with both moments stored in NVFP4.
+
+One update dequantizes the moments, runs Adam's arithmetic in float32 on the fresh moments (the
+current gradient enters the update unquantized), and requantizes them:
+
+  m  = b1 * m_old + (1 - b1) * g                  m_old = dequantize(mu)
+  v  = b2 * v_old + (1 - b2) * g²                 v_old = max(dequantize(nu), zero_floor) ** (1/p)
+  u  = m_hat / (sqrt(v_hat + eps_root) + eps),    clipped to Adam's own bound |u| <= B_t
+  mu = quantize(m),  nu = quantize(v ** p)        1×16 blocks, stochastic rounding by default
+
+The second moment is stored as ``v ** p`` with ``p = nu_power = 1/2`` (the Adam denominator √v
+itself), chosen by measurement (``benchmarks/optim_states.py``; numbers in benchmarks/RESULTS.md):
+√v halves v's log-range so the E4M3 block scales cover it, and its relative error maps 1:1 onto the
+update. Two guards make a moment that quantizes to zero harmless:
+
+- ``zero_guard``: a stored code 0 of √v is read as its block's rounding threshold (a quarter of the
+  block's E2M1 step, or the zero-block bound), an upper bound of what round-to-nearest stored as 0,
+  so a flushed denominator gives a smaller update, never a larger one.
+- ``clip_update``: exact Adam satisfies ``|m_hat| / sqrt(v_hat) <= B_t`` (Cauchy–Schwarz over the
+  two EMAs; ``B_t`` -> 1.16 for b1=0.9, b2=0.95, and 1 at t=1). Quantized leaves clip their update
+  to it, so no quantization error, in m or in v, can make an update larger than exact Adam could.
+
+Leaves that the storage rule keeps in float32 (``fp4jax.optim._common``) run ``optax.scale_by_adam``'s
+arithmetic unchanged, and with ``quantize=False`` the transform equals optax's bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fp4jax.optim import _common
+from fp4jax.optim._common import DEFAULT_MIN_SIZE
+
+
+class ScaleByAdamNvfp4State(NamedTuple):
+  """State of ``scale_by_adam_nvfp4``: per parameter leaf an ``NVFP4Tensor`` or a float32 array."""
+
+  count: jax.Array  # int32 scalar: number of updates so far
+  mu: optax.Updates  # first moment m
+  nu: optax.Updates  # v ** nu_power where stored NVFP4, v where float32
+
+
+def adam_update_bound(count, b1, b2, *, nesterov: bool = False) -> jax.Array:
+  """The largest ``|m_hat| / sqrt(v_hat)`` exact Adam can produce at step ``count`` (>= 1).
+
+  With ``r = b1² / b2`` and ``R_t = (1 - r^t) / (1 - r)``: ``|m_t| <= (1 - b1) sqrt(R_t) |v_t /
+  (1 - b2)|^½`` and ``|g_t| <= |v_t / (1 - b2)|^½``; bias corrections as in optax.
+  """
+  t = jnp.asarray(count, jnp.float32)
+  b1 = jnp.asarray(b1, jnp.float32)
+  b2 = jnp.asarray(b2, jnp.float32)
+  r = b1 * b1 / b2
+  r_t = jnp.where(jnp.abs(1.0 - r) < 1e-6, t, (1.0 - r**t) / (1.0 - r))
+  v_scale = jnp.sqrt((1.0 - b2**t) / (1.0 - b2))
+  m_term = (1.0 - b1) * jnp.sqrt(r_t)
+  if nesterov:
+    bound = b1 * m_term / (1.0 - b1 ** (t + 1.0)) + (1.0 - b1) / (1.0 - b1**t)
+  else:
+    bound = m_term / (1.0 - b1**t)
+  return jnp.where(b2 > 0, bound * v_scale, jnp.inf)
+
+
+def scale_by_adam_nvfp4(
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    *,
+    nesterov: bool = False,
+    quantize: bool = True,
+    min_size: int = DEFAULT_MIN_SIZE,
+    rounding: str = "stochastic",
+    nu_power: float = 0.5,
+    zero_guard: bool = True,
+    clip_update: bool = True,
+    seed: int = 0,
+) -> optax.GradientTransformation:
+  """Adam's scaling (no learning rate) with m and a power of v stored as NVFP4.
+
+  Args:
+    b1: decay of the first moment.
+    b2: decay of the second moment.
+    eps: added to the denominator ``sqrt(v_hat) + eps``.
+    eps_root: added inside the square root, as in optax.
+    nesterov: Nesterov momentum, as ``optax.scale_by_adam(nesterov=True)``.
+    quantize: store moments as NVFP4 where the storage rule allows; ``False`` gives
+      ``optax.scale_by_adam`` exactly.
+    min_size: leaves with fewer elements stay float32 (see ``fp4jax.optim._common``).
+    rounding: ``"stochastic"`` (unbiased, keeps slowly decaying moments moving) or ``"nearest"``.
+    nu_power: the second moment is stored as ``v ** nu_power``: 0.5 (√v, default), 0.25 or 1.
+    zero_guard: read a stored 0 of ``v ** nu_power`` as its block's rounding threshold.
+    clip_update: clip updates of NVFP4 leaves to ``adam_update_bound``.
+    seed: stochastic rounding uses ``fold_in(key(seed), count)``: deterministic, nothing to store.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a ``ScaleByAdamNvfp4State``.
+
+  References:
+    Kingma & Ba, Adam, 2014; Li et al., Memory Efficient Optimizers with 4-bit States, 2023
+    (the zero-point problem of the second moment).
+  """
+  _common.check_common(min_size, rounding)
+  if nu_power not in (0.25, 0.5, 1.0):
+    raise ValueError(f"nu_power must be 0.25, 0.5 or 1.0, got {nu_power!r}")
+
+  def init_fn(params):
+    zeros = lambda p: _common.zeros_state(p.shape, min_size, quantize)  # noqa: E731
+    return ScaleByAdamNvfp4State(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params),
+                                 nu=jax.tree.map(zeros, params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    g_leaves, treedef = jax.tree.flatten(updates)
+    mu_leaves = treedef.flatten_up_to(state.mu)
+    nu_leaves = treedef.flatten_up_to(state.nu)
+    quantized = [_common.is_nvfp4(m) for m in mu_leaves]
+    count_inc = optax.safe_increment(state.count)
+
+    # Float32 leaves: optax.scale_by_adam's code on the same tree (None where NVFP4), so that with
+    # no NVFP4 leaf the traced program is optax's and the bits agree (XLA's fusion, and with it the
+    # last bit, depends on the whole tree).
+    sub = lambda leaves: treedef.unflatten(  # noqa: E731
+        [None if q else x for q, x in zip(quantized, leaves)])
+    u32, mu32, nu32 = _fp32_update(sub(g_leaves), sub(mu_leaves), sub(nu_leaves), count_inc)
+    u_leaves = treedef.flatten_up_to(u32)
+    mu_new, nu_new = treedef.flatten_up_to(mu32), treedef.flatten_up_to(nu32)
+
+    key = _common.step_key(seed, count_inc) if rounding == "stochastic" else None
+    bound = adam_update_bound(count_inc, b1, b2, nesterov=nesterov) if clip_update else None
+    for i, q in enumerate(quantized):
+      if q:
+        u_leaves[i], mu_new[i], nu_new[i] = _leaf_update(
+            i, g_leaves[i], mu_leaves[i], nu_leaves[i], count_inc, key, bound)
+    mu, nu = treedef.unflatten(mu_new), treedef.unflatten(nu_new)
+    return treedef.unflatten(u_leaves), ScaleByAdamNvfp4State(count=count_inc, mu=mu, nu=nu)
+
+  def _fp32_update(g, mu, nu, count_inc):
+    mu = optax.tree.update_moment(g, mu, b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(g, nu, b2, 2)
+    mu_hat = _bias_corrected_mu(mu, g, count_inc)
+    nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
+    u = jax.tree.map(lambda m, v: None if m is None else m / (jnp.sqrt(v + eps_root) + eps),
+                     mu_hat, nu_hat, is_leaf=lambda x: x is None)
+    return u, mu, nu
+
+  def _leaf_update(i, g, mu_q, nu_q, count_inc, key, bound):
+    g32 = g.astype(jnp.float32)
+    m_old = _common.decode(mu_q)
+    stored = _common.decode_guarded(nu_q) if zero_guard else _common.decode(nu_q)
+    m = (1.0 - b1) * g32 + b1 * m_old
+    v = (1.0 - b2) * (g32 * g32) + b2 * _from_power(stored, nu_power)
+    mu_hat = _bias_corrected_mu(m, g32, count_inc)
+    nu_hat = optax.tree.bias_correction(v, b2, count_inc)
+    u = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
+    if bound is not None:
+      u = jnp.clip(u, -bound, bound)
+    k_m = _common.leaf_key(key, i, 0) if key is not None else None
+    k_v = _common.leaf_key(key, i, 1) if key is not None else None
+    mu_new = _common.encode(m, rounding, k_m)
+    nu_new = _common.encode(_to_power(v, nu_power), rounding, k_v)
+    return u.astype(g.dtype), mu_new, nu_new
+
+  def _bias_corrected_mu(mu, g, count_inc):
+    if nesterov:
+      return jax.tree.map(
+          lambda m, g: b1 * m + (1 - b1) * g,
+          optax.tree.bias_correction(mu, b1, optax.safe_increment(count_inc)),
+          optax.tree.bias_correction(g, b1, count_inc))
+    return optax.tree.bias_correction(mu, b1, count_inc)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _to_power(v, p):
+  if p == 1.0:
+    return v
+  s = jnp.sqrt(v)
+  return s if p == 0.5 else jnp.sqrt(s)
+
+
+def _from_power(x, p):
+  if p == 1.0:
+    return x
+  x2 = x * x
+  return x2 if p == 0.5 else x2 * x2
+
+
+def adamw_nvfp4(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    weight_decay: float = 0.1,
+    mask=None,
+    *,
+    nesterov: bool = False,
+    **nvfp4_options,
+) -> optax.GradientTransformationExtraArgs:
+  """AdamW with NVFP4 moments: ``chain(scale_by_adam_nvfp4, add_decayed_weights, scale_by_lr)``.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    b1, b2, eps, eps_root, nesterov: as ``optax.adamw``.
+    weight_decay: decoupled weight decay, multiplied by the learning rate.
+    mask: which leaves get weight decay (pytree of bools or callable), as ``optax.adamw``.
+    **nvfp4_options: ``quantize``, ``min_size``, ``rounding``, ``nu_power``, ``zero_guard``,
+      ``clip_update``, ``seed`` of ``scale_by_adam_nvfp4``.
+
+  Returns:
+    An optax transformation; with ``quantize=False`` it equals ``optax.adamw`` bit for bit.
+  """
+  return optax.chain(
+      scale_by_adam_nvfp4(b1, b2, eps, eps_root, nesterov=nesterov, **nvfp4_options),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate),
+  )
