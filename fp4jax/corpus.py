@@ -313,11 +313,8 @@ def _from_manifest(corpus_dir: Path) -> CorpusFiles:
                      fingerprint=man["fingerprint"])
 
 
-def _build(name: str, root: Path) -> None:
-  """Fetches every source of corpus ``name`` and writes its folder atomically."""
-  downloads = root / "downloads"
-  final = root / "corpora" / name
-  tmp = root / "corpora" / f".{name}.tmp-{os.getpid()}"
+def _write_corpus(name: str, downloads: Path, out: Path) -> None:
+  """Fetches every source of corpus ``name`` and writes its documents and manifest to ``out``."""
   sources, splits, licenses = [], {"train": [], "validation": []}, []
   for key in CORPORA[name]:
     src = SOURCES[key]
@@ -330,9 +327,9 @@ def _build(name: str, root: Path) -> None:
     nbytes = 0
     for i, (doc_id, text) in enumerate(docs):
       rel = Path("text") / key / f"{doc_id}.txt"
-      (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+      (out / rel).parent.mkdir(parents=True, exist_ok=True)
       data = text.encode("utf-8")
-      (tmp / rel).write_bytes(data)
+      (out / rel).write_bytes(data)
       nbytes += len(data)
       split = "validation" if is_validation(i) else "train"
       splits[split].append({"path": rel.as_posix(), "bytes": len(data), "sha256": _sha256(data)})
@@ -344,12 +341,23 @@ def _build(name: str, root: Path) -> None:
   fingerprint = _sha256(json.dumps(splits, sort_keys=True).encode())
   manifest = {"name": name, "format_version": 1, "val_every": VAL_EVERY,
               "fingerprint": fingerprint, "sources": sources, "splits": splits}
-  (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-  (tmp / "LICENSES.md").write_text(f"# Licenses of corpus '{name}'\n\n" + "\n".join(licenses))
-  if final.exists():  # another process finished first
-    shutil.rmtree(tmp)
-    return
-  tmp.rename(final)
+  (out / "LICENSES.md").write_text(f"# Licenses of corpus '{name}'\n\n" + "\n".join(licenses))
+  (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def _build(name: str, root: Path) -> None:
+  """Builds ``<root>/corpora/<name>`` in a temporary folder, then renames it into place."""
+  final = root / "corpora" / name
+  tmp = root / "corpora" / f".{name}.tmp-{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir(parents=True)
+  try:
+    _write_corpus(name, root / "downloads", tmp)
+    if not (final / MANIFEST).is_file():  # else another process finished first
+      shutil.rmtree(final, ignore_errors=True)  # an unfinished copy, no manifest
+      tmp.rename(final)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _unpack(archive: Path, root: Path) -> None:

