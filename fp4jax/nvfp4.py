@@ -261,7 +261,8 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None) -> N
     raise ValueError("rounding='stochastic' needs a `key` (a jax.random key)")
 
   x32 = _fp32.flush_subnormals(x.astype(jnp.float32))
-  ax = jnp.abs(x32)
+  # NaN -> inf before the max: XLA's CPU max does not propagate NaN.
+  ax = jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32))
   amax = jnp.max(ax) if x.size else jnp.float32(0)
   finite = amax <= _fp32.F32_MAX  # false for NaN and inf
   s_enc, s_dec = global_decode_scale(jnp.where(finite, amax, 0.0))

@@ -1,0 +1,346 @@
+"""fp4jax.nvfp4: bit-exactness against the numpy transcription of TE's algorithm, format, errors."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp4jax import _fp32, nvfp4
+from nvfp4_np_reference import dequantize_ref, quantize_ref
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _inputs():
+  rng = np.random.default_rng(1234)
+  shape = (64, 256)
+  signs = rng.choice([-1.0, 1.0], shape)
+  boundary = np.tile(np.linspace(-12, 12, 256), (64, 1))  # TE's boundary pattern
+  boundary[::3] += 1e-3
+  boundary[1::3] -= 1e-3
+  outlier = rng.standard_normal(shape)
+  outlier[rng.integers(0, 64, 20), rng.integers(0, 256, 20)] = 1e4
+  zero_blocks = rng.standard_normal(shape)
+  zero_blocks[:, :32] = 0.0
+  zero_blocks[5] = 0.0
+  e2m1_grid = rng.choice(nvfp4.E2M1_VALUES, shape) * signs * 0.5 ** rng.integers(0, 3, shape)
+  return {
+      "normal": rng.standard_normal(shape),
+      "student_t2": rng.standard_t(2, shape),
+      "lognormal_s3": rng.lognormal(0, 3, shape) * signs,  # E4M3-subnormal and zero block scales
+      "lognormal_s6": rng.lognormal(0, 6, shape) * signs,
+      "boundary": boundary,
+      "outlier": outlier,
+      "zero_blocks": zero_blocks,
+      "all_zero": np.zeros(shape),
+      "tiny": rng.standard_normal(shape) * 1e-28,
+      "huge": rng.standard_normal(shape) * 1e30,
+      "e2m1_grid": e2m1_grid,  # exact rounding ties after scaling
+  }
+
+
+INPUTS = _inputs()
+LAYOUTS = [((1, 16), -1), ((1, 16), 0), ((16, 16), -1)]
+
+
+def _codes(t):
+  return np.asarray(nvfp4._unpack(t.codes, t.axis))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16, np.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("name", sorted(INPUTS))
+@pytest.mark.parametrize("block,axis", LAYOUTS, ids=["1x16_last", "1x16_first", "16x16"])
+def test_bit_exact_against_te_transcription(name, dtype, block, axis):
+  x = INPUTS[name]
+  if dtype == np.float16:
+    x = np.clip(x, -6e4, 6e4)
+  x = x.astype(dtype)
+  t = jax.jit(lambda x: nvfp4.quantize(x, block=block, axis=axis))(x)
+  codes, dscale, s_dec = quantize_ref(x, block, axis)
+  np.testing.assert_array_equal(_codes(t), codes)
+  np.testing.assert_array_equal(np.asarray(t.block_scales()), dscale)
+  assert np.asarray(t.global_scale).view(np.uint32) == np.float32(s_dec).view(np.uint32)
+  deq = np.asarray(nvfp4.dequantize(t))
+  np.testing.assert_array_equal(deq, dequantize_ref(codes, dscale, s_dec, block, axis))
+
+
+def test_ties_round_to_even():
+  # amax = 6 in the block: dscale = 448, S_dec = 1/448, and x * escale lands exactly on midpoints.
+  mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], np.float32)
+  want = np.array([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0], np.float32)
+  x = np.concatenate([mids, -mids])[None, :]
+  t = nvfp4.quantize(x)
+  assert float(t.block_scales()[0, 0]) == 448.0
+  got = np.asarray(t.elements())
+  np.testing.assert_array_equal(got[0], np.concatenate([want, -want]))
+
+
+def test_jit_equals_eager_and_layout():
+  x = INPUTS["student_t2"].astype(np.float32)
+  for block, axis in LAYOUTS:
+    a = nvfp4.quantize(x, block=block, axis=axis)
+    b = jax.jit(lambda x: nvfp4.quantize(x, block=block, axis=axis))(x)
+    for la, lb in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
+  t = nvfp4.quantize(x, axis=0)
+  assert t.codes.shape == (32, 256) and t.codes.dtype == jnp.uint8
+  assert t.scales.shape == (4, 256) and t.scales.dtype == jnp.float8_e4m3fn
+  assert t.global_scale.shape == () and t.global_scale.dtype == jnp.float32
+  t = nvfp4.quantize(x, block=(16, 16))
+  assert t.codes.shape == (64, 128) and t.scales.shape == (4, 16) and t.block_scales().shape == (4, 16)
+  assert t.elements().shape == x.shape
+
+
+def test_batched_and_pytree():
+  x = np.random.default_rng(0).standard_normal((3, 32, 48)).astype(np.float32)
+  t = nvfp4.quantize(x, block=(16, 16))
+  codes, dscale, _ = quantize_ref(x, (16, 16))
+  np.testing.assert_array_equal(_codes(t), codes)
+  np.testing.assert_array_equal(np.asarray(t.block_scales()), dscale)
+  leaves, treedef = jax.tree.flatten(t)
+  assert len(leaves) == 3
+  t2 = jax.tree.unflatten(treedef, leaves)
+  assert (t2.shape, t2.block, t2.axis, t2.dtype) == (t.shape, t.block, t.axis, t.dtype)
+  assert jax.jit(lambda t: t.dequantize())(t).shape == x.shape
+
+
+def test_packing_round_trip():
+  codes = np.random.default_rng(0).integers(0, 16, (4, 32, 16)).astype(np.uint8)
+  for axis in range(3):
+    packed = nvfp4._pack(jnp.asarray(codes), axis)
+    assert packed.shape[axis] == codes.shape[axis] // 2
+    np.testing.assert_array_equal(np.asarray(nvfp4._unpack(packed, axis)), codes)
+  # Low nibble = even element.
+  packed = np.asarray(nvfp4._pack(jnp.asarray(np.array([[1, 2] * 8], np.uint8)), 1))
+  assert (packed == 0x21).all()
+
+
+def test_quantize_is_idempotent():
+  x = INPUTS["normal"].astype(np.float32)
+  for block, axis in LAYOUTS:
+    y = nvfp4.dequantize(nvfp4.quantize(x, block=block, axis=axis))
+    z = nvfp4.dequantize(nvfp4.quantize(y, block=block, axis=axis))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(z))
+
+
+def test_error_bound():
+  # Relative error of E2M1 rounding is at most 1/4 of a value's magnitude above the first step,
+  # and the overall relative error of Gaussian data is ~ 0.1 (measured figure pinned loosely).
+  x = INPUTS["normal"].astype(np.float32)
+  y = np.asarray(nvfp4.fake_quant(x))
+  rel = np.linalg.norm(y - x) / np.linalg.norm(x)
+  assert 0.05 < rel < 0.15, rel
+
+
+def test_nbytes():
+  t = nvfp4.quantize(np.ones((128, 256), np.float32))
+  assert t.nbytes == 128 * 256 * 4.5 / 8 + 4
+  assert t.nbytes == t.codes.nbytes + t.scales.nbytes + t.global_scale.nbytes
+  t = nvfp4.quantize(np.ones((128, 256), np.float32), block=(16, 16))
+  assert t.nbytes == t.codes.nbytes + t.scales.nbytes + t.global_scale.nbytes == 128 * 128 + 128 + 4
+
+
+def test_stochastic_rounding_unbiased_and_deterministic():
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((16, 256)).astype(np.float32)
+  keys = jax.random.split(jax.random.key(0), 1024)
+  deq = jax.jit(jax.vmap(lambda k: nvfp4.quantize(x, rounding="stochastic", key=k).dequantize()))(keys)
+  deq = np.asarray(deq)
+  # Each sample lands on one of the two neighbours of x on the scaled grid.
+  t_near = nvfp4.quantize(x)
+  scale = np.asarray(nvfp4._expand(t_near.block_scales(), x.shape, (1, 16), 1) * t_near.global_scale)
+  assert (np.abs(deq - x) <= 2.0 * scale + 1e-12).all()
+  # Unbiased: the mean over N keys is within 5 standard errors of x for every element, using the
+  # largest possible per-sample spread (a grid step of 2 units, probability 1/2).
+  # Elements whose scaled magnitude exceeds 6 (the E4M3 block scale rounded down) are clamped, as in
+  # Transformer Engine: SR is unbiased inside the representable range only.
+  inside = np.abs(x / scale) <= 6.0
+  assert inside.mean() > 0.95
+  mean = deq.mean(0)
+  assert (np.abs(mean - x)[inside] <= (5 * scale / np.sqrt(len(keys)))[inside] + 1e-7).all()
+  # Averaged over all elements, the normalized bias is ~0.
+  bias_units = np.mean(((mean - x) / scale)[inside])
+  assert abs(bias_units) < 5 * 1.0 / np.sqrt(len(keys) * x.size), bias_units
+  # Nearest rounding of the same x is biased by comparison: the SR mean is closer.
+  err_sr = np.abs(mean - x).mean()
+  err_rn = np.abs(np.asarray(t_near.dequantize()) - x).mean()
+  assert err_sr < 0.2 * err_rn
+  # Deterministic per key, different across keys.
+  a = nvfp4.quantize(x, rounding="stochastic", key=jax.random.key(3))
+  b = nvfp4.quantize(x, rounding="stochastic", key=jax.random.key(3))
+  c = nvfp4.quantize(x, rounding="stochastic", key=jax.random.key(4))
+  np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+  assert (np.asarray(a.codes) != np.asarray(c.codes)).any()
+  # Scales do not depend on the rounding mode.
+  np.testing.assert_array_equal(np.asarray(a.scales, np.float32), np.asarray(t_near.scales, np.float32))
+
+
+def test_stochastic_rounding_of_grid_values_is_exact():
+  # Block 0 holds 2688 (so S_enc = S_dec = 1); every other block is E2M1 grid values times a power
+  # of two with a 6·2^k in it, so dscale = 2^k and x·escale lands exactly on the grid: SR must not move it.
+  rng = np.random.default_rng(3)
+  k = rng.integers(-4, 5, (8, 16, 1)).astype(np.float32)
+  x = rng.choice(nvfp4.E2M1_VALUES, (8, 16, 16)) * rng.choice([-1.0, 1.0], (8, 16, 16))
+  x[..., 0] = 6.0
+  x = (x * 2.0**k).reshape(8, 256).astype(np.float32)
+  x[0, :16] = 0.0
+  x[0, 0] = 2688.0
+  near = nvfp4.quantize(x)
+  assert float(near.global_scale) == 1.0
+  for seed in range(3):
+    sr = nvfp4.quantize(x, rounding="stochastic", key=jax.random.key(seed))
+    np.testing.assert_array_equal(np.asarray(sr.codes), np.asarray(near.codes))
+  np.testing.assert_array_equal(np.asarray(near.dequantize())[:, 16:], x[:, 16:])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_never_comes_back_finite(bad):
+  x = INPUTS["normal"].astype(np.float32).copy()
+  x[3, 17] = bad
+  for block, axis in LAYOUTS:
+    for rounding in ("nearest", "stochastic"):
+      t = jax.jit(lambda x: nvfp4.quantize(x, block=block, axis=axis, rounding=rounding,
+                                           key=jax.random.key(0)))(x)
+      assert np.isnan(np.asarray(t.global_scale))
+      assert np.isnan(np.asarray(t.dequantize())).all()
+      assert np.isnan(np.asarray(nvfp4.fake_quant(x.astype(BF16), block=block, axis=axis),
+                                 np.float32)).all()
+
+
+def test_fake_quant_straight_through_gradient():
+  x = INPUTS["normal"][:16, :64].astype(np.float32)
+  g = jax.grad(lambda x: jnp.sum(nvfp4.fake_quant(x) * 3.0))(x)
+  np.testing.assert_array_equal(np.asarray(g), np.full_like(x, 3.0))
+  xb = x.astype(BF16)
+  y = nvfp4.fake_quant(xb, block=(16, 16))
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                np.asarray(nvfp4.quantize(xb, block=(16, 16)).dequantize(), np.float32))
+
+
+def test_scaled_elements_exact_in_bf16():
+  t = nvfp4.quantize(INPUTS["lognormal_s3"].astype(np.float32))
+  a = np.asarray(t.scaled_elements(jnp.float32))
+  b = np.asarray(t.scaled_elements(jnp.bfloat16), np.float32)
+  np.testing.assert_array_equal(a, b)
+
+
+def test_agrees_with_jax_scaled_dot_general_forward():
+  """jax.nn.scaled_dot_general(nvfp4) quantizes with a fixed global scale and (x / gs) / dscale.
+
+  With power-of-two scales the orders of float operations agree exactly, so on such data the
+  product must equal ours up to f32 summation order. On general float32 data they differ only at
+  E2M1 rounding ties: we check that the disagreements are a tiny fraction, each one E2M1 step.
+  """
+  from jax._src.cudnn import scaled_matmul_stablehlo as sms
+
+  with jax.numpy_rank_promotion("allow"):  # jax's own code broadcasts implicitly
+    _check_scaled_dot_general(sms)
+
+
+def _check_scaled_dot_general(sms):
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((32, 128)).astype(np.float32)
+  w = rng.standard_normal((48, 128)).astype(np.float32)
+  cfg = jax.nn.get_scaled_dot_general_config("nvfp4")
+  x, w = jnp.asarray(x), jnp.asarray(w)
+  theirs = jax.nn.scaled_dot_general(x, w, (((1,), (1,)), ((), ())), configs=[cfg, cfg, cfg])
+
+  # Per-block agreement of the quantized values (global scale 1 on both sides via amax = 2688).
+  def pin(a):  # put a 2688 in one place so S_enc == 1 exactly
+    a = np.array(a)
+    a[0, 0] = 2688.0
+    return a
+
+  xp, wp = pin(x), pin(w)
+  q_theirs, s_theirs = sms.quantize(jnp.asarray(xp)[None], cfg)
+  deq_theirs = (np.asarray(q_theirs[0], np.float32)
+                * np.repeat(np.asarray(s_theirs[0], np.float32), 16, -1))
+  ours = nvfp4.quantize(xp)
+  assert float(ours.global_scale) == 1.0
+  np.testing.assert_array_equal(np.asarray(ours.block_scales()), np.asarray(s_theirs[0], np.float32))
+  deq_ours = np.asarray(ours.dequantize())
+  diff = deq_ours != deq_theirs
+  assert diff.mean() < 1e-2, diff.mean()
+  # Where they differ, the two are neighbouring grid values around a tie of x / dscale.
+  step = np.abs(deq_ours - deq_theirs)[diff] / np.repeat(np.asarray(ours.block_scales()), 16, -1)[diff]
+  assert (step <= 2.0).all()
+
+  # The forward product: with the same quantized operands, equal to f32 summation order.
+  cfg1 = jax.nn.get_scaled_dot_general_config("nvfp4")
+  theirs_p = jax.nn.scaled_dot_general(jnp.asarray(xp), jnp.asarray(wp), (((1,), (1,)), ((), ())), configs=[cfg1, cfg1, cfg1])
+  ours_p = nvfp4.fake_quant(xp) @ nvfp4.fake_quant(wp).T
+  rel = np.linalg.norm(np.asarray(theirs_p) - np.asarray(ours_p)) / np.linalg.norm(np.asarray(ours_p))
+  assert rel < 1e-2, rel
+  assert np.isfinite(np.asarray(theirs)).all()
+
+
+def test_hadamard_orthonormal_and_invertible():
+  key = jax.random.key(0)
+  h = np.asarray(nvfp4.hadamard_matrix(key))
+  np.testing.assert_allclose(h @ h.T, np.eye(16), atol=1e-7)
+  assert set(np.unique(np.abs(h))) == {0.25}
+  x = np.random.default_rng(0).standard_normal((48, 32)).astype(np.float32)
+  for axis in (0, 1):
+    y = nvfp4.hadamard(x, key, axis)
+    np.testing.assert_allclose(np.asarray(nvfp4.hadamard(y, key, axis, inverse=True)), x, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(np.asarray(y)), np.linalg.norm(x), rtol=1e-6)
+  # Cancels in a product over the transformed axis.
+  a = np.random.default_rng(1).standard_normal((64, 8)).astype(np.float32)
+  b = np.random.default_rng(2).standard_normal((64, 24)).astype(np.float32)
+  ha, hb = nvfp4.hadamard(a, key, 0), nvfp4.hadamard(b, key, 0)
+  np.testing.assert_allclose(np.asarray(ha).T @ np.asarray(hb), a.T @ b, atol=1e-4)
+  # Spreads an outlier over its block.
+  e = np.zeros((1, 16), np.float32)
+  e[0, 3] = 16.0
+  np.testing.assert_allclose(np.abs(np.asarray(nvfp4.hadamard(e, key))), 4.0)
+
+
+def test_div_rn_matches_ieee_including_subnormals():
+  rng = np.random.default_rng(0)
+  n = 50_000
+  a = (rng.uniform(0, 1, n) * 2.0 ** rng.integers(-149, 127, n)).astype(np.float32)
+  b = (rng.uniform(0, 1, n) * 2.0 ** rng.integers(-149, 127, n)).astype(np.float32)
+  a[:5], b[5:10] = 0.0, 0.0
+  with np.errstate(all="ignore"):
+    want = a / b
+  got = np.asarray(jax.jit(_fp32.div_rn)(a, b))
+  nan = np.isnan(want)
+  np.testing.assert_array_equal(np.isnan(got), nan)  # 0 / 0
+  np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def test_round_to_e4m3_matches_ml_dtypes():
+  v = np.concatenate([np.linspace(0, 448, 20001), np.linspace(0, 2**-5, 5001)]).astype(np.float32)
+  value, code = jax.jit(_fp32.round_to_e4m3)(v)
+  want = v.astype(ml_dtypes.float8_e4m3fn)
+  np.testing.assert_array_equal(np.asarray(code), want.view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(value), want.astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(_fp32.e4m3_to_f32(code)), want.astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    "kwargs,shape,match",
+    [
+        (dict(), (4, 24), r"axis 1: size 24 is not a multiple of 16"),
+        (dict(axis=0), (20, 32), r"axis 0: size 20 is not a multiple of 16"),
+        (dict(block=(16, 16)), (24, 32), r"axis 0 has size 24, not a multiple of 16"),
+        (dict(block=(16, 16)), (32,), r"needs ndim >= 2"),
+        (dict(block=(8, 8)), (32, 32), r"block must be \(1, 16\) or \(16, 16\)"),
+        (dict(block=16), (32, 32), r"block must be"),
+        (dict(axis=2), (32, 32), r"axis 2 out of range"),
+        (dict(rounding="up"), (32, 32), r"rounding must be one of"),
+        (dict(rounding="stochastic"), (32, 32), r"needs a `key`"),
+    ],
+)
+def test_errors(kwargs, shape, match):
+  with pytest.raises(ValueError, match=match):
+    nvfp4.quantize(np.zeros(shape, np.float32), **kwargs)
+
+
+def test_error_on_integer_input_and_hadamard_axis():
+  with pytest.raises(ValueError, match="floating-point"):
+    nvfp4.quantize(np.zeros((4, 16), np.int32))
+  with pytest.raises(ValueError, match="not a multiple of 16"):
+    nvfp4.hadamard(np.zeros((4, 24), np.float32), jax.random.key(0))
