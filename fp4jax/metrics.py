@@ -1,0 +1,135 @@
+"""Run metrics: JSONL, TensorBoard event files and a live progress bar.
+
+``MetricsWriter(workdir)`` appends one JSON object per logged step to ``<workdir>/metrics.jsonl``
+and, when ``tensorboardX`` is installed, writes the same scalars as TensorBoard event files under
+``<workdir>/tb``. The progress bar is ``rich.progress`` (disabled when stdout is not a terminal,
+or with ``progress=False``). Only process 0 writes, in a multi-host run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import jax
+
+# bf16 dense peak of one chip, FLOP/s (for MFU); matched against jax.Device.device_kind.
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+}
+
+
+def peak_flops(device: jax.Device | None = None) -> float | None:
+  """Dense bf16 peak FLOP/s of ``device`` (default the first device), or None if unknown/CPU."""
+  device = device or jax.devices()[0]
+  if device.platform != "gpu":
+    return None
+  kind = device.device_kind
+  for name in sorted(PEAK_FLOPS, key=len, reverse=True):
+    if name in kind:
+      return PEAK_FLOPS[name]
+  return None
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+  """All entries of a ``metrics.jsonl`` file."""
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _clean(v):
+  if isinstance(v, float) and not math.isfinite(v):
+    return str(v)  # JSON has no NaN/inf; keep them readable
+  return v
+
+
+class MetricsWriter:
+  """Writes metrics of one run; use as a context manager.
+
+  Args:
+    workdir: run directory (created).
+    total_steps: steps of the run, for the progress bar.
+    initial_step: step the run starts from (after a resume).
+    progress: show a live progress bar (only if stdout is a terminal).
+    tensorboard: also write TensorBoard event files (needs ``tensorboardX``).
+  """
+
+  def __init__(self, workdir: str | os.PathLike, total_steps: int, initial_step: int = 0, *,
+               progress: bool = True, tensorboard: bool = True):
+    self.enabled = jax.process_index() == 0
+    self.workdir = Path(workdir)
+    self._tb = None
+    self._progress = None
+    if not self.enabled:
+      return
+    self.workdir.mkdir(parents=True, exist_ok=True)
+    self._file = open(self.workdir / "metrics.jsonl", "a")
+    if tensorboard:
+      try:
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(str(self.workdir / "tb"))
+      except ImportError:
+        self._tb = None
+    if progress and os.isatty(1):
+      from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                 TimeRemainingColumn)
+      self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+      self._task = self._progress.add_task("train", total=total_steps, completed=initial_step,
+                                           info="")
+      self._progress.start()
+
+  def write(self, step: int, metrics: dict) -> None:
+    """Logs ``metrics`` (str -> number) at ``step``: a JSONL line, TB scalars, bar text."""
+    if not self.enabled:
+      return
+    entry = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
+    self._file.write(json.dumps(entry) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for k, v in metrics.items():
+        if isinstance(v, (int, float)):
+          self._tb.add_scalar(k, v, int(step))
+    if self._progress is not None:
+      parts = [f"{k}={metrics[k]:.4g}" for k in ("loss", "eval_loss", "lr") if k in metrics]
+      if "tokens_per_s" in metrics:
+        parts.append(f"{metrics['tokens_per_s']:.3g} tok/s")
+      self._progress.update(self._task, info=" ".join(parts))
+
+  def advance(self, step: int) -> None:
+    """Moves the progress bar to ``step`` completed steps."""
+    if self._progress is not None:
+      self._progress.update(self._task, completed=step)
+
+  def message(self, text: str) -> None:
+    """Prints a line above the progress bar (or plainly), from process 0 only."""
+    if not self.enabled:
+      return
+    if self._progress is not None:
+      self._progress.console.print(text)
+    else:
+      print(text, flush=True)
+
+  def close(self) -> None:
+    if not self.enabled:
+      return
+    if self._progress is not None:
+      self._progress.stop()
+      self._progress = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+    if not self._file.closed:
+      self._file.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()

@@ -1,0 +1,317 @@
+"""Decoder-only Transformer (Llama-style) in flax nnx, with per-projection precision from a recipe.
+
+Pre-norm RMSNorm, rotary position embeddings, SwiGLU MLP, untied embedding and LM head, optional
+QK-norm, grouped-query attention. The seven projections of each block (q, k, v, o, gate, up, down)
+take their precision from ``Recipe.block_linear``; the embedding, the LM head, the norms and the
+softmax stay high precision (float32 master weights, ``ModelConfig.dtype`` compute with float32
+accumulation, float32 logits).
+
+Parameters are named so that ``fp4jax.sharding`` can map them to PartitionSpecs::
+
+  embed/embedding (V, D)             block{i}/attn/{q,k,v,o}/<leaves>    final_norm/scale (D,)
+  lm_head/kernel (D, V)              block{i}/mlp/{gate,up,down}/<leaves>
+  block{i}/{attn_norm,mlp_norm}/scale, block{i}/attn/{q_norm,k_norm}/scale (head_dim,)
+
+Use it as an nnx module (``Transformer(cfg, recipe, rngs=nnx.Rngs(0))(tokens_BxT, key=key)``) or
+functionally through ``nnx.split`` / ``nnx.merge`` (``fp4jax.train`` does the latter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fp4jax.recipe import Recipe
+
+_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Transformer hyperparameters.
+
+  Attributes:
+    vocab_size: number of token ids.
+    d_model: residual width D.
+    n_layers: number of Transformer blocks L.
+    n_heads: query heads N.
+    n_kv_heads: key/value heads K (GQA; ``n_heads % n_kv_heads == 0``); None means ``n_heads``.
+    head_dim: per-head width H; None means ``d_model // n_heads``.
+    d_ff: SwiGLU hidden width F; None means the multiple of 16 nearest ``8/3 * d_model``.
+    qk_norm: RMSNorm on queries and keys (per head) before RoPE.
+    rope_theta: RoPE base.
+    norm_eps: RMSNorm epsilon.
+    dtype: compute dtype of activations and matmul operands ("bfloat16" or "float32").
+    init_std: standard deviation of the projection and embedding initializers.
+  """
+
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int | None = None
+  head_dim: int | None = None
+  d_ff: int | None = None
+  qk_norm: bool = True
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  dtype: str = "bfloat16"
+  init_std: float = 0.02
+
+  def __post_init__(self):
+    for f in ("vocab_size", "d_model", "n_layers", "n_heads"):
+      if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+        raise ValueError(f"ModelConfig.{f}={getattr(self, f)!r}: expected a positive int")
+    if self.n_heads % self.kv_heads:
+      raise ValueError(f"ModelConfig: n_heads={self.n_heads} is not a multiple of "
+                       f"n_kv_heads={self.kv_heads}")
+    if self.head_dim is None and self.d_model % self.n_heads:
+      raise ValueError(f"ModelConfig: d_model={self.d_model} is not divisible by "
+                       f"n_heads={self.n_heads}; set head_dim")
+    if self.hdim % 2:
+      raise ValueError(f"ModelConfig: head_dim={self.hdim} must be even for RoPE")
+    if self.dtype not in ("bfloat16", "float32"):
+      raise ValueError(f"ModelConfig.dtype={self.dtype!r}: expected 'bfloat16' or 'float32'")
+
+  @property
+  def kv_heads(self) -> int:
+    return self.n_kv_heads or self.n_heads
+
+  @property
+  def hdim(self) -> int:
+    return self.head_dim or self.d_model // self.n_heads
+
+  @property
+  def ff(self) -> int:
+    return self.d_ff or 16 * max(1, round(8 * self.d_model / 3 / 16))
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  def num_params(self, *, embedding: bool = True) -> int:
+    """Number of parameters (dense projections; a LoRA-SVD branch is not counted)."""
+    d, h = self.d_model, self.hdim
+    attn = d * h * (2 * self.n_heads + 2 * self.kv_heads)
+    mlp = 3 * d * self.ff
+    norms = 2 * d + (2 * h if self.qk_norm else 0)
+    n = self.n_layers * (attn + mlp + norms) + d + d * self.vocab_size
+    return n + (self.vocab_size * d if embedding else 0)
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N (without the embedding gather) + 12·L·T·N·H (attention).
+
+    The attention term counts the full T×T score matrix (PaLM's convention), not the causal half.
+    """
+    return 6 * self.num_params(embedding=False) + 12 * self.n_layers * seq_len * self.n_heads * \
+        self.hdim
+
+
+def projection_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+  """(in_features, out_features) of every projection role, for ``fp4jax.sharding``."""
+  d, nh, kh, f = cfg.d_model, cfg.n_heads * cfg.hdim, cfg.kv_heads * cfg.hdim, cfg.ff
+  return {"q": (d, nh), "k": (d, kh), "v": (d, kh), "o": (nh, d), "gate": (d, f), "up": (d, f),
+          "down": (f, d), "embedding": (cfg.vocab_size, d), "lm_head": (d, cfg.vocab_size)}
+
+
+class Dense(nnx.Module):
+  """A projection with a float32 master ``kernel`` (in, out).
+
+  With ``matmul_config=None`` it is a plain matmul in ``dtype`` with float32 accumulation (the BF16
+  baseline); otherwise ``fp4jax.ops.nvfp4_matmul`` with that config (forward, dgrad and wgrad
+  GEMMs in NVFP4 as the config says), which needs a fresh ``key`` per step.
+  """
+
+  def __init__(self, in_features: int, out_features: int, *, dtype, std: float, rngs: nnx.Rngs,
+               matmul_config=None):
+    self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (in_features, out_features)))
+    self.dtype = dtype
+    self.matmul_config = matmul_config
+
+  def __call__(self, x, key=None):
+    x = x.astype(self.dtype)
+    if self.matmul_config is None:
+      y = jnp.dot(x, self.kernel[...].astype(self.dtype), preferred_element_type=jnp.float32)
+      return y.astype(self.dtype)
+    from fp4jax import ops
+    return ops.nvfp4_matmul(x, self.kernel[...], key=key, config=self.matmul_config)
+
+
+class Embed(nnx.Module):
+  """Token embedding table (V, D), float32."""
+
+  def __init__(self, vocab_size: int, d_model: int, *, std: float, rngs: nnx.Rngs):
+    self.embedding = nnx.Param(std * jax.random.normal(rngs.params(), (vocab_size, d_model)))
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm computed in float32, learned scale initialized at 1."""
+
+  def __init__(self, dim: int, eps: float):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...]).astype(x.dtype)
+
+
+def make_projection(in_features: int, out_features: int, precision: str, recipe: Recipe,
+                    cfg: ModelConfig, std: float, rngs: nnx.Rngs) -> nnx.Module:
+  """One block projection in the given precision (``bf16``, ``nvfp4`` or ``nvfp4_lorasvd``).
+
+  Args:
+    in_features: input width.
+    out_features: output width.
+    precision: from ``Recipe.block_linear``.
+    recipe: the recipe (LoRA rank).
+    cfg: the model config (compute dtype).
+    std: initializer standard deviation.
+    rngs: parameter RNGs.
+
+  Returns:
+    A module called as ``layer(x, key=k)``.
+  """
+  if precision == "bf16":
+    return Dense(in_features, out_features, dtype=cfg.compute_dtype, std=std, rngs=rngs)
+  from fp4jax import ops  # imported here so that the bf16 path never needs the NVFP4 ops
+  if precision == "nvfp4":
+    return Dense(in_features, out_features, dtype=cfg.compute_dtype, std=std, rngs=rngs,
+                 matmul_config=ops.MatmulConfig.nvfp4())
+  from fp4jax import layers
+  return layers.LoraSvdDense(in_features, out_features, rank=recipe.lora_rank,
+                             config=ops.MatmulConfig.nvfp4(), rngs=rngs)
+
+
+def rope(x_BxTxNxH, positions_T, theta: float):
+  """Rotary position embedding (rotate-half form), computed in float32."""
+  h = x_BxTxNxH.shape[-1]
+  inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)
+  ang_TxH2 = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
+  sin, cos = jnp.sin(ang_TxH2)[None, :, None, :], jnp.cos(ang_TxH2)[None, :, None, :]
+  x = x_BxTxNxH.astype(jnp.float32)
+  x1, x2 = x[..., : h // 2], x[..., h // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNxH.dtype)
+
+
+class Attention(nnx.Module):
+  """Causal grouped-query self-attention with RoPE and optional QK-norm."""
+
+  def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs):
+    if recipe.attention != "bf16":
+      recipe.check_available()
+      raise NotImplementedError("attention='nvfp4' is not wired into the model yet")
+    d, n, k, h = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.hdim
+    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    self.q = make_projection(d, n * h, precision, recipe, cfg, cfg.init_std, rngs)
+    self.k = make_projection(d, k * h, precision, recipe, cfg, cfg.init_std, rngs)
+    self.v = make_projection(d, k * h, precision, recipe, cfg, cfg.init_std, rngs)
+    self.o = make_projection(n * h, d, precision, recipe, cfg, out_std, rngs)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(h, cfg.norm_eps)
+      self.k_norm = RMSNorm(h, cfg.norm_eps)
+    self.cfg = cfg
+
+  def __call__(self, x_BxTxD, key):
+    cfg = self.cfg
+    b, t, _ = x_BxTxD.shape
+    keys = jax.random.split(key, 4)
+    q = self.q(x_BxTxD, key=keys[0]).reshape(b, t, cfg.n_heads, cfg.hdim)
+    k = self.k(x_BxTxD, key=keys[1]).reshape(b, t, cfg.kv_heads, cfg.hdim)
+    v = self.v(x_BxTxD, key=keys[2]).reshape(b, t, cfg.kv_heads, cfg.hdim)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    pos_T = jnp.arange(t)
+    q, k = rope(q, pos_T, cfg.rope_theta), rope(k, pos_T, cfg.rope_theta)
+    o_BxTxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return self.o(o_BxTxNxH.reshape(b, t, cfg.n_heads * cfg.hdim), key=keys[3])
+
+
+class Mlp(nnx.Module):
+  """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs):
+    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    self.gate = make_projection(cfg.d_model, cfg.ff, precision, recipe, cfg, cfg.init_std, rngs)
+    self.up = make_projection(cfg.d_model, cfg.ff, precision, recipe, cfg, cfg.init_std, rngs)
+    self.down = make_projection(cfg.ff, cfg.d_model, precision, recipe, cfg, out_std, rngs)
+
+  def __call__(self, x_BxTxD, key):
+    keys = jax.random.split(key, 3)
+    h_BxTxF = jax.nn.silu(self.gate(x_BxTxD, key=keys[0])) * self.up(x_BxTxD, key=keys[1])
+    return self.down(h_BxTxF, key=keys[2])
+
+
+class Block(nnx.Module):
+  """Pre-norm Transformer block."""
+
+  def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.attn = Attention(cfg, recipe, precision, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.mlp = Mlp(cfg, recipe, precision, rngs)
+
+  def __call__(self, x_BxTxD, key):
+    k_attn, k_mlp = jax.random.split(key)
+    x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), k_attn)
+    return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD), k_mlp)
+
+
+class Transformer(nnx.Module):
+  """Decoder-only language model: tokens (B, T) -> float32 logits (B, T, V).
+
+  Args:
+    cfg: model hyperparameters.
+    recipe: precision recipe (checked for availability here).
+    rngs: parameter RNGs.
+  """
+
+  def __init__(self, cfg: ModelConfig, recipe: Recipe, *, rngs: nnx.Rngs):
+    recipe.check_available()
+    self.cfg, self.recipe = cfg, recipe
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs)
+    self.n_blocks = cfg.n_layers
+    for i in range(cfg.n_layers):
+      setattr(self, f"block{i}", Block(cfg, recipe, recipe.block_linear(i, cfg.n_layers), rngs))
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.lm_head = Dense(cfg.d_model, cfg.vocab_size, dtype=cfg.compute_dtype,
+                         std=1.0 / math.sqrt(cfg.d_model), rngs=rngs)
+
+  def __call__(self, tokens_BxT, *, key=None):
+    """Logits for next-token prediction.
+
+    Args:
+      tokens_BxT: int token ids.
+      key: PRNG key for stochastic rounding / Hadamard signs of NVFP4 projections; ignored (may
+        be None) when every projection is BF16.
+
+    Returns:
+      float32 logits (B, T, V).
+    """
+    if key is None:
+      key = jax.random.key(0)
+    cfg = self.cfg
+    x_BxTxD = jnp.take(self.embed.embedding[...], tokens_BxT, axis=0).astype(cfg.compute_dtype)
+    for i in range(self.n_blocks):
+      x_BxTxD = getattr(self, f"block{i}")(x_BxTxD, jax.random.fold_in(key, i))
+    x_BxTxD = self.final_norm(x_BxTxD)
+    return jnp.dot(x_BxTxD, self.lm_head.kernel[...].astype(cfg.compute_dtype),
+                   preferred_element_type=jnp.float32)
+
+
+def cross_entropy(logits_BxTxV, targets_BxT, mask_BxT=None):
+  """Mean next-token cross-entropy in float32 (over tokens where ``mask`` is true)."""
+  logits = logits_BxTxV.astype(jnp.float32)
+  lse_BxT = jax.nn.logsumexp(logits, axis=-1)
+  tgt_BxT = jnp.take_along_axis(logits, targets_BxT[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  nll_BxT = lse_BxT - tgt_BxT
+  if mask_BxT is None:
+    return jnp.mean(nll_BxT)
+  m = mask_BxT.astype(jnp.float32)
+  return jnp.sum(nll_BxT * m) / jnp.maximum(jnp.sum(m), 1.0)

@@ -1,0 +1,147 @@
+"""The precision recipe: which parts of training run in NVFP4, as one frozen dataclass.
+
+The four modules are pluggable and cumulative (DESIGN.md §1)::
+
+  linear            bf16 | nvfp4 | nvfp4_lorasvd   every projection of every block
+  attention         bf16 | nvfp4                   the QKᵀ / dS products of attention
+  optimizer_states  fp32 | nvfp4                   AdamW moments
+  newton_schulz     bf16 | nvfp4                   the Muon / ROOT orthogonalization matmuls
+
+Embeddings, the LM head, norms and softmax always stay high precision. ``bf16_first_blocks`` and
+``bf16_last_blocks`` keep the linear layers of the first/last k Transformer blocks in BF16 (NVIDIA
+keeps ~15% of the linear layers, mostly the last blocks, in BF16).
+
+Named presets: ``bf16``, ``fp4_linear``, ``fp4_linear_lorasvd``, ``fp4_full_stack``
+(``get_recipe(name)``). A choice whose code has not landed in this tree raises
+``RecipeNotAvailableError`` from ``Recipe.check_available()`` — never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+LINEAR_CHOICES = ("bf16", "nvfp4", "nvfp4_lorasvd")
+ATTENTION_CHOICES = ("bf16", "nvfp4")
+OPTIMIZER_STATE_CHOICES = ("fp32", "nvfp4")
+NEWTON_SCHULZ_CHOICES = ("bf16", "nvfp4")
+
+
+class RecipeNotAvailableError(NotImplementedError):
+  """A recipe choice whose implementation is not available yet in this version of fp4jax."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """Precision of each expensive part of training.
+
+  Attributes:
+    linear: precision of the Transformer block projections (q, k, v, o, gate, up, down).
+    attention: precision of the attention score products.
+    optimizer_states: storage format of the AdamW moments.
+    newton_schulz: precision of the Newton–Schulz matmuls (Muon / ROOT only).
+    bf16_first_blocks: number of leading blocks whose projections stay BF16.
+    bf16_last_blocks: number of trailing blocks whose projections stay BF16.
+    lora_rank: rank of the BF16 low-rank branch when ``linear == "nvfp4_lorasvd"``.
+  """
+
+  linear: str = "bf16"
+  attention: str = "bf16"
+  optimizer_states: str = "fp32"
+  newton_schulz: str = "bf16"
+  bf16_first_blocks: int = 0
+  bf16_last_blocks: int = 0
+  lora_rank: int = 16
+
+  def __post_init__(self):
+    for field, choices in (("linear", LINEAR_CHOICES), ("attention", ATTENTION_CHOICES),
+                           ("optimizer_states", OPTIMIZER_STATE_CHOICES),
+                           ("newton_schulz", NEWTON_SCHULZ_CHOICES)):
+      value = getattr(self, field)
+      if value not in choices:
+        raise ValueError(f"Recipe.{field}={value!r}: expected one of {choices}")
+    for field in ("bf16_first_blocks", "bf16_last_blocks", "lora_rank"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or value < 0:
+        raise ValueError(f"Recipe.{field}={value!r}: expected a non-negative int")
+    if self.linear == "nvfp4_lorasvd" and self.lora_rank < 1:
+      raise ValueError("Recipe.lora_rank must be >= 1 when linear='nvfp4_lorasvd'")
+
+  def block_linear(self, block: int, n_blocks: int) -> str:
+    """The linear precision of Transformer block ``block`` (0-based) in a model of ``n_blocks``.
+
+    Args:
+      block: index of the block.
+      n_blocks: number of blocks in the model.
+
+    Returns:
+      ``"bf16"`` for an exempt block, else ``self.linear``.
+    """
+    if not 0 <= block < n_blocks:
+      raise ValueError(f"block {block} out of range for a model of {n_blocks} blocks")
+    if block < self.bf16_first_blocks or block >= n_blocks - self.bf16_last_blocks:
+      return "bf16"
+    return self.linear
+
+  def check_available(self) -> Recipe:
+    """Raises ``RecipeNotAvailableError`` if a chosen module's code is not in this tree.
+
+    Returns:
+      ``self``, so that ``get_recipe(name).check_available()`` chains.
+    """
+    needs = []
+    if self.linear == "nvfp4":
+      needs.append(("linear='nvfp4'", "fp4jax.ops", "nvfp4_matmul"))
+    if self.linear == "nvfp4_lorasvd":
+      needs.append(("linear='nvfp4_lorasvd'", "fp4jax.layers", "LoraSvdDense"))
+    if self.attention == "nvfp4":
+      needs.append(("attention='nvfp4'", "fp4jax.ops.attention", "nvfp4_attention"))
+    if self.optimizer_states == "nvfp4":
+      needs.append(("optimizer_states='nvfp4'", "fp4jax.optim", "adamw_nvfp4"))
+    if self.newton_schulz == "nvfp4":
+      needs.append(("newton_schulz='nvfp4'", "fp4jax.optim", "muon_nvfp4"))
+    for what, module, name in needs:
+      if not _has(module, name):
+        raise RecipeNotAvailableError(
+            f"Recipe {what} is not available yet: it needs {module}.{name}, which this version "
+            "of fp4jax does not have")
+    return self
+
+  def replace(self, **changes) -> Recipe:
+    """A copy with ``changes`` applied (validated)."""
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _has(module: str, name: str) -> bool:
+  try:
+    return hasattr(importlib.import_module(module), name)
+  except ImportError:
+    return False
+
+
+PRESETS: dict[str, Recipe] = {
+    "bf16": Recipe(),
+    "fp4_linear": Recipe(linear="nvfp4"),
+    "fp4_linear_lorasvd": Recipe(linear="nvfp4_lorasvd"),
+    "fp4_full_stack": Recipe(linear="nvfp4_lorasvd", attention="nvfp4", optimizer_states="nvfp4",
+                             newton_schulz="nvfp4"),
+}
+
+
+def get_recipe(name: str, **overrides) -> Recipe:
+  """A named preset, optionally with fields overridden.
+
+  Args:
+    name: one of ``PRESETS`` (``bf16``, ``fp4_linear``, ``fp4_linear_lorasvd``,
+      ``fp4_full_stack``).
+    **overrides: fields to change, e.g. ``bf16_last_blocks=2``.
+
+  Returns:
+    The ``Recipe`` (not checked for availability; call ``check_available()``).
+  """
+  if name not in PRESETS:
+    raise ValueError(f"unknown recipe {name!r}: expected one of {sorted(PRESETS)}")
+  return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

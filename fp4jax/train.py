@@ -1,0 +1,472 @@
+"""Sharded training: optimizer and schedule factories, the pure train step, and the run loop.
+
+The train state is a plain dict pytree ``{"step", "params", "opt_state", "rng"}`` (params as a
+pure dict keyed like ``fp4jax.model``; ``rng`` the uint32 key data of the run's base key — step
+``s`` uses ``fold_in(key, s)``). ``make_train_step`` returns a pure function
+``(state, batch) -> (state, metrics)``; ``train`` jits it with ``NamedSharding`` in/out shardings
+on a (data, fsdp, tensor) mesh and a donated state, and runs it with eval, metrics, checkpoints
+and exact resume. The same code runs on 1 CPU, simulated CPU devices, 1–8 GPUs and several hosts
+(see ``fp4jax.sharding`` for ``jax.distributed.initialize``).
+
+Batches are dicts ``{"inputs", "targets"}`` of int32 (B_local, T) host arrays (as
+``fp4jax.data.make_iterator`` yields); with ``grad_accum = A`` each is split into A micro-batches
+of B/A examples whose gradients are averaged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fp4jax import sharding as shd
+from fp4jax.checkpoint import Checkpointer
+from fp4jax.metrics import MetricsWriter, peak_flops
+from fp4jax.model import ModelConfig, Transformer, cross_entropy, projection_dims
+from fp4jax.recipe import Recipe
+
+SCHEDULES = ("cosine", "wsd", "constant")
+OPTIMIZERS = ("adamw", "muon")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """Optimizer and learning-rate schedule.
+
+  Attributes:
+    name: "adamw" or "muon" (Muon on the block projections, AdamW on the rest).
+    learning_rate: peak learning rate.
+    b1, b2, eps: Adam moments' decay rates and epsilon.
+    weight_decay: decoupled weight decay, applied to parameters with ndim >= 2.
+    grad_clip: clip the global gradient norm to this (0 disables).
+    schedule: "cosine" (warmup + cosine to ``min_lr_ratio``), "wsd" (warmup, stable, linear
+      decay over the last ``decay_fraction`` of the steps to ``min_lr_ratio``) or "constant"
+      (after warmup).
+    warmup_steps: linear warmup from 0.
+    decay_fraction: WSD only.
+    min_lr_ratio: final learning rate as a fraction of the peak.
+  """
+
+  name: str = "adamw"
+  learning_rate: float = 3e-3
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  grad_clip: float = 1.0
+  schedule: str = "cosine"
+  warmup_steps: int = 100
+  decay_fraction: float = 0.2
+  min_lr_ratio: float = 0.1
+
+  def __post_init__(self):
+    if self.name not in OPTIMIZERS:
+      raise ValueError(f"OptimizerConfig.name={self.name!r}: expected one of {OPTIMIZERS}")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"OptimizerConfig.schedule={self.schedule!r}: expected one of {SCHEDULES}")
+    if not self.learning_rate > 0:
+      raise ValueError(f"OptimizerConfig.learning_rate={self.learning_rate}: must be > 0")
+    if self.warmup_steps < 0 or not 0 <= self.decay_fraction <= 1:
+      raise ValueError("OptimizerConfig: warmup_steps must be >= 0 and decay_fraction in [0, 1]")
+
+
+def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+  """The learning-rate schedule of ``cfg`` over ``total_steps`` updates.
+
+  Args:
+    cfg: optimizer config.
+    total_steps: number of updates of the run.
+
+  Returns:
+    An optax schedule ``step -> lr``.
+  """
+  peak, end = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+  warm = min(cfg.warmup_steps, max(total_steps - 1, 0))
+  if cfg.schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, peak, max(warm, 1), max(total_steps, warm + 1),
+                                              end_value=end)
+  warmup = optax.linear_schedule(0.0, peak, max(warm, 1))
+  if cfg.schedule == "constant":
+    return optax.join_schedules([warmup, optax.constant_schedule(peak)], [warm])
+  decay = max(1, int(round(cfg.decay_fraction * total_steps)))
+  stable = max(total_steps - warm - decay, 0)
+  return optax.join_schedules(
+      [warmup, optax.constant_schedule(peak), optax.linear_schedule(peak, end, decay)],
+      [warm, warm + stable])
+
+
+def _decay_mask(params):
+  return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def _muon_dims(params):
+  def one(path, x):
+    names = {getattr(k, "key", None) for k in path}
+    if x.ndim != 2 or names & {"embed", "lm_head"}:
+      return None
+    return optax.contrib.MuonDimensionNumbers(reduction_axis=0, output_axis=1)
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def make_optimizer(cfg: OptimizerConfig, recipe: Recipe, total_steps: int,
+                   seed: int = 0) -> optax.GradientTransformation:
+  """The optimizer of a run: clipping, then AdamW or Muon, with the recipe's state format.
+
+  Args:
+    cfg: optimizer config.
+    recipe: ``optimizer_states`` ("fp32"/"nvfp4") and ``newton_schulz`` ("bf16"/"nvfp4").
+    total_steps: for the schedule.
+    seed: seed of the stochastic rounding of NVFP4 optimizer states.
+
+  Returns:
+    An ``optax.GradientTransformation``.
+  """
+  lr = make_schedule(cfg, total_steps)
+  quant = recipe.optimizer_states == "nvfp4" or recipe.newton_schulz == "nvfp4"
+  if quant:
+    recipe.check_available()
+    from fp4jax import optim
+  if cfg.name == "adamw":
+    if recipe.optimizer_states == "nvfp4":
+      tx = optim.adamw_nvfp4(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, mask=_decay_mask)
+    else:
+      tx = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                       mask=_decay_mask)
+  elif quant:
+    tx = optim.muon_nvfp4(lr, adam_b1=cfg.b1, adam_b2=cfg.b2, eps=cfg.eps,
+                          weight_decay=cfg.weight_decay, weight_dimension_numbers=_muon_dims,
+                          newton_schulz=recipe.newton_schulz,
+                          states=recipe.optimizer_states)
+  else:
+    tx = optax.contrib.muon(lr, adam_b1=cfg.b1, adam_b2=cfg.b2, eps=cfg.eps,
+                            weight_decay=cfg.weight_decay, weight_decay_mask=_decay_mask,
+                            adam_weight_decay=cfg.weight_decay,
+                            muon_weight_dimension_numbers=_muon_dims)
+  if cfg.grad_clip > 0:
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
+  return tx
+
+
+def abstract_model(model_cfg: ModelConfig, recipe: Recipe):
+  """``(graphdef, abstract params)`` of the model, without allocating it."""
+  model = nnx.eval_shape(lambda: Transformer(model_cfg, recipe, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def init_state(model_cfg: ModelConfig, recipe: Recipe, tx: optax.GradientTransformation,
+               mesh, seed: int = 0):
+  """A freshly initialized, sharded train state.
+
+  Args:
+    model_cfg: model hyperparameters.
+    recipe: the precision recipe.
+    tx: the optimizer.
+    mesh: a (data, fsdp, tensor) mesh.
+    seed: parameter init and step RNG seed.
+
+  Returns:
+    ``(graphdef, state, state_shardings)``: ``nnx.merge(graphdef, state["params"])`` is the
+    model; the shardings pytree mirrors ``state``.
+  """
+  recipe.check_available()
+  graphdef, abstract = abstract_model(model_cfg, recipe)
+  p_sh = shd.param_shardings(abstract, mesh, projection_dims(model_cfg))
+  rep = shd.replicated(mesh)
+
+  def make_params(key):
+    model = Transformer(model_cfg, recipe, rngs=nnx.Rngs(params=key))
+    return nnx.to_pure_dict(nnx.state(model))
+
+  from fp4jax.optim import state_sharding
+  key = jax.random.key(seed)
+  # rbg bits for the initializers only: threefry's normal() compiles slowly on CPU.
+  init_key = jax.random.key(seed, impl="unsafe_rbg")
+  params = jax.jit(make_params, out_shardings=p_sh)(init_key)
+  o_sh = state_sharding(jax.eval_shape(tx.init, params), p_sh, rep)
+  opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+  state = {"step": jax.device_put(jnp.zeros((), jnp.int32), rep), "params": params,
+           "opt_state": opt_state,
+           "rng": jax.device_put(jax.random.key_data(jax.random.fold_in(key, 2)), rep)}
+  shardings = {"step": rep, "params": p_sh, "opt_state": o_sh, "rng": rep}
+  return graphdef, state, shardings
+
+
+def loss_fn(graphdef, params, inputs_BxT, targets_BxT, key):
+  """Mean next-token cross-entropy of the model ``nnx.merge(graphdef, params)``."""
+  logits_BxTxV = nnx.merge(graphdef, params)(inputs_BxT, key=key)
+  return cross_entropy(logits_BxTxV, targets_BxT)
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callable | None = None,
+                    grad_accum: int = 1):
+  """The pure train step ``(state, batch) -> (state, metrics)``.
+
+  Args:
+    graphdef: the model graph from ``init_state``.
+    tx: the optimizer.
+    schedule: learning-rate schedule, reported as metric ``lr``.
+    grad_accum: micro-batches per step (the batch's leading axis is split into this many).
+
+  Returns:
+    The step function. ``batch`` is ``{"inputs", "targets"}`` of shape (B, T); metrics are
+    float32 scalars ``loss``, ``grad_norm`` and ``lr``.
+  """
+
+  def grads_of(params, inputs, targets, key):
+    return jax.value_and_grad(lambda p: loss_fn(graphdef, p, inputs, targets, key))(params)
+
+  def step_fn(state, batch):
+    params, step = state["params"], state["step"]
+    key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
+    inputs, targets = batch["inputs"], batch["targets"]
+    if grad_accum == 1:
+      loss, grads = grads_of(params, inputs, targets, key)
+    else:
+      b, t = inputs.shape
+      mb = (grad_accum, b // grad_accum, t)
+      xs = (jnp.arange(grad_accum), inputs.reshape(mb), targets.reshape(mb))
+
+      def micro(carry, x):
+        i, inp, tgt = x
+        l, g = grads_of(params, inp, tgt, jax.random.fold_in(key, i))
+        return (jax.tree.map(jnp.add, carry[0], g), carry[1] + l), None
+
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), xs)
+      grads = jax.tree.map(lambda g: g / grad_accum, grads)
+      loss = loss / grad_accum
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    new_state = {"step": step + 1, "params": optax.apply_updates(params, updates),
+                 "opt_state": opt_state, "rng": state["rng"]}
+    lr = schedule(step) if schedule is not None else jnp.nan
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+               "lr": jnp.asarray(lr, jnp.float32)}
+    return new_state, metrics
+
+  return step_fn
+
+
+def make_eval_step(graphdef):
+  """``(params, batch) -> mean loss`` (deterministic key)."""
+  def eval_fn(params, batch):
+    return loss_fn(graphdef, params, batch["inputs"], batch["targets"], jax.random.key(0))
+  return eval_fn
+
+
+def jit_steps(graphdef, tx, schedule, shardings, mesh, grad_accum: int = 1):
+  """The train and eval steps, jitted with shardings (state donated to the train step)."""
+  bsh = NamedSharding(mesh, P(shd.BATCH_AXES, None))
+  batch_sh = {"inputs": bsh, "targets": bsh}
+  rep = shd.replicated(mesh)
+  train_step = jax.jit(make_train_step(graphdef, tx, schedule, grad_accum),
+                       in_shardings=(shardings, batch_sh), out_shardings=(shardings, rep),
+                       donate_argnums=0)
+  eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(shardings["params"], batch_sh),
+                      out_shardings=rep)
+  return train_step, eval_step
+
+
+def global_batch(batch: dict, mesh) -> dict:
+  """This host's ``{"inputs", "targets"}`` numpy batch as global arrays sharded on the batch axes."""
+  bsh = NamedSharding(mesh, P(shd.BATCH_AXES, None))
+  out = {}
+  for k in ("inputs", "targets"):
+    x = np.asarray(batch[k], np.int32)
+    gshape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+    n = math.prod(mesh.shape[a] for a in shd.BATCH_AXES)
+    if gshape[0] % n:
+      raise ValueError(f"global batch size {gshape[0]} is not divisible by the {n} devices of "
+                       f"mesh axes {shd.BATCH_AXES}")
+    out[k] = jax.make_array_from_process_local_data(bsh, x, gshape)
+  return out
+
+
+def evaluate(eval_step, params, batches: Iterator, mesh, max_batches: int) -> float:
+  """Mean loss over up to ``max_batches`` batches of ``batches`` (NaN if there are none)."""
+  losses = []
+  for i, batch in enumerate(batches):
+    if i >= max_batches:
+      break
+    losses.append(eval_step(params, global_batch(batch, mesh)))
+  return float(np.mean(jax.device_get(losses))) if losses else float("nan")
+
+
+# --------------------------------------------------------------------------- the run loop
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The loss or the gradient norm became NaN/Inf; the message names the step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Length, batch and bookkeeping of a run.
+
+  Attributes:
+    steps: number of updates.
+    batch_size: global batch size (examples per update, over all hosts).
+    seq_len: tokens per example.
+    grad_accum: micro-batches per update.
+    seed: parameter init / step RNG seed.
+    log_every: write metrics every this many steps (also at eval steps and the last step).
+    eval_every: evaluate on the held-out split every this many steps (0: only at the end).
+    eval_batches: batches per evaluation.
+    checkpoint_every: save every this many steps (0: only at the end); saves are async.
+    keep_checkpoints: checkpoints kept.
+    mesh_shape: (data, fsdp, tensor) sizes; -1 fills with the remaining devices.
+    progress: live progress bar (on a terminal).
+    tensorboard: TensorBoard event files under ``<workdir>/tb`` (needs tensorboardX).
+  """
+
+  steps: int
+  batch_size: int
+  seq_len: int
+  grad_accum: int = 1
+  seed: int = 0
+  log_every: int = 10
+  eval_every: int = 0
+  eval_batches: int = 8
+  checkpoint_every: int = 0
+  keep_checkpoints: int = 3
+  mesh_shape: tuple[int, int, int] = (1, -1, 1)
+  progress: bool = True
+  tensorboard: bool = True
+
+  def __post_init__(self):
+    for f in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches",
+              "keep_checkpoints"):
+      if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+        raise ValueError(f"TrainConfig.{f}={getattr(self, f)!r}: expected a positive int")
+    if self.batch_size % self.grad_accum:
+      raise ValueError(f"TrainConfig: batch_size={self.batch_size} is not divisible by "
+                       f"grad_accum={self.grad_accum}")
+    if self.eval_every < 0 or self.checkpoint_every < 0:
+      raise ValueError("TrainConfig: eval_every and checkpoint_every must be >= 0")
+
+
+def run_meta(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig) -> dict:
+  """What a checkpoint must agree with to be restored into this run."""
+  return {"model": dataclasses.asdict(model_cfg), "recipe": recipe.to_dict(),
+          "optimizer": {"name": opt_cfg.name}}
+
+
+def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
+          train_cfg: TrainConfig, workdir, train_iter: Iterator,
+          eval_batches: Callable[[], Iterator] | None = None, *, mesh=None) -> dict:
+  """Trains (or resumes from ``<workdir>/checkpoints``) and logs to ``<workdir>/metrics.jsonl``.
+
+  Args:
+    model_cfg: model hyperparameters.
+    recipe: the precision recipe.
+    opt_cfg: optimizer and schedule.
+    train_cfg: steps, batch, logging, eval and checkpoint cadence.
+    workdir: run directory.
+    train_iter: this host's training batches ``{"inputs", "targets"}`` (B_local, T); its position
+      is checkpointed if it has ``get_state`` / ``set_state`` (grain iterators do).
+    eval_batches: returns a fresh iterator over the held-out batches (same batches every call).
+    mesh: the device mesh (default ``make_mesh(train_cfg.mesh_shape)``).
+
+  Returns:
+    Summary: ``step``, ``loss`` (last), ``eval_loss`` (last), ``tokens_per_s``, ``mfu``.
+
+  Raises:
+    NonFiniteLossError: NaN/Inf loss or gradient norm (the message names the step; checkpoints
+      up to the last finite step stay).
+    IncompatibleCheckpointError: ``workdir`` holds a checkpoint of another model/recipe.
+  """
+  from pathlib import Path
+  workdir = Path(workdir)
+  mesh = mesh if mesh is not None else shd.make_mesh(train_cfg.mesh_shape)
+  tc = train_cfg
+  tx = make_optimizer(opt_cfg, recipe, tc.steps, seed=tc.seed)
+  schedule = make_schedule(opt_cfg, tc.steps)
+  graphdef, state, shardings = init_state(model_cfg, recipe, tx, mesh, tc.seed)
+  train_step, eval_step = jit_steps(graphdef, tx, schedule, shardings, mesh, tc.grad_accum)
+  ckpt = Checkpointer(workdir / "checkpoints", every=tc.checkpoint_every or tc.steps,
+                      keep=tc.keep_checkpoints)
+  meta = run_meta(model_cfg, recipe, opt_cfg)
+  start = 0
+  if ckpt.latest_step() is not None:
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            state, shardings)
+    start, state = ckpt.restore(abstract, train_iter, meta)
+  tokens_per_step = tc.batch_size * tc.seq_len
+  flops_per_step = model_cfg.flops_per_token(tc.seq_len) * tokens_per_step
+  peak = peak_flops(mesh.devices.flat[0])
+  summary = {"step": start, "loss": float("nan"), "eval_loss": float("nan"),
+             "tokens_per_s": float("nan"), "mfu": None}
+  writer = MetricsWriter(workdir, tc.steps, start, progress=tc.progress,
+                         tensorboard=tc.tensorboard)
+  timer = {"t": time.perf_counter(), "steps": 0}
+
+  def is_eval(n):
+    return eval_batches is not None and ((tc.eval_every and n % tc.eval_every == 0)
+                                         or n == tc.steps)
+
+  def handle(n, m, state):
+    vals = {k: float(v) for k, v in jax.device_get(m).items()}
+    if not (math.isfinite(vals["loss"]) and math.isfinite(vals["grad_norm"])):
+      writer.write(n, vals)
+      ckpt.wait()
+      raise NonFiniteLossError(
+          f"non-finite loss {vals['loss']} (grad norm {vals['grad_norm']}) at step {n}; the "
+          f"run stopped there. Last good checkpoint: step {ckpt.latest_step()} in "
+          f"{ckpt.directory}")
+    summary.update(step=n, loss=vals["loss"])
+    if not (n % tc.log_every == 0 or is_eval(n) or n == tc.steps):
+      return
+    if timer["steps"] and n > start + 1:
+      dt = (time.perf_counter() - timer["t"]) / timer["steps"]
+      vals.update(step_time_s=dt, tokens_per_s=tokens_per_step / dt)
+      summary["tokens_per_s"] = vals["tokens_per_s"]
+      if peak:
+        vals["mfu"] = flops_per_step / dt / (peak * mesh.devices.size)
+        summary["mfu"] = vals["mfu"]
+    vals["tokens"] = n * tokens_per_step
+    if is_eval(n):
+      vals["eval_loss"] = evaluate(eval_step, state["params"], eval_batches(), mesh,
+                                   tc.eval_batches)
+      summary["eval_loss"] = vals["eval_loss"]
+    writer.write(n, vals)
+
+  try:
+    pending = None
+    for s in range(start, tc.steps):
+      batch = global_batch(next(train_iter), mesh)
+      state, m = train_step(state, batch)
+      n = s + 1
+      if pending is not None:  # the previous step's metrics, fetched while this step runs
+        handle(*pending, None)
+        pending = None
+      timer["steps"] += 1
+      sync = (n == start + 1 or n % tc.log_every == 0 or is_eval(n) or ckpt.should_save(n)
+              or n == tc.steps)
+      if not sync:
+        pending = (n, m)
+        writer.advance(n)
+        continue
+      jax.block_until_ready(m)
+      if n == start + 1:  # the first step compiles: time from here on
+        timer.update(t=time.perf_counter(), steps=0)
+      handle(n, m, state)
+      if ckpt.should_save(n) or n == tc.steps:
+        ckpt.save(n, state, train_iter, meta)
+      if is_eval(n) or ckpt.should_save(n):
+        timer.update(t=time.perf_counter(), steps=0)
+      writer.advance(n)
+  finally:
+    ckpt.close()
+    writer.close()
+  summary["workdir"] = str(workdir)
+  return summary
