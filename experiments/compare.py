@@ -1,0 +1,110 @@
+r"""Train several recipes on identical data, seed and schedule; print the loss-gap table.
+
+  python -m experiments.compare --config=experiments/configs/tiny.py --recipes=bf16,fp4_linear \
+      --workdir=runs/compare [--config.steps=N ...]
+
+Each recipe trains in ``<workdir>/<recipe>`` (an existing finished run is reused, an unfinished
+one resumes). The table reports, per recipe, the final eval loss and the mean train loss over the
+last 10% of logged steps, and their gap relative to the first recipe (``bf16`` by default) in
+percent, ``100 · (L − L_ref) / L_ref`` (the paper's metric). It is also written to
+``<workdir>/gap_table.md`` and ``<workdir>/gap_table.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from experiments import train as launcher
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "parent run directory")
+_RECIPES = flags.DEFINE_list("recipes", ["bf16", "fp4_linear"],
+                             "recipes to compare; the first is the reference")
+
+
+def run_summary(workdir: str | Path, tail: float = 0.1) -> dict:
+  """Final train loss (mean of the last ``tail`` of logged steps) and eval loss of one run."""
+  from fp4jax.metrics import read_jsonl
+  path = Path(workdir) / "metrics.jsonl"
+  if not path.is_file():
+    return {"status": "no metrics"}
+  rows = list({r["step"]: r for r in read_jsonl(path)}.values())  # a resumed run re-logs steps
+  losses = [(r["step"], float(r["loss"])) for r in rows if "loss" in r]
+  evals = [(r["step"], float(r["eval_loss"])) for r in rows if "eval_loss" in r]
+  if not losses:
+    return {"status": "no metrics"}
+  last = max(s for s, _ in losses)
+  k = max(1, math.ceil(tail * len(losses)))
+  tail_losses = [v for _, v in sorted(losses)[-k:]]
+  times = [float(r["step_time_s"]) for r in rows if "step_time_s" in r]
+  return {"status": "ok", "step": last, "train_loss": sum(tail_losses) / len(tail_losses),
+          "eval_loss": sorted(evals)[-1][1] if evals else float("nan"),
+          "step_time_s": sorted(times)[len(times) // 2] if times else float("nan")}
+
+
+def gap_table(results: dict[str, dict]) -> str:
+  """A Markdown table of losses and relative gaps (%) to the first recipe."""
+  names = list(results)
+  ref = results[names[0]]
+  lines = ["| recipe | steps | train loss | gap % | eval loss | gap % | step time s |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+
+  def gap(r, key):
+    a, b = r.get(key, math.nan), ref.get(key, math.nan)
+    return f"{100 * (a - b) / b:+.2f}" if math.isfinite(a) and math.isfinite(b) else "–"
+
+  for name in names:
+    r = results[name]
+    if r.get("status") != "ok":
+      lines.append(f"| {name} | {r.get('status')} | | | | | |")
+      continue
+    lines.append(f"| {name} | {r['step']} | {r['train_loss']:.4f} | {gap(r, 'train_loss')} | "
+                 f"{r['eval_loss']:.4f} | {gap(r, 'eval_loss')} | {r['step_time_s']:.3g} |")
+  return "\n".join(lines)
+
+
+def compare(cfg, recipes: list[str], workdir: str | Path) -> dict[str, dict]:
+  """Trains each recipe (same config otherwise) under ``workdir/<recipe>``; returns summaries."""
+  from fp4jax.recipe import RecipeNotAvailableError
+  from fp4jax.train import NonFiniteLossError
+  workdir = Path(workdir)
+  results = {}
+  for name in recipes:
+    c = cfg.copy_and_resolve_references()
+    with c.unlocked():
+      c.recipe = name
+    try:
+      launcher.run(c, workdir / name)
+      results[name] = run_summary(workdir / name)
+    except RecipeNotAvailableError as e:
+      results[name] = {"status": "not available yet"}
+      print(f"{name}: {e}")
+    except NonFiniteLossError as e:
+      results[name] = {**run_summary(workdir / name), "status": "diverged"}
+      print(f"{name}: {e}")
+  return results
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _WORKDIR.value is None:
+    raise app.UsageError("--workdir is required")
+  results = compare(_CONFIG.value, _RECIPES.value, _WORKDIR.value)
+  table = gap_table(results)
+  workdir = Path(_WORKDIR.value)
+  (workdir / "gap_table.md").write_text(table + "\n")
+  (workdir / "gap_table.json").write_text(json.dumps(results, indent=1))
+  print(f"\nLoss gap to {_RECIPES.value[0]} ({_CONFIG.value.name}, {_CONFIG.value.steps} steps, "
+        f"seed {_CONFIG.value.seed}):\n")
+  print(table)
+
+
+if __name__ == "__main__":
+  app.run(main)

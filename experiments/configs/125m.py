@@ -1,0 +1,31 @@
+"""125m: a ~135M-parameter model (d=768, 12 blocks, GPT-2-small shape) on the built-in mix, BPE 32k.
+
+Command::
+
+  python -m experiments.train --config=experiments/configs/125m.py:bf16 --workdir=runs/125m-bf16
+
+Hardware: one H200 (the throughput figures in benchmarks/RESULTS.md come from
+``benchmarks/train_step.py``); 8 GPUs with ``--config.mesh_shape='(1,8,1)'``.
+Tokens: 10000 steps x 128 x 1024 = 1.3B (~10 tokens/parameter). The built-in ``mix`` corpus has
+~40M tokens, so this is ~30 epochs: point ``--config.data.corpus`` at a larger text folder for a
+compute-optimal run.
+Expected time and loss: not yet measured — fill in from the first H200 run.
+"""
+
+from experiments.configs._base import base
+
+
+def get_config(arg: str | None = None):
+  c = base(arg)
+  c.name = "125m"
+  c.model.update(d_model=768, n_layers=12, n_heads=12)
+  c.data.update(corpus="mix", tokenizer="bpe", vocab_size=32768)
+  c.optimizer.update(learning_rate=1e-3, warmup_steps=500)
+  c.steps = 10000
+  c.batch_size = 128
+  c.seq_len = 1024
+  c.log_every = 20
+  c.eval_every = 1000
+  c.eval_batches = 16
+  c.checkpoint_every = 1000
+  return c

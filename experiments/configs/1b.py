@@ -1,0 +1,31 @@
+"""1b: a ~0.96B-parameter model (d=2048, 18 blocks, GQA 16/8 heads of 128) for a GPU node.
+
+Command (one host, 8 GPUs)::
+
+  python -m experiments.train --config=experiments/configs/1b.py:fp4_linear --workdir=runs/1b \
+      --config.mesh_shape='(1,8,1)' --config.data.corpus=/path/to/text
+
+Hardware: 8 x H200 (FSDP 8); several hosts with ``--distributed`` (see experiments/train.py).
+Tokens: 20000 steps x 512 x 2048 = 21B (~21 tokens/parameter).
+Expected time and loss: not yet measured.
+"""
+
+from experiments.configs._base import base
+
+
+def get_config(arg: str | None = None):
+  c = base(arg)
+  c.name = "1b"
+  c.model.update(d_model=2048, n_layers=18, n_heads=16, n_kv_heads=8)
+  c.data.update(corpus="mix", tokenizer="bpe", vocab_size=32768)
+  c.optimizer.update(learning_rate=4e-4, warmup_steps=2000)
+  c.steps = 20000
+  c.batch_size = 512
+  c.seq_len = 2048
+  c.grad_accum = 4
+  c.log_every = 20
+  c.eval_every = 2000
+  c.eval_batches = 16
+  c.checkpoint_every = 1000
+  c.mesh_shape = (1, -1, 1)
+  return c

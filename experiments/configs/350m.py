@@ -1,0 +1,30 @@
+"""350m: a ~370M-parameter model (d=1024, 24 blocks) on the built-in mix, BPE 32k.
+
+Command::
+
+  python -m experiments.train --config=experiments/configs/350m.py:bf16 --workdir=runs/350m-bf16 \
+      --config.mesh_shape='(1,8,1)'
+
+Hardware: 8 GPUs (FSDP over 8), or one H200 with ``--config.grad_accum=4``.
+Tokens: 15000 steps x 256 x 1024 = 3.9B. Needs a corpus larger than the built-in mix
+(``--config.data.corpus=<folder of .txt>``) to avoid many epochs.
+Expected time and loss: not yet measured.
+"""
+
+from experiments.configs._base import base
+
+
+def get_config(arg: str | None = None):
+  c = base(arg)
+  c.name = "350m"
+  c.model.update(d_model=1024, n_layers=24, n_heads=16)
+  c.data.update(corpus="mix", tokenizer="bpe", vocab_size=32768)
+  c.optimizer.update(learning_rate=6e-4, warmup_steps=1000)
+  c.steps = 15000
+  c.batch_size = 256
+  c.seq_len = 1024
+  c.log_every = 20
+  c.eval_every = 1000
+  c.eval_batches = 16
+  c.checkpoint_every = 1000
+  return c

@@ -1,0 +1,76 @@
+"""fp4jax.recipe: presets, validation, BF16-exempt blocks, 'not available yet' errors."""
+
+import dataclasses
+
+import pytest
+
+from fp4jax import recipe as recipe_lib
+from fp4jax.recipe import Recipe, RecipeNotAvailableError, get_recipe
+
+
+def test_presets_are_cumulative():
+  bf16, lin, lora, full = (get_recipe(n) for n in
+                           ("bf16", "fp4_linear", "fp4_linear_lorasvd", "fp4_full_stack"))
+  assert (bf16.linear, bf16.attention, bf16.optimizer_states, bf16.newton_schulz) == (
+      "bf16", "bf16", "fp32", "bf16")
+  assert lin == dataclasses.replace(bf16, linear="nvfp4")
+  assert lora == dataclasses.replace(bf16, linear="nvfp4_lorasvd")
+  assert full == dataclasses.replace(lora, attention="nvfp4", optimizer_states="nvfp4",
+                                     newton_schulz="nvfp4")
+
+
+def test_recipe_is_frozen_and_hashable():
+  r = get_recipe("fp4_linear")
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    r.linear = "bf16"
+  assert hash(r) == hash(Recipe(linear="nvfp4"))
+
+
+@pytest.mark.parametrize("field,value", [("linear", "int4"), ("attention", "fp8"),
+                                         ("optimizer_states", "bf16"), ("newton_schulz", "fp32")])
+def test_bad_choice_names_the_field(field, value):
+  with pytest.raises(ValueError, match=f"Recipe.{field}="):
+    Recipe(**{field: value})
+
+
+def test_bad_counts_and_unknown_preset():
+  with pytest.raises(ValueError, match="bf16_last_blocks"):
+    Recipe(bf16_last_blocks=-1)
+  with pytest.raises(ValueError, match="lora_rank"):
+    Recipe(linear="nvfp4_lorasvd", lora_rank=0)
+  with pytest.raises(ValueError, match="unknown recipe 'fp8'"):
+    get_recipe("fp8")
+
+
+def test_overrides():
+  r = get_recipe("fp4_linear", bf16_last_blocks=2)
+  assert r.linear == "nvfp4" and r.bf16_last_blocks == 2
+  assert recipe_lib.PRESETS["fp4_linear"].bf16_last_blocks == 0  # presets untouched
+
+
+def test_bf16_exempt_blocks():
+  r = Recipe(linear="nvfp4", bf16_first_blocks=1, bf16_last_blocks=2)
+  assert [r.block_linear(i, 6) for i in range(6)] == ["bf16", "nvfp4", "nvfp4", "nvfp4", "bf16",
+                                                      "bf16"]
+  assert [get_recipe("bf16").block_linear(i, 3) for i in range(3)] == ["bf16"] * 3
+  with pytest.raises(ValueError, match="out of range"):
+    r.block_linear(6, 6)
+
+
+def test_attention_nvfp4_is_not_available_yet():
+  with pytest.raises(RecipeNotAvailableError, match="attention='nvfp4' is not available yet"):
+    Recipe(attention="nvfp4").check_available()
+  with pytest.raises(RecipeNotAvailableError, match="not available yet"):
+    get_recipe("fp4_full_stack").check_available()
+  assert isinstance(RecipeNotAvailableError("x"), NotImplementedError)
+
+
+def test_missing_module_raises_not_available(monkeypatch):
+  monkeypatch.setattr(recipe_lib, "_has", lambda module, name: False)
+  with pytest.raises(RecipeNotAvailableError, match="linear='nvfp4'.*fp4jax.ops.nvfp4_matmul"):
+    get_recipe("fp4_linear").check_available()
+  assert get_recipe("bf16").check_available() == get_recipe("bf16")  # bf16 needs nothing
+
+
+def test_available_modules_pass():
+  assert get_recipe("fp4_linear").check_available().linear == "nvfp4"
