@@ -1,15 +1,16 @@
 """Decoder-only Transformer (Llama-style) in flax nnx, with per-projection precision from a recipe.
 
 Pre-norm RMSNorm, rotary position embeddings, SwiGLU MLP, untied embedding and LM head, optional
-QK-norm, grouped-query attention. The seven projections of each block (q, k, v, o, gate, up, down)
-take their precision from ``Recipe.block_linear``; the embedding, the LM head, the norms and the
+QK-norm, grouped-query attention. The four projections of each block (qkv, o, gate_up, down: q/k/v
+and gate/up are fused, as Transformer Engine does, so each is one larger GEMM) take their precision
+from ``Recipe.block_linear``; the embedding, the LM head, the norms and the
 softmax stay high precision (float32 master weights, ``ModelConfig.dtype`` compute with float32
 accumulation, float32 logits).
 
 Parameters are named so that ``fp4jax.sharding`` can map them to PartitionSpecs::
 
-  embed/embedding (V, D)             block{i}/attn/{q,k,v,o}/<leaves>    final_norm/scale (D,)
-  lm_head/kernel (D, V)              block{i}/mlp/{gate,up,down}/<leaves>
+  embed/embedding (V, D)             block{i}/attn/{qkv,o}/<leaves>        final_norm/scale (D,)
+  lm_head/kernel (D, V)              block{i}/mlp/{gate_up,down}/<leaves>
   block{i}/{attn_norm,mlp_norm}/scale, block{i}/attn/{q_norm,k_norm}/scale (head_dim,)
 
 Use it as an nnx module (``Transformer(cfg, recipe, rngs=nnx.Rngs(0))(tokens_BxT, key=key)``) or
@@ -27,7 +28,6 @@ from flax import nnx
 
 from fp4jax.recipe import Recipe
 
-_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +114,8 @@ class ModelConfig:
 def projection_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
   """(in_features, out_features) of every projection role, for ``fp4jax.sharding``."""
   d, nh, kh, f = cfg.d_model, cfg.n_heads * cfg.hdim, cfg.kv_heads * cfg.hdim, cfg.ff
-  return {"q": (d, nh), "k": (d, kh), "v": (d, kh), "o": (nh, d), "gate": (d, f), "up": (d, f),
-          "down": (f, d), "embedding": (cfg.vocab_size, d), "lm_head": (d, cfg.vocab_size)}
+  return {"qkv": (d, nh + 2 * kh), "o": (nh, d), "gate_up": (d, 2 * f), "down": (f, d),
+          "embedding": (cfg.vocab_size, d), "lm_head": (d, cfg.vocab_size)}
 
 
 class Dense(nnx.Module):
@@ -158,7 +158,8 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * self.scale[...]).astype(x.dtype)
+    scale = self.scale[...].reshape((1,) * (x.ndim - 1) + (-1,))
+    return (y * scale).astype(x.dtype)
 
 
 def make_projection(in_features: int, out_features: int, precision: str, recipe: Recipe,
@@ -209,9 +210,7 @@ class Attention(nnx.Module):
       raise NotImplementedError("attention='nvfp4' is not wired into the model yet")
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.hdim
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    self.q = make_projection(d, n * h, precision, recipe, cfg, cfg.init_std, rngs)
-    self.k = make_projection(d, k * h, precision, recipe, cfg, cfg.init_std, rngs)
-    self.v = make_projection(d, k * h, precision, recipe, cfg, cfg.init_std, rngs)
+    self.qkv = make_projection(d, (n + 2 * k) * h, precision, recipe, cfg, cfg.init_std, rngs)
     self.o = make_projection(n * h, d, precision, recipe, cfg, out_std, rngs)
     if cfg.qk_norm:
       self.q_norm = RMSNorm(h, cfg.norm_eps)
@@ -221,31 +220,33 @@ class Attention(nnx.Module):
   def __call__(self, x_BxTxD, key):
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
-    keys = jax.random.split(key, 4)
-    q = self.q(x_BxTxD, key=keys[0]).reshape(b, t, cfg.n_heads, cfg.hdim)
-    k = self.k(x_BxTxD, key=keys[1]).reshape(b, t, cfg.kv_heads, cfg.hdim)
-    v = self.v(x_BxTxD, key=keys[2]).reshape(b, t, cfg.kv_heads, cfg.hdim)
+    k_qkv, k_o = jax.random.split(key)
+    n, kv = cfg.n_heads, cfg.kv_heads
+    qkv = self.qkv(x_BxTxD, key=k_qkv).reshape(b, t, n + 2 * kv, cfg.hdim)
+    q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kv], qkv[:, :, n + kv:]
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     pos_T = jnp.arange(t)
     q, k = rope(q, pos_T, cfg.rope_theta), rope(k, pos_T, cfg.rope_theta)
     o_BxTxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    return self.o(o_BxTxNxH.reshape(b, t, cfg.n_heads * cfg.hdim), key=keys[3])
+    return self.o(o_BxTxNxH.reshape(b, t, cfg.n_heads * cfg.hdim), key=k_o)
 
 
 class Mlp(nnx.Module):
-  """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+  """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused in one (D, 2F) projection."""
 
   def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs):
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    self.gate = make_projection(cfg.d_model, cfg.ff, precision, recipe, cfg, cfg.init_std, rngs)
-    self.up = make_projection(cfg.d_model, cfg.ff, precision, recipe, cfg, cfg.init_std, rngs)
+    self.gate_up = make_projection(cfg.d_model, 2 * cfg.ff, precision, recipe, cfg, cfg.init_std,
+                                   rngs)
     self.down = make_projection(cfg.ff, cfg.d_model, precision, recipe, cfg, out_std, rngs)
 
   def __call__(self, x_BxTxD, key):
-    keys = jax.random.split(key, 3)
-    h_BxTxF = jax.nn.silu(self.gate(x_BxTxD, key=keys[0])) * self.up(x_BxTxD, key=keys[1])
-    return self.down(h_BxTxF, key=keys[2])
+    k_gu, k_down = jax.random.split(key)
+    gu_BxTx2F = self.gate_up(x_BxTxD, key=k_gu)
+    f = gu_BxTx2F.shape[-1] // 2
+    h_BxTxF = jax.nn.silu(gu_BxTx2F[..., :f]) * gu_BxTx2F[..., f:]
+    return self.down(h_BxTxF, key=k_down)
 
 
 class Block(nnx.Module):
@@ -281,7 +282,7 @@ class Transformer(nnx.Module):
       setattr(self, f"block{i}", Block(cfg, recipe, recipe.block_linear(i, cfg.n_layers), rngs))
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.lm_head = Dense(cfg.d_model, cfg.vocab_size, dtype=cfg.compute_dtype,
-                         std=1.0 / math.sqrt(cfg.d_model), rngs=rngs)
+                         std=cfg.init_std, rngs=rngs)
 
   def __call__(self, tokens_BxT, *, key=None):
     """Logits for next-token prediction.

@@ -9,9 +9,9 @@ One explicit table maps each projection to the mesh axes of its input and output
   role        (in axis, out axis)     what it is
   embedding   ("tensor", "fsdp")      embed/embedding (V, D): vocab over tensor
   lm_head     ("fsdp", "tensor")      lm_head/kernel (D, V)
-  q k v       ("fsdp", "tensor")      column parallel: heads over tensor
+  qkv         ("fsdp", "tensor")      column parallel (q|k|v concatenated: GSPMD re-lays the split)
   o           ("tensor", "fsdp")      row parallel
-  gate up     ("fsdp", "tensor")      column parallel
+  gate_up     ("fsdp", "tensor")      column parallel
   down        ("tensor", "fsdp")      row parallel
   (anything else, e.g. norm scales: replicated)
 
@@ -39,12 +39,9 @@ BATCH_AXES = ("data", "fsdp")
 SHARDING_TABLE: dict[str, tuple[str | None, str | None]] = {
     "embedding": ("tensor", "fsdp"),
     "lm_head": ("fsdp", "tensor"),
-    "q": ("fsdp", "tensor"),
-    "k": ("fsdp", "tensor"),
-    "v": ("fsdp", "tensor"),
+    "qkv": ("fsdp", "tensor"),
     "o": ("tensor", "fsdp"),
-    "gate": ("fsdp", "tensor"),
-    "up": ("fsdp", "tensor"),
+    "gate_up": ("fsdp", "tensor"),
     "down": ("tensor", "fsdp"),
 }
 
