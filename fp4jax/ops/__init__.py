@@ -1,0 +1,10 @@
+"""Differentiable NVFP4 ops (``custom_vjp``), each beside its pure-jnp reference."""
+
+from fp4jax.ops.matmul import (
+    MatmulConfig,
+    nvfp4_matmul,
+    nvfp4_matmul_reference,
+    nvfp4_matmul_vjp_reference,
+)
+
+__all__ = ["MatmulConfig", "nvfp4_matmul", "nvfp4_matmul_reference", "nvfp4_matmul_vjp_reference"]

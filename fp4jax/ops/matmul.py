@@ -1,0 +1,316 @@
+"""NVFP4 matmul ``x @ w`` with a ``custom_vjp``: NVIDIA's recipe for the three GEMMs of a linear layer.
+
+With ``x: [..., K]`` flattened to ``x_MxK`` (M = tokens) and ``w_KxN``:
+
+  forward  y_MxN  = Q(x; 1×16 along K) · Q(w; 16×16 tiles)
+  dgrad    dx_MxK = Q(dy; 1×16 along N, stochastic) · Q(w)ᵀ        (the *same* packed Q(w) as the forward)
+  wgrad    dw_KxN = Q(H·x; 1×16 along M)ᵀ · Q(H·dy; 1×16 along M, stochastic)
+
+H is a 16-point random Hadamard transform on the token axis (it cancels in the product). Every GEMM
+decodes its packed operands to bf16 (``e2m1 × e4m3`` is exact there), multiplies with float32
+accumulation and applies both float32 global scales afterwards: an NVFP4 tensor-core GEMM up to
+summation order. The backward keeps packed NVFP4 residuals (``Q(w)``, ``Q(H·x)``), not bf16 copies.
+
+``nvfp4_matmul_reference`` / ``nvfp4_matmul_vjp_reference`` compute the same products from the same
+quantized values in plain float32 (dequantize, then a HIGHEST-precision dot), so tests can separate
+GEMM error from quantization error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp4jax import nvfp4
+
+_F32 = jnp.float32
+_HIGHEST = lax.Precision.HIGHEST
+
+
+_ROUNDINGS = ("nearest", "stochastic")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+  """Which GEMMs of ``nvfp4_matmul`` run in NVFP4, and how each operand is rounded (hashable, static).
+
+  The defaults are NVIDIA's recipe (``MatmulConfig.nvfp4()``); ``MatmulConfig.bf16()`` turns every
+  GEMM and the Hadamard transform off. Any field can be switched alone, e.g.
+  ``MatmulConfig.nvfp4(hadamard=False, dy_dgrad_rounding="nearest")``.
+
+  Attributes:
+    fwd: quantize the forward GEMM ``x · w``.
+    dgrad: quantize the dgrad GEMM ``dy · wᵀ``.
+    wgrad: quantize the wgrad GEMM ``xᵀ · dy``.
+    x_rounding: rounding of ``x`` (1×16 along K) in the forward.
+    w_rounding: rounding of ``w`` (16×16 tiles); one quantized ``w`` serves forward and dgrad.
+    dy_dgrad_rounding: rounding of ``dy`` (1×16 along N) in the dgrad.
+    x_wgrad_rounding: rounding of ``H·x`` (1×16 along tokens) in the wgrad.
+    dy_wgrad_rounding: rounding of ``H·dy`` (1×16 along tokens) in the wgrad.
+    hadamard: random Hadamard transform H on the token axis of both wgrad operands (also applied,
+      in f32, when ``wgrad`` is False, where it only changes rounding).
+  """
+
+  fwd: bool = True
+  dgrad: bool = True
+  wgrad: bool = True
+  x_rounding: str = "nearest"
+  w_rounding: str = "nearest"
+  dy_dgrad_rounding: str = "stochastic"
+  x_wgrad_rounding: str = "nearest"
+  dy_wgrad_rounding: str = "stochastic"
+  hadamard: bool = True
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.name.endswith("rounding"):
+        if v not in _ROUNDINGS:
+          raise ValueError(f"MatmulConfig.{f.name} must be one of {_ROUNDINGS}, got {v!r}")
+      elif not isinstance(v, bool):
+        raise ValueError(f"MatmulConfig.{f.name} must be a bool, got {v!r}")
+
+  @classmethod
+  def nvfp4(cls, **overrides) -> MatmulConfig:
+    """NVIDIA's NVFP4 recipe: all three GEMMs quantized, SR on gradients, Hadamard on the wgrad."""
+    return cls(**overrides)
+
+  @classmethod
+  def bf16(cls, **overrides) -> MatmulConfig:
+    """No quantization and no Hadamard: ``nvfp4_matmul`` is then exactly ``jnp.dot`` (value and grads)."""
+    return cls(**{"fwd": False, "dgrad": False, "wgrad": False, "hadamard": False, **overrides})
+
+  @property
+  def quantized(self) -> bool:
+    """True if any GEMM is quantized."""
+    return self.fwd or self.dgrad or self.wgrad
+
+  @property
+  def needs_key(self) -> bool:
+    """True if the config draws random bits (stochastic rounding in a quantized GEMM, or Hadamard)."""
+    sr = lambda r: r == "stochastic"
+    return (self.hadamard
+            or (self.fwd and sr(self.x_rounding))
+            or ((self.fwd or self.dgrad) and sr(self.w_rounding))
+            or (self.dgrad and sr(self.dy_dgrad_rounding))
+            or (self.wgrad and (sr(self.x_wgrad_rounding) or sr(self.dy_wgrad_rounding))))
+
+
+# ----------------------------------------------------------------------------------------------
+# Operand quantization, shared by the custom_vjp and the references (same keys -> same bits)
+
+
+def _keys(key, config: MatmulConfig) -> dict:
+  """One independent key per random choice; a fixed assignment so a config switch never moves bits."""
+  if not config.needs_key:
+    return dict.fromkeys(("x", "w", "dy_dgrad", "x_wgrad", "dy_wgrad", "hadamard"))
+  if key is None:
+    raise ValueError(
+        "nvfp4_matmul: this MatmulConfig uses randomness (stochastic rounding or the Hadamard "
+        "transform) and needs `key` (a jax.random key); only a config without either accepts key=None")
+  ks = jax.random.split(key, 6)
+  return dict(zip(("x", "w", "dy_dgrad", "x_wgrad", "dy_wgrad", "hadamard"), ks, strict=True))
+
+
+def _q(x, rounding, key, **kw):
+  return nvfp4.quantize(x, rounding=rounding, key=key if rounding == "stochastic" else None, **kw)
+
+
+def quantize_x(x_MxK, keys, config):
+  """Forward operand: x quantized in 1×16 blocks along K."""
+  return _q(x_MxK, config.x_rounding, keys["x"], block=(1, 16), axis=-1)
+
+
+def quantize_w(w_KxN, keys, config):
+  """The weight in 16×16 tiles: one quantization serves the forward and (transposed) the dgrad."""
+  return _q(w_KxN, config.w_rounding, keys["w"], block=(16, 16))
+
+
+def wgrad_operand(a_MxC, keys):
+  """``H·a`` (float32) along the token axis, with the Hadamard key; identity without a key."""
+  a = a_MxC.astype(_F32)
+  return a if keys["hadamard"] is None else nvfp4.hadamard(a, keys["hadamard"], axis=0)
+
+
+def quantize_x_wgrad(x_MxK, keys, config):
+  """wgrad operand: (H·)x quantized in 1×16 blocks along the tokens."""
+  return _q(_wg(x_MxK, keys, config), config.x_wgrad_rounding, keys["x_wgrad"], block=(1, 16), axis=0)
+
+
+def quantize_dy_dgrad(dy_MxN, keys, config):
+  """dgrad operand: dy quantized in 1×16 blocks along N."""
+  return _q(dy_MxN, config.dy_dgrad_rounding, keys["dy_dgrad"], block=(1, 16), axis=-1)
+
+
+def quantize_dy_wgrad(dy_MxN, keys, config):
+  """wgrad operand: (H·)dy quantized in 1×16 blocks along the tokens."""
+  return _q(_wg(dy_MxN, keys, config), config.dy_wgrad_rounding, keys["dy_wgrad"], block=(1, 16), axis=0)
+
+
+def _wg(a, keys, config):
+  return wgrad_operand(a, keys) if config.hadamard else a
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMMs
+
+
+def _qdot(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor, dims) -> jax.Array:
+  """NVFP4 × NVFP4 GEMM: bf16 decoded operands, f32 accumulation, global scales in the epilogue."""
+  acc = lax.dot_general(a.scaled_elements(jnp.bfloat16), b.scaled_elements(jnp.bfloat16), (dims, ((), ())),
+                        precision=_HIGHEST, preferred_element_type=_F32)
+  # Two multiplies (not one by the product) so tiny gradient scales cannot underflow together.
+  return (acc * a.global_scale) * b.global_scale
+
+
+def _fdot(a, b, dims) -> jax.Array:
+  """Unquantized GEMM in the operands' (common) dtype with f32 accumulation."""
+  return lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=_F32)
+
+
+_NN = ((1,), (0,))  # x_MxK · w_KxN
+_NT = ((1,), (1,))  # dy_MxN · w_KxNᵀ
+_TN = ((0,), (0,))  # x_MxKᵀ · dy_MxN
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _matmul(x_MxK, w_KxN, key, config, x_dtype, w_dtype):
+  return _matmul_fwd(x_MxK, w_KxN, key, config, x_dtype, w_dtype)[0]
+
+
+def _matmul_fwd(x_MxK, w_KxN, key, config, x_dtype, w_dtype):
+  keys = _keys(key, config)
+  qw = quantize_w(w_KxN, keys, config) if (config.fwd or config.dgrad) else None
+  if config.fwd:
+    y = _qdot(quantize_x(x_MxK, keys, config), qw, _NN)
+  else:
+    y = _fdot(x_MxK, w_KxN.astype(x_dtype), _NN)
+  w_res = qw if config.dgrad else w_KxN
+  x_res = quantize_x_wgrad(x_MxK, keys, config) if config.wgrad else x_MxK
+  return y.astype(x_dtype), (w_res, x_res, keys)
+
+
+def _matmul_bwd(config, x_dtype, w_dtype, res, dy_MxN):
+  w_res, x_res, keys = res
+  if config.dgrad:
+    dx = _qdot(quantize_dy_dgrad(dy_MxN, keys, config), w_res, _NT)
+  else:
+    dx = _fdot(dy_MxN, w_res.astype(x_dtype), _NT)
+  if config.wgrad:
+    dw = _qdot(x_res, quantize_dy_wgrad(dy_MxN, keys, config), _TN)
+  elif config.hadamard:
+    dw = lax.dot_general(wgrad_operand(x_res, keys), wgrad_operand(dy_MxN, keys), (_TN, ((), ())),
+                         precision=_HIGHEST, preferred_element_type=_F32)
+  else:
+    dw = _fdot(x_res, dy_MxN, _TN).astype(x_dtype)  # as jax.vjp of jnp.dot with w cast to x's dtype
+  return dx.astype(x_dtype), dw.astype(w_dtype), None
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+
+
+def _check(x, w, key, config) -> None:
+  if not isinstance(config, MatmulConfig):
+    raise ValueError(f"nvfp4_matmul: config must be a MatmulConfig, got {type(config).__name__}")
+  for name, a in (("x", x), ("w", w)):
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise ValueError(f"nvfp4_matmul: {name} must be a floating-point array, got dtype {a.dtype}")
+  if w.ndim != 2:
+    raise ValueError(f"nvfp4_matmul: w must be 2-D [K, N], got shape {w.shape}")
+  if x.ndim < 1 or x.shape[-1] != w.shape[0]:
+    raise ValueError(f"nvfp4_matmul: x [..., K] and w [K, N] disagree on K: x {x.shape}, w {w.shape}")
+  k, n = w.shape
+  m = x.size // k if k else 0
+  need = []
+  if config.fwd or config.dgrad:
+    need += [("K (contraction of the forward)", k), ("N (16x16 weight tiles)", n)]
+  if config.wgrad or config.hadamard:
+    need.append(("M = tokens (all leading dims of x; contraction of the wgrad)", m))
+  for what, size in need:
+    if size % nvfp4.BLOCK:
+      raise ValueError(
+          f"nvfp4_matmul: {what} = {size} is not a multiple of 16 (x {x.shape}, w {w.shape}); pad it, or "
+          "switch the GEMM that needs it to bf16 in the MatmulConfig")
+  if config.needs_key and key is None:
+    _keys(None, config)  # raises the key error
+
+
+def nvfp4_matmul(x, w, *, key=None, config: MatmulConfig) -> jax.Array:
+  """``x @ w`` with the forward, dgrad and wgrad GEMMs in NVFP4 as ``config`` says (differentiable).
+
+  Args:
+    x: ``[..., K]`` activations (any float dtype; bf16 in a model). All leading axes are the
+      token axis ``M`` of the wgrad.
+    w: ``[K, N]`` weight; quantized from its own dtype (an f32 master weight is quantized directly).
+    key: a ``jax.random`` key for stochastic rounding and the Hadamard signs; may be None only when
+      ``config.needs_key`` is False. Same key, same bits; use a fresh key per step.
+    config: a ``MatmulConfig`` (``MatmulConfig.nvfp4()`` is NVIDIA's recipe, ``.bf16()`` plain).
+
+  Returns:
+    ``[..., N]`` in ``x``'s dtype (f32 accumulation). Gradients come back in ``x``'s and ``w``'s
+    dtypes. With every GEMM unquantized and no Hadamard, value and gradients equal those of
+    ``jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)``.
+
+  Raises:
+    ValueError: shapes that disagree, K/N/M not a multiple of 16 where a GEMM needs it (M only for
+      the wgrad), non-float inputs, or a missing key.
+  """
+  x, w = jnp.asarray(x), jnp.asarray(w)
+  _check(x, w, key, config)
+  x_MxK = x.reshape(-1, w.shape[0])
+  y = _matmul(x_MxK, w, key, config, x.dtype, w.dtype)
+  return y.reshape(*x.shape[:-1], w.shape[1])
+
+
+def nvfp4_matmul_reference(x, w, *, key=None, config: MatmulConfig) -> jax.Array:
+  """Forward reference: the same quantized operands dequantized to f32, one HIGHEST-precision f32 dot.
+
+  Args/Returns as ``nvfp4_matmul`` (no custom gradient: use ``nvfp4_matmul_vjp_reference``).
+  """
+  x, w = jnp.asarray(x), jnp.asarray(w)
+  _check(x, w, key, config)
+  keys = _keys(key, config)
+  x_MxK = x.reshape(-1, w.shape[0])
+  if config.fwd:
+    a, b = quantize_x(x_MxK, keys, config).dequantize(_F32), quantize_w(w, keys, config).dequantize(_F32)
+    y = jnp.dot(a, b, precision=_HIGHEST)
+  else:
+    y = _fdot(x_MxK, w.astype(x.dtype), _NN)
+  return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[1])
+
+
+def nvfp4_matmul_vjp_reference(x, w, dy, *, key=None, config: MatmulConfig):
+  """Backward reference ``(dx, dw)`` for cotangent ``dy``, from dequantized operands in f32.
+
+  Uses the same keys as ``nvfp4_matmul``, hence the same quantized values (and the same
+  forward-quantized ``Q(w)`` in the dgrad).
+
+  Returns:
+    ``dx`` like ``x``, ``dw`` like ``w``.
+  """
+  x, w, dy = jnp.asarray(x), jnp.asarray(w), jnp.asarray(dy)
+  _check(x, w, key, config)
+  keys = _keys(key, config)
+  x_MxK, dy_MxN = x.reshape(-1, w.shape[0]), dy.reshape(-1, w.shape[1]).astype(x.dtype)
+  deq = lambda t: t.dequantize(_F32)
+  if config.dgrad:
+    dx = jnp.dot(deq(quantize_dy_dgrad(dy_MxN, keys, config)), deq(quantize_w(w, keys, config)).T,
+                 precision=_HIGHEST)
+  else:
+    dx = _fdot(dy_MxN, w.astype(x.dtype), _NT)
+  if config.wgrad:
+    dw = jnp.dot(deq(quantize_x_wgrad(x_MxK, keys, config)).T, deq(quantize_dy_wgrad(dy_MxN, keys, config)),
+                 precision=_HIGHEST)
+  elif config.hadamard:
+    dw = jnp.dot(wgrad_operand(x_MxK, keys).T, wgrad_operand(dy_MxN, keys), precision=_HIGHEST)
+  else:
+    dw = _fdot(x_MxK, dy_MxN, _TN).astype(x.dtype)
+  return dx.astype(x.dtype).reshape(x.shape), dw.astype(w.dtype)

@@ -1,0 +1,229 @@
+"""fp4jax.ops.nvfp4_matmul: GEMMs against the dequantized reference, the bf16 path, SR, reuse, errors.
+
+Compilation dominates on the 2-core CPU, so the checks share a few jitted functions of one shape
+(M = K = N = 32, the token axis as [2, 16]): one for the NVIDIA recipe with its references, one
+called over many keys for the all-stochastic config.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax import nvfp4
+from fp4jax.ops import (
+  MatmulConfig,
+  nvfp4_matmul,
+  nvfp4_matmul_reference,
+  nvfp4_matmul_vjp_reference,
+)
+
+M0, M1, K, N = 2, 16, 32, 32
+NVFP4 = MatmulConfig.nvfp4()
+# Every operand stochastically rounded: each GEMM is then unbiased for the *exact* product.
+ALL_SR = MatmulConfig.nvfp4(x_rounding="stochastic", w_rounding="stochastic", x_wgrad_rounding="stochastic")
+N_KEYS = 128
+
+
+def _data(dtype=jnp.float32, seed=0):
+  kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(kx, (M0, M1, K), jnp.float32).astype(dtype)
+  w = jax.random.normal(kw, (K, N), jnp.float32) * 0.2
+  dy = jax.random.normal(kd, (M0, M1, N), jnp.float32).astype(dtype)
+  return x, w, dy
+
+
+def _vjp(x, w, dy, key, config):
+  y, vjp = jax.vjp(lambda x, w: nvfp4_matmul(x, w, key=key, config=config), x, w)
+  return (y, *vjp(dy))
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _with_refs(x, w, dy, key, config):
+  """(op outputs, dequantized-reference outputs, op on x flattened to 2-D, f32 exact outputs)."""
+  op = _vjp(x, w, dy, key, config)
+  ref = (nvfp4_matmul_reference(x, w, key=key, config=config),
+         *nvfp4_matmul_vjp_reference(x, w, dy, key=key, config=config))
+  flat = _vjp(x.reshape(-1, K), w, dy.reshape(-1, N), key, config)
+  exact = _vjp(x, w, dy, None, MatmulConfig.bf16())
+  return op, ref, flat, exact
+
+
+_jit_vjp = jax.jit(_vjp, static_argnames="config")
+
+
+def _over_keys(x, w, dy, keys, config):
+  """Stacked outputs for each key (a Python loop: vmap's compile is 3x slower than the loop's run)."""
+  outs = [_jit_vjp(x, w, dy, k, config=config) for k in keys]
+  return tuple(jnp.stack(o) for o in zip(*outs))
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _bits_equal(a, b):
+  return np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_config_presets_validation_and_hashing():
+  assert not MatmulConfig.bf16().quantized and not MatmulConfig.bf16().needs_key
+  assert NVFP4.quantized and NVFP4.needs_key and NVFP4 == MatmulConfig()
+  assert MatmulConfig.bf16(hadamard=True).needs_key  # Hadamard signs are random
+  no_random = MatmulConfig.nvfp4(dy_dgrad_rounding="nearest", dy_wgrad_rounding="nearest", hadamard=False)
+  assert no_random.quantized and not no_random.needs_key
+  # A stochastic rounding of an operand whose GEMM is off draws no bits.
+  assert not MatmulConfig.bf16(dy_dgrad_rounding="stochastic", x_rounding="stochastic").needs_key
+  assert hash(MatmulConfig.nvfp4(hadamard=False)) == hash(MatmulConfig(hadamard=False))
+  with pytest.raises(ValueError, match="x_rounding"):
+    MatmulConfig(x_rounding="up")
+  with pytest.raises(ValueError, match="fwd must be a bool"):
+    MatmulConfig(fwd=1)
+
+
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_bf16_config_equals_jnp_dot_and_its_gradient_exactly(x_dtype):
+  x, w, dy = _data(x_dtype)
+  dot = lambda x, w: jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+  @jax.jit
+  def both(x, w, dy):
+    y0, vjp0 = jax.vjp(dot, x, w)
+    return _vjp(x, w, dy, None, MatmulConfig.bf16()), (y0, *vjp0(dy))
+
+  got, want = both(x, w, dy)
+  for g, r in zip(got, want):
+    assert g.dtype == r.dtype and g.shape == r.shape
+    assert _bits_equal(g, r)
+
+
+def test_gemms_match_dequantized_reference_tightly():
+  """Same quantized operands in f32: only summation order and scale placement differ (≈ K·eps)."""
+  x, w, dy = _data()
+  op, ref, flat, _ = _with_refs(x, w, dy, jax.random.key(7), NVFP4)
+  for name, o, r in zip(("y", "dx", "dw"), op, ref):
+    assert o.shape == r.shape and o.dtype == r.dtype, name
+    np.testing.assert_allclose(o, r, rtol=2e-6, atol=2e-6 * float(jnp.abs(r).max()), err_msg=name)
+  # Leading dims are only a reshape of the token axis.
+  for o, f in zip(op, flat):
+    assert _bits_equal(o.reshape(f.shape), f)
+
+
+def test_error_against_bf16_is_within_documented_bound():
+  """NVFP4 recipe vs the unquantized product: relative error 0.05–0.3 per GEMM output (Gaussian data).
+
+  One NVFP4 operand has ≈ 0.1 relative RMS error; two operands (plus SR on dy) give ≈ 0.13–0.2.
+  The lower bound proves quantization happened at all.
+  """
+  x, w, dy = _data()
+  op, _, _, exact = _with_refs(x, w, dy, jax.random.key(7), NVFP4)
+  for name, o, e in zip(("y", "dx", "dw"), op, exact):
+    assert 0.05 < _rel(o, e) < 0.3, (name, _rel(o, e))
+
+
+def test_same_key_same_bits_other_key_other_bits():
+  x, w, dy = _data()
+  a = _with_refs(x, w, dy, jax.random.key(7), NVFP4)[0]
+  b = _with_refs(x, w, dy, jax.random.key(7), NVFP4)[0]
+  c = _with_refs(x, w, dy, jax.random.key(8), NVFP4)[0]
+  assert all(_bits_equal(u, v) for u, v in zip(a, b))
+  assert _bits_equal(a[0], c[0])  # the forward is round-to-nearest: no randomness
+  assert not _bits_equal(a[1], c[1]) and not _bits_equal(a[2], c[2])  # SR / Hadamard draw new bits
+
+
+def test_stochastic_rounding_makes_every_gemm_unbiased():
+  """Mean over keys converges to the exact product at the 1/sqrt(n) rate; one draw is far off."""
+  x, w, dy = _data()
+  n = N_KEYS
+  y, dx, dw = _over_keys(x, w, dy, jax.random.split(jax.random.key(3), n), ALL_SR)
+  exact = _with_refs(x, w, dy, jax.random.key(0), NVFP4)[3]
+  for name, s, e in zip(("y", "dx", "dw"), (y, dx, dw), exact):
+    one = _rel(s[0], e)
+    mean = _rel(s.mean(0), e)
+    assert one > 0.05, name
+    assert mean < 2.5 * one / np.sqrt(n), (name, one, mean)  # ≈ one/sqrt(n) if unbiased
+
+
+@pytest.mark.parametrize("w_rounding", ["nearest", "stochastic"])
+def test_forward_and_dgrad_use_bit_identical_weight_values(w_rounding):
+  """x = I and dy = I make y = Q(w)·s and dx = Q(w)ᵀ·s with the same scalar s: equal iff one Q(w)."""
+  _, w, _ = _data()
+  eye = jnp.eye(K, dtype=jnp.float32).reshape(M0, M1, K)
+  if w_rounding == "nearest":
+    y, dx, _ = _with_refs(eye, w, eye, jax.random.key(11), NVFP4)[0]
+    y, dx = y[None], dx[None]
+  else:  # every key draws another Q(w); forward and dgrad must follow it together
+    y, dx, _ = _over_keys(eye, w, eye, jax.random.split(jax.random.key(11), 8), ALL_SR)
+  y, dx = y.reshape(-1, K, N), dx.reshape(-1, K, N)
+  assert _bits_equal(y, dx.transpose(0, 2, 1))
+  if w_rounding == "nearest":
+    deq = jax.jit(lambda w: nvfp4.quantize(w, block=(16, 16)).dequantize())(w)
+    np.testing.assert_allclose(y[0], deq, rtol=1e-6)
+  else:
+    assert not _bits_equal(y[0], y[1])
+
+
+def test_hadamard_cancels_in_the_unquantized_wgrad():
+  x, w, dy = _data()
+  cfg = MatmulConfig.bf16(hadamard=True)
+  f = jax.jit(lambda x, w, dy, k: (_vjp(x, w, dy, k, cfg), _vjp(x, w, dy, None, MatmulConfig.bf16())))
+  (y, dx, dw), (y0, dx0, dw0) = f(x, w, dy, jax.random.key(5))
+  assert _bits_equal(y, y0) and _bits_equal(dx, dx0)
+  np.testing.assert_allclose(dw, dw0, rtol=1e-5, atol=1e-5 * float(jnp.abs(dw0).max()))
+  assert not _bits_equal(dw, dw0)  # H was applied (and only changed the f32 rounding)
+
+
+def test_residuals_are_packed_nvfp4():
+  """The backward keeps Q(w) and Q(H·x) packed (uint8 codes + e4m3 scales), no float copy of x or w."""
+  x, w, _ = _data(jnp.bfloat16)
+  vjp_fn = jax.eval_shape(lambda x, w: jax.vjp(
+      lambda x, w: nvfp4_matmul(x, w, key=jax.random.key(0), config=NVFP4), x, w)[1], x, w)
+  leaves = [(tuple(l.shape), l.dtype) for l in jax.tree.leaves(vjp_fn)]
+  assert ((K, N // 2), jnp.uint8) in leaves and ((M0 * M1 // 2, K), jnp.uint8) in leaves
+  floats = [s for s, d in leaves if jnp.issubdtype(d, jnp.floating) and d != jnp.float8_e4m3fn]
+  assert all(np.prod(s) <= 1 for s in floats), leaves  # only the two global scales
+
+
+def test_jit_equals_no_jit():
+  x, w, dy = _data(jnp.bfloat16)
+  key = jax.random.key(9)
+  eager = _vjp(x, w, dy, key, NVFP4)
+  jitted = _jit_vjp(x, w, dy, key, config=NVFP4)
+  assert [a.dtype for a in eager] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
+  for e, j in zip(eager, jitted):
+    assert _bits_equal(e, j)
+
+
+def test_odd_shapes_are_fine_where_nothing_is_quantized():
+  x, w = jnp.ones((3, 10), jnp.float32), jnp.ones((10, 7), jnp.float32)
+  y = nvfp4_matmul(x, w, config=MatmulConfig.bf16())
+  np.testing.assert_array_equal(y, np.full((3, 7), 10.0))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,config,match", [
+    ((32, 32), (16, 32), NVFP4, "disagree on K"),
+    ((32, 32), (32, 32, 1), NVFP4, "w must be 2-D"),
+    ((32, 24), (24, 32), NVFP4, r"K \(contraction of the forward\) = 24 is not a multiple of 16"),
+    ((32, 32), (32, 40), NVFP4, r"N \(16x16 weight tiles\) = 40"),
+    ((2, 12, 32), (32, 32), NVFP4, "M = tokens .* = 24 is not a multiple of 16"),
+    ((24, 32), (32, 32), MatmulConfig.bf16(hadamard=True), "M = tokens"),
+    ((24, 32), (32, 32), MatmulConfig.bf16(wgrad=True), "M = tokens"),
+])
+def test_bad_shapes_raise_clear_errors(x_shape, w_shape, config, match):
+  with pytest.raises(ValueError, match=match):
+    nvfp4_matmul(jnp.ones(x_shape), jnp.ones(w_shape), key=jax.random.key(0), config=config)
+
+
+def test_bad_arguments_raise_clear_errors():
+  x, w = jnp.ones((32, 32)), jnp.ones((32, 32))
+  with pytest.raises(ValueError, match="needs `key`"):
+    nvfp4_matmul(x, w, config=NVFP4)
+  with pytest.raises(ValueError, match="needs `key`"):
+    nvfp4_matmul_vjp_reference(x, w, x, config=NVFP4)
+  with pytest.raises(ValueError, match="config must be a MatmulConfig"):
+    nvfp4_matmul(x, w, config="nvfp4")
+  with pytest.raises(ValueError, match="x must be a floating-point array"):
+    nvfp4_matmul(jnp.ones((32, 32), jnp.int32), w, config=MatmulConfig.bf16())
