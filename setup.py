@@ -8,8 +8,11 @@ setup(
     description="Full-stack NVFP4 (4-bit) LLM pretraining in JAX: linear layers, optimizer states, "
     "Newton-Schulz and attention",
     python_requires=">=3.12",
-    packages=find_packages(include=["fp4jax", "fp4jax.*", "kernels", "kernels.*", "experiments",
-                                    "experiments.*"]),
+    # kernels/ (Pallas GPU kernels) installs as fp4jax.kernels; fp4jax/__init__.py maps it the same
+    # way when the package is used from a source tree without installing.
+    packages=find_packages(include=["fp4jax", "fp4jax.*", "experiments", "experiments.*"])
+    + ["fp4jax.kernels"],
+    package_dir={"fp4jax.kernels": "kernels"},
     install_requires=[
         "jax>=0.11.2,<0.12",
         "jaxlib>=0.11.2,<0.12",
@@ -21,9 +24,12 @@ setup(
         "grain>=0.2.18,<0.3",
         "ml_dtypes>=0.5",
         "numpy>=2.0",
+        "tensorboardX>=2.6",
+        "rich>=13",
     ],
     extras_require={
-        "test": ["pytest>=8", "nbformat>=5.10", "nbclient>=0.10", "ipykernel>=6", "matplotlib>=3.8",
+        "bpe": ["tokenizers>=0.23"],
+        "test": ["tokenizers>=0.23", "pytest>=8", "nbformat>=5.10", "nbclient>=0.10", "ipykernel>=6", "matplotlib>=3.8",
                  "ruff>=0.6"],
         "notebooks": ["matplotlib>=3.8", "jupyter"],
     },

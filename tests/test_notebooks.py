@@ -1,0 +1,22 @@
+"""Executes every notebook under notebooks/ on the CPU; a failing cell fails the test."""
+
+import os
+import pathlib
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs(path, tmp_path):
+  nb = nbformat.read(path, as_version=4)
+  env_root = str(path.parent.parent)
+  os.environ["PYTHONPATH"] = env_root + os.pathsep + os.environ.get("PYTHONPATH", "")
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["MPLBACKEND"] = "Agg"
+  NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+  errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+  assert not errors
