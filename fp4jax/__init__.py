@@ -24,6 +24,7 @@ def _map_source_kernels():
   module = _ilu.module_from_spec(spec)
   _sys.modules["fp4jax.kernels"] = module
   spec.loader.exec_module(module)
+  globals()["kernels"] = module
 
 
 _map_source_kernels()
