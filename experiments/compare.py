@@ -21,11 +21,13 @@ from ml_collections import config_flags
 
 from experiments import train as launcher
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "parent run directory")
-_RECIPES = flags.DEFINE_list("recipes", ["bf16", "fp4_linear"],
-                             "recipes to compare; the first is the reference")
+
+
+def define_flags() -> None:
+  config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
+  flags.DEFINE_string("workdir", None, "parent run directory")
+  flags.DEFINE_list("recipes", ["bf16", "fp4_linear"],
+                    "recipes to compare; the first is the reference")
 
 
 def run_summary(workdir: str | Path, tail: float = 0.1) -> dict:
@@ -94,17 +96,19 @@ def compare(cfg, recipes: list[str], workdir: str | Path) -> dict[str, dict]:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _WORKDIR.value is None:
+  fl = flags.FLAGS
+  if fl.workdir is None:
     raise app.UsageError("--workdir is required")
-  results = compare(_CONFIG.value, _RECIPES.value, _WORKDIR.value)
+  results = compare(fl.config, fl.recipes, fl.workdir)
   table = gap_table(results)
-  workdir = Path(_WORKDIR.value)
+  workdir = Path(fl.workdir)
   (workdir / "gap_table.md").write_text(table + "\n")
   (workdir / "gap_table.json").write_text(json.dumps(results, indent=1))
-  print(f"\nLoss gap to {_RECIPES.value[0]} ({_CONFIG.value.name}, {_CONFIG.value.steps} steps, "
-        f"seed {_CONFIG.value.seed}):\n")
+  print(f"\nLoss gap to {fl.recipes[0]} ({fl.config.name}, {fl.config.steps} steps, "
+        f"seed {fl.config.seed}):\n")
   print(table)
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

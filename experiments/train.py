@@ -23,10 +23,14 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file[:recipe]",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "run directory (metrics, checkpoints)")
-_DISTRIBUTED = flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() first")
+
+
+def define_flags() -> None:
+  """The launcher's flags (defined only when run as a program, so the module imports cleanly)."""
+  config_flags.DEFINE_config_file("config", None, "experiment config file[:recipe]",
+                                  lock_config=True)
+  flags.DEFINE_string("workdir", None, "run directory (metrics, checkpoints)")
+  flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() first")
 
 
 def from_config(cfg, vocab_size: int | None = None):
@@ -85,6 +89,8 @@ def run(cfg, workdir: str | os.PathLike) -> dict:
 
   from fp4jax import data
   from fp4jax.train import train
+  from fp4jax.recipe import get_recipe
+  get_recipe(cfg.recipe).check_available()  # fail before preparing data
   data_dir, meta = prepare_data(cfg)
   model_cfg, recipe, opt_cfg, train_cfg = from_config(cfg, meta.vocab_size)
   recipe.check_available()
@@ -105,14 +111,15 @@ def run(cfg, workdir: str | os.PathLike) -> dict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _WORKDIR.value is None:
+  if flags.FLAGS.workdir is None:
     raise app.UsageError("--workdir is required")
-  if _DISTRIBUTED.value:
+  if flags.FLAGS.distributed:
     import jax
     jax.distributed.initialize()
-  summary = run(_CONFIG.value, _WORKDIR.value)
+  summary = run(flags.FLAGS.config, flags.FLAGS.workdir)
   print(json.dumps(summary))
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -195,6 +195,8 @@ def init_state(model_cfg: ModelConfig, recipe: Recipe, tx: optax.GradientTransfo
   params = jax.jit(make_params, out_shardings=p_sh)(init_key)
   o_sh = state_sharding(jax.eval_shape(tx.init, params), p_sh, rep)
   opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+  # Read back from the arrays: state_sharding puts a sharding where the state has an empty node.
+  o_sh = jax.tree.map(lambda x: x.sharding, opt_state)
   state = {"step": jax.device_put(jnp.zeros((), jnp.int32), rep), "params": params,
            "opt_state": opt_state,
            "rng": jax.device_put(jax.random.key_data(jax.random.fold_in(key, 2)), rep)}
@@ -250,7 +252,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
     new_state = {"step": step + 1, "params": optax.apply_updates(params, updates),
                  "opt_state": opt_state, "rng": state["rng"]}
     lr = schedule(step) if schedule is not None else jnp.nan
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                "lr": jnp.asarray(lr, jnp.float32)}
     return new_state, metrics
 
@@ -319,7 +321,8 @@ class TrainConfig:
     seq_len: tokens per example.
     grad_accum: micro-batches per update.
     seed: parameter init / step RNG seed.
-    log_every: write metrics every this many steps (also at eval steps and the last step).
+    log_every: write metrics every this many steps (also at the first step of a run, at eval
+      steps and at the last step).
     eval_every: evaluate on the held-out split every this many steps (0: only at the end).
     eval_batches: batches per evaluation.
     checkpoint_every: save every this many steps (0: only at the end); saves are async.
@@ -424,7 +427,7 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
           f"run stopped there. Last good checkpoint: step {ckpt.latest_step()} in "
           f"{ckpt.directory}")
     summary.update(step=n, loss=vals["loss"])
-    if not (n % tc.log_every == 0 or is_eval(n) or n == tc.steps):
+    if not (n % tc.log_every == 0 or is_eval(n) or n == tc.steps or n == start + 1):
       return
     if timer["steps"] and n > start + 1:
       dt = (time.perf_counter() - timer["t"]) / timer["steps"]

@@ -1,0 +1,285 @@
+"""fp4jax.train, checkpoints, metrics and the experiments launcher (CPU, tiny model, real text).
+
+The text is CPython's own documentation (``pydoc_data.topics``, shipped with every Python), cut
+into documents and tokenized byte-level by ``fp4jax.data.prepare``: real English, no network.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax import data
+from fp4jax import sharding as shd
+from fp4jax.checkpoint import IncompatibleCheckpointError
+from fp4jax.metrics import read_jsonl
+from fp4jax.model import ModelConfig
+from fp4jax.recipe import get_recipe
+from fp4jax.train import (NonFiniteLossError, OptimizerConfig, TrainConfig, global_batch,
+                          init_state, jit_steps, loss_fn, make_optimizer, make_schedule, train)
+
+T, B = 32, 8
+MODEL = ModelConfig(vocab_size=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                    dtype="float32")
+OPT = OptimizerConfig(learning_rate=3e-3, warmup_steps=5)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write_text(folder: Path, n_docs: int) -> Path:
+  import pydoc_data.topics
+  folder.mkdir(parents=True, exist_ok=True)
+  for i, (name, body) in enumerate(sorted(pydoc_data.topics.topics.items())[:n_docs]):
+    (folder / f"{i:03d}-{name}.txt").write_text(body)
+  return folder
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+  return _write_text(tmp_path_factory.mktemp("text"), 40)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, text_dir):
+  out = tmp_path_factory.mktemp("tokens") / "pydoc-byte"
+  data.prepare(str(text_dir), out, tokenizer="byte")
+  return str(out)
+
+
+def _iters(data_dir, batch=B):
+  it = data.make_iterator(data_dir, "train", T, batch, seed=0)
+  ev = lambda: data.make_iterator(data_dir, "validation", T, batch)  # noqa: E731
+  return it, ev
+
+
+def _losses(workdir, key="loss"):
+  rows = {r["step"]: r for r in read_jsonl(Path(workdir) / "metrics.jsonl")}
+  return {s: r[key] for s, r in sorted(rows.items()) if key in r}
+
+
+def test_loss_falls_on_real_text(data_dir, tmp_path):
+  it, ev = _iters(data_dir)
+  tc = TrainConfig(steps=30, batch_size=B, seq_len=T, log_every=5, eval_every=15, eval_batches=2,
+                   mesh_shape=(1, 1, 1), progress=False)
+  s = train(MODEL, get_recipe("bf16"), OPT, tc, tmp_path, it, ev)
+  losses = _losses(tmp_path)
+  assert list(losses) == [1, 5, 10, 15, 20, 25, 30]
+  assert losses[1] == pytest.approx(math.log(MODEL.vocab_size), abs=0.2)
+  assert losses[30] < losses[1] - 1.5  # byte-level text: 5.6 -> ~3 nats in 30 steps
+  evals = _losses(tmp_path, "eval_loss")
+  assert list(evals) == [15, 30] and evals[30] < evals[15] < losses[1]
+  row = {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl")}[30]
+  for k in ("grad_norm", "lr", "tokens_per_s", "step_time_s", "tokens"):
+    assert k in row and row[k] > 0
+  assert "mfu" not in row  # CPU: no known peak
+  assert s["step"] == 30 and s["loss"] == losses[30] and s["eval_loss"] == evals[30]
+  assert list((tmp_path / "tb").glob("events.out.tfevents.*"))  # TensorBoard event file
+  assert (tmp_path / "checkpoints" / "30").is_dir()  # final checkpoint
+
+
+def test_sharded_2x2x2_equals_single_device(data_dir):
+  assert jax.device_count() == 8
+  batch_np = next(data.make_iterator(data_dir, "train", T, B, seed=1))
+  tx = make_optimizer(OPT, get_recipe("bf16"), 10)
+  sched = make_schedule(OPT, 10)
+  out = {}
+  for shape in ((1, 1, 1), (2, 2, 2)):
+    mesh = shd.make_mesh(shape)
+    graphdef, state, shardings = init_state(MODEL, get_recipe("bf16"), tx, mesh, seed=0)
+    batch = global_batch(batch_np, mesh)
+    key = jax.random.key(0)
+    grad_fn = jax.jit(jax.grad(lambda p, b: loss_fn(graphdef, p, b["inputs"], b["targets"],
+                                                    key)))
+    grads = grad_fn(state["params"], batch)
+    step, _ = jit_steps(graphdef, tx, sched, shardings, mesh)
+    state, metrics = step(state, batch)
+    out[shape] = jax.device_get((metrics, grads, state["params"]))
+    if shape == (2, 2, 2):
+      qkv = state["params"]["block0"]["attn"]["qkv"]["kernel"]
+      assert qkv.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+      assert len(qkv.sharding.device_set) == 8
+  (m1, g1, p1), (m8, g8, p8) = out[(1, 1, 1)], out[(2, 2, 2)]
+  assert m1["loss"] == pytest.approx(m8["loss"], rel=1e-6)
+  assert m1["grad_norm"] == pytest.approx(m8["grad_norm"], rel=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), g1, g8)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p1, p8)
+
+
+class _Preempted(Exception):
+  pass
+
+
+class _StopAfter:
+  """Iterator wrapper that dies after ``n`` batches (a preemption)."""
+
+  def __init__(self, it, n):
+    self.it, self.n = it, n
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self.n == 0:
+      raise _Preempted()
+    self.n -= 1
+    return next(self.it)
+
+  def get_state(self):
+    return self.it.get_state()
+
+  def set_state(self, state):
+    self.it.set_state(state)
+
+
+def test_resume_reproduces_uninterrupted_run(data_dir, tmp_path):
+  tc = TrainConfig(steps=10, batch_size=B, seq_len=T, log_every=1, checkpoint_every=4,
+                   mesh_shape=(1, 1, 1), progress=False, tensorboard=False)
+  recipe = get_recipe("bf16")
+  it, _ = _iters(data_dir)
+  full = train(MODEL, recipe, OPT, tc, tmp_path / "full", it)
+  it, _ = _iters(data_dir)
+  with pytest.raises(_Preempted):  # dies after 6 steps; the last checkpoint is step 4
+    train(MODEL, recipe, OPT, tc, tmp_path / "resumed", _StopAfter(it, 6))
+  assert _losses(tmp_path / "resumed")[6] > 0  # steps 5, 6 ran, then were lost
+  it, _ = _iters(data_dir)  # a fresh iterator: its position comes from the checkpoint
+  resumed = train(MODEL, recipe, OPT, tc, tmp_path / "resumed", it)
+  a, b = _losses(tmp_path / "full"), _losses(tmp_path / "resumed")
+  assert list(a) == list(b) == list(range(1, 11))
+  for s in range(1, 11):  # steps 5..10 were recomputed after the restore
+    assert a[s] == pytest.approx(b[s], rel=1e-6, abs=0), s
+  assert full["loss"] == resumed["loss"] and resumed["step"] == 10
+  # Restoring into another model is a clear error.
+  other = ModelConfig(**{**MODEL.__dict__, "d_model": 32})
+  with pytest.raises(IncompatibleCheckpointError, match="model.d_model: checkpoint 64, this run 32"):
+    train(other, recipe, OPT, tc, tmp_path / "resumed", *_iters(data_dir))
+  with pytest.raises(IncompatibleCheckpointError, match="recipe.linear"):
+    train(MODEL, get_recipe("fp4_linear"), OPT, tc, tmp_path / "resumed", *_iters(data_dir))
+
+
+class _PoisonAt:
+  """Batches from ``it``; batch ``n`` (1-based) gets an out-of-vocabulary id (-> NaN loss)."""
+
+  def __init__(self, it, n, bad_id):
+    self.it, self.n, self.bad_id, self.i = it, n, bad_id, 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.i += 1
+    b = dict(next(self.it))
+    if self.i == self.n:
+      b["inputs"] = b["inputs"].copy()
+      b["inputs"][0, 0] = self.bad_id
+    return b
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
+  tc = TrainConfig(steps=10, batch_size=B, seq_len=T, log_every=1, checkpoint_every=2,
+                   mesh_shape=(1, 1, 1), progress=False, tensorboard=False)
+  it, _ = _iters(data_dir)
+  with pytest.raises(NonFiniteLossError, match="at step 5.*Last good checkpoint: step 4"):
+    train(MODEL, get_recipe("bf16"), OPT, tc, tmp_path, _PoisonAt(it, 5, 10_000))
+  steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+  assert steps == [2, 4]
+  rows = read_jsonl(tmp_path / "metrics.jsonl")
+  assert rows[-1]["step"] == 5 and rows[-1]["loss"] == "nan"
+
+
+def test_grad_accumulation_matches_full_batch(data_dir):
+  batch_np = next(data.make_iterator(data_dir, "train", T, B, seed=2))
+  mesh = shd.make_mesh((1, 1, 1))
+  tx = make_optimizer(OPT, get_recipe("bf16"), 10)
+  res = []
+  for accum in (1, 4):
+    graphdef, state, sh = init_state(MODEL, get_recipe("bf16"), tx, mesh, seed=0)
+    step, _ = jit_steps(graphdef, tx, None, sh, mesh, grad_accum=accum)
+    _, m = step(state, global_batch(batch_np, mesh))
+    res.append(jax.device_get(m))
+  assert res[0]["loss"] == pytest.approx(res[1]["loss"], rel=1e-5)
+  assert res[0]["grad_norm"] == pytest.approx(res[1]["grad_norm"], rel=1e-4)
+
+
+def test_schedules():
+  cos = make_schedule(OptimizerConfig(learning_rate=1.0, warmup_steps=10, min_lr_ratio=0.1), 100)
+  assert float(cos(0)) == 0 and float(cos(10)) == pytest.approx(1.0)
+  assert float(cos(100)) == pytest.approx(0.1, abs=1e-6)
+  wsd = make_schedule(OptimizerConfig(learning_rate=1.0, warmup_steps=10, schedule="wsd",
+                                      decay_fraction=0.2, min_lr_ratio=0.0), 100)
+  assert [float(wsd(s)) for s in (5, 10, 50, 80)] == pytest.approx([0.5, 1, 1, 1])
+  assert float(wsd(90)) == pytest.approx(0.5) and float(wsd(100)) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: TrainConfig(steps=0, batch_size=8, seq_len=32), "steps=0"),
+    (lambda: TrainConfig(steps=1, batch_size=6, seq_len=32, grad_accum=4), "not divisible"),
+    (lambda: OptimizerConfig(schedule="linear"), "schedule='linear'"),
+    (lambda: OptimizerConfig(name="sgd"), "name='sgd'"),
+    (lambda: OptimizerConfig(learning_rate=0.0), "learning_rate"),
+])
+def test_config_errors(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_data_errors(data_dir):
+  meta = data.read_meta(data_dir)
+  with pytest.raises(ValueError, match="vocab_size=128 is smaller"):
+    data.check_compat(meta, 128)
+  mesh = shd.make_mesh((2, 2, 2))
+  bad = {"inputs": np.zeros((6, T), np.int32), "targets": np.zeros((6, T), np.int32)}
+  with pytest.raises(ValueError, match="global batch size 6 is not divisible by the 4 devices"):
+    global_batch(bad, mesh)
+
+
+def test_launcher_cli_writes_metrics(tmp_path):
+  text_dir = _write_text(tmp_path / "text", 20)
+  cmd = [sys.executable, "-m", "experiments.train", "--config=experiments/configs/tiny.py",
+         f"--workdir={tmp_path / 'run'}", "--config.steps=4", "--config.log_every=2",
+         "--config.eval_every=4", "--config.eval_batches=1", "--config.model.d_model=32",
+         "--config.model.n_layers=1", "--config.batch_size=4", "--config.seq_len=16",
+         "--config.mesh_shape=(1,1,1)", f"--config.data.corpus={text_dir}",
+         f"--config.data.dir={tmp_path / 'tokens'}", "--config.progress=False"]
+  r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+  assert [row["step"] for row in rows] == [1, 2, 4]
+  assert all("loss" in row for row in rows) and "eval_loss" in rows[-1]
+  cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+  assert cfg["config"]["steps"] == 4 and cfg["vocab_size"] == 384  # 257 rounded up to 128
+  bad = subprocess.run(cmd[:4] + ["--config.no_such_field=1"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+  assert bad.returncode != 0 and "no_such_field" in bad.stderr
+
+
+def test_compare_table_and_unavailable_recipe(tmp_path):
+  from experiments import compare
+  from experiments.configs import tiny
+  cfg = tiny.get_config()
+  results = compare.compare(cfg, ["fp4_full_stack"], tmp_path)
+  assert results == {"fp4_full_stack": {"status": "not available yet"}}
+  table = compare.gap_table({
+      "bf16": {"status": "ok", "step": 10, "train_loss": 2.0, "eval_loss": 2.5, "step_time_s": 1},
+      "fp4_linear": {"status": "ok", "step": 10, "train_loss": 2.02, "eval_loss": 2.55,
+                     "step_time_s": 3},
+      "fp4_full_stack": {"status": "not available yet"}})
+  lines = table.splitlines()
+  assert "| fp4_linear | 10 | 2.0200 | +1.00 | 2.5500 | +2.00 | 3 |" in lines
+  assert "| bf16 | 10 | 2.0000 | +0.00 | 2.5000 | +0.00 | 1 |" in lines
+  assert any(line.startswith("| fp4_full_stack | not available yet") for line in lines)
+
+
+def test_init_state_is_deterministic_and_sharded():
+  mesh = shd.make_mesh((1, 4, 2))
+  tx = make_optimizer(OPT, get_recipe("bf16"), 10)
+  _, s1, sh = init_state(MODEL, get_recipe("bf16"), tx, mesh, seed=3)
+  _, s2, _ = init_state(MODEL, get_recipe("bf16"), tx, mesh, seed=3)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), s1["params"], s2["params"])
+  mu = s1["opt_state"][1][0].mu["block0"]["mlp"]["down"]["kernel"]
+  assert mu.sharding.spec == sh["params"]["block0"]["mlp"]["down"]["kernel"].spec
+  assert int(s1["step"]) == 0 and s1["rng"].dtype == jnp.uint32
