@@ -122,6 +122,50 @@ def param_shardings(params, mesh: Mesh, dims: dict[str, tuple[int, int]] | None 
   return jax.tree_util.tree_map_with_path(one, params)
 
 
+def _dict_keys(path) -> tuple:
+  return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+  """``spec`` for an array of ``shape``: axes that do not divide their dimension are dropped."""
+  if len(spec) > len(shape):
+    return P()
+  out = []
+  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    size = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+    out.append(axes if names and dim % size == 0 else None)
+  return P(*out)
+
+
+def state_shardings(abstract_state, params_shardings, mesh: Mesh):
+  """Shardings of an optimizer state that follow the parameters' (ZeRO-style).
+
+  A leaf whose dict-key path is a parameter's path (optax moments ``mu`` / ``nu``, and the packed
+  ``codes`` / ``scales`` of an NVFP4 moment) takes that parameter's PartitionSpec, minus the
+  axes its own shape does not divide; every other leaf (counts, global scales) is replicated.
+
+  Args:
+    abstract_state: the state or its ``jax.eval_shape``.
+    params_shardings: pytree of ``NamedSharding`` keyed like the parameters (pure dicts).
+    mesh: the mesh.
+
+  Returns:
+    A pytree of ``NamedSharding`` with the structure of ``abstract_state``.
+  """
+  by_path = {_dict_keys(path): s.spec for path, s in
+             jax.tree_util.tree_flatten_with_path(params_shardings)[0]}
+
+  def one(path, x):
+    spec = by_path.get(_dict_keys(path))
+    shape = tuple(getattr(x, "shape", ()))
+    if spec is None or len(shape) != len(spec) and len(spec) != 0:
+      return NamedSharding(mesh, P())
+    return NamedSharding(mesh, fit_spec(spec, shape, mesh))
+
+  return jax.tree_util.tree_map_with_path(one, abstract_state)
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
   """Sharding of a (B, T, ...) batch: B over (data, fsdp)."""
   return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))

@@ -138,7 +138,7 @@ def make_optimizer(cfg: OptimizerConfig, recipe: Recipe, total_steps: int,
   if cfg.name == "adamw":
     if recipe.optimizer_states == "nvfp4":
       tx = optim.adamw_nvfp4(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, mask=_decay_mask)
+                             weight_decay=cfg.weight_decay, mask=_decay_mask, seed=seed)
     else:
       tx = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                        mask=_decay_mask)
@@ -188,15 +188,12 @@ def init_state(model_cfg: ModelConfig, recipe: Recipe, tx: optax.GradientTransfo
     model = Transformer(model_cfg, recipe, rngs=nnx.Rngs(params=key))
     return nnx.to_pure_dict(nnx.state(model))
 
-  from fp4jax.optim import state_sharding
   key = jax.random.key(seed)
   # rbg bits for the initializers only: threefry's normal() compiles slowly on CPU.
   init_key = jax.random.key(seed, impl="unsafe_rbg")
   params = jax.jit(make_params, out_shardings=p_sh)(init_key)
-  o_sh = state_sharding(jax.eval_shape(tx.init, params), p_sh, rep)
+  o_sh = shd.state_shardings(jax.eval_shape(tx.init, params), p_sh, mesh)
   opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
-  # Read back from the arrays: state_sharding puts a sharding where the state has an empty node.
-  o_sh = jax.tree.map(lambda x: x.sharding, opt_state)
   state = {"step": jax.device_put(jnp.zeros((), jnp.int32), rep), "params": params,
            "opt_state": opt_state,
            "rng": jax.device_put(jax.random.key_data(jax.random.fold_in(key, 2)), rep)}

@@ -283,3 +283,38 @@ def test_init_state_is_deterministic_and_sharded():
   mu = s1["opt_state"][1][0].mu["block0"]["mlp"]["down"]["kernel"]
   assert mu.sharding.spec == sh["params"]["block0"]["mlp"]["down"]["kernel"].spec
   assert int(s1["step"]) == 0 and s1["rng"].dtype == jnp.uint32
+
+
+def test_checkpoint_roundtrip_with_packed_nvfp4_optimizer_states(data_dir, tmp_path):
+  from fp4jax.checkpoint import Checkpointer
+  from fp4jax.nvfp4 import NVFP4Tensor
+  recipe = get_recipe("bf16", optimizer_states="nvfp4")
+  mesh = shd.make_mesh((1, 2, 2))
+  tx = make_optimizer(OPT, recipe, 10)
+  graphdef, state, sh = init_state(MODEL, recipe, tx, mesh, seed=0)
+  step, _ = jit_steps(graphdef, tx, None, sh, mesh)
+  it = data.make_iterator(data_dir, "train", T, B, seed=0)
+  for _ in range(2):
+    state, _ = step(state, global_batch(next(it), mesh))
+  packed = [x for x in jax.tree.leaves(state["opt_state"], is_leaf=lambda x: isinstance(
+      x, NVFP4Tensor)) if isinstance(x, NVFP4Tensor)]
+  assert packed and packed[0].codes.dtype == jnp.uint8
+  ckpt = Checkpointer(tmp_path, every=1)
+  ckpt.save(2, state, it, {"run": "a"})
+  ckpt.wait()
+  saved = jax.device_get(state)
+  nxt = next(it)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          state, sh)
+  it2 = data.make_iterator(data_dir, "train", T, B, seed=0)
+  n, restored = Checkpointer(tmp_path, every=1).restore(abstract, it2, {"run": "a"})
+  assert n == 2
+  jax.tree.map(lambda a, b: (a.dtype == b.dtype and a.tobytes() == b.tobytes()) or pytest.fail(
+      f"{a.dtype} {b.dtype}"), saved, jax.device_get(restored))  # bit-exact, every dtype
+  np.testing.assert_array_equal(next(it2)["inputs"], nxt["inputs"])  # data position restored
+  _, m1 = step(state, global_batch(nxt, mesh))
+  _, m2 = step(restored, global_batch(nxt, mesh))
+  assert float(m1["loss"]) == float(m2["loss"])
+  with pytest.raises(IncompatibleCheckpointError, match="run: checkpoint 'a', this run 'b'"):
+    Checkpointer(tmp_path, every=1).restore(abstract, None, {"run": "b"})
+  ckpt.close()
