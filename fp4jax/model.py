@@ -47,6 +47,9 @@ class ModelConfig:
     norm_eps: RMSNorm epsilon.
     dtype: compute dtype of activations and matmul operands ("bfloat16" or "float32").
     init_std: standard deviation of the projection and embedding initializers.
+    scan_layers: apply each run of consecutive same-precision blocks with one ``lax.scan``
+      (one compiled block instead of L; same parameters and numerics).
+    remat: rematerialize each block's activations in the backward pass (saves memory).
   """
 
   vocab_size: int
@@ -61,6 +64,8 @@ class ModelConfig:
   norm_eps: float = 1e-6
   dtype: str = "bfloat16"
   init_std: float = 0.02
+  scan_layers: bool = True
+  remat: bool = False
 
   def __post_init__(self):
     for f in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -284,6 +289,16 @@ class Transformer(nnx.Module):
     self.lm_head = Dense(cfg.d_model, cfg.vocab_size, dtype=cfg.compute_dtype,
                          std=cfg.init_std, rngs=rngs)
 
+  def _segments(self) -> list[tuple[int, int]]:
+    """Runs ``[start, stop)`` of consecutive blocks with the same projection precision."""
+    kinds = [_block_precision(getattr(self, f"block{i}")) for i in range(self.n_blocks)]
+    runs, start = [], 0
+    for i in range(1, self.n_blocks + 1):
+      if i == self.n_blocks or kinds[i] != kinds[start]:
+        runs.append((start, i))
+        start = i
+    return runs
+
   def __call__(self, tokens_BxT, *, key=None):
     """Logits for next-token prediction.
 
@@ -299,11 +314,51 @@ class Transformer(nnx.Module):
       key = jax.random.key(0)
     cfg = self.cfg
     x_BxTxD = jnp.take(self.embed.embedding[...], tokens_BxT, axis=0).astype(cfg.compute_dtype)
-    for i in range(self.n_blocks):
-      x_BxTxD = getattr(self, f"block{i}")(x_BxTxD, jax.random.fold_in(key, i))
+    for start, stop in self._segments():
+      blocks = [getattr(self, f"block{i}") for i in range(start, stop)]
+      if stop - start == 1 or not cfg.scan_layers:
+        for i, block in zip(range(start, stop), blocks, strict=True):
+          x_BxTxD = _maybe_remat(block, cfg.remat)(x_BxTxD, jax.random.fold_in(key, i))
+        continue
+      x_BxTxD = _scan_blocks(blocks, x_BxTxD, key, start, cfg.remat)
     x_BxTxD = self.final_norm(x_BxTxD)
     return jnp.dot(x_BxTxD, self.lm_head.kernel[...].astype(cfg.compute_dtype),
                    preferred_element_type=jnp.float32)
+
+
+def _block_precision(block: Block) -> str:
+  proj = block.mlp.down
+  if isinstance(proj, Dense):
+    return "bf16" if proj.matmul_config is None else "nvfp4"
+  return type(proj).__name__
+
+
+def _maybe_remat(block: Block, remat: bool):
+  if not remat:
+    return block
+  graphdef, state = nnx.split(block)
+  apply = jax.checkpoint(lambda x, k, st: nnx.merge(graphdef, st)(x, k))
+  return lambda x, k: apply(x, k, state)
+
+
+def _scan_blocks(blocks: list[Block], x_BxTxD, key, start: int, remat: bool):
+  """Applies identical blocks with one ``lax.scan`` over their stacked parameters.
+
+  The compiled program holds one block instead of L (compile time, especially for the NVFP4
+  ops); parameters keep their per-block names and the stacking is differentiated through.
+  """
+  graphdef, state0 = nnx.split(blocks[0])
+  states = [state0] + [nnx.split(b)[1] for b in blocks[1:]]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+  def body(x, inputs):
+    st, i = inputs
+    return nnx.merge(graphdef, st)(x, jax.random.fold_in(key, i)), None
+
+  if remat:
+    body = jax.checkpoint(body)
+  x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, (stacked, start + jnp.arange(len(blocks))))
+  return x_BxTxD
 
 
 def cross_entropy(logits_BxTxV, targets_BxT, mask_BxT=None):

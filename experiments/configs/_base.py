@@ -23,7 +23,9 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
       n_kv_heads=config_dict.placeholder(int),  # None: n_heads (no GQA)
       head_dim=config_dict.placeholder(int),    # None: d_model // n_heads
       d_ff=config_dict.placeholder(int),        # None: ~8/3 d_model, a multiple of 16
-      qk_norm=True, rope_theta=10000.0, dtype="bfloat16", init_std=0.02))
+      qk_norm=True, rope_theta=10000.0, dtype="bfloat16", init_std=0.02,
+      scan_layers=True,  # one lax.scan per run of same-precision blocks (fast compile)
+      remat=False))      # rematerialize block activations in the backward (less memory)
   c.data = ml_collections.ConfigDict(dict(
       corpus="shakespeare",   # built-in corpus name or a folder of .txt files
       tokenizer="byte",       # byte | bpe | path of a tokenizer.json

@@ -1,0 +1,143 @@
+r"""Train-step throughput of the 125m model: bf16 vs fp4_linear (tokens/s, MFU, step-time ratio).
+
+  python benchmarks/train_step.py                       # GPU: 125m, seq 1024, batch 64, synthetic
+  python benchmarks/train_step.py --tiny                # CPU check of the script (seconds)
+  python benchmarks/train_step.py --data=<data dir>     # real tokens from `fp4jax.data prepare`
+  python benchmarks/train_step.py --batch=32 --seq=2048 --recipes=bf16 --remat
+
+The model is ``experiments/configs/125m.py`` (d=768, 12 blocks, vocab 32768; ``--tiny``: d=64,
+2 blocks). Each recipe's full jitted train step (forward, backward, AdamW update, donated state)
+runs ``--warmup`` untimed steps after compilation, then ``--steps`` timed steps on batches
+already on the device. MFU = (6·N + 12·L·T·D_attn)·tokens/s / (peak · devices), N without the
+embedding table, peak the dense bf16 figure of ``fp4jax.metrics.PEAK_FLOPS`` (H200: 989 TFLOP/s);
+no MFU on CPU. Prints one table last; exits non-zero if a recipe fails or its loss is not finite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from fp4jax import sharding as shd  # noqa: E402
+from fp4jax.metrics import peak_flops  # noqa: E402
+from fp4jax.model import ModelConfig  # noqa: E402
+from fp4jax.recipe import get_recipe  # noqa: E402
+from fp4jax.train import (OptimizerConfig, global_batch, init_state, jit_steps,  # noqa: E402
+                          make_optimizer, make_schedule)
+
+
+def model_config(tiny: bool, vocab_size: int | None, remat: bool) -> ModelConfig:
+  if tiny:
+    return ModelConfig(vocab_size=vocab_size or 384, d_model=64, n_layers=2, n_heads=4,
+                       remat=remat)
+  path = REPO / "experiments" / "configs" / "125m.py"
+  spec = importlib.util.spec_from_file_location("config_125m", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  m = dict(mod.get_config().model)
+  m["vocab_size"] = m["vocab_size"] or vocab_size or 32768
+  m["remat"] = remat or m["remat"]
+  return ModelConfig(**m)
+
+
+def batches(args, vocab_size: int, mesh, n: int) -> list[dict]:
+  if args.data:
+    from fp4jax import data
+    it = data.make_iterator(args.data, "train", args.seq, args.batch, seed=0)
+    host = [next(it) for _ in range(n)]
+  else:
+    rng = np.random.default_rng(0)
+    host = []
+    for _ in range(n):
+      toks = rng.integers(0, vocab_size, (args.batch, args.seq + 1), dtype=np.int32)
+      host.append({"inputs": toks[:, :-1], "targets": toks[:, 1:]})
+  return [global_batch(b, mesh) for b in host]
+
+
+def bench(name: str, cfg: ModelConfig, args, mesh, data: list[dict]) -> dict:
+  recipe = get_recipe(name)
+  opt = OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
+  tx = make_optimizer(opt, recipe, 1000)
+  graphdef, state, shardings = init_state(cfg, recipe, tx, mesh)
+  step, _ = jit_steps(graphdef, tx, make_schedule(opt, 1000), shardings, mesh)
+  t0 = time.perf_counter()
+  state, m = step(state, data[0])
+  loss0 = float(m["loss"])
+  compile_s = time.perf_counter() - t0
+  for i in range(args.warmup):
+    state, m = step(state, data[(i + 1) % len(data)])
+  jax.block_until_ready(m)
+  t0 = time.perf_counter()
+  for i in range(args.steps):
+    state, m = step(state, data[i % len(data)])
+  loss = float(m["loss"])  # waits for the last step
+  dt = (time.perf_counter() - t0) / args.steps
+  tokens = args.batch * args.seq
+  peak = peak_flops(mesh.devices.flat[0])
+  mfu = cfg.flops_per_token(args.seq) * tokens / dt / (peak * mesh.devices.size) if peak else None
+  return {"recipe": name, "step_ms": dt * 1e3, "tokens_per_s": tokens / dt, "mfu": mfu,
+          "compile_s": compile_s, "loss0": loss0, "loss": loss,
+          "ok": math.isfinite(loss) and math.isfinite(loss0)}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--tiny", action="store_true", help="tiny model and shapes (CPU check)")
+  p.add_argument("--recipes", default="bf16,fp4_linear")
+  p.add_argument("--batch", type=int, default=None, help="global batch (default 64; tiny 8)")
+  p.add_argument("--seq", type=int, default=None, help="sequence length (default 1024; tiny 64)")
+  p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; tiny 3)")
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--data", default=None, help="data dir from `python -m fp4jax.data prepare`")
+  p.add_argument("--remat", action="store_true", help="rematerialize blocks (less memory)")
+  p.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor sizes")
+  args = p.parse_args(argv)
+  args.batch = args.batch or (8 if args.tiny else 64)
+  args.seq = args.seq or (64 if args.tiny else 1024)
+  args.steps = args.steps or (3 if args.tiny else 10)
+  vocab = None
+  if args.data:
+    from fp4jax import data
+    vocab = -(-data.read_meta(args.data).vocab_size // 128) * 128
+  cfg = model_config(args.tiny, vocab, args.remat)
+  mesh = shd.make_mesh(tuple(int(s) for s in args.mesh.split(",")))
+  dev = mesh.devices.flat[0]
+  print(f"device: {mesh.devices.size} x {dev.device_kind} ({dev.platform}); model d={cfg.d_model} "
+        f"L={cfg.n_layers} V={cfg.vocab_size} N={cfg.num_params() / 1e6:.1f}M; batch {args.batch}"
+        f" x seq {args.seq}; {'data ' + args.data if args.data else 'synthetic tokens'}",
+        flush=True)
+  data = batches(args, cfg.vocab_size, mesh, max(2, min(args.steps, 4)))
+  rows = []
+  for name in args.recipes.split(","):
+    try:
+      rows.append(bench(name, cfg, args, mesh, data))
+    except Exception as e:  # report and go on with the other recipes
+      print(f"{name}: FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
+      rows.append({"recipe": name, "ok": False})
+    print(rows[-1], flush=True)
+  ref = rows[0].get("step_ms")
+  print(f"\n| recipe | step ms | tokens/s | MFU | step time / {rows[0]['recipe']} | compile s |"
+        "\n|---|---:|---:|---:|---:|---:|")
+  for r in rows:
+    if "step_ms" not in r:
+      print(f"| {r['recipe']} | failed | | | | |")
+      continue
+    mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "–"
+    ratio = f"{r['step_ms'] / ref:.2f}" if ref else "–"
+    print(f"| {r['recipe']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} | {ratio} | "
+          f"{r['compile_s']:.1f} |")
+  return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
