@@ -124,26 +124,18 @@ def projection_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 class Dense(nnx.Module):
-  """A projection with a float32 master ``kernel`` (in, out).
+  """The BF16 projection: float32 master ``kernel`` (in, out), a plain matmul in ``dtype`` with
+  float32 accumulation (no custom_vjp, so XLA fuses freely; the baseline of every comparison)."""
 
-  With ``matmul_config=None`` it is a plain matmul in ``dtype`` with float32 accumulation (the BF16
-  baseline); otherwise ``fp4jax.ops.nvfp4_matmul`` with that config (forward, dgrad and wgrad
-  GEMMs in NVFP4 as the config says), which needs a fresh ``key`` per step.
-  """
-
-  def __init__(self, in_features: int, out_features: int, *, dtype, std: float, rngs: nnx.Rngs,
-               matmul_config=None):
+  def __init__(self, in_features: int, out_features: int, *, dtype, std: float, rngs: nnx.Rngs):
     self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (in_features, out_features)))
     self.dtype = dtype
-    self.matmul_config = matmul_config
 
   def __call__(self, x, key=None):
-    x = x.astype(self.dtype)
-    if self.matmul_config is None:
-      y = jnp.dot(x, self.kernel[...].astype(self.dtype), preferred_element_type=jnp.float32)
-      return y.astype(self.dtype)
-    from fp4jax import ops
-    return ops.nvfp4_matmul(x, self.kernel[...], key=key, config=self.matmul_config)
+    del key  # deterministic; the argument keeps one call signature for every precision
+    y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype),
+                preferred_element_type=jnp.float32)
+    return y.astype(self.dtype)
 
 
 class Embed(nnx.Module):
@@ -181,17 +173,21 @@ def make_projection(in_features: int, out_features: int, precision: str, recipe:
     rngs: parameter RNGs.
 
   Returns:
-    A module called as ``layer(x, key=k)``.
+    A module called as ``layer(x, key=k)``: ``Dense`` (bf16), ``fp4jax.layers.Fp4Dense`` (nvfp4:
+    NVIDIA's recipe, ``MatmulConfig.nvfp4()``) or ``fp4jax.layers.LoraSvdDense`` (nvfp4_lorasvd:
+    NVFP4 residual + bf16 rank-``recipe.lora_rank`` branch split from the initial weight's SVD).
   """
   if precision == "bf16":
     return Dense(in_features, out_features, dtype=cfg.compute_dtype, std=std, rngs=rngs)
-  from fp4jax import ops  # imported here so that the bf16 path never needs the NVFP4 ops
+  # Imported here so that the bf16 path never needs the NVFP4 ops.
+  from fp4jax import layers, ops
+  init = nnx.initializers.normal(std)
   if precision == "nvfp4":
-    return Dense(in_features, out_features, dtype=cfg.compute_dtype, std=std, rngs=rngs,
-                 matmul_config=ops.MatmulConfig.nvfp4())
-  from fp4jax import layers
+    return layers.Fp4Dense(in_features, out_features, config=ops.MatmulConfig.nvfp4(), rngs=rngs,
+                           kernel_init=init, dtype=cfg.compute_dtype)
   return layers.LoraSvdDense(in_features, out_features, rank=recipe.lora_rank,
-                             config=ops.MatmulConfig.nvfp4(), rngs=rngs)
+                             config=ops.MatmulConfig.nvfp4(), rngs=rngs, kernel_init=init,
+                             dtype=cfg.compute_dtype)
 
 
 def rope(x_BxTxNxH, positions_T, theta: float):
@@ -327,10 +323,7 @@ class Transformer(nnx.Module):
 
 
 def _block_precision(block: Block) -> str:
-  proj = block.mlp.down
-  if isinstance(proj, Dense):
-    return "bf16" if proj.matmul_config is None else "nvfp4"
-  return type(proj).__name__
+  return type(block.mlp.down).__name__
 
 
 def _maybe_remat(block: Block, remat: bool):

@@ -91,7 +91,7 @@ class Recipe:
     """
     needs = []
     if self.linear == "nvfp4":
-      needs.append(("linear='nvfp4'", "fp4jax.ops", "nvfp4_matmul"))
+      needs.append(("linear='nvfp4'", "fp4jax.layers", "Fp4Dense"))
     if self.linear == "nvfp4_lorasvd":
       needs.append(("linear='nvfp4_lorasvd'", "fp4jax.layers", "LoraSvdDense"))
     if self.attention == "nvfp4":

@@ -8,6 +8,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from fp4jax import sharding as shd
+from fp4jax.layers import Fp4Dense, LoraSvdDense
+from fp4jax.ops import MatmulConfig
 from fp4jax.model import (Dense, ModelConfig, Transformer, cross_entropy, projection_dims, rope)
 from fp4jax.recipe import Recipe, RecipeNotAvailableError, get_recipe
 
@@ -89,11 +91,15 @@ def test_qk_norm_option():
 def test_recipe_places_precision_per_block():
   cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=4, n_heads=4)
   m = _model(cfg, Recipe(linear="nvfp4", bf16_first_blocks=1, bf16_last_blocks=1))
-  confs = [getattr(m, f"block{i}").mlp.down.matmul_config for i in range(4)]
-  assert confs[0] is None and confs[3] is None
-  assert confs[1] is not None and confs[1].quantized and confs[2].quantized
-  assert m.lm_head.matmul_config is None  # LM head stays high precision
-  assert isinstance(m.block1.attn.qkv, Dense) and m.block1.attn.qkv.matmul_config.quantized
+  kinds = [type(getattr(m, f"block{i}").mlp.down) for i in range(4)]
+  assert kinds == [Dense, Fp4Dense, Fp4Dense, Dense]
+  assert m.block1.attn.qkv.config == MatmulConfig.nvfp4() and m.block2.attn.o.config.quantized
+  assert isinstance(m.lm_head, Dense)  # LM head stays high precision
+  lora = _model(cfg, Recipe(linear="nvfp4_lorasvd", lora_rank=8, bf16_last_blocks=1))
+  assert isinstance(lora.block0.mlp.gate_up, LoraSvdDense) and isinstance(lora.block3.mlp.down,
+                                                                           Dense)
+  assert lora.block0.mlp.gate_up.lora_a.shape == (64, 8)
+  assert lora.block0.mlp.gate_up.lora_b.shape == (8, 2 * cfg.ff)
 
 
 def test_nvfp4_forward_is_close_to_bf16_with_same_weights():
@@ -179,3 +185,17 @@ def test_segments_follow_exempt_blocks():
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=5, n_heads=2)
   m = _model(cfg, Recipe(linear="nvfp4", bf16_first_blocks=1, bf16_last_blocks=2))
   assert m._segments() == [(0, 1), (1, 3), (3, 5)]
+
+
+def test_lorasvd_model_shards_low_rank_factors_and_runs():
+  cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, dtype="float32")
+  m = _model(cfg, Recipe(linear="nvfp4_lorasvd", lora_rank=4))
+  g, p = nnx.split(m)
+  params = nnx.to_pure_dict(p)
+  sh = shd.param_shardings(params, shd.make_mesh((1, 4, 2)), projection_dims(cfg))
+  gu = sh["block0"]["mlp"]["gate_up"]
+  assert (gu["kernel"].spec, gu["lora_a"].spec, gu["lora_b"].spec) == (
+      P("fsdp", "tensor"), P("fsdp", None), P(None, "tensor"))
+  tokens = jax.random.randint(jax.random.key(7), (1, 16), 0, 64)
+  logits = jax.jit(lambda p, t, k: nnx.merge(g, p)(t, key=k))(p, tokens, jax.random.key(0))
+  assert logits.shape == (1, 16, 64) and np.isfinite(np.asarray(logits)).all()

@@ -67,10 +67,12 @@ def test_attention_nvfp4_is_not_available_yet():
 
 def test_missing_module_raises_not_available(monkeypatch):
   monkeypatch.setattr(recipe_lib, "_has", lambda module, name: False)
-  with pytest.raises(RecipeNotAvailableError, match="linear='nvfp4'.*fp4jax.ops.nvfp4_matmul"):
+  with pytest.raises(RecipeNotAvailableError, match="linear='nvfp4'.*fp4jax.layers.Fp4Dense"):
     get_recipe("fp4_linear").check_available()
   assert get_recipe("bf16").check_available() == get_recipe("bf16")  # bf16 needs nothing
 
 
 def test_available_modules_pass():
   assert get_recipe("fp4_linear").check_available().linear == "nvfp4"
+  assert get_recipe("fp4_linear_lorasvd").check_available().linear == "nvfp4_lorasvd"
+  assert get_recipe("bf16", optimizer_states="nvfp4").check_available()

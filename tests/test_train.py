@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from fp4jax import data
 from fp4jax import sharding as shd
@@ -283,13 +284,23 @@ def test_init_state_is_deterministic_and_sharded():
   mu = s1["opt_state"][1][0].mu["block0"]["mlp"]["down"]["kernel"]
   assert mu.sharding.spec == sh["params"]["block0"]["mlp"]["down"]["kernel"].spec
   assert int(s1["step"]) == 0 and s1["rng"].dtype == jnp.uint32
+  # Packed NVFP4 moments follow their parameter's sharding where their own shape divides.
+  from fp4jax.nvfp4 import NVFP4Tensor
+  tx4 = make_optimizer(OPT, get_recipe("bf16", optimizer_states="nvfp4"), 10)
+  abstract = jax.eval_shape(tx4.init, s1["params"])
+  o_sh = shd.state_shardings(abstract, sh["params"], mesh)
+  mu = o_sh[1][0].mu
+  qkv, head = mu["block0"]["attn"]["qkv"]["kernel"], mu["lm_head"]["kernel"]
+  assert isinstance(qkv, NVFP4Tensor)
+  assert qkv.codes.spec == P("fsdp", "tensor") and qkv.global_scale.spec == P()
+  assert head.scales.spec == P("fsdp", None)  # 272 / 16 = 17 scale columns: not over 2
 
 
 def test_checkpoint_roundtrip_with_packed_nvfp4_optimizer_states(data_dir, tmp_path):
   from fp4jax.checkpoint import Checkpointer
   from fp4jax.nvfp4 import NVFP4Tensor
   recipe = get_recipe("bf16", optimizer_states="nvfp4")
-  mesh = shd.make_mesh((1, 2, 2))
+  mesh = shd.make_mesh((1, 1, 1))
   tx = make_optimizer(OPT, recipe, 10)
   graphdef, state, sh = init_state(MODEL, recipe, tx, mesh, seed=0)
   step, _ = jit_steps(graphdef, tx, None, sh, mesh)
