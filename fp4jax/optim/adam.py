@@ -4,12 +4,11 @@ One update dequantizes the moments, runs Adam's arithmetic in float32 on the fre
 current gradient enters the update unquantized), and requantizes them:
 
   m  = b1 * m_old + (1 - b1) * g                  m_old = dequantize(mu)
-  v  = b2 * v_old + (1 - b2) * g²                 v_old = max(dequantize(nu), zero_floor) ** (1/p)
+  v  = b2 * v_old + (1 - b2) * g²                 v_old = from_stored(max(dequantize(nu), zero_floor))
   u  = m_hat / (sqrt(v_hat + eps_root) + eps),    clipped to Adam's own bound |u| <= B_t
-  mu = quantize(m),  nu = quantize(v ** p)        1×16 blocks, stochastic rounding by default
+  mu = quantize(m),  nu = quantize(to_stored(v))  1×16 blocks, stochastic rounding by default
 
-The second moment is stored as ``v ** p`` with ``p = nu_power = 1/2`` (the Adam denominator √v
-itself), chosen by measurement (``benchmarks/optim_states.py``; numbers in benchmarks/RESULTS.md):
+The second moment is stored as √v (``nu_transform="sqrt"``, the Adam denominator itself), chosen by measurement (``benchmarks/optim_states.py``; numbers in benchmarks/RESULTS.md):
 √v halves v's log-range so the E4M3 block scales cover it, and its relative error maps 1:1 onto the
 update. Two guards make a moment that quantizes to zero harmless:
 
@@ -26,6 +25,7 @@ arithmetic unchanged, and with ``quantize=False`` the transform equals optax's b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -73,10 +73,11 @@ def scale_by_adam_nvfp4(
     nesterov: bool = False,
     quantize: bool = True,
     min_size: int = DEFAULT_MIN_SIZE,
-    rounding: str = "stochastic",
-    nu_power: float = 0.5,
+    rounding: str | tuple[str, str] = "stochastic",
+    nu_transform: str | tuple[Callable, Callable] = "sqrt",
     zero_guard: bool = True,
     clip_update: bool = True,
+    mu_storage: str = "direct",
     seed: int = 0,
 ) -> optax.GradientTransformation:
   """Adam's scaling (no learning rate) with m and a power of v stored as NVFP4.
@@ -90,10 +91,16 @@ def scale_by_adam_nvfp4(
     quantize: store moments as NVFP4 where the storage rule allows; ``False`` gives
       ``optax.scale_by_adam`` exactly.
     min_size: leaves with fewer elements stay float32 (see ``fp4jax.optim._common``).
-    rounding: ``"stochastic"`` (unbiased, keeps slowly decaying moments moving) or ``"nearest"``.
-    nu_power: the second moment is stored as ``v ** nu_power``: 0.5 (√v, default), 0.25 or 1.
-    zero_guard: read a stored 0 of ``v ** nu_power`` as its block's rounding threshold.
+    rounding: ``"stochastic"`` (unbiased, keeps slowly decaying moments moving) or ``"nearest"``;
+      a pair ``(mu_rounding, nu_rounding)`` sets them apart.
+    nu_transform: what is stored for the second moment: ``"sqrt"`` (√v, default), ``"quarter"``
+      (v^¼), ``"none"`` (v), or a pair of increasing maps ``(to_stored, from_stored)`` of float32
+      arrays (research hook: v >= 0 in, finite non-negative out).
+    zero_guard: read a stored code 0 of the second moment as its block's rounding threshold.
     clip_update: clip updates of NVFP4 leaves to ``adam_update_bound``.
+    mu_storage: ``"direct"`` stores m; ``"normalized"`` stores m / sqrt(v) of the just-stored v
+      (bounded by Adam's bound, so its 1×16 blocks are well conditioned) and reads m back as
+      ``stored * sqrt(v_stored)``.
     seed: stochastic rounding uses ``fold_in(key(seed), count)``: deterministic, nothing to store.
 
   Returns:
@@ -103,9 +110,14 @@ def scale_by_adam_nvfp4(
     Kingma & Ba, Adam, 2014; Li et al., Memory Efficient Optimizers with 4-bit States, 2023
     (the zero-point problem of the second moment).
   """
-  _common.check_common(min_size, rounding)
-  if nu_power not in (0.25, 0.5, 1.0):
-    raise ValueError(f"nu_power must be 0.25, 0.5 or 1.0, got {nu_power!r}")
+  mu_rounding, nu_rounding = (rounding, rounding) if isinstance(rounding, str) else rounding
+  _common.check_common(min_size, mu_rounding)
+  _common.check_common(min_size, nu_rounding)
+  to_stored, from_stored = _nu_maps(nu_transform)
+  stochastic = "stochastic" in (mu_rounding, nu_rounding)
+  if mu_storage not in ("direct", "normalized"):
+    raise ValueError(f"mu_storage must be 'direct' or 'normalized', got {mu_storage!r}")
+  normalized_mu = mu_storage == "normalized"
 
   def init_fn(params):
     zeros = lambda p: _common.zeros_state(p.shape, min_size, quantize)  # noqa: E731
@@ -129,12 +141,12 @@ def scale_by_adam_nvfp4(
     u_leaves = treedef.flatten_up_to(u32)
     mu_new, nu_new = treedef.flatten_up_to(mu32), treedef.flatten_up_to(nu32)
 
-    key = _common.step_key(seed, count_inc) if rounding == "stochastic" else None
-    bound = adam_update_bound(count_inc, b1, b2, nesterov=nesterov) if clip_update else None
-    for i, q in enumerate(quantized):
-      if q:
-        u_leaves[i], mu_new[i], nu_new[i] = _leaf_update(
-            i, g_leaves[i], mu_leaves[i], nu_leaves[i], count_inc, key, bound)
+    key = _common.step_key(seed, count_inc) if stochastic else None
+    q_idx = [i for i, q in enumerate(quantized) if q]
+    keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(quantized))]
+    leaf_fn = lambda g, m, v, k: _leaf_update(g, m, v, k, count_inc)  # noqa: E731
+    for i, out in _common.grouped_map(leaf_fn, q_idx, g_leaves, mu_leaves, nu_leaves, keys).items():
+      u_leaves[i], mu_new[i], nu_new[i] = out
     mu, nu = treedef.unflatten(mu_new), treedef.unflatten(nu_new)
     return treedef.unflatten(u_leaves), ScaleByAdamNvfp4State(count=count_inc, mu=mu, nu=nu)
 
@@ -147,21 +159,28 @@ def scale_by_adam_nvfp4(
                      mu_hat, nu_hat, is_leaf=lambda x: x is None)
     return u, mu, nu
 
-  def _leaf_update(i, g, mu_q, nu_q, count_inc, key, bound):
+  def _leaf_update(g, mu_q, nu_q, key, count_inc):
     g32 = g.astype(jnp.float32)
+    k_m, k_v = (None, None) if key is None else (jax.random.fold_in(key, 0),
+                                                 jax.random.fold_in(key, 1))
+    read_nu = _common.decode_guarded if zero_guard else _common.decode
+    v_old = from_stored(read_nu(nu_q))
     m_old = _common.decode(mu_q)
-    stored = _common.decode_guarded(nu_q) if zero_guard else _common.decode(nu_q)
+    if normalized_mu:  # mu holds m / sqrt(v) of the stored v
+      m_old = m_old * jnp.sqrt(v_old)
     m = (1.0 - b1) * g32 + b1 * m_old
-    v = (1.0 - b2) * (g32 * g32) + b2 * _from_power(stored, nu_power)
+    v = (1.0 - b2) * (g32 * g32) + b2 * v_old
     mu_hat = _bias_corrected_mu(m, g32, count_inc)
     nu_hat = optax.tree.bias_correction(v, b2, count_inc)
     u = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
-    if bound is not None:
+    if clip_update:
+      bound = adam_update_bound(count_inc, b1, b2, nesterov=nesterov)
       u = jnp.clip(u, -bound, bound)
-    k_m = _common.leaf_key(key, i, 0) if key is not None else None
-    k_v = _common.leaf_key(key, i, 1) if key is not None else None
-    mu_new = _common.encode(m, rounding, k_m)
-    nu_new = _common.encode(_to_power(v, nu_power), rounding, k_v)
+    nu_new = _common.encode(to_stored(v), nu_rounding, k_v)
+    if normalized_mu:
+      s_new = jnp.sqrt(from_stored(read_nu(nu_new)))
+      m = jnp.where(s_new > 0, m / jnp.where(s_new > 0, s_new, 1.0), 0.0)
+    mu_new = _common.encode(m, mu_rounding, k_m)
     return u.astype(g.dtype), mu_new, nu_new
 
   def _bias_corrected_mu(mu, g, count_inc):
@@ -175,18 +194,24 @@ def scale_by_adam_nvfp4(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _to_power(v, p):
-  if p == 1.0:
-    return v
-  s = jnp.sqrt(v)
-  return s if p == 0.5 else jnp.sqrt(s)
+_NU_TRANSFORMS = {
+    "sqrt": (jnp.sqrt, lambda s: s * s),
+    "quarter": (lambda v: jnp.sqrt(jnp.sqrt(v)), lambda q: (q * q) * (q * q)),
+    "none": (lambda v: v, lambda v: v),
+}
 
 
-def _from_power(x, p):
-  if p == 1.0:
-    return x
-  x2 = x * x
-  return x2 if p == 0.5 else x2 * x2
+def _nu_maps(nu_transform):
+  if isinstance(nu_transform, str):
+    if nu_transform not in _NU_TRANSFORMS:
+      raise ValueError(f"nu_transform must be one of {sorted(_NU_TRANSFORMS)} or a pair of "
+                       f"callables, got {nu_transform!r}")
+    return _NU_TRANSFORMS[nu_transform]
+  if (not isinstance(nu_transform, tuple) or len(nu_transform) != 2
+      or not all(callable(f) for f in nu_transform)):
+    raise ValueError(f"nu_transform must be a name or a pair (to_stored, from_stored), "
+                     f"got {nu_transform!r}")
+  return nu_transform
 
 
 def adamw_nvfp4(
@@ -208,7 +233,7 @@ def adamw_nvfp4(
     b1, b2, eps, eps_root, nesterov: as ``optax.adamw``.
     weight_decay: decoupled weight decay, multiplied by the learning rate.
     mask: which leaves get weight decay (pytree of bools or callable), as ``optax.adamw``.
-    **nvfp4_options: ``quantize``, ``min_size``, ``rounding``, ``nu_power``, ``zero_guard``,
+    **nvfp4_options: ``quantize``, ``min_size``, ``rounding``, ``nu_transform``, ``zero_guard``,
       ``clip_update``, ``seed`` of ``scale_by_adam_nvfp4``.
 
   Returns:

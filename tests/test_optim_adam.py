@@ -1,0 +1,204 @@
+"""fp4jax.optim.adamw_nvfp4: optax equality, storage rule, zero-moment safety, convergence, bytes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fp4jax import nvfp4, optim
+from fp4jax.optim import _common
+from fp4jax.optim.adam import adam_update_bound
+
+B1, B2 = 0.9, 0.95
+
+
+def _params():
+  # one NVFP4 leaf of each layout (last axis / first axis blocked) and float32 leaves
+  return {"w": jnp.ones((64, 64)) * 0.1, "head": jnp.ones((64, 72)) * 0.1,
+          "b": jnp.zeros((7,)), "norm": jnp.ones((64,))}
+
+
+def _grads(params, seed):
+  keys = jax.random.split(jax.random.key(seed), len(jax.tree.leaves(params)))
+  leaves, treedef = jax.tree.flatten(params)
+  return treedef.unflatten([jax.random.normal(k, p.shape) * 10.0 ** jax.random.uniform(
+      k, p.shape, minval=-4, maxval=0) for k, p in zip(keys, leaves)])
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_quantize_false_equals_optax_adamw_bit_for_bit(nesterov):
+  params = _params()
+  ours = optim.adamw_nvfp4(1e-2, B1, B2, 1e-8, weight_decay=0.1, nesterov=nesterov, quantize=False)
+  ref = optax.adamw(1e-2, b1=B1, b2=B2, eps=1e-8, weight_decay=0.1, nesterov=nesterov)
+  p1, p2, s1, s2 = params, params, ours.init(params), ref.init(params)
+  up1, up2 = jax.jit(ours.update), jax.jit(ref.update)
+  for step in range(3):
+    g = _grads(params, step)
+    u1, s1 = up1(g, s1, p1)
+    u2, s2 = up2(g, s2, p2)
+    p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+    jax.tree.map(np.testing.assert_array_equal, (u1, p1), (u2, p2))
+  jax.tree.map(np.testing.assert_array_equal, (s1[0].mu, s1[0].nu), (s2[0].mu, s2[0].nu))
+
+
+def test_storage_rule_and_abstract_init():
+  assert optim.stores_nvfp4((64, 64), 4096) and _common.block_axis((64, 64)) == 1
+  assert optim.stores_nvfp4((64, 72), 4096) and _common.block_axis((64, 72)) == 0
+  assert not optim.stores_nvfp4((63, 65), 0)  # no axis is a multiple of 16
+  assert not optim.stores_nvfp4((16, 16), 4096)  # tiny
+  tx = optim.scale_by_adam_nvfp4()
+  state = tx.init(_params())
+  assert isinstance(state.mu["w"], nvfp4.NVFP4Tensor) and state.mu["w"].axis == 1
+  assert isinstance(state.nu["head"], nvfp4.NVFP4Tensor) and state.nu["head"].axis == 0
+  assert state.mu["b"].dtype == jnp.float32 and state.nu["norm"].shape == (64,)
+  # zero state == quantize(zeros), and init works on ShapeDtypeStructs
+  ref = jax.jit(lambda z: nvfp4.quantize(z, axis=0))(jnp.zeros((64, 72)))
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.mu["head"]),
+               jax.tree.map(np.asarray, ref))
+  abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), _params())
+  assert jax.tree.structure(tx.init(abstract)) == jax.tree.structure(state)
+
+
+def test_state_bytes_per_param_gpt2_small():
+  d, layers, vocab = 768, 12, 50257
+  shapes = {"wte": (vocab, d), "wpe": (1024, d), "ln_f": {"g": (d,), "b": (d,)}}
+  for i in range(layers):
+    shapes[f"h{i}"] = {"ln1": {"g": (d,), "b": (d,)}, "ln2": {"g": (d,), "b": (d,)},
+                       "attn": {"w": (d, 3 * d), "b": (3 * d,)}, "proj": {"w": (d, d), "b": (d,)},
+                       "fc": {"w": (d, 4 * d), "b": (4 * d,)}, "out": {"w": (4 * d, d), "b": (d,)}}
+  params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes,
+                        is_leaf=lambda x: isinstance(x, tuple))
+  n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+  assert 124e6 < n < 125e6
+  ours = optim.state_nbytes(jax.eval_shape(optim.adamw_nvfp4(1e-3).init, params)) / n
+  ref = optim.state_nbytes(jax.eval_shape(optax.adamw(1e-3).init, params)) / n
+  assert ours <= 1.15, ours
+  assert abs(ref - 8.0) < 1e-3
+
+
+def test_zero_second_moment_never_explodes():
+  # √v of one block: one large entry, the rest flush to code 0; m is 1 everywhere; gradient 0.
+  sqrt_v = jnp.full((16, 64), 1e-3).at[:, ::16].set(1e3)
+  state = optim.ScaleByAdamNvfp4State(
+      count=jnp.asarray(10, jnp.int32), mu={"w": jax.jit(nvfp4.quantize)(jnp.ones((16, 64)))},
+      nu={"w": jax.jit(nvfp4.quantize)(sqrt_v)})
+  assert float(jnp.min(state.nu["w"].dequantize())) == 0.0  # the flush happened
+  g = {"w": jnp.zeros((16, 64))}
+  u_plain, _ = jax.jit(optim.scale_by_adam_nvfp4(B1, B2, min_size=0, zero_guard=False,
+                                                 clip_update=False).update)(g, state)
+  assert float(jnp.max(jnp.abs(u_plain["w"]))) > 1e6  # what the guards prevent
+  for kw in (dict(), dict(clip_update=False)):  # clip alone bounds by construction
+    u, _ = jax.jit(optim.scale_by_adam_nvfp4(B1, B2, min_size=0, **kw).update)(g, state)
+    assert float(jnp.max(jnp.abs(u["w"]))) <= float(adam_update_bound(11, B1, B2)) * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_update_bound_is_tight_for_exact_adam(nesterov):
+  t = 12
+  worst = (B1 / B2) ** np.arange(t)[::-1]  # |g_{t-k}| ∝ (b1/b2)^k attains Cauchy–Schwarz
+  for gs, tight in ((worst, not nesterov), (np.random.default_rng(0).uniform(0, 1, t), False)):
+    tx, state = optax.scale_by_adam(B1, B2, eps=0.0, nesterov=nesterov), None
+    state = tx.init(jnp.zeros(1))
+    for g in gs:
+      u, state = tx.update(jnp.asarray([g], jnp.float32), state)
+    bound = float(adam_update_bound(t, B1, B2, nesterov=nesterov))
+    assert float(u[0]) <= bound * (1 + 1e-5)
+    if tight:
+      assert float(u[0]) == pytest.approx(bound, rel=1e-5)
+  assert float(adam_update_bound(1, B1, B2)) == pytest.approx(1.0)
+
+
+def test_stochastic_rounding_lets_a_moment_decay():
+  # Each block's first entry keeps m constant (g = m); the others stop getting gradient and must
+  # decay like b1^t. Round-to-nearest re-rounds each decayed value back to its grid point.
+  x = jnp.tile(jnp.linspace(0.3, 1.0, 16), (16, 4)).at[:, ::16].set(1.0)
+  keep = jnp.zeros_like(x).at[:, ::16].set(1.0)
+  results = {}
+  for rounding in ("stochastic", "nearest"):
+    tx = optim.scale_by_adam_nvfp4(B1, B2, min_size=0, rounding=rounding, clip_update=False)
+    step = jax.jit(tx.update)
+    state = tx.init({"w": x})
+    _, state = step({"w": x}, state)
+    rest = lambda s: jnp.sum(jnp.abs(s.mu["w"].dequantize()) * (1 - keep))  # noqa: E731
+    start = float(rest(state))
+    for _ in range(25):
+      _, state = step({"w": keep * (1 - B1)}, state)
+    results[rounding] = float(rest(state)) / start
+  assert results["stochastic"] == pytest.approx(B1**25, rel=0.25)
+  assert results["nearest"] > 3 * B1**25
+
+
+def _train(tx, loss, params, steps):
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, value
+
+  first = None
+  for _ in range(steps):
+    params, state, value = step(params, state)
+    first = value if first is None else first
+  return float(first), float(loss(params))
+
+
+def test_converges_on_quadratic_and_regression():
+  key1, key2, key3 = jax.random.split(jax.random.key(0), 3)
+  target = jax.random.normal(key1, (32, 64))
+  scale = jnp.exp(jax.random.uniform(key2, (32, 64), minval=-3, maxval=3))  # ill-conditioned
+  quad = lambda p: jnp.sum(scale * (p["w"] - target) ** 2)  # noqa: E731
+  tx = optim.adamw_nvfp4(3e-2, weight_decay=0.0, min_size=0)
+  first, last = _train(tx, quad, {"w": jnp.zeros((32, 64))}, 300)
+  assert last < 1e-3 * first
+
+  x = jax.random.normal(key3, (256, 64))
+  w_true = jax.random.normal(key1, (64, 16))
+  y = x @ w_true
+  mse = lambda p: jnp.mean((x @ p["w"] + p["b"][None, :] - y) ** 2)  # noqa: E731
+  first, last = _train(tx, mse, {"w": jnp.zeros((64, 16)), "b": jnp.zeros((16,))}, 300)
+  assert last < 1e-3 * first
+
+
+def test_jit_equals_no_jit_and_state_structure_is_stable():
+  params = {"w": jnp.ones((16, 64)) * 0.1, "b": jnp.zeros((7,))}
+  tx = optim.adamw_nvfp4(1e-2, min_size=0)
+  state0 = tx.init(params)
+  g = _grads(params, 1)
+  u_eager, s_eager = tx.update(g, state0, params)
+  u_jit, s_jit = jax.jit(tx.update)(g, state0, params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), u_eager, u_jit)
+  codes = lambda s: [np.asarray(t.codes) for t in jax.tree.leaves(  # noqa: E731
+      s[0].mu, is_leaf=_common.is_nvfp4) if _common.is_nvfp4(t)]
+  for a, b in zip(codes(s_eager), codes(s_jit)):
+    assert np.mean(a != b) < 1e-3
+  spec = lambda s: jax.tree.map(lambda x: (x.shape, x.dtype), s)  # noqa: E731
+  assert spec(s_jit) == spec(state0)
+
+  @jax.jit
+  def maybe_step(pred, state):
+    return jax.lax.cond(pred, lambda s: tx.update(g, s, params)[1], lambda s: s, state)
+
+  s_skip, s_step = maybe_step(False, state0), maybe_step(True, state0)
+  assert spec(s_skip) == spec(s_step) == spec(state0)
+  assert int(s_step[0].count) == 1 and int(s_skip[0].count) == 0
+
+
+def test_stochastic_rounding_is_reproducible_from_seed():
+  params = {"w": jnp.zeros((16, 64))}
+  g = _grads(params, 3)
+  state = optim.scale_by_adam_nvfp4(min_size=0).init(params)
+  runs = [jax.jit(optim.scale_by_adam_nvfp4(min_size=0, seed=s).update)(g, state)[1].mu["w"].codes
+          for s in (0, 0, 1)]
+  np.testing.assert_array_equal(runs[0], runs[1])
+  assert np.any(np.asarray(runs[0]) != np.asarray(runs[2]))
+
+
+@pytest.mark.parametrize("kwargs", [dict(rounding="up"), dict(nu_transform="cube"),
+                                    dict(min_size=-1), dict(mu_storage="packed"),
+                                    dict(nu_transform=(jnp.sqrt,))])
+def test_bad_arguments_raise(kwargs):
+  with pytest.raises(ValueError):
+    optim.scale_by_adam_nvfp4(**kwargs)
