@@ -1,0 +1,258 @@
+"""Muon with NVFP4 Newton–Schulz and an optionally NVFP4-stored momentum.
+
+``scale_by_muon_nvfp4`` is ``optax.contrib.scale_by_muon`` (EMA momentum, bias correction,
+Nesterov blend, Newton–Schulz orthogonalization of each 2-D leaf) where the Newton–Schulz products
+take NVFP4 operands (``fp4jax.optim.ns``) and the momentum is stored as NVFP4 under the
+package's storage rule. ``muon_nvfp4`` routes 2-D weights to it and embeddings, the LM head and
+every non-2-D leaf to ``adamw_nvfp4``, like ``optax.contrib.muon``'s partition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fp4jax.optim import _common
+from fp4jax.optim._common import DEFAULT_MIN_SIZE
+from fp4jax.optim.adam import adamw_nvfp4
+from fp4jax.optim.ns import MUON_COEFFS, PRECISIONS, newton_schulz
+
+ADAM_NAMES = ("embed", "wte", "wpe", "lm_head", "unembed")
+
+
+class ScaleByMuonNvfp4State(NamedTuple):
+  """State of ``scale_by_muon_nvfp4``: per leaf an ``NVFP4Tensor`` or float32 momentum."""
+
+  count: jax.Array  # int32 scalar
+  mu: optax.Updates
+
+
+def scale_by_orthogonalized_momentum(
+    coeffs_for_shape: Callable[[tuple[int, int]], Sequence[float]],
+    ns_steps: int = 5,
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    *,
+    nesterov: bool = True,
+    ns_precision: str = "nvfp4",
+    quantize_mu: bool = True,
+    outlier_quantile: float | None = None,
+    min_size: int = DEFAULT_MIN_SIZE,
+    rounding: str = "stochastic",
+    seed: int = 0,
+) -> optax.GradientTransformation:
+  """The engine of Muon and ROOT: momentum, optional soft-thresholding, Newton–Schulz.
+
+  Args:
+    coeffs_for_shape: ``(rows, cols) -> (a, b, c)`` quintic coefficients.
+    ns_steps: Newton–Schulz iterations.
+    beta: momentum decay (EMA: ``mu = beta * mu + (1 - beta) * g``).
+    eps: added to the Frobenius norm before Newton–Schulz.
+    nesterov: orthogonalize ``beta * mu_hat + (1 - beta) * g_hat`` (optax's Nesterov blend).
+    ns_precision: operands of the Newton–Schulz products: "fp32", "bf16", "nvfp4", "nvfp4_1term".
+    quantize_mu: store the momentum as NVFP4 (1×16 blocks, storage rule of ``_common``).
+    outlier_quantile: ROOT's soft-thresholding: clip the (Nesterov) momentum to
+      ``±quantile(|M|, q)`` before orthogonalizing (the part above is dropped). None: off.
+    min_size: smaller leaves keep a float32 momentum.
+    rounding: rounding of the stored momentum, "stochastic" or "nearest".
+    seed: stochastic rounding key: ``fold_in(key(seed), count)``.
+
+  Returns:
+    An ``optax.GradientTransformation``; every leaf must be 2-D.
+  """
+  _common.check_common(min_size, rounding)
+  if ns_precision not in PRECISIONS:
+    raise ValueError(f"ns_precision must be one of {PRECISIONS}, got {ns_precision!r}")
+  if outlier_quantile is not None and not 0.0 < outlier_quantile <= 1.0:
+    raise ValueError(f"outlier_quantile must be in (0, 1], got {outlier_quantile!r}")
+
+  def init_fn(params):
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+      if len(p.shape) != 2:
+        raise ValueError(f"Muon/ROOT needs 2-D leaves; {jax.tree_util.keystr(path)} has shape "
+                         f"{p.shape} (route it to AdamW, e.g. with muon_nvfp4's muon_mask)")
+    zeros = lambda p: _common.zeros_state(p.shape, min_size, quantize_mu)  # noqa: E731
+    return ScaleByMuonNvfp4State(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params))
+
+  def orthogonalize(m_hat):
+    if outlier_quantile is not None:
+      thr = jnp.quantile(jnp.abs(m_hat), outlier_quantile) + 1e-9
+      m_hat = jnp.clip(m_hat, -thr, thr)
+    return newton_schulz(m_hat, coeffs_for_shape(m_hat.shape), ns_steps, precision=ns_precision,
+                         eps=eps)
+
+  def update_fn(updates, state, params=None):
+    del params
+    g_leaves, treedef = jax.tree.flatten(updates)
+    mu_leaves = treedef.flatten_up_to(state.mu)
+    quantized = [_common.is_nvfp4(m) for m in mu_leaves]
+    count_inc = optax.safe_increment(state.count)
+
+    def mu_hat_of(mu, g):
+      if nesterov:
+        return (beta * optax.tree.bias_correction(mu, beta, optax.safe_increment(count_inc))
+                + (1 - beta) * optax.tree.bias_correction(g, beta, count_inc))
+      return optax.tree.bias_correction(mu, beta, count_inc)
+
+    def leaf(g, mu, key):
+      if _common.is_nvfp4(mu):
+        mu_new = (1 - beta) * g.astype(jnp.float32) + beta * _common.decode(mu)
+        stored = _common.encode(mu_new, rounding, key)
+      else:
+        mu_new = stored = optax.tree.update_moment(g, mu, beta, 1)
+      u = orthogonalize(mu_hat_of(mu_new, g))
+      return u.astype(g.dtype), stored
+
+    key = _common.step_key(seed, count_inc) if rounding == "stochastic" else None
+    keys = [None if key is None or not q else jax.random.fold_in(key, i)
+            for i, q in enumerate(quantized)]
+    outs = _common.grouped_map(leaf, range(len(g_leaves)), g_leaves, mu_leaves, keys)
+    u = treedef.unflatten([outs[i][0] for i in range(len(g_leaves))])
+    mu = treedef.unflatten([outs[i][1] for i in range(len(g_leaves))])
+    return u, ScaleByMuonNvfp4State(count=count_inc, mu=mu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_muon_nvfp4(
+    ns_coeffs: Sequence[float] = MUON_COEFFS,
+    ns_steps: int = 5,
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    *,
+    nesterov: bool = True,
+    ns_precision: str = "nvfp4",
+    quantize_mu: bool = True,
+    **options,
+) -> optax.GradientTransformation:
+  """Muon's scaling (no learning rate, no shape scale) with NVFP4 Newton–Schulz.
+
+  With ``ns_precision="fp32", quantize_mu=False`` it computes ``optax.contrib.scale_by_muon``.
+
+  Args:
+    ns_coeffs: quintic coefficients ``(a, b, c)``, the same at every step.
+    ns_steps, beta, eps, nesterov: as ``optax.contrib.scale_by_muon``.
+    ns_precision: "nvfp4" (two-term NVFP4 operands, default), "nvfp4_1term", "bf16", "fp32".
+    quantize_mu: store the momentum as NVFP4.
+    **options: ``min_size``, ``rounding``, ``seed`` (see ``scale_by_orthogonalized_momentum``).
+
+  Returns:
+    An ``optax.GradientTransformation`` for 2-D leaves.
+
+  References:
+    Jordan et al., Muon, 2024; Liu et al., Muon is Scalable for LLM Training, 2025.
+  """
+  if len(ns_coeffs) != 3:
+    raise ValueError(f"ns_coeffs must be (a, b, c), got {ns_coeffs!r}")
+  coeffs = tuple(float(c) for c in ns_coeffs)
+  return scale_by_orthogonalized_momentum(
+      lambda shape: coeffs, ns_steps, beta, eps, nesterov=nesterov, ns_precision=ns_precision,
+      quantize_mu=quantize_mu, **options)
+
+
+def scale_by_shape(consistent_rms: float | None = None) -> optax.GradientTransformation:
+  """Muon's shape scale of a (fan_in, fan_out) update: ``sqrt(max(1, fan_out / fan_in))`` (Jordan),
+  or with ``consistent_rms`` (e.g. 0.2, Moonshot) ``consistent_rms * sqrt(max(fan_in, fan_out))``.
+  """
+  def scale(u):
+    fan_in, fan_out = u.shape
+    if consistent_rms is None:
+      return u * jnp.sqrt(jnp.maximum(1.0, fan_out / fan_in)).astype(u.dtype)
+    return u * jnp.asarray(consistent_rms * max(fan_in, fan_out) ** 0.5, u.dtype)
+
+  def update_fn(updates, state, params=None):
+    del params
+    return jax.tree.map(scale, updates), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def default_muon_mask(params) -> Any:
+  """True for 2-D leaves whose path names no embedding or head (``ADAM_NAMES``, any case)."""
+  def is_muon(path, p):
+    names = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    return len(p.shape) == 2 and not any(n in names.lower() for n in ADAM_NAMES)
+  return jax.tree_util.tree_map_with_path(is_muon, params)
+
+
+def _label(m) -> str:
+  if isinstance(m, optax.contrib.MuonDimensionNumbers):
+    if _axes(m.reduction_axis) != (0,) or _axes(m.output_axis) != (1,):
+      raise ValueError(f"only MuonDimensionNumbers(reduction_axis=0, output_axis=1) is supported "
+                       f"(2-D weights), got {m}")
+    return "muon"
+  return "muon" if m is True or (m is not None and m is not False and bool(m)) else "adam"
+
+
+def _axes(a):
+  return (a,) if isinstance(a, int) else tuple(a)
+
+
+def partitioned(muon_tx, adam_tx, muon_mask) -> optax.GradientTransformationExtraArgs:
+  """``optax.partition`` of the leaves: ``muon_mask`` True -> ``muon_tx``, else ``adam_tx``.
+
+  ``muon_mask`` is a pytree like the params (or a callable of the params returning one) of bools,
+  or of ``optax.contrib.MuonDimensionNumbers`` / ``None`` as optax's ``muon_weight_dimension_numbers``.
+  """
+  is_leaf = lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)  # noqa: E731
+
+  def labels(params):
+    mask = muon_mask(params) if callable(muon_mask) else muon_mask
+    return jax.tree.map(_label, mask, is_leaf=is_leaf)
+  return optax.partition({"muon": muon_tx, "adam": adam_tx}, labels)
+
+
+def muon_nvfp4(
+    learning_rate: optax.ScalarOrSchedule,
+    ns_coeffs: Sequence[float] = MUON_COEFFS,
+    ns_steps: int = 5,
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    weight_decay_mask=None,
+    *,
+    nesterov: bool = True,
+    ns_precision: str = "nvfp4",
+    quantize: bool = True,
+    consistent_rms: float | None = None,
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.95,
+    adam_weight_decay: float = 0.0,
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    muon_mask: Callable | Mapping | None = None,
+    **options,
+) -> optax.GradientTransformationExtraArgs:
+  """Muon for 2-D weights, ``adamw_nvfp4`` for embeddings, the LM head and non-2-D leaves.
+
+  Args:
+    learning_rate: Muon's learning rate (float or schedule).
+    ns_coeffs, ns_steps, beta, eps, nesterov, ns_precision: see ``scale_by_muon_nvfp4``.
+    weight_decay, weight_decay_mask: decoupled weight decay of the Muon leaves.
+    quantize: NVFP4 momentum (Muon) and NVFP4 moments (AdamW).
+    consistent_rms: None: Jordan's ``sqrt(max(1, fan_out/fan_in))``; 0.2: Moonshot's
+      ``0.2 * sqrt(max(m, n))`` (AdamW-like update RMS, lets both share a learning rate).
+    adam_b1, adam_b2, adam_weight_decay: the AdamW side (Nesterov follows ``nesterov``, as optax).
+    adam_learning_rate: AdamW's learning rate; default ``learning_rate``.
+    muon_mask: pytree (or ``params -> pytree``) of bools, or of ``MuonDimensionNumbers`` / None
+      as optax's ``muon_weight_dimension_numbers``, choosing the Muon leaves; default
+      ``default_muon_mask`` (2-D and not named like an embedding or LM head).
+    **options: ``min_size``, ``rounding``, ``seed`` for both sides.
+
+  Returns:
+    An ``optax.partition`` transformation (state: ``optax.PartitionState``).
+  """
+  muon_tx = optax.chain(
+      scale_by_muon_nvfp4(ns_coeffs, ns_steps, beta, eps, nesterov=nesterov,
+                          ns_precision=ns_precision, quantize_mu=quantize, **options),
+      scale_by_shape(consistent_rms),
+      optax.add_decayed_weights(weight_decay, weight_decay_mask),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+  adam_tx = adamw_nvfp4(learning_rate if adam_learning_rate is None else adam_learning_rate,
+                        adam_b1, adam_b2, eps, weight_decay=adam_weight_decay, nesterov=nesterov,
+                        quantize=quantize, **options)
+  return partitioned(muon_tx, adam_tx, default_muon_mask if muon_mask is None else muon_mask)

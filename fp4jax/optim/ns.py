@@ -1,0 +1,161 @@
+"""Newton–Schulz orthogonalization whose matmuls take float32, bfloat16 or NVFP4 operands.
+
+The quintic iteration of Muon (Jordan et al.) on ``X`` (m×n, m <= n after a transpose), normalized
+by its Frobenius norm::
+
+  A = X Xᵀ;   B = b A + c A²;   X <- a X + B X          (3 products per step, 5 steps)
+
+``precision`` sets the operands of every product; accumulation is always float32 and the
+polynomial combination runs in float32:
+
+- ``"fp32"``: optax's ``orthogonalize_via_newton_schulz`` arithmetic.
+- ``"bf16"``: operands rounded to bfloat16 (Muon's usual precision).
+- ``"nvfp4"`` (default of the optimizers): every operand is a sum of two NVFP4 tensors,
+  ``X = Q1 + Q2`` with ``Q1 = quantize(X)`` and ``Q2 = quantize(X - Q1)`` (residual, "two-term"
+  quantization), and each product is three NVFP4 GEMMs ``Q1·P1 + Q1·P2 + Q2·P1`` (the ``Q2·P2`` term
+  is below the error of the others).
+- ``"nvfp4_1term"``: one NVFP4 tensor per operand, one NVFP4 GEMM per product.
+
+Why two terms: with one, each product has ~10% relative error (4-bit elements), the Gram matrix's
+eigenvalues move by ~0.2, and Muon's coefficients (|b| = 4.8, |c| = 2.0) amplify that beyond the
+iteration's basin: singular values leave [0, ~1.4] and the iteration diverges (σ_max ~ 1e2-1e5
+after 5 steps on every matrix measured, Hadamard rotations included). Two terms bring the operand
+error to ~1% and the output's singular values stay near fp32's ([0.64, 1.18] vs [0.68, 1.13]);
+three FP4 GEMMs still cost less than one BF16 GEMM on FP4 tensor cores (4× the BF16 rate).
+Numbers and the script: benchmarks/optim_ns.py, benchmarks/RESULTS.md.
+
+An NVFP4 GEMM here: ``fp4jax.nvfp4.quantize`` with 1×16 blocks along the contraction axis of each
+operand (round-to-nearest), ``scaled_elements(bf16)`` (exact), a bf16 dot with float32
+accumulation, times both global scales: a native NVFP4 GEMM up to summation order. ``X Xᵀ`` and
+``A² = A Aᵀ`` (A is symmetric) reuse one quantization for both sides. X is zero-padded once to
+multiples of 16 (exact: padded rows and columns stay zero through the iteration). The NVFP4 modes
+loop with ``lax.fori_loop`` (one compiled step, not five). The product is forward-only on purpose:
+an optimizer never differentiates it, so the custom_vjp, stochastic-rounding backward and Hadamard
+transforms of a training matmul (``fp4jax.ops``) are not needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp4jax import nvfp4
+from fp4jax.nvfp4 import BLOCK
+
+PRECISIONS = ("fp32", "bf16", "nvfp4", "nvfp4_1term")
+MUON_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def _split(x, axis, terms):
+  """``terms`` NVFP4 tensors whose sum approximates ``x`` (each quantizes the previous residual)."""
+  parts, r = [], x.astype(jnp.float32)
+  for t in range(terms):
+    q = nvfp4.quantize(r, axis=axis)
+    parts.append(q)
+    if t + 1 < terms:
+      r = r - q.dequantize(jnp.float32)
+  return parts
+
+
+def _gemms(parts_a, parts_b, terms, transpose_b):
+  out = None
+  for i, qa in enumerate(parts_a):
+    for j, qb in enumerate(parts_b):
+      if i + j >= terms:
+        continue
+      eb = qb.scaled_elements(jnp.bfloat16)
+      prod = jnp.dot(qa.scaled_elements(jnp.bfloat16), eb.T if transpose_b else eb,
+                     preferred_element_type=jnp.float32) * (qa.global_scale * qb.global_scale)
+      out = prod if out is None else out + prod
+  return out
+
+
+def nvfp4_matmul(a_MxK, b_KxN, terms: int = 1) -> jax.Array:
+  """``a @ b`` with NVFP4 operands quantized along K (forward only), float32 accumulation.
+
+  Args:
+    a_MxK: left operand; K must be a multiple of 16.
+    b_KxN: right operand.
+    terms: 1: one NVFP4 tensor per operand, one GEMM. 2: two-term residual operands, 3 GEMMs.
+
+  Returns:
+    The float32 product (up to summation order, what NVFP4 tensor cores compute).
+  """
+  return _gemms(_split(a_MxK, -1, terms), _split(b_KxN, 0, terms), terms, False)
+
+
+def nvfp4_gram(x_MxK, terms: int = 1) -> jax.Array:
+  """``x @ x.T`` with one NVFP4 quantization of ``x`` along K serving both operands."""
+  parts = _split(x_MxK, -1, terms)
+  return _gemms(parts, parts, terms, True)
+
+
+def _products(precision):
+  """(matmul, gram, square of a symmetric matrix) for a precision."""
+  if precision in ("nvfp4", "nvfp4_1term"):
+    terms = 2 if precision == "nvfp4" else 1
+    gram = lambda x: nvfp4_gram(x, terms)  # noqa: E731
+    return (lambda a, b: nvfp4_matmul(a, b, terms)), gram, gram
+  if precision == "bf16":
+    mm = lambda a, b: jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),  # noqa: E731
+                              preferred_element_type=jnp.float32)
+  else:
+    mm = lambda a, b: a @ b  # noqa: E731
+  return mm, (lambda x: mm(x, x.T)), (lambda a: mm(a, a))
+
+
+def newton_schulz(x_MxN, coeffs: Sequence[float] = MUON_COEFFS, steps: int = 5, *,
+                  precision: str = "nvfp4", eps: float = 1e-8) -> jax.Array:
+  """Orthogonalizes a matrix with ``steps`` quintic Newton–Schulz iterations.
+
+  Args:
+    x_MxN: a 2-D array (any float dtype; computed in float32).
+    coeffs: the quintic's ``(a, b, c)``, used at every step.
+    steps: number of iterations.
+    precision: ``"fp32"``, ``"bf16"`` or ``"nvfp4"`` operands for every matmul (module docstring).
+    eps: added to the Frobenius norm before normalizing.
+
+  Returns:
+    A float32 array of the shape of ``x_MxN`` whose singular values are near 1 (roughly in
+    [0.7, 1.2] for Muon's coefficients), with ``x``'s singular vectors.
+  """
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+  if jnp.ndim(x_MxN) != 2:
+    raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {jnp.shape(x_MxN)}")
+  if len(coeffs) != 3:
+    raise ValueError(f"coeffs must be (a, b, c), got {coeffs!r}")
+  x = jnp.asarray(x_MxN, jnp.float32)
+  m, n = x.shape
+  transposed = m > n
+  if transposed:
+    x = x.T
+  x = x / (jnp.linalg.norm(x) + eps)
+  mm, gram, square = _products(precision)
+  a, b, c = (jnp.float32(v) for v in coeffs)
+
+  def step(_, x):
+    g = gram(x)
+    return a * x + mm(b * g + c * square(g), x)
+
+  if precision.startswith("nvfp4"):
+    pad = lambda d: -d % BLOCK  # noqa: E731
+    x = jnp.pad(x, ((0, pad(x.shape[0])), (0, pad(x.shape[1]))))
+    x = lax.fori_loop(0, steps, step, x)
+    x = x[: min(m, n), : max(m, n)]
+  else:
+    for i in range(steps):
+      x = step(i, x)
+  return x.T if transposed else x
+
+
+def orthogonality_error(x_MxN) -> dict[str, float]:
+  """Singular-value spread of an NS output: min, max, std, and max |σ - 1| (float64 SVD on host)."""
+  import numpy as np  # noqa: PLC0415 - host-side diagnostics only
+
+  s = np.linalg.svd(np.asarray(x_MxN, np.float64), compute_uv=False)
+  return {"s_min": float(s.min()), "s_max": float(s.max()), "s_std": float(s.std()),
+          "max_dev": float(np.abs(s - 1.0).max())}
