@@ -78,6 +78,15 @@ def zeros_state(shape, min_size: int, quantize: bool):
   return jnp.zeros(shape, jnp.float32)
 
 
+def map_params(fn, params):
+  """``jax.tree.map`` over parameter-like leaves (anything with ``shape`` and ``dtype``).
+
+  Wrappers that are pytree nodes around one array (flax ``nnx.Variable``) count as leaves, so the
+  state holds plain arrays and ``NVFP4Tensor``s, never a Variable wrapping an ``NVFP4Tensor``.
+  """
+  return jax.tree.map(fn, params, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
 def encode(x, rounding: str, key) -> NVFP4Tensor:
   """float32 ``x`` -> NVFP4, 1×16 blocks along ``block_axis(x.shape)``."""
   return nvfp4.quantize(x.astype(jnp.float32), block=(1, BLOCK), axis=block_axis(x.shape),
@@ -207,7 +216,7 @@ def state_sharding(state, params_sharding, replicated=None):
     leaves, sdef = jax.tree.flatten(node, is_leaf=is_leaf)
     if sdef == p_def:
       return jax.tree.unflatten(sdef, [leaf_for(s, x) for s, x in zip(shardings, leaves)])
-    if isinstance(node, masked):
+    if isinstance(node, masked) or not leaves:
       return node
     children, tdef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
     if jax.tree_util.treedef_is_leaf(tdef):

@@ -121,8 +121,8 @@ def scale_by_adam_nvfp4(
 
   def init_fn(params):
     zeros = lambda p: _common.zeros_state(p.shape, min_size, quantize)  # noqa: E731
-    return ScaleByAdamNvfp4State(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params),
-                                 nu=jax.tree.map(zeros, params))
+    return ScaleByAdamNvfp4State(count=jnp.zeros([], jnp.int32), mu=_common.map_params(zeros, params),
+                                 nu=_common.map_params(zeros, params))
 
   def update_fn(updates, state, params=None):
     del params

@@ -76,7 +76,7 @@ def scale_by_orthogonalized_momentum(
         raise ValueError(f"Muon/ROOT needs 2-D leaves; {jax.tree_util.keystr(path)} has shape "
                          f"{p.shape} (route it to AdamW, e.g. with muon_nvfp4's muon_mask)")
     zeros = lambda p: _common.zeros_state(p.shape, min_size, quantize_mu)  # noqa: E731
-    return ScaleByMuonNvfp4State(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params))
+    return ScaleByMuonNvfp4State(count=jnp.zeros([], jnp.int32), mu=_common.map_params(zeros, params))
 
   def orthogonalize(m_hat):
     if outlier_quantile is not None:
