@@ -3,7 +3,7 @@ r"""Train-step throughput of the 125m model: bf16 vs fp4_linear (tokens/s, MFU, 
   python benchmarks/train_step.py                       # GPU: 125m, seq 1024, batch 64, synthetic
   python benchmarks/train_step.py --tiny                # CPU check of the script (seconds)
   python benchmarks/train_step.py --data=<data dir>     # real tokens from `fp4jax.data prepare`
-  python benchmarks/train_step.py --batch=32 --seq=2048 --recipes=bf16 --remat --no-scan
+  python benchmarks/train_step.py --batch=32 --seq=2048 --recipes=bf16 --remat --scan
 
 The model is ``experiments/configs/125m.py`` (d=768, 12 blocks, vocab 32768; ``--tiny``: d=64,
 2 blocks). Each recipe's full jitted train step (forward, backward, AdamW update, donated state)
@@ -47,7 +47,7 @@ def model_config(tiny: bool, vocab_size: int | None, remat: bool, scan: bool) ->
   m = dict(mod.get_config().model)
   m["vocab_size"] = m["vocab_size"] or vocab_size or 32768
   m["remat"] = remat or m["remat"]
-  m["scan_layers"] = scan and m["scan_layers"]
+  m["scan_layers"] = scan or m["scan_layers"]
   return ModelConfig(**m)
 
 
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--data", default=None, help="data dir from `python -m fp4jax.data prepare`")
   p.add_argument("--remat", action="store_true", help="rematerialize blocks (less memory)")
-  p.add_argument("--no-scan", action="store_true", help="unroll the blocks instead of lax.scan")
+  p.add_argument("--scan", action="store_true", help="lax.scan over the blocks (not unrolled)")
   p.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor sizes")
   args = p.parse_args(argv)
   args.batch = args.batch or (8 if args.tiny else 64)
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
   if args.data:
     from fp4jax import data
     vocab = -(-data.read_meta(args.data).vocab_size // 128) * 128
-  cfg = model_config(args.tiny, vocab, args.remat, not args.no_scan)
+  cfg = model_config(args.tiny, vocab, args.remat, args.scan)
   mesh = shd.make_mesh(tuple(int(s) for s in args.mesh.split(",")))
   dev = mesh.devices.flat[0]
   print(f"device: {mesh.devices.size} x {dev.device_kind} ({dev.platform}); model d={cfg.d_model} "

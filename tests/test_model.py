@@ -168,7 +168,7 @@ def test_make_mesh_errors_and_fill():
 def test_scan_layers_equals_unrolled(remat):
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, dtype="float32")
   unrolled = ModelConfig(**{**cfg.__dict__, "scan_layers": False})
-  scanned = ModelConfig(**{**cfg.__dict__, "remat": remat})
+  scanned = ModelConfig(**{**cfg.__dict__, "scan_layers": True, "remat": remat})
   m1, m2 = _model(unrolled), _model(scanned)
   assert m2._segments() == [(0, 3)]
   tokens = jax.random.randint(jax.random.key(6), (2, 16), 0, 64)

@@ -24,7 +24,7 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
       head_dim=config_dict.placeholder(int),    # None: d_model // n_heads
       d_ff=config_dict.placeholder(int),        # None: ~8/3 d_model, a multiple of 16
       qk_norm=True, rope_theta=10000.0, dtype="bfloat16", init_std=0.02,
-      scan_layers=True,  # one lax.scan per run of same-precision blocks (fast compile)
+      scan_layers=False,  # one lax.scan per run of same-precision blocks (see ModelConfig)
       remat=False))      # rematerialize block activations in the backward (less memory)
   c.data = ml_collections.ConfigDict(dict(
       corpus="shakespeare",   # built-in corpus name or a folder of .txt files

@@ -18,13 +18,13 @@ from experiments.configs._base import base
 def get_config(arg: str | None = None):
   c = base(arg)
   c.name = "tiny"
-  c.model.update(d_model=128, n_layers=2, n_heads=4, dtype="bfloat16")
-  c.optimizer.update(learning_rate=3e-3, warmup_steps=30)
-  c.steps = 300
-  c.batch_size = 16
+  c.model.update(d_model=64, n_layers=2, n_heads=4, dtype="bfloat16")
+  c.optimizer.update(learning_rate=5e-3, warmup_steps=15)
+  c.steps = 150
+  c.batch_size = 8
   c.seq_len = 64
   c.log_every = 10
-  c.eval_every = 100
-  c.eval_batches = 4
-  c.checkpoint_every = 100
+  c.eval_every = 50
+  c.eval_batches = 8
+  c.checkpoint_every = 50
   return c
