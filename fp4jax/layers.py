@@ -174,8 +174,8 @@ class LoraSvdDense(nnx.Module):
   """``x @ W_res + (x @ A) @ B (+ bias)``: NVFP4 residual GEMMs plus a bf16 low-rank branch.
 
   ``W_res`` (param ``kernel``) goes through ``nvfp4_matmul`` with ``config``; ``A`` (``lora_a``,
-  ``[K, r]``) and ``B`` (``lora_b``, ``[r, N]``) are trainable, stored in ``param_dtype`` and used in
-  ``lora_dtype`` (bf16), unquantized. At init, ``A = U√Σ``, ``B = √Σ Vᵀ`` from the top-r SVD of the
+  ``[K, r]``) and ``B`` (``lora_b``, ``[r, N]``) are trainable, stored in ``lora_param_dtype`` and
+  used in ``lora_dtype`` (bf16), unquantized. At init, ``A = U√Σ``, ``B = √Σ Vᵀ`` from the top-r SVD of the
   initial weight and ``W_res = W − A·B``: the effective weight ``W_res + A·B`` equals the initial
   weight to fp32 rounding.
 
@@ -184,6 +184,9 @@ class LoraSvdDense(nnx.Module):
     rank: r, ``1 <= r <= min(K, N)``.
     config, rngs, param_dtype, kernel_init, use_bias, bias_init, dtype: as ``Fp4Dense``.
     lora_dtype: compute dtype of the low-rank branch (A, B are rounded to it at every split).
+    lora_param_dtype: storage dtype of A and B (default: ``param_dtype``, i.e. float32 masters
+      updated by the optimizer and cast to ``lora_dtype`` for each use; pass bfloat16 to train
+      them in bf16).
     svd: ``"exact"``, ``"randomized"`` or ``"auto"`` (randomized above ``AUTO_RANDOMIZED_MIN_DIM``).
     svd_oversample, svd_power_iters: randomized SVD settings.
     kernel_metadata, lora_a_metadata, lora_b_metadata, bias_metadata: extra ``nnx.Param`` metadata.
@@ -192,7 +195,7 @@ class LoraSvdDense(nnx.Module):
   def __init__(self, in_features: int, out_features: int, *, rank: int = DEFAULT_LORA_RANK,
                config: MatmulConfig, rngs: nnx.Rngs, param_dtype=jnp.float32,
                kernel_init=default_kernel_init, use_bias: bool = False,
-               bias_init=default_bias_init, dtype=None, lora_dtype=jnp.bfloat16,
+               bias_init=default_bias_init, dtype=None, lora_dtype=jnp.bfloat16, lora_param_dtype=None,
                svd: str = "auto", svd_oversample: int = 8, svd_power_iters: int = 2,
                kernel_metadata: Mapping[str, Any] = {}, lora_a_metadata: Mapping[str, Any] = {},
                lora_b_metadata: Mapping[str, Any] = {}, bias_metadata: Mapping[str, Any] = {}):
@@ -208,8 +211,9 @@ class LoraSvdDense(nnx.Module):
     w, meta = _init(kernel_init, rngs.params(), (in_features, out_features), jnp.float32)
     a, b, w_res = self._split(w, rngs.params())
     self.kernel = _param(w_res.astype(param_dtype), {**meta, **kernel_metadata})
-    self.lora_a = _param(a.astype(param_dtype), lora_a_metadata)
-    self.lora_b = _param(b.astype(param_dtype), lora_b_metadata)
+    lora_param_dtype = param_dtype if lora_param_dtype is None else lora_param_dtype
+    self.lora_a = _param(a.astype(lora_param_dtype), lora_a_metadata)
+    self.lora_b = _param(b.astype(lora_param_dtype), lora_b_metadata)
     self.bias = nnx.data(None)
     if use_bias:
       bias, meta = _init(bias_init, rngs.params(), (out_features,), param_dtype)

@@ -98,6 +98,12 @@ def test_resplit_preserves_the_effective_weight():
   assert not np.allclose(old_a, layer.lora_a[...])
   s = np.linalg.svd(np.asarray(before), compute_uv=False)
   np.testing.assert_allclose(np.linalg.svd(np.asarray(layer.kernel[...]), compute_uv=False)[0], s[R], rtol=2e-2)
+  # From a jitted training step too; with bf16 A, B (exact after a split) W_eff is still kept.
+  layer = LoraSvdDense(K, N, rank=R, config=BF16, rngs=nnx.Rngs(0), lora_param_dtype=jnp.bfloat16)
+  assert layer.lora_a[...].dtype == jnp.bfloat16 and layer.kernel[...].dtype == jnp.float32
+  before = layer.effective_kernel()
+  nnx.jit(lambda m: m.resplit())(layer)
+  np.testing.assert_allclose(layer.effective_kernel(), before, rtol=0, atol=1e-6 * float(jnp.abs(before).max()))
 
 
 def test_randomized_svd_finds_the_top_directions_and_split_stays_exact():
