@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs named GPU checks/benchmarks on the device machine, each with its log under $OUT, and prints a
+# summary table last. Usage (from the repo root, after the .whl prelude): tests/gpu/run.sh NAME...
+# NAME: nvfp4 matmul data optim quantize train_step optim_update
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+declare -A CMD=(
+  [nvfp4]="python3 tests/gpu/check_nvfp4.py"
+  [matmul]="python3 tests/gpu/check_matmul.py"
+  [data]="python3 tests/gpu/check_data.py --archive data/shakespeare.tar.xz"
+  [optim]="python3 tests/gpu/check_optim.py"
+  [quantize]="python3 benchmarks/quantize.py"
+  [train_step]="python3 benchmarks/train_step.py"
+  [optim_update]="python3 benchmarks/optim_update.py --muon"
+)
+summary=""
+for name in "$@"; do
+  start=$(date +%s)
+  ${CMD[$name]} > "$OUT/$name.log" 2>&1
+  rc=$?
+  summary+="| $name | $rc | $(( $(date +%s) - start )) s |\n"
+  echo "===== $name (rc=$rc)"; tail -n 25 "$OUT/$name.log"
+done
+printf "\n| run | rc | wall |\n|---|---|---|\n$summary"
