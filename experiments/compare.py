@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import train as launcher
@@ -94,6 +94,7 @@ def compare(cfg, recipes: list[str], workdir: str | Path) -> dict[str, dict]:
 
 
 def main(argv):
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint operation at INFO
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   fl = flags.FLAGS

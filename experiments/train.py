@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 
@@ -109,6 +109,7 @@ def run(cfg, workdir: str | os.PathLike) -> dict:
 
 
 def main(argv):
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint operation at INFO
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if flags.FLAGS.workdir is None:

@@ -43,7 +43,8 @@ class OptimizerConfig:
   """Optimizer and learning-rate schedule.
 
   Attributes:
-    name: "adamw" or "muon" (Muon on the block projections, AdamW on the rest).
+    name: "adamw" or "muon" (``fp4jax.optim.muon_nvfp4``: Muon on 2-D block weights, AdamW on
+      the embedding, the LM head and vectors; the learning rate is shared).
     learning_rate: peak learning rate.
     b1, b2, eps: Adam moments' decay rates and epsilon.
     weight_decay: decoupled weight decay, applied to parameters with ndim >= 2.
@@ -108,22 +109,14 @@ def _decay_mask(params):
   return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
-def _muon_dims(params):
-  def one(path, x):
-    names = {getattr(k, "key", None) for k in path}
-    if x.ndim != 2 or names & {"embed", "lm_head"}:
-      return None
-    return optax.contrib.MuonDimensionNumbers(reduction_axis=0, output_axis=1)
-  return jax.tree_util.tree_map_with_path(one, params)
-
-
 def make_optimizer(cfg: OptimizerConfig, recipe: Recipe, total_steps: int,
                    seed: int = 0) -> optax.GradientTransformation:
   """The optimizer of a run: clipping, then AdamW or Muon, with the recipe's state format.
 
   Args:
     cfg: optimizer config.
-    recipe: ``optimizer_states`` ("fp32"/"nvfp4") and ``newton_schulz`` ("bf16"/"nvfp4").
+    recipe: ``optimizer_states`` ("fp32"/"nvfp4") and ``newton_schulz`` ("bf16"/"nvfp4", Muon's
+      Newton–Schulz operands).
     total_steps: for the schedule.
     seed: seed of the stochastic rounding of NVFP4 optimizer states.
 
@@ -131,27 +124,24 @@ def make_optimizer(cfg: OptimizerConfig, recipe: Recipe, total_steps: int,
     An ``optax.GradientTransformation``.
   """
   lr = make_schedule(cfg, total_steps)
-  quant = recipe.optimizer_states == "nvfp4" or recipe.newton_schulz == "nvfp4"
-  if quant:
+  quant = recipe.optimizer_states == "nvfp4"
+  if cfg.name == "muon":
+    # One Muon implementation for every recipe (so a comparison changes only the precision):
+    # NS operands in recipe.newton_schulz, momentum / Adam moments NVFP4 if optimizer_states is.
     recipe.check_available()
     from fp4jax import optim
-  if cfg.name == "adamw":
-    if recipe.optimizer_states == "nvfp4":
-      tx = optim.adamw_nvfp4(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, mask=_decay_mask, seed=seed)
-    else:
-      tx = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                       mask=_decay_mask)
+    tx = optim.muon_nvfp4(lr, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                          ns_precision=recipe.newton_schulz, quantize=quant, adam_b1=cfg.b1,
+                          adam_b2=cfg.b2, adam_weight_decay=cfg.weight_decay,
+                          weight_decay_mask=_decay_mask, seed=seed)
   elif quant:
-    tx = optim.muon_nvfp4(lr, adam_b1=cfg.b1, adam_b2=cfg.b2, eps=cfg.eps,
-                          weight_decay=cfg.weight_decay, weight_dimension_numbers=_muon_dims,
-                          newton_schulz=recipe.newton_schulz,
-                          states=recipe.optimizer_states)
+    recipe.check_available()
+    from fp4jax import optim
+    tx = optim.adamw_nvfp4(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                           mask=_decay_mask, seed=seed)
   else:
-    tx = optax.contrib.muon(lr, adam_b1=cfg.b1, adam_b2=cfg.b2, eps=cfg.eps,
-                            weight_decay=cfg.weight_decay, weight_decay_mask=_decay_mask,
-                            adam_weight_decay=cfg.weight_decay,
-                            muon_weight_dimension_numbers=_muon_dims)
+    tx = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                     mask=_decay_mask)
   if cfg.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
   return tx

@@ -329,3 +329,20 @@ def test_checkpoint_roundtrip_with_packed_nvfp4_optimizer_states(data_dir, tmp_p
   with pytest.raises(IncompatibleCheckpointError, match="run: checkpoint 'a', this run 'b'"):
     Checkpointer(tmp_path, every=1).restore(abstract, None, {"run": "b"})
   ckpt.close()
+
+
+def test_muon_optimizer_steps(data_dir):
+  # The NVFP4 variants (newton_schulz / optimizer_states = "nvfp4") are the same call with other
+  # flags; their numerics are tested with fp4jax.optim (their CPU compile is too slow for here).
+  r = get_recipe("bf16")
+  opt = OptimizerConfig(name="muon", learning_rate=0.02, warmup_steps=1)
+  tx = make_optimizer(opt, r, 10)
+  mesh = shd.make_mesh((1, 1, 1))
+  graphdef, state, sh = init_state(MODEL, r, tx, mesh)
+  step, _ = jit_steps(graphdef, tx, None, sh, mesh)
+  it = data.make_iterator(data_dir, "train", T, B, seed=0)
+  losses = []
+  for _ in range(3):
+    state, m = step(state, global_batch(next(it), mesh))
+    losses.append(float(m["loss"]))
+  assert all(np.isfinite(losses)) and losses[2] < losses[0]

@@ -20,7 +20,7 @@ def get_config(arg: str | None = None):
   c.name = "tiny"
   c.model.update(d_model=64, n_layers=2, n_heads=4, dtype="bfloat16")
   c.optimizer.update(learning_rate=5e-3, warmup_steps=15)
-  c.steps = 150
+  c.steps = 200
   c.batch_size = 8
   c.seq_len = 64
   c.log_every = 10
