@@ -1,0 +1,171 @@
+"""One optimizer update of a GPT-2-small-sized (124M) pytree: adamw_nvfp4 vs optax.adamw, and
+GPU == CPU equality of the NVFP4 state.
+
+  python benchmarks/optim_update.py            # on the GPU (< 2 min)
+  python benchmarks/optim_update.py --small    # CPU-sized smoke run
+  python benchmarks/optim_update.py --muon     # also time muon_nvfp4 against optax.contrib.muon
+
+Timing: ``params, state = step(params, state, grads)`` (``tx.update`` + ``optax.apply_updates``),
+jitted with params and state donated, median of ``--iters`` runs after 3 warm-up runs, each ended
+by ``block_until_ready``. Equality: three updates of a smaller pytree with fixed gradients on the
+accelerator and on the CPU; NVFP4 codes, scales and global scales compared bit for bit, float32
+leaves and updates to 1e-6. Exits 1 if a state differs beyond ``--max-mismatch`` of its codes or a
+result is not finite. Prints markdown tables last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fp4jax import nvfp4, optim
+
+
+def gpt2_shapes(d=768, layers=12, vocab=50257, ctx=1024):
+  shapes = {"wte": (vocab, d), "wpe": (ctx, d), "ln_f": {"scale": (d,), "bias": (d,)}}
+  for i in range(layers):
+    shapes[f"h{i}"] = {
+        "ln_1": {"scale": (d,), "bias": (d,)}, "ln_2": {"scale": (d,), "bias": (d,)},
+        "attn": {"c_attn": {"kernel": (d, 3 * d), "bias": (3 * d,)},
+                 "c_proj": {"kernel": (d, d), "bias": (d,)}},
+        "mlp": {"c_fc": {"kernel": (d, 4 * d), "bias": (4 * d,)},
+                "c_proj": {"kernel": (4 * d, d), "bias": (d,)}}}
+  return shapes
+
+
+def make_tree(shapes, seed, scale_spread=3.0):
+  """Normal values with a per-leaf scale in 10^[-spread, 0] (gradients of different layers)."""
+  leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+  rng = np.random.default_rng(seed)
+  out = [jnp.asarray(rng.standard_normal(s, np.float32) * 10.0 ** -rng.uniform(0, scale_spread))
+         for s in leaves]
+  return treedef.unflatten(out)
+
+
+def time_update(tx, params, grads, iters):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = jax.tree.map(jnp.copy, params)
+  state = tx.init(params)
+  fn = jax.jit(step, donate_argnums=(0, 1))
+  t0 = time.perf_counter()
+  params, state = jax.block_until_ready(fn(params, state, grads))
+  compile_s = time.perf_counter() - t0
+  times = []
+  for i in range(3 + iters):
+    t0 = time.perf_counter()
+    params, state = jax.block_until_ready(fn(params, state, grads))
+    if i >= 3:
+      times.append(time.perf_counter() - t0)
+  finite = all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
+  return statistics.median(times) * 1e3, compile_s, optim.state_nbytes(state), finite
+
+
+def _is_q(x):
+  return isinstance(x, nvfp4.NVFP4Tensor)
+
+
+def run_on(device, tx, params, grads_list):
+  params, state = jax.device_put((params, tx.init(params)), device)
+  step = jax.jit(tx.update)
+  us = []
+  for g in grads_list:
+    u, state = step(jax.device_put(g, device), state, params)
+    params = optax.apply_updates(params, u)
+    us.append(u)
+  return jax.device_get((us, state))
+
+
+def equality(tx, params, grads_list, accel):
+  """Compares the states and updates computed on ``accel`` and on the CPU."""
+  (u_a, s_a), (u_c, s_c) = (run_on(d, tx, params, grads_list) for d in (accel, jax.devices("cpu")[0]))
+  worst = {"codes": 0, "scales": 0, "global": 0, "fp32_state": 0.0, "updates": 0.0, "n_codes": 0}
+  for a, c in zip(jax.tree.leaves(s_a, is_leaf=_is_q), jax.tree.leaves(s_c, is_leaf=_is_q)):
+    if _is_q(a):
+      worst["codes"] += int(np.sum(np.asarray(a.codes) != np.asarray(c.codes)))
+      worst["n_codes"] += int(np.asarray(a.codes).size)
+      sa, sc = (np.asarray(t.scales).view(np.uint8) for t in (a, c))
+      worst["scales"] += int(np.sum(sa != sc))
+      worst["global"] += int(np.asarray(a.global_scale).view(np.uint32) != np.asarray(c.global_scale).view(np.uint32))
+    else:
+      a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
+      worst["fp32_state"] = max(worst["fp32_state"], float(np.max(np.abs(a - c) / (np.abs(c) + 1e-30)))
+                                if a.size and a.dtype.kind == "f" else 0.0)
+  for a, c in zip(jax.tree.leaves(u_a), jax.tree.leaves(u_c)):
+    scale = float(np.max(np.abs(c))) + 1e-30
+    worst["updates"] = max(worst["updates"], float(np.max(np.abs(np.asarray(a) - np.asarray(c)))) / scale)
+  return worst
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--small", action="store_true", help="CPU-sized pytree")
+  ap.add_argument("--muon", action="store_true", help="also time muon_nvfp4 vs optax.contrib.muon")
+  ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--max-mismatch", type=float, default=1e-5,
+                  help="largest tolerated share of NVFP4 codes differing GPU vs CPU")
+  args = ap.parse_args(argv)
+  shapes = gpt2_shapes(128, 2, 1024, 128) if args.small else gpt2_shapes()
+  iters = min(args.iters, 5) if args.small else args.iters
+  params, grads = make_tree(shapes, 0, 0.0), make_tree(shapes, 1)
+  n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+  accel = jax.devices()[0]
+  print(f"device: {accel.device_kind} ({accel.platform}), params: {n / 1e6:.1f}M", flush=True)
+
+  runs = {"optax.adamw": optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1),
+          "adamw_nvfp4": optim.adamw_nvfp4(1e-3),
+          "adamw_nvfp4 (nearest rounding)": optim.adamw_nvfp4(1e-3, rounding="nearest")}
+  if args.muon:
+    dims = lambda p: jax.tree.map(  # noqa: E731
+        lambda m: optax.contrib.MuonDimensionNumbers() if m else None, optim.default_muon_mask(p))
+    runs["optax.contrib.muon"] = optax.contrib.muon(0.02, adam_b2=0.95, muon_weight_dimension_numbers=dims)
+    runs["muon_nvfp4"] = optim.muon_nvfp4(0.02, muon_mask=optim.default_muon_mask)
+  rows, ok = [], True
+  for name, tx in runs.items():
+    ms, comp, nbytes, finite = time_update(tx, params, grads, iters)
+    ok &= finite
+    rows.append((name, ms, comp, nbytes, finite))
+    print(f"  {name}: {ms:.3f} ms (compile {comp:.1f} s), {nbytes / n:.3f} B/param, finite={finite}",
+          flush=True)
+
+  eq_shapes = gpt2_shapes(256, 2, 4096, 256)
+  eq_params = make_tree(eq_shapes, 2, 0.0)
+  grads_list = [make_tree(eq_shapes, 10 + i) for i in range(3)]
+  eq_rows = []
+  for name, tx in (("adamw_nvfp4", optim.adamw_nvfp4(1e-3)),
+                   ("adamw_nvfp4 (nearest)", optim.adamw_nvfp4(1e-3, rounding="nearest"))):
+    w = equality(tx, eq_params, grads_list, accel)
+    passed = (w["codes"] <= args.max_mismatch * w["n_codes"] and w["global"] == 0
+              and w["fp32_state"] <= 1e-6 and w["updates"] <= 1e-5)
+    ok &= passed
+    eq_rows.append((name, w, passed))
+
+  base = rows[0][1]
+  print(f"\n### Optimizer update, {n / 1e6:.1f}M-parameter GPT-2-small pytree, {accel.device_kind}\n")
+  print("| optimizer | median ms | vs optax.adamw | compile s | state B/param | finite |")
+  print("|---|---|---|---|---|---|")
+  for name, ms, comp, nbytes, finite in rows:
+    print(f"| {name} | {ms:.3f} | {ms / base:.2f}x | {comp:.1f} | {nbytes / n:.3f} | {finite} |")
+  print(f"\n### {accel.platform} vs CPU, 3 updates of a {sum(int(np.prod(p.shape)) for p in jax.tree.leaves(eq_params)) / 1e6:.1f}M pytree\n")
+  print("| optimizer | codes differing | scales differing | global scales differing | "
+        "fp32 state max rel diff | update max diff (rel. to max) | pass |")
+  print("|---|---|---|---|---|---|---|")
+  for name, w, passed in eq_rows:
+    print(f"| {name} | {w['codes']} / {w['n_codes']} | {w['scales']} | {w['global']} | "
+          f"{w['fp32_state']:.2e} | {w['updates']:.2e} | {passed} |")
+  if accel.platform == "cpu":
+    print("\n(accelerator is the CPU: the equality check compares the CPU with itself)")
+  sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,132 @@
+"""GPU check for fp4jax.optim: GPU-jit == CPU for the NVFP4 optimizer states, and NVFP4 Newton–Schulz
+really quantizes on the GPU.
+
+For fixed inputs and seeds, runs under jax.jit on the default backend (the H200) and on the CPU
+backend in the same process, and compares:
+
+1. ``nvfp4_matmul`` / ``nvfp4_gram`` (one and two terms): GPU vs CPU within f32 accumulation
+   tolerance, and the one-term error against the exact product ~0.13 (not the ~0.003 of bf16
+   operands, which would mean XLA folded the quantization away, DESIGN.md §5.1);
+2. ``newton_schulz(precision="nvfp4")``: GPU vs CPU, and its singular values in fp32's range;
+3. ``adamw_nvfp4`` after 3 updates (stochastic and nearest rounding): packed codes, E4M3 scales and
+   global scales bit for bit (counts of differing codes reported; at most 1e-5 of them may flip at a
+   rounding boundary from a 1-ulp f32 difference), updates to 1e-5 of their max;
+4. ``muon_nvfp4`` after 2 updates: momentum codes as in 3, updates to 2e-2 relative (two-term NVFP4
+   products summed in another order).
+
+On a CPU-only machine it compares CPU with CPU (checks the script itself). Exit code 1 on failure.
+
+  python tests/gpu/check_optim.py        (from the repository root, with PYTHONPATH=.)
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from fp4jax import nvfp4, optim  # noqa: E402
+from fp4jax.optim import ns  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+CPU = jax.devices("cpu")[0]
+DEV = jax.devices()[0]
+MAX_FLIPS = 1e-5
+
+
+def on(device, fn, *args):
+  args = jax.device_put(args, device)
+  return jax.device_get(jax.jit(fn)(*args))
+
+
+def rel(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def product_rows():
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal((256, 1024)).astype(np.float32)
+  b = rng.standard_normal((1024, 512)).astype(np.float32)
+  exact = a.astype(np.float64) @ b
+  rows, ok = [], True
+  for terms in (1, 2):
+    f = lambda a, b, t=terms: ns.nvfp4_matmul(a, b, t)  # noqa: E731
+    g, c = on(DEV, f, a, b), on(CPU, f, a, b)
+    r, err = rel(g, c), rel(g, exact)
+    lo, hi = (0.05, 0.2) if terms == 1 else (0.005, 0.03)
+    good = r <= 1e-5 and lo <= err <= hi
+    rows.append((f"nvfp4_matmul terms={terms}", f"rel {r:.1e}; error vs exact {err:.3f}",
+                 f"≤ 1e-5; error in [{lo}, {hi}]", good))
+    ok &= good
+  g, c = on(DEV, ns.nvfp4_gram, a), on(CPU, ns.nvfp4_gram, a)
+  good = rel(g, c) <= 1e-5
+  rows.append(("nvfp4_gram", f"rel {rel(g, c):.1e}", "≤ 1e-5", good))
+  x = rng.standard_normal((256, 768)).astype(np.float32)
+  f = lambda x: optim.newton_schulz(x, precision="nvfp4")  # noqa: E731
+  g, c = on(DEV, f, x), on(CPU, f, x)
+  s = np.linalg.svd(g.astype(np.float64), compute_uv=False)
+  good2 = rel(g, c) <= 1e-2 and 0.5 < s.min() and s.max() < 1.3
+  rows.append(("newton_schulz nvfp4 256x768", f"rel {rel(g, c):.1e}; s in [{s.min():.3f}, {s.max():.3f}]",
+               "≤ 1e-2; s in (0.5, 1.3)", good2))
+  return rows, ok and good and good2
+
+
+def _is_q(x):
+  return isinstance(x, nvfp4.NVFP4Tensor)
+
+
+def state_rows(name, tx, params, grads, update_tol):
+  def run(params, *grads):
+    state, us = tx.init(params), []
+    for g in grads:
+      u, state = tx.update(g, state, params)
+      params = optax.apply_updates(params, u)
+      us.append(u)
+    return us, state
+
+  (ug, sg), (uc, sc) = on(DEV, run, params, *grads), on(CPU, run, params, *grads)
+  flips = n_codes = scale_flips = global_flips = 0
+  for a, c in zip(jax.tree.leaves(sg, is_leaf=_is_q), jax.tree.leaves(sc, is_leaf=_is_q)):
+    if _is_q(a):
+      flips += int(np.sum(np.asarray(a.codes) != np.asarray(c.codes)))
+      n_codes += int(np.asarray(a.codes).size)
+      scale_flips += int(np.sum(np.asarray(a.scales).view(np.uint8) != np.asarray(c.scales).view(np.uint8)))
+      global_flips += int(np.asarray(a.global_scale).view(np.uint32) != np.asarray(c.global_scale).view(np.uint32))
+  worst = max(float(np.max(np.abs(np.asarray(a) - np.asarray(c)))) / (float(np.max(np.abs(c))) + 1e-30)
+              for a, c in zip(jax.tree.leaves(ug), jax.tree.leaves(uc)))
+  ok = flips <= MAX_FLIPS * n_codes and scale_flips <= MAX_FLIPS * n_codes and global_flips == 0
+  ok &= worst <= update_tol
+  rows = [(f"{name}: packed codes", f"{flips} / {n_codes} differ", f"≤ {MAX_FLIPS:g} of codes", ok),
+          (f"{name}: e4m3 scales / global scales", f"{scale_flips} / {global_flips} differ", "0 global", ok),
+          (f"{name}: updates", f"max diff {worst:.1e} of max |u|", f"≤ {update_tol:g}", ok)]
+  return rows, ok
+
+
+def main() -> int:
+  print(f"device: {DEV.device_kind} ({DEV.platform}) vs {CPU.device_kind}; jax {jax.__version__}")
+  rng = np.random.default_rng(1)
+  shapes = {"embed": (1024, 256), "qkv": (256, 768), "down": (1024, 256), "norm": (256,), "b": (768,)}
+  params = {k: (rng.standard_normal(s) * 0.02).astype(np.float32) for k, s in shapes.items()}
+  grads = [{k: (rng.standard_normal(s) * 10.0 ** -rng.uniform(0, 4)).astype(np.float32)
+            for k, s in shapes.items()} for _ in range(3)]
+  rows, ok = product_rows()
+  for name, tx, tol, n in (
+      ("adamw_nvfp4 stochastic", optim.adamw_nvfp4(1e-3), 1e-5, 3),
+      ("adamw_nvfp4 nearest", optim.adamw_nvfp4(1e-3, rounding="nearest"), 1e-5, 3),
+      ("muon_nvfp4", optim.muon_nvfp4(0.02, min_size=0), 2e-2, 2)):
+    r, o = state_rows(name, tx, params, grads[:n], tol)
+    rows, ok = rows + r, ok and o
+  print("\n| check | GPU vs CPU | bound / note | pass |\n|---|---|---|---|")
+  for row in rows:
+    print(f"| {row[0]} | {row[1]} | {row[2]} | {row[3]} |")
+  print("\nRESULT:", "PASS" if ok else "FAIL")
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
