@@ -225,8 +225,12 @@ class Attention(nnx.Module):
     b, t, _ = x_BxTxD.shape
     k_qkv, k_o = jax.random.split(key)
     n, kv = cfg.n_heads, cfg.kv_heads
-    qkv = self.qkv(x_BxTxD, key=k_qkv).reshape(b, t, n + 2 * kv, cfg.hdim)
-    q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kv], qkv[:, :, n + kv:]
+    g = n // kv
+    # Columns grouped per KV head: [q_1 .. q_g, k, v] for each group, so a tensor-parallel split
+    # of the fused output keeps whole groups local (query head i attends with KV head i // g).
+    qkv = self.qkv(x_BxTxD, key=k_qkv).reshape(b, t, kv, g + 2, cfg.hdim)
+    q = qkv[:, :, :, :g].reshape(b, t, n, cfg.hdim)
+    k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     pos_T = jnp.arange(t)
@@ -246,10 +250,23 @@ class Mlp(nnx.Module):
 
   def __call__(self, x_BxTxD, key):
     k_gu, k_down = jax.random.split(key)
-    gu_BxTx2F = self.gate_up(x_BxTxD, key=k_gu)
-    f = gu_BxTx2F.shape[-1] // 2
-    h_BxTxF = jax.nn.silu(gu_BxTx2F[..., :f]) * gu_BxTx2F[..., f:]
+    # Columns interleaved (gate_j, up_j), so a tensor-parallel split keeps the pairs local.
+    gu_BxTxFx2 = self.gate_up(x_BxTxD, key=k_gu).reshape(*x_BxTxD.shape[:-1], -1, 2)
+    h_BxTxF = jax.nn.silu(gu_BxTxFx2[..., 0]) * gu_BxTxFx2[..., 1]
     return self.down(h_BxTxF, key=k_down)
+
+
+def constrain_batch(x):
+  """Pins the leading (batch) axis of an activation to the mesh's batch axes, if a mesh is set.
+
+  Without it, GSPMD may shard activations along a weight's FSDP axis and then replicate them
+  ("involuntary full rematerialization"). A no-op outside ``jax.set_mesh`` (e.g. on one device).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = tuple(a for a in ("data", "fsdp") if not mesh.empty and a in mesh.axis_names)
+  if not axes:
+    return x
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes))
 
 
 class Block(nnx.Module):
@@ -263,8 +280,8 @@ class Block(nnx.Module):
 
   def __call__(self, x_BxTxD, key):
     k_attn, k_mlp = jax.random.split(key)
-    x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), k_attn)
-    return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD), k_mlp)
+    x_BxTxD = constrain_batch(x_BxTxD + self.attn(self.attn_norm(x_BxTxD), k_attn))
+    return constrain_batch(x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD), k_mlp))
 
 
 class Transformer(nnx.Module):
@@ -312,6 +329,7 @@ class Transformer(nnx.Module):
       key = jax.random.key(0)
     cfg = self.cfg
     x_BxTxD = jnp.take(self.embed.embedding[...], tokens_BxT, axis=0).astype(cfg.compute_dtype)
+    x_BxTxD = constrain_batch(x_BxTxD)
     for start, stop in self._segments():
       blocks = [getattr(self, f"block{i}") for i in range(start, stop)]
       if stop - start == 1 or not cfg.scan_layers:

@@ -258,11 +258,21 @@ def jit_steps(graphdef, tx, schedule, shardings, mesh, grad_accum: int = 1):
   bsh = NamedSharding(mesh, P(shd.BATCH_AXES, None))
   batch_sh = {"inputs": bsh, "targets": bsh}
   rep = shd.replicated(mesh)
-  train_step = jax.jit(make_train_step(graphdef, tx, schedule, grad_accum),
-                       in_shardings=(shardings, batch_sh), out_shardings=(shardings, rep),
-                       donate_argnums=0)
-  eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(shardings["params"], batch_sh),
-                      out_shardings=rep)
+  train_jit = jax.jit(make_train_step(graphdef, tx, schedule, grad_accum),
+                      in_shardings=(shardings, batch_sh), out_shardings=(shardings, rep),
+                      donate_argnums=0)
+  eval_jit = jax.jit(make_eval_step(graphdef), in_shardings=(shardings["params"], batch_sh),
+                     out_shardings=rep)
+
+  # Traced under the mesh, so the model can pin activations to the batch axes.
+  def train_step(state, batch):
+    with jax.set_mesh(mesh):
+      return train_jit(state, batch)
+
+  def eval_step(params, batch):
+    with jax.set_mesh(mesh):
+      return eval_jit(params, batch)
+
   return train_step, eval_step
 
 
