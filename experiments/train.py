@@ -53,7 +53,8 @@ def from_config(cfg, vocab_size: int | None = None):
       raise ValueError("config model.vocab_size is None and no data vocabulary is known")
     model["vocab_size"] = -(-vocab_size // 128) * 128
   recipe = get_recipe(cfg.recipe, bf16_first_blocks=cfg.bf16_first_blocks,
-                      bf16_last_blocks=cfg.bf16_last_blocks, lora_rank=cfg.lora_rank)
+                      bf16_last_blocks=cfg.bf16_last_blocks, lora_rank=cfg.lora_rank,
+                      lora_resplit_every=cfg.lora_resplit_every)
   train_cfg = TrainConfig(
       steps=cfg.steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
       seed=cfg.seed, log_every=cfg.log_every, eval_every=cfg.eval_every,

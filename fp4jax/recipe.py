@@ -43,6 +43,8 @@ class Recipe:
     bf16_first_blocks: number of leading blocks whose projections stay BF16.
     bf16_last_blocks: number of trailing blocks whose projections stay BF16.
     lora_rank: rank of the BF16 low-rank branch when ``linear == "nvfp4_lorasvd"``.
+    lora_resplit_every: re-split every LoRA-SVD projection (new top-r SVD of ``W_res + A·B``) every
+      this many steps; 0 splits once at init (Metis). Adam moments are kept across a re-split.
   """
 
   linear: str = "bf16"
@@ -52,6 +54,7 @@ class Recipe:
   bf16_first_blocks: int = 0
   bf16_last_blocks: int = 0
   lora_rank: int = 16
+  lora_resplit_every: int = 0
 
   def __post_init__(self):
     for field, choices in (("linear", LINEAR_CHOICES), ("attention", ATTENTION_CHOICES),
@@ -60,7 +63,7 @@ class Recipe:
       value = getattr(self, field)
       if value not in choices:
         raise ValueError(f"Recipe.{field}={value!r}: expected one of {choices}")
-    for field in ("bf16_first_blocks", "bf16_last_blocks", "lora_rank"):
+    for field in ("bf16_first_blocks", "bf16_last_blocks", "lora_rank", "lora_resplit_every"):
       value = getattr(self, field)
       if not isinstance(value, int) or value < 0:
         raise ValueError(f"Recipe.{field}={value!r}: expected a non-negative int")

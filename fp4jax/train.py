@@ -246,6 +246,29 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
   return step_fn
 
 
+def make_resplit(graphdef, params_shardings, seed: int = 0):
+  """A jitted ``(params, step) -> params`` that re-splits every LoRA-SVD projection.
+
+  Each ``fp4jax.layers.LoraSvdDense`` takes a new top-r SVD of its effective weight
+  ``W_res + A·B`` (which is preserved); other parameters pass through. Params are donated.
+  """
+  from fp4jax.layers import LoraSvdDense
+  key = jax.random.fold_in(jax.random.key(seed), 3)
+
+  def resplit(params, step):
+    model = nnx.merge(graphdef, params)
+    k = jax.random.fold_in(key, step)
+    for i, (_, module) in enumerate(nnx.iter_modules(model)):
+      if isinstance(module, LoraSvdDense):
+        module.resplit(jax.random.fold_in(k, i))
+    return nnx.to_pure_dict(nnx.state(model))
+
+  rep = jax.tree.leaves(params_shardings)[0]
+  rep = NamedSharding(rep.mesh, P())
+  return jax.jit(resplit, in_shardings=(params_shardings, rep), out_shardings=params_shardings,
+                 donate_argnums=0)
+
+
 def make_eval_step(graphdef):
   """``(params, batch) -> mean loss`` (deterministic key)."""
   def eval_fn(params, batch):
@@ -357,8 +380,8 @@ class TrainConfig:
 
 def run_meta(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig) -> dict:
   """What a checkpoint must agree with to be restored into this run."""
-  return {"model": dataclasses.asdict(model_cfg), "recipe": recipe.to_dict(),
-          "optimizer": {"name": opt_cfg.name}}
+  r = {k: v for k, v in recipe.to_dict().items() if k != "lora_resplit_every"}  # a schedule
+  return {"model": dataclasses.asdict(model_cfg), "recipe": r, "optimizer": {"name": opt_cfg.name}}
 
 
 def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
@@ -393,6 +416,8 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
   schedule = make_schedule(opt_cfg, tc.steps)
   graphdef, state, shardings = init_state(model_cfg, recipe, tx, mesh, tc.seed)
   train_step, eval_step = jit_steps(graphdef, tx, schedule, shardings, mesh, tc.grad_accum)
+  every = recipe.lora_resplit_every if recipe.linear == "nvfp4_lorasvd" else 0
+  resplit = make_resplit(graphdef, shardings["params"], tc.seed) if every else None
   ckpt = Checkpointer(workdir / "checkpoints", every=tc.checkpoint_every or tc.steps,
                       keep=tc.keep_checkpoints)
   meta = run_meta(model_cfg, recipe, opt_cfg)
@@ -451,7 +476,7 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
         pending = None
       timer["steps"] += 1
       sync = (n == start + 1 or n % tc.log_every == 0 or is_eval(n) or ckpt.should_save(n)
-              or n == tc.steps)
+              or n == tc.steps or (every and n % every == 0))
       if not sync:
         pending = (n, m)
         writer.advance(n)
@@ -460,6 +485,8 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
       if n == start + 1:  # the first step compiles: time from here on
         timer.update(t=time.perf_counter(), steps=0)
       handle(n, m, state)
+      if every and n % every == 0 and n < tc.steps:
+        state = {**state, "params": resplit(state["params"], state["step"])}
       if ckpt.should_save(n) or n == tc.steps:
         ckpt.save(n, state, train_iter, meta)
       if is_eval(n) or ckpt.should_save(n):

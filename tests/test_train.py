@@ -346,3 +346,22 @@ def test_muon_optimizer_steps(data_dir):
     state, m = step(state, global_batch(next(it), mesh))
     losses.append(float(m["loss"]))
   assert all(np.isfinite(losses)) and losses[2] < losses[0]
+
+
+def test_lora_resplit_keeps_effective_weights():
+  from fp4jax.train import make_resplit
+  recipe = get_recipe("fp4_linear_lorasvd", lora_rank=4, lora_resplit_every=10)
+  mesh = shd.make_mesh((1, 2, 1))
+  tx = make_optimizer(OPT, recipe, 10)
+  graphdef, state, sh = init_state(MODEL, recipe, tx, mesh)
+  gu = lambda p: p["block0"]["mlp"]["gate_up"]  # noqa: E731
+  eff = lambda d: np.asarray(d["kernel"]) + np.asarray(d["lora_a"]) @ np.asarray(d["lora_b"])  # noqa: E731
+  before = jax.device_get(gu(state["params"]))
+  # Train-like drift: perturb the residual so the split is no longer the SVD of W_eff.
+  params = jax.tree.map(lambda x: x, state["params"])
+  params["block0"]["mlp"]["gate_up"]["kernel"] = gu(params)["kernel"] + 0.05
+  drifted = jax.device_get(gu(params))
+  after = jax.device_get(gu(make_resplit(graphdef, sh["params"])(params, jnp.int32(10))))
+  np.testing.assert_allclose(eff(after), eff(drifted), atol=2e-5)
+  assert not np.allclose(after["lora_a"], before["lora_a"])  # a new split was taken
+  assert get_recipe("bf16").lora_resplit_every == 0

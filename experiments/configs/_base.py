@@ -17,6 +17,7 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
   c.bf16_first_blocks = 0
   c.bf16_last_blocks = 0
   c.lora_rank = 16
+  c.lora_resplit_every = 0     # fp4_linear_lorasvd: re-split every k steps (0: once, at init)
   c.model = ml_collections.ConfigDict(dict(
       vocab_size=config_dict.placeholder(int),  # None: the data's vocabulary rounded up to 128
       d_model=128, n_layers=2, n_heads=4,
