@@ -36,15 +36,23 @@ from fp4jax.train import (OptimizerConfig, global_batch, init_state, jit_steps, 
                           make_optimizer, make_schedule)
 
 
+FALLBACK_125M = dict(vocab_size=None, d_model=768, n_layers=12, n_heads=12, n_kv_heads=None,
+                     head_dim=None, d_ff=None, qk_norm=True, rope_theta=10000.0, dtype="bfloat16",
+                     init_std=0.02, scan_layers=False, remat=False)
+
+
 def model_config(tiny: bool, vocab_size: int | None, remat: bool, scan: bool) -> ModelConfig:
   if tiny:
     return ModelConfig(vocab_size=vocab_size or 384, d_model=64, n_layers=2, n_heads=4,
                        remat=remat, scan_layers=scan)
-  path = REPO / "experiments" / "configs" / "125m.py"
-  spec = importlib.util.spec_from_file_location("config_125m", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  m = dict(mod.get_config().model)
+  try:  # the experiment config is the source of truth ...
+    path = REPO / "experiments" / "configs" / "125m.py"
+    spec = importlib.util.spec_from_file_location("config_125m", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    m = dict(mod.get_config().model)
+  except ImportError:  # ... but the GPU image may lack ml_collections: the same values
+    m = dict(FALLBACK_125M)
   m["vocab_size"] = m["vocab_size"] or vocab_size or 32768
   m["remat"] = remat or m["remat"]
   m["scan_layers"] = scan or m["scan_layers"]

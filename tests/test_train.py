@@ -365,3 +365,18 @@ def test_lora_resplit_keeps_effective_weights():
   np.testing.assert_allclose(eff(after), eff(drifted), atol=2e-5)
   assert not np.allclose(after["lora_a"], before["lora_a"])  # a new split was taken
   assert get_recipe("bf16").lora_resplit_every == 0
+
+
+def test_benchmark_fallback_matches_125m_config():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("bench", REPO / "benchmarks" / "train_step.py")
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  from experiments.train import from_config
+  spec = importlib.util.spec_from_file_location("c125", REPO / "experiments/configs/125m.py")
+  c125 = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(c125)
+  assert dict(c125.get_config().model) == bench.FALLBACK_125M
+  model, *_ = from_config(c125.get_config(), vocab_size=32768)
+  assert bench.model_config(False, None, False, False) == model
+  assert 120e6 < model.num_params() < 140e6
