@@ -350,18 +350,21 @@ def test_muon_optimizer_steps(data_dir):
 
 def test_lora_resplit_keeps_effective_weights():
   from fp4jax.train import make_resplit
+  from flax import nnx
+
+  from fp4jax.model import Transformer
   recipe = get_recipe("fp4_linear_lorasvd", lora_rank=4, lora_resplit_every=10)
-  mesh = shd.make_mesh((1, 2, 1))
-  tx = make_optimizer(OPT, recipe, 10)
-  graphdef, state, sh = init_state(MODEL, recipe, tx, mesh)
+  cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2)
+  graphdef, state = nnx.split(Transformer(cfg, recipe, rngs=nnx.Rngs(0)))
+  params = nnx.to_pure_dict(state)
+  sh = shd.param_shardings(params, shd.make_mesh((1, 2, 1)))
   gu = lambda p: p["block0"]["mlp"]["gate_up"]  # noqa: E731
   eff = lambda d: np.asarray(d["kernel"]) + np.asarray(d["lora_a"]) @ np.asarray(d["lora_b"])  # noqa: E731
-  before = jax.device_get(gu(state["params"]))
+  before = jax.device_get(gu(params))
   # Train-like drift: perturb the residual so the split is no longer the SVD of W_eff.
-  params = jax.tree.map(lambda x: x, state["params"])
   params["block0"]["mlp"]["gate_up"]["kernel"] = gu(params)["kernel"] + 0.05
   drifted = jax.device_get(gu(params))
-  after = jax.device_get(gu(make_resplit(graphdef, sh["params"])(params, jnp.int32(10))))
+  after = jax.device_get(gu(make_resplit(graphdef, sh)(params, jnp.int32(10))))
   np.testing.assert_allclose(eff(after), eff(drifted), atol=2e-5)
   assert not np.allclose(after["lora_a"], before["lora_a"])  # a new split was taken
   assert get_recipe("bf16").lora_resplit_every == 0
