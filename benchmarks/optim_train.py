@@ -25,7 +25,7 @@ from optim_lm import stdlib_bytes, train  # noqa: E402
 
 from fp4jax import optim  # noqa: E402
 
-LR_ADAM, LR_MUON, WD = 3e-3, 0.02, 0.1
+LR_ADAM, LR_MUON, WD = 1e-3, 0.02, 0.1
 
 
 def _muon_dims(params):

@@ -85,10 +85,10 @@ def test_zero_second_moment_never_explodes():
       nu={"w": jax.jit(nvfp4.quantize)(sqrt_v)})
   assert float(jnp.min(state.nu["w"].dequantize())) == 0.0  # the flush happened
   g = {"w": jnp.zeros((16, 64))}
-  u_plain, _ = jax.jit(optim.scale_by_adam_nvfp4(B1, B2, min_size=0, zero_guard=False,
-                                                 clip_update=False).update)(g, state)
+  u_plain, _ = jax.jit(optim.scale_by_adam_nvfp4(B1, B2, min_size=0, clip_update=False).update)(
+      g, state)
   assert float(jnp.max(jnp.abs(u_plain["w"]))) > 1e6  # what the guards prevent
-  for kw in (dict(), dict(clip_update=False)):  # clip alone bounds by construction
+  for kw in (dict(), dict(zero_guard=True, clip_update=False)):  # the clip (default); the floor
     u, _ = jax.jit(optim.scale_by_adam_nvfp4(B1, B2, min_size=0, **kw).update)(g, state)
     assert float(jnp.max(jnp.abs(u["w"]))) <= float(adam_update_bound(11, B1, B2)) * (1 + 1e-6)
 

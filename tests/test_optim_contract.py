@@ -6,7 +6,6 @@ conftest.py gives every test process 8 CPU devices (XLA_FLAGS); plain jit runs o
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx

@@ -3,21 +3,28 @@
 One update dequantizes the moments, runs Adam's arithmetic in float32 on the fresh moments (the
 current gradient enters the update unquantized), and requantizes them:
 
-  m  = b1 * m_old + (1 - b1) * g                  m_old = dequantize(mu)
-  v  = b2 * v_old + (1 - b2) * g²                 v_old = from_stored(max(dequantize(nu), zero_floor))
-  u  = m_hat / (sqrt(v_hat + eps_root) + eps),    clipped to Adam's own bound |u| <= B_t
-  mu = quantize(m),  nu = quantize(to_stored(v))  1×16 blocks, stochastic rounding by default
+  m  = b1 * m_old + (1 - b1) * g                   m_old = dequantize(mu)
+  v  = b2 * v_old + (1 - b2) * g²                  v_old = dequantize(nu)²
+  u  = m_hat / (sqrt(v_hat + eps_root) + eps),     clipped to exact Adam's bound |u| <= B_t
+  mu = quantize(m),  nu = quantize(sqrt(v))        1×16 blocks, stochastic rounding
 
-The second moment is stored as √v (``nu_transform="sqrt"``, the Adam denominator itself), chosen by measurement (``benchmarks/optim_states.py``; numbers in benchmarks/RESULTS.md):
-√v halves v's log-range so the E4M3 block scales cover it, and its relative error maps 1:1 onto the
-update. Two guards make a moment that quantizes to zero harmless:
+Design, chosen by measurement (``benchmarks/optim_states.py``, tiny byte LM; benchmarks/RESULTS.md):
 
-- ``zero_guard``: a stored code 0 of √v is read as its block's rounding threshold (a quarter of the
-  block's E2M1 step, or the zero-block bound), an upper bound of what round-to-nearest stored as 0,
-  so a flushed denominator gives a smaller update, never a larger one.
-- ``clip_update``: exact Adam satisfies ``|m_hat| / sqrt(v_hat) <= B_t`` (Cauchy–Schwarz over the
-  two EMAs; ``B_t`` -> 1.16 for b1=0.9, b2=0.95, and 1 at t=1). Quantized leaves clip their update
-  to it, so no quantization error, in m or in v, can make an update larger than exact Adam could.
+- **√v is stored** (``nu_transform="sqrt"``, FlashOptim's choice): it halves v's log-range so the
+  E4M3 block scales cover it, and its relative error maps 1:1 onto the update. v itself, v^¼ and a
+  log map all did worse on the update error.
+- **Zeros are the danger**: in a 1×16 block, √v below 1/24 of the block's largest value stores as 0
+  (and whole blocks 2.3e5× below the tensor's max), so without a guard ``m / (√0 + eps)`` explodes:
+  every unguarded variant reached |u| ~ 1e5 and the training diverged (loss 134 vs 2.23).
+- **The guard is a clip to exact Adam's own bound** (``clip_update``): Cauchy–Schwarz over the two
+  EMAs gives ``|m_hat| / sqrt(v_hat) <= B_t`` for exact Adam (``adam_update_bound``; 1 at t=1,
+  -> 1.16 for b1=0.9, b2=0.95). NVFP4 leaves clip to it, so no quantization error, in m or in v,
+  can produce an update larger than exact Adam could. It trained within 0.3% of float32 AdamW
+  (two seeds), while also lifting stored zeros to their block's rounding threshold
+  (``zero_guard=True``, an upper bound of the flushed value) made updates too small: +3%.
+- **Stochastic rounding** keeps slowly decaying entries decaying (with round-to-nearest an entry
+  whose block max holds still re-rounds to the same code forever; see the staleness test);
+  nearest rounding trained as well at this scale and is cheaper (``rounding="nearest"``).
 
 Leaves that the storage rule keeps in float32 (``fp4jax.optim._common``) run ``optax.scale_by_adam``'s
 arithmetic unchanged, and with ``quantize=False`` the transform equals optax's bit for bit.
@@ -75,7 +82,7 @@ def scale_by_adam_nvfp4(
     min_size: int = DEFAULT_MIN_SIZE,
     rounding: str | tuple[str, str] = "stochastic",
     nu_transform: str | tuple[Callable, Callable] = "sqrt",
-    zero_guard: bool = True,
+    zero_guard: bool = False,
     clip_update: bool = True,
     mu_storage: str = "direct",
     seed: int = 0,
@@ -96,8 +103,10 @@ def scale_by_adam_nvfp4(
     nu_transform: what is stored for the second moment: ``"sqrt"`` (√v, default), ``"quarter"``
       (v^¼), ``"none"`` (v), or a pair of increasing maps ``(to_stored, from_stored)`` of float32
       arrays (research hook: v >= 0 in, finite non-negative out).
-    zero_guard: read a stored code 0 of the second moment as its block's rounding threshold.
-    clip_update: clip updates of NVFP4 leaves to ``adam_update_bound``.
+    zero_guard: read a stored code 0 of the second moment as its block's rounding threshold (an
+      upper bound of what round-to-nearest flushed; safe but measured to slow training).
+    clip_update: clip updates of NVFP4 leaves to ``adam_update_bound`` (the guard against
+      moments quantized to zero; keep it on).
     mu_storage: ``"direct"`` stores m; ``"normalized"`` stores m / sqrt(v) of the just-stored v
       (bounded by Adam's bound, so its 1×16 blocks are well conditioned) and reads m back as
       ``stored * sqrt(v_stored)``.
