@@ -4,13 +4,14 @@ Linear layers, attention and everything else stay at the ``bf16`` recipe; only t
 changes, through ``Recipe.optimizer_states`` / ``Recipe.newton_schulz`` and the config's optimizer
 name, with the same data, seed and schedule:
 
-  adamw, fp32 states   |  adamw, NVFP4 states (adamw_nvfp4)
-  muon, bf16 NS, fp32  |  muon, NVFP4 NS + NVFP4 states (muon_nvfp4)
+  adamw: optax.adamw                          |  adamw_nvfp4: NVFP4 states
+  muon: bf16 Newton–Schulz, float32 states    |  muon_nvfp4: NVFP4 Newton–Schulz + NVFP4 states
 
-  python benchmarks/optim_tiny.py [--steps 200] [--workdir /tmp/optim_tiny] [--muon-lr 0.02]
+  python benchmarks/optim_tiny.py [--steps 200] [--seeds 3] [--workdir /tmp/optim_tiny] [--muon-lr 0.02]
 
 Needs the built-in Shakespeare corpus (``python -m fp4jax.corpus``; cached under ~/.cache/fp4jax).
-Prints a markdown table of final train loss (mean of the last 10% of logged steps) and eval loss.
+Prints a markdown table of final train loss (mean of the last 10% of logged steps) and eval loss,
+each averaged over the seeds.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments import train as launcher  # noqa: E402
@@ -28,14 +31,14 @@ from experiments.compare import run_summary  # noqa: E402
 from experiments.configs.tiny import get_config  # noqa: E402
 
 RUNS = {  # name: (optimizer, optimizer_states, newton_schulz)
-    "adamw, fp32 states": ("adamw", "fp32", "bf16"),
+    "adamw": ("adamw", "fp32", "bf16"),          # optax.adamw
     "adamw_nvfp4": ("adamw", "nvfp4", "bf16"),
-    "muon, bf16 NS, fp32 states": ("muon", "fp32", "bf16"),
-    "muon_nvfp4 (NVFP4 NS + states)": ("muon", "nvfp4", "nvfp4"),
+    "muon": ("muon", "fp32", "bf16"),            # muon_nvfp4(ns_precision="bf16", quantize=False)
+    "muon_nvfp4": ("muon", "nvfp4", "nvfp4"),    # NVFP4 Newton–Schulz and NVFP4 states
 }
 
 
-def run_one(name, steps, workdir, muon_lr):
+def run_one(name, steps, workdir, muon_lr, seed=0):
   from fp4jax import data
   from fp4jax.train import train
   opt, states, ns = RUNS[name]
@@ -45,6 +48,7 @@ def run_one(name, steps, workdir, muon_lr):
     cfg.progress = False
     cfg.checkpoint_every = 0
     cfg.optimizer.name = opt
+    cfg.seed = seed
     if opt == "muon":
       cfg.optimizer.learning_rate = muon_lr
   data_dir, meta = launcher.prepare_data(cfg)
@@ -65,21 +69,26 @@ def main(argv=None):
   ap.add_argument("--workdir", default="/tmp/optim_tiny")
   ap.add_argument("--muon-lr", type=float, default=0.02)
   ap.add_argument("--only", default=",".join(RUNS))
+  ap.add_argument("--seeds", type=int, default=1)
   args = ap.parse_args(argv)
   res = {}
   for name in args.only.split(","):
-    res[name] = run_one(name, args.steps, Path(args.workdir) / name.replace(" ", "_"), args.muon_lr)
-    print(f"  {name}: {res[name][0]} ({res[name][1]:.0f} s)", flush=True)
-  print(f"\n### tiny config ({args.steps} steps, bf16 recipe except the optimizer), CPU\n")
+    runs = []
+    for seed in range(args.seeds):
+      summary, secs = run_one(name, args.steps, Path(args.workdir) / f"{name}-{seed}", args.muon_lr, seed)
+      runs.append(summary)
+      print(f"  {name} seed {seed}: {summary} ({secs:.0f} s)", flush=True)
+    res[name] = {k: float(np.mean([r[k] for r in runs])) for k in ("train_loss", "eval_loss")}
+  print(f"\n### tiny config ({args.steps} steps, {args.seeds} seed(s), bf16 recipe except the "
+        "optimizer), CPU\n")
   print("| optimizer | train loss | eval loss | gap (eval) to its fp32 peer |\n|---|---|---|---|")
-  peers = {"adamw_nvfp4": "adamw, fp32 states",
-           "muon_nvfp4 (NVFP4 NS + states)": "muon, bf16 NS, fp32 states"}
-  for name, (s, _) in res.items():
+  peers = {"adamw_nvfp4": "adamw", "muon_nvfp4": "muon"}
+  for name, s in res.items():
     gap = ""
     if peers.get(name) in res:
-      ref = res[peers[name]][0]["eval_loss"]
+      ref = res[peers[name]]["eval_loss"]
       gap = f"{100 * (s['eval_loss'] - ref) / ref:+.2f}%"
-    print(f"| {name} | {s.get('train_loss', float('nan')):.4f} | {s.get('eval_loss', float('nan')):.4f} | {gap} |")
+    print(f"| {name} | {s['train_loss']:.4f} | {s['eval_loss']:.4f} | {gap} |")
 
 
 if __name__ == "__main__":
