@@ -4,6 +4,7 @@ r"""Train-step throughput of the 125m model: bf16 vs fp4_linear (tokens/s, MFU, 
   python benchmarks/train_step.py --tiny                # CPU check of the script (seconds)
   python benchmarks/train_step.py --data=<data dir>     # real tokens from `fp4jax.data prepare`
   python benchmarks/train_step.py --batch=32 --seq=2048 --recipes=bf16 --remat --scan
+  python benchmarks/train_step.py --recipes=bf16 --attention=xla   # the pre-fix attention
 
 The model is ``experiments/configs/125m.py`` (d=768, 12 blocks, vocab 32768; ``--tiny``: d=64,
 2 blocks). Each recipe's full jitted train step (forward, backward, AdamW update, donated state)
@@ -30,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from fp4jax import sharding as shd  # noqa: E402
 from fp4jax.metrics import peak_flops  # noqa: E402
-from fp4jax.model import ModelConfig  # noqa: E402
+from fp4jax.model import ModelConfig, attention_impl  # noqa: E402
 from fp4jax.recipe import get_recipe  # noqa: E402
 from fp4jax.train import (OptimizerConfig, global_batch, init_state, jit_steps,  # noqa: E402
                           make_optimizer, make_schedule)
@@ -41,10 +42,11 @@ FALLBACK_125M = dict(vocab_size=None, d_model=768, n_layers=12, n_heads=12, n_kv
                      init_std=0.02, scan_layers=False, remat=False)
 
 
-def model_config(tiny: bool, vocab_size: int | None, remat: bool, scan: bool) -> ModelConfig:
+def model_config(tiny: bool, vocab_size: int | None, remat: bool, scan: bool,
+                 attention: str = "auto") -> ModelConfig:
   if tiny:
     return ModelConfig(vocab_size=vocab_size or 384, d_model=64, n_layers=2, n_heads=4,
-                       remat=remat, scan_layers=scan)
+                       remat=remat, scan_layers=scan, attention=attention)
   try:  # the experiment config is the source of truth ...
     path = REPO / "experiments" / "configs" / "125m.py"
     spec = importlib.util.spec_from_file_location("config_125m", path)
@@ -56,6 +58,7 @@ def model_config(tiny: bool, vocab_size: int | None, remat: bool, scan: bool) ->
   m["vocab_size"] = m["vocab_size"] or vocab_size or 32768
   m["remat"] = remat or m["remat"]
   m["scan_layers"] = scan or m["scan_layers"]
+  m["attention"] = attention
   return ModelConfig(**m)
 
 
@@ -111,6 +114,8 @@ def main(argv=None) -> int:
   p.add_argument("--remat", action="store_true", help="rematerialize blocks (less memory)")
   p.add_argument("--scan", action="store_true", help="lax.scan over the blocks (not unrolled)")
   p.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor sizes")
+  p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
+                 help="attention kernel (auto: cuDNN on a GPU when the shapes allow)")
   args = p.parse_args(argv)
   args.batch = args.batch or (8 if args.tiny else 64)
   args.seq = args.seq or (64 if args.tiny else 1024)
@@ -119,11 +124,12 @@ def main(argv=None) -> int:
   if args.data:
     from fp4jax import data
     vocab = -(-data.read_meta(args.data).vocab_size // 128) * 128
-  cfg = model_config(args.tiny, vocab, args.remat, args.scan)
+  cfg = model_config(args.tiny, vocab, args.remat, args.scan, args.attention)
   mesh = shd.make_mesh(tuple(int(s) for s in args.mesh.split(",")))
   dev = mesh.devices.flat[0]
   print(f"device: {mesh.devices.size} x {dev.device_kind} ({dev.platform}); model d={cfg.d_model} "
-        f"L={cfg.n_layers} V={cfg.vocab_size} N={cfg.num_params() / 1e6:.1f}M; batch {args.batch}"
+        f"L={cfg.n_layers} V={cfg.vocab_size} N={cfg.num_params() / 1e6:.1f}M; attention "
+        f"{attention_impl(cfg)}; batch {args.batch}"
         f" x seq {args.seq}; {'data ' + args.data if args.data else 'synthetic tokens'}",
         flush=True)
   data = batches(args, cfg.vocab_size, mesh, max(2, min(args.steps, 4)))

@@ -10,7 +10,8 @@ from jax.sharding import PartitionSpec as P
 from fp4jax import sharding as shd
 from fp4jax.layers import Fp4Dense, LoraSvdDense
 from fp4jax.ops import MatmulConfig
-from fp4jax.model import (Dense, ModelConfig, Transformer, cross_entropy, projection_dims, rope)
+from fp4jax.model import (Dense, ModelConfig, Transformer, attention_impl, chunked_cross_entropy,
+                          cross_entropy, projection_dims, rope)
 from fp4jax.recipe import Recipe, RecipeNotAvailableError, get_recipe
 
 CFG = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -200,3 +201,84 @@ def test_lorasvd_model_shards_low_rank_factors_and_runs():
   tokens = jax.random.randint(jax.random.key(7), (1, 16), 0, 64)
   logits = jax.jit(lambda p, t, k: nnx.merge(g, p)(t, key=k))(p, tokens, jax.random.key(0))
   assert logits.shape == (1, 16, 64) and np.isfinite(np.asarray(logits)).all()
+
+
+@pytest.mark.parametrize("chunk", [96, 40, 7, 10_000])  # exact, padded, tiny, one chunk
+def test_chunked_cross_entropy_matches_full_logits(chunk):
+  k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
+  x = jax.random.normal(k1, (3, 32, 16)).astype(jnp.bfloat16)
+  w = 0.3 * jax.random.normal(k2, (16, 50))
+  t = jax.random.randint(k3, (3, 32), 0, 50)
+  full = lambda x, w: cross_entropy(  # noqa: E731
+      jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32), t)
+  chunked = lambda x, w: chunked_cross_entropy(x, w, t, chunk_tokens=chunk)  # noqa: E731
+  l0, (dx0, dw0) = jax.value_and_grad(full, (0, 1))(x, w)
+  l1, (dx1, dw1) = jax.value_and_grad(chunked, (0, 1))(x, w)
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(dx1, np.float32), np.asarray(dx0, np.float32))
+  # dW: per-chunk bf16 partial products summed in float32 vs one bf16 product: ~1 bf16 ulp.
+  np.testing.assert_allclose(dw1, dw0, rtol=0, atol=2 ** -8 * float(jnp.max(jnp.abs(dw0))))
+
+
+def test_chunked_cross_entropy_rejects_bad_input():
+  x, w, t = jnp.zeros((2, 4, 8)), jnp.zeros((8, 10)), jnp.zeros((2, 4), jnp.int32)
+  with pytest.raises(ValueError, match="chunk_tokens"):
+    chunked_cross_entropy(x, w, t, chunk_tokens=0)
+  with pytest.raises(ValueError, match="do not match"):
+    chunked_cross_entropy(x, w, t[:, :3])
+
+
+def test_attention_option_validated_and_xla_on_cpu():
+  with pytest.raises(ValueError, match="attention"):
+    ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2, attention="flash")
+  with pytest.raises(ValueError, match="cudnn"):
+    ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2, attention="cudnn",
+                dtype="float32")
+  assert attention_impl(CFG) == "xla"  # float32 model
+  bf16 = ModelConfig(vocab_size=8, d_model=64, n_layers=1, n_heads=4)
+  assert attention_impl(bf16) == ("cudnn" if jax.default_backend() == "gpu" else "xla")
+
+
+_LOWER_FOR_H200 = r"""
+import re, jax, jax.numpy as jnp
+from jax._src import core, dispatch, custom_partitioning as cp
+from jax._src.cudnn import fused_attention_stablehlo as fa
+from jax._src.interpreters import mlir
+from jax.sharding import AbstractDevice, AbstractMesh
+from flax import nnx
+from fp4jax.model import ModelConfig, Transformer, chunked_cross_entropy
+from fp4jax.recipe import get_recipe
+# No GPU here: pretend cuDNN 9.10 on sm_90, and lower custom_partitioning as for one device.
+fa.check_cudnn_version = lambda: 91000
+fa.check_compute_capability = lambda c: tuple(map(int, c.split("."))) <= (9, 0)
+dispatch.prim_requires_devices_during_lowering.clear()
+mlir.register_lowering(cp.custom_partitioning_p, lambda ctx, *v, call, **_: mlir.lower_fun(
+    core.jaxpr_as_fun(call), multiple_results=True)(ctx, *v))
+cfg = ModelConfig(vocab_size=512, d_model=128, n_layers=2, n_heads=2, attention="cudnn",
+                  scan_layers=True)
+g, st = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, get_recipe("bf16"), rngs=nnx.Rngs(0))))
+def loss(st, tok):
+  m = nnx.merge(g, st)
+  return chunked_cross_entropy(m.features(tok), m.lm_head.kernel[...], tok, chunk_tokens=256)
+tok = jax.ShapeDtypeStruct((4, 256), jnp.int32)
+mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
+with jax.sharding.use_abstract_mesh(mesh):
+  txt = jax.jit(jax.grad(loss)).trace(st, tok).lower(lowering_platforms=("cuda",)).as_text()
+calls = set(re.findall(r"custom_call @([\w$.]+)", txt))
+print("CALLS", sorted(calls))
+print("SCORES", "x256x256x" in txt, "4x256x512xf32" in txt)
+"""
+
+
+def test_attention_lowers_to_cudnn_for_h200_without_scores_or_full_logits():
+  """The bf16 model lowered for CUDA (abstract H200, no GPU): cuDNN fused attention forward and
+  backward, no T×T score tensor, no (B, T, V) float32 logits. Private jax hooks, so a subprocess."""
+  import subprocess
+  import sys
+  from pathlib import Path
+  r = subprocess.run([sys.executable, "-c", _LOWER_FOR_H200], capture_output=True, text=True,
+                     timeout=300, cwd=Path(__file__).resolve().parents[1])
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "__cudnn$fmhaSoftmax" in r.stdout and "__cudnn$fmhaSoftmaxBackward" in r.stdout
+  assert "SCORES False False" in r.stdout, r.stdout

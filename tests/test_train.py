@@ -383,3 +383,21 @@ def test_benchmark_fallback_matches_125m_config():
   model, *_ = from_config(c125.get_config(), vocab_size=32768)
   assert bench.model_config(False, None, False, False) == model
   assert 120e6 < model.num_params() < 140e6
+
+
+def test_loss_fn_is_the_cross_entropy_of_the_model_logits():
+  """loss_fn runs the LM head chunked (no (B, T, V) logits) but is the same loss and gradient."""
+  from flax import nnx
+  from fp4jax.model import cross_entropy
+  cfg = ModelConfig(**{**MODEL.__dict__, "dtype": "bfloat16"})
+  graphdef, state, _ = init_state(cfg, get_recipe("bf16"), make_optimizer(OPT, get_recipe("bf16"),
+                                                                        10), shd.make_mesh((1, 1, 1)))
+  params = state["params"]
+  tok = jax.random.randint(jax.random.key(0), (2, T + 1), 0, cfg.vocab_size)
+  x, y, key = tok[:, :-1], tok[:, 1:], jax.random.key(1)
+  full = lambda p: cross_entropy(nnx.merge(graphdef, p)(x, key=key), y)  # noqa: E731
+  l0, g0 = jax.jit(jax.value_and_grad(full))(params)
+  l1, g1 = jax.jit(jax.value_and_grad(lambda p: loss_fn(graphdef, p, x, y, key)))(params)
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(b))) + 1e-12)
