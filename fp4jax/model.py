@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -277,9 +278,21 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     pos_T = jnp.arange(t)
     q, k = rope(q, pos_T, cfg.rope_theta), rope(k, pos_T, cfg.rope_theta)
-    o_BxTxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                             implementation=attention_impl(cfg))
+    o_BxTxNxH = _attention(q, k, v, attention_impl(cfg), fallback=cfg.attention == "auto")
     return self.o(o_BxTxNxH.reshape(b, t, cfg.n_heads * cfg.hdim), key=k_o)
+
+
+def _attention(q, k, v, impl: str, fallback: bool):
+  """Causal ``jax.nn.dot_product_attention``; with ``fallback``, XLA if cuDNN refuses at trace
+  time (e.g. an old cuDNN), with a warning."""
+  try:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+  except (RuntimeError, ValueError, NotImplementedError) as e:
+    if impl != "cudnn" or not fallback:
+      raise
+    warnings.warn(f"cuDNN attention unavailable ({type(e).__name__}: {e}); using XLA attention, "
+                  "which materializes B×N×T×T scores")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
 
 class Mlp(nnx.Module):

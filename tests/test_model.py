@@ -282,3 +282,20 @@ def test_attention_lowers_to_cudnn_for_h200_without_scores_or_full_logits():
   assert r.returncode == 0, r.stderr[-3000:]
   assert "__cudnn$fmhaSoftmax" in r.stdout and "__cudnn$fmhaSoftmaxBackward" in r.stdout
   assert "SCORES False False" in r.stdout, r.stdout
+
+
+def test_auto_attention_falls_back_to_xla_when_cudnn_refuses(monkeypatch):
+  """On a 'GPU' without cuDNN (here: the CPU pretending), attention='auto' warns and uses XLA;
+  attention='cudnn' raises."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4)
+  assert attention_impl(cfg) == "cudnn"
+  tokens = jnp.zeros((2, 16), jnp.int32)
+  with pytest.warns(UserWarning, match="cuDNN attention unavailable"):
+    logits = _model(cfg)(tokens)
+  monkeypatch.undo()
+  np.testing.assert_array_equal(logits, _model(cfg)(tokens))
+  if jax.default_backend() == "cpu":
+    strict = ModelConfig(**{**cfg.__dict__, "attention": "cudnn"})
+    with pytest.raises(RuntimeError, match="cuDNN"):
+      _model(strict)(tokens)
