@@ -32,19 +32,29 @@ def _muon_dims(params):
   return jax.tree.map(lambda m: MuonDimensionNumbers() if m else None, optim.default_muon_mask(params))
 
 
-RUNS = {
+def _ours(lr, **kw):
+  return lambda: optim.muon_nvfp4(lr, adam_learning_rate=LR_ADAM, weight_decay=WD, **kw)
+
+
+RUNS = {  # name (no commas): (peer, factory)
     "adamw": (None, lambda: optax.adamw(LR_ADAM, b1=0.9, b2=0.95, weight_decay=WD)),
     "adamw_nvfp4": ("adamw", lambda: optim.adamw_nvfp4(LR_ADAM, weight_decay=WD)),
     "muon": (None, lambda: optax.contrib.muon(
         LR_MUON, adam_learning_rate=LR_ADAM, adam_b2=0.95, weight_decay=WD,
         muon_weight_dimension_numbers=_muon_dims)),
-    "muon_nvfp4": ("muon", lambda: optim.muon_nvfp4(
-        LR_MUON, adam_learning_rate=LR_ADAM, weight_decay=WD)),
-    "muon bf16-NS, fp32 states (ours)": ("muon", lambda: optim.muon_nvfp4(
-        LR_MUON, adam_learning_rate=LR_ADAM, weight_decay=WD, ns_precision="bf16", quantize=False)),
-    "root fp32": (None, lambda: optim.root(LR_MUON / 5, ns_precision="fp32", quantize=False,
+    # default: NVFP4 Newton–Schulz, NVFP4 AdamW-side moments, float32 momentum
+    "muon_nvfp4": ("muon", _ours(LR_MUON)),
+    "muon_nvfp4_mu": ("muon", _ours(LR_MUON, quantize_mu=True)),  # + NVFP4 momentum
+    # one change at a time against optax's muon (all through fp4jax.optim.muon_nvfp4):
+    "muon_ours_fp32": ("muon", _ours(LR_MUON, ns_precision="fp32", quantize=False)),
+    "muon_bf16ns": ("muon", _ours(LR_MUON, ns_precision="bf16", quantize=False)),
+    "muon_nvfp4ns_only": ("muon", _ours(LR_MUON, quantize=False)),
+    "muon_nvfp4adam_only": ("muon", _ours(LR_MUON, ns_precision="fp32")),
+    "muon_nvfp4mu_only": ("muon", _ours(LR_MUON, ns_precision="fp32", quantize=False,
+                                        quantize_mu=True)),
+    "root_fp32": (None, lambda: optim.root(LR_MUON / 5, ns_precision="fp32", quantize=False,
                                            adam_learning_rate=LR_ADAM)),
-    "root_nvfp4": ("root fp32", lambda: optim.root(LR_MUON / 5, adam_learning_rate=LR_ADAM)),
+    "root_nvfp4": ("root_fp32", lambda: optim.root(LR_MUON / 5, adam_learning_rate=LR_ADAM)),
 }
 
 

@@ -41,7 +41,7 @@ def _grads(step):
 
 
 @pytest.mark.parametrize("make", [lambda: optim.adamw_nvfp4(1e-2, min_size=0),
-                                  lambda: optim.muon_nvfp4(1e-2, min_size=0, ns_precision="fp32")],
+                                  lambda: optim.muon_nvfp4(1e-2, min_size=0, ns_precision="fp32", quantize_mu=True)],
                          ids=["adamw", "muon"])
 def test_state_sharding_follows_params_and_sharded_equals_unsharded(make):
   tx, mesh, params = make(), _mesh(), _params()
@@ -79,7 +79,8 @@ def test_state_sharding_follows_params_and_sharded_equals_unsharded(make):
 
 
 def test_orbax_round_trip_of_packed_state_into_shardings(tmp_path):
-  tx, mesh, params = optim.muon_nvfp4(1e-2, min_size=0, ns_precision="bf16"), _mesh(), _params()
+  tx = optim.muon_nvfp4(1e-2, min_size=0, ns_precision="bf16", quantize_mu=True)
+  mesh, params = _mesh(), _params()
   p_sh = {k: NamedSharding(mesh, s) for k, s in SPECS.items()}
   abstract = jax.eval_shape(tx.init, params)
   s_sh = optim.state_sharding(abstract, p_sh)

@@ -79,7 +79,13 @@ def _muon_leaves(state):
 
 def test_muon_routes_embedding_head_and_vectors_to_adamw():
   params = _model_params()
-  assert _muon_leaves(optim.muon_nvfp4(1e-2).init(params)) == ["['block0']['attn']['qkv']['kernel']"]
+  state = optim.muon_nvfp4(1e-2, min_size=0).init(params)
+  assert _muon_leaves(state) == ["['block0']['attn']['qkv']['kernel']"]
+  # default: float32 momentum (mu_dtype to change it), NVFP4 moments on the AdamW side
+  assert state.inner_states["muon"].inner_state[0].mu["block0"]["attn"]["qkv"]["kernel"].dtype == jnp.float32
+  assert isinstance(state.inner_states["adam"].inner_state[0].nu["embed"]["embedding"], nvfp4.NVFP4Tensor)
+  bf16 = optim.muon_nvfp4(1e-2, mu_dtype=jnp.bfloat16).init(params)
+  assert bf16.inner_states["muon"].inner_state[0].mu["block0"]["attn"]["qkv"]["kernel"].dtype == jnp.bfloat16
   assert _muon_leaves(optim.root(1e-2).init(params)) == ["['block0']['attn']['qkv']['kernel']"]
   # optax's dimension-number masks work too; None -> AdamW
   dims = jax.tree.map(lambda _: None, params)
@@ -120,7 +126,7 @@ def test_nvfp4_muon_trains_and_state_is_stable_under_cond():
   x = jax.random.normal(key1, (128, 32))
   w_true = jax.random.normal(key2, (32, 32)) / 6
   loss = lambda p: jnp.mean((x @ p["w"] - x @ w_true) ** 2)  # noqa: E731
-  tx = optim.muon_nvfp4(0.05, min_size=0)
+  tx = optim.muon_nvfp4(0.05, min_size=0, quantize_mu=True)  # NVFP4 Newton–Schulz and momentum
   params = {"w": jnp.zeros((32, 32))}
   state0 = tx.init(params)
 
@@ -134,6 +140,7 @@ def test_nvfp4_muon_trains_and_state_is_stable_under_cond():
     return jax.lax.cond(do, apply, lambda args: args, (params, state))
 
   spec = lambda s: jax.tree.map(lambda a: (a.shape, a.dtype), s)  # noqa: E731
+  assert isinstance(state0.inner_states["muon"].inner_state[0].mu["w"], nvfp4.NVFP4Tensor)
   p_skip, s_skip = step(params, state0, False)
   assert spec(s_skip) == spec(state0) and float(loss(p_skip)) == float(loss(params))
   first = float(loss(params))

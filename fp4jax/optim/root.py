@@ -60,7 +60,7 @@ def scale_by_root_nvfp4(
     outlier_quantile: float | None = 0.9,
     nesterov: bool = True,
     ns_precision: str = "nvfp4",
-    quantize_mu: bool = True,
+    quantize_mu: bool = False,
     **options,
 ) -> optax.GradientTransformation:
   """ROOT's scaling of 2-D leaves (no learning rate, no shape scale).
@@ -73,8 +73,8 @@ def scale_by_root_nvfp4(
     outlier_quantile: soft-thresholding level (ROOT: 0.9); None turns it off.
     nesterov: Nesterov momentum (ROOT: on).
     ns_precision: "nvfp4" (two-term NVFP4 operands), "nvfp4_1term", "bf16" or "fp32".
-    quantize_mu: store the momentum as NVFP4.
-    **options: ``min_size``, ``rounding``, ``seed``.
+    quantize_mu: store the momentum as NVFP4 (off by default, see ``fp4jax.optim.muon``).
+    **options: ``mu_dtype``, ``min_size``, ``rounding``, ``seed``.
 
   Returns:
     An ``optax.GradientTransformation`` for 2-D leaves.
@@ -100,6 +100,8 @@ def root(
     consistent_rms: float | None = 0.2,
     ns_precision: str = "nvfp4",
     quantize: bool = True,
+    quantize_mu: bool = False,
+    mu_dtype=None,
     adam_b1: float = 0.9,
     adam_b2: float = 0.95,
     adam_eps: float = 1e-8,
@@ -116,7 +118,9 @@ def root(
     weight_decay: decoupled weight decay of both sides (ROOT: 0.1, times the learning rate).
     consistent_rms: ROOT's update scale ``consistent_rms * sqrt(max(m, n))`` (0.2); None gives
       Muon's ``sqrt(max(1, fan_out / fan_in))``.
-    quantize: NVFP4 momentum (ROOT side) and NVFP4 moments (AdamW side).
+    quantize: NVFP4 moments on the AdamW side.
+    quantize_mu: NVFP4 ROOT momentum (off by default, see ``fp4jax.optim.muon``).
+    mu_dtype: dtype of the ROOT momentum when not NVFP4 (default float32).
     adam_b1, adam_b2, adam_eps: the AdamW side.
     adam_learning_rate: AdamW's learning rate; default ``learning_rate``.
     muon_mask: which leaves ROOT takes (see ``muon_nvfp4``); default ``default_muon_mask``.
@@ -129,7 +133,8 @@ def root(
   root_tx = optax.chain(
       scale_by_root_nvfp4(ns_steps, beta, coeffs_table=coeffs_table,
                           outlier_quantile=outlier_quantile, ns_precision=ns_precision,
-                          quantize_mu=quantize, min_size=min_size, **options),
+                          quantize_mu=quantize_mu, mu_dtype=mu_dtype, min_size=min_size,
+                          **options),
       scale_by_shape(consistent_rms),
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(learning_rate),
