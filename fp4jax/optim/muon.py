@@ -6,11 +6,12 @@ take NVFP4 operands (``fp4jax.optim.ns``). ``muon_nvfp4`` routes 2-D weights to 
 embeddings, the LM head and every non-2-D leaf to ``adamw_nvfp4``, like ``optax.contrib.muon``.
 
 The momentum is float32 (or ``mu_dtype``) by default; ``quantize_mu=True`` stores it as NVFP4.
-Measured (``benchmarks/optim_train.py``, byte LM, 300 steps): NVFP4 momentum costs +4.9% final loss
-(+3.2% with round-to-nearest), NVFP4 AdamW-side states ±0.1% and NVFP4 Newton–Schulz itself
-NS_GAP. Stochastic-rounding noise enters the momentum every step and accumulates through the EMA
-(variance × 1/(1 - beta²) = 10 for beta = 0.95), and Newton–Schulz lifts the noise's small
-singular directions to the same size as the signal's, where Adam divides by √v element by element.
+Measured (``benchmarks/optim_train.py``, byte LM, 300 steps, against optax's Muon): NVFP4 momentum
+costs +4.9% final loss (+3.2% with round-to-nearest), NVFP4 AdamW-side moments ±0.1%, and NVFP4
+Newton–Schulz (two-term operands) +0.15%. Stochastic-rounding noise enters the momentum every step
+and accumulates through the EMA (its variance × 1/(1 - beta²) = 10 for beta = 0.95), and
+Newton–Schulz lifts the noise's small singular directions to the size of the signal's, where Adam
+divides by √v element by element.
 """
 
 from __future__ import annotations
