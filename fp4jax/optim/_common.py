@@ -97,6 +97,23 @@ def decode(t: NVFP4Tensor) -> jax.Array:
   return t.dequantize(jnp.float32)
 
 
+def runtime_zero(count) -> jax.Array:
+  """An int32 zero the compiler cannot prove is zero (``min(count, 0)`` of a count >= 0)."""
+  return jnp.minimum(jnp.asarray(count, jnp.int32), 0)
+
+
+def rounded(x, zero) -> jax.Array:
+  """``x``, rounded to float32 before any later addition (no fused multiply-add across it).
+
+  XLA's GPU backend contracts ``a * b + c`` into one FMA (one rounding) where the CPU rounds the
+  product first; the moments then differ in the last bit, and so, at rounding boundaries, do their
+  global scales and codes. Adding a runtime zero to the product's bit pattern makes the product an
+  opaque float32 on every backend (one integer add, fused, no extra memory traffic).
+  """
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) + zero
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def zero_floor(t: NVFP4Tensor) -> jax.Array:
   """Per element, the largest value that round-to-nearest stores as code 0 in its block.
 
@@ -115,13 +132,15 @@ def decode_guarded(t: NVFP4Tensor) -> jax.Array:
   return jnp.maximum(decode(t), zero_floor(t))
 
 
-def grouped_map(fn, indices, *leaf_lists):
+def grouped_map(fn, indices, *leaf_lists, group: bool = True):
   """``fn(*args)`` for every index in ``indices``, leaves of one shape batched under ``jax.vmap``.
 
   Args:
     fn: maps one leaf's arguments (arrays, ``NVFP4Tensor``s, keys or None) to a tuple of outputs.
     indices: the leaf indices to compute.
     *leaf_lists: per argument, a list indexed by leaf index.
+
+    group: False computes each leaf on its own (no stacking copies; more, smaller programs).
 
   Returns:
     A dict index -> tuple of outputs.
@@ -130,7 +149,7 @@ def grouped_map(fn, indices, *leaf_lists):
   for i in indices:
     sig = tuple((getattr(a[i], "shape", None), str(getattr(a[i], "dtype", None)))
                 for a in leaf_lists)
-    groups.setdefault(sig, []).append(i)
+    groups.setdefault(sig if group else i, []).append(i)
   out = {}
   for idx in groups.values():
     if len(idx) == 1:

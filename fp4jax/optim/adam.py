@@ -85,6 +85,7 @@ def scale_by_adam_nvfp4(
     zero_guard: bool = False,
     clip_update: bool = True,
     mu_storage: str = "direct",
+    group_leaves: bool = True,
     seed: int = 0,
 ) -> optax.GradientTransformation:
   """Adam's scaling (no learning rate) with m and a power of v stored as NVFP4.
@@ -110,6 +111,8 @@ def scale_by_adam_nvfp4(
     mu_storage: ``"direct"`` stores m; ``"normalized"`` stores m / sqrt(v) of the just-stored v
       (bounded by Adam's bound, so its 1×16 blocks are well conditioned) and reads m back as
       ``stored * sqrt(v_stored)``.
+    group_leaves: update leaves of one shape together under ``jax.vmap`` (fewer programs, but
+      stacking copies); False updates each leaf on its own.
     seed: stochastic rounding uses ``fold_in(key(seed), count)``: deterministic, nothing to store.
 
   Returns:
@@ -154,7 +157,8 @@ def scale_by_adam_nvfp4(
     q_idx = [i for i, q in enumerate(quantized) if q]
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(quantized))]
     leaf_fn = lambda g, m, v, k: _leaf_update(g, m, v, k, count_inc)  # noqa: E731
-    for i, out in _common.grouped_map(leaf_fn, q_idx, g_leaves, mu_leaves, nu_leaves, keys).items():
+    for i, out in _common.grouped_map(leaf_fn, q_idx, g_leaves, mu_leaves, nu_leaves, keys,
+                                      group=group_leaves).items():
       u_leaves[i], mu_new[i], nu_new[i] = out
     mu, nu = treedef.unflatten(mu_new), treedef.unflatten(nu_new)
     return treedef.unflatten(u_leaves), ScaleByAdamNvfp4State(count=count_inc, mu=mu, nu=nu)
@@ -177,8 +181,9 @@ def scale_by_adam_nvfp4(
     m_old = _common.decode(mu_q)
     if normalized_mu:  # mu holds m / sqrt(v) of the stored v
       m_old = m_old * jnp.sqrt(v_old)
-    m = (1.0 - b1) * g32 + b1 * m_old
-    v = (1.0 - b2) * (g32 * g32) + b2 * v_old
+    z = _common.runtime_zero(count_inc)  # products rounded on every backend (GPU == CPU bits)
+    m = _common.rounded((1.0 - b1) * g32, z) + _common.rounded(b1 * m_old, z)
+    v = _common.rounded((1.0 - b2) * (g32 * g32), z) + _common.rounded(b2 * v_old, z)
     mu_hat = _bias_corrected_mu(m, g32, count_inc)
     nu_hat = optax.tree.bias_correction(v, b2, count_inc)
     u = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
@@ -243,6 +248,7 @@ def adamw_nvfp4(
     weight_decay: decoupled weight decay, multiplied by the learning rate.
     mask: which leaves get weight decay (pytree of bools or callable), as ``optax.adamw``.
     **nvfp4_options: ``quantize``, ``min_size``, ``rounding``, ``nu_transform``, ``zero_guard``,
+      ``group_leaves``,
       ``clip_update``, ``seed`` of ``scale_by_adam_nvfp4``.
 
   Returns:

@@ -7,12 +7,17 @@ backend in the same process, and compares:
 1. ``nvfp4_matmul`` / ``nvfp4_gram`` (one and two terms): GPU vs CPU within f32 accumulation
    tolerance, and the one-term error against the exact product ~0.13 (not the ~0.003 of bf16
    operands, which would mean XLA folded the quantization away, DESIGN.md §5.1);
-2. ``newton_schulz(precision="nvfp4")``: GPU vs CPU, and its singular values in fp32's range;
+2. ``newton_schulz(precision="nvfp4")`` on each device against fp32 Newton–Schulz on the same
+   device (distance <= 0.15; ~0.08 expected) and its singular values. GPU and CPU are not compared
+   with each other tightly: each step requantizes a product whose f32 summation order differs by
+   backend, a 1-ulp difference flips a code at a rounding boundary, and five steps make the two runs
+   two equally valid roundings (~7% apart, measured on the H200);
 3. ``adamw_nvfp4`` after 3 updates (stochastic and nearest rounding): packed codes, E4M3 scales and
-   global scales bit for bit (counts of differing codes reported; at most 1e-5 of them may flip at a
-   rounding boundary from a 1-ulp f32 difference), updates to 1e-5 of their max;
-4. ``muon_nvfp4`` after 2 updates: momentum codes as in 3, updates to 2e-2 relative (two-term NVFP4
-   products summed in another order).
+   global scales bit for bit (counts reported; at most 1e-5 of the codes may flip), updates to 1e-5
+   of their max. The moments' products are rounded before each sum (``_common.rounded``), so the
+   GPU's FMA contraction cannot change their bits;
+4. ``muon_nvfp4(quantize_mu=True)`` after 2 updates: momentum and AdamW-side codes as in 3 (they do
+   not depend on Newton–Schulz), updates within 0.3 of their max (Newton–Schulz, as in 2).
 
 On a CPU-only machine it compares CPU with CPU (checks the script itself). Exit code 1 on failure.
 
@@ -66,12 +71,13 @@ def product_rows():
   good = rel(g, c) <= 1e-5
   rows.append(("nvfp4_gram", f"rel {rel(g, c):.1e}", "≤ 1e-5", good))
   x = rng.standard_normal((256, 768)).astype(np.float32)
-  f = lambda x: optim.newton_schulz(x, precision="nvfp4")  # noqa: E731
-  g, c = on(DEV, f, x), on(CPU, f, x)
+  f = lambda x: (optim.newton_schulz(x, precision="nvfp4"), optim.newton_schulz(x, precision="fp32"))  # noqa: E731
+  (g, g32), (c, c32) = on(DEV, f, x), on(CPU, f, x)
   s = np.linalg.svd(g.astype(np.float64), compute_uv=False)
-  good2 = rel(g, c) <= 1e-2 and 0.5 < s.min() and s.max() < 1.3
-  rows.append(("newton_schulz nvfp4 256x768", f"rel {rel(g, c):.1e}; s in [{s.min():.3f}, {s.max():.3f}]",
-               "≤ 1e-2; s in (0.5, 1.3)", good2))
+  good2 = rel(g, g32) <= 0.15 and rel(c, c32) <= 0.15 and 0.5 < s.min() and s.max() < 1.3
+  rows.append(("newton_schulz nvfp4 256x768", f"to fp32: GPU {rel(g, g32):.3f}, CPU {rel(c, c32):.3f}; "
+               f"GPU vs CPU {rel(g, c):.3f}; s in [{s.min():.3f}, {s.max():.3f}]",
+               "to fp32 ≤ 0.15 each; s in (0.5, 1.3)", good2))
   return rows, ok and good and good2
 
 
@@ -98,12 +104,14 @@ def state_rows(name, tx, params, grads, update_tol):
       global_flips += int(np.asarray(a.global_scale).view(np.uint32) != np.asarray(c.global_scale).view(np.uint32))
   worst = max(float(np.max(np.abs(np.asarray(a) - np.asarray(c)))) / (float(np.max(np.abs(c))) + 1e-30)
               for a, c in zip(jax.tree.leaves(ug), jax.tree.leaves(uc)))
-  ok = flips <= MAX_FLIPS * n_codes and scale_flips <= MAX_FLIPS * n_codes and global_flips == 0
-  ok &= worst <= update_tol
-  rows = [(f"{name}: packed codes", f"{flips} / {n_codes} differ", f"≤ {MAX_FLIPS:g} of codes", ok),
-          (f"{name}: e4m3 scales / global scales", f"{scale_flips} / {global_flips} differ", "0 global", ok),
-          (f"{name}: updates", f"max diff {worst:.1e} of max |u|", f"≤ {update_tol:g}", ok)]
-  return rows, ok
+  ok_codes = flips <= MAX_FLIPS * n_codes
+  ok_scales = scale_flips <= MAX_FLIPS * n_codes and global_flips == 0
+  ok_updates = worst <= update_tol
+  rows = [(f"{name}: packed codes", f"{flips} / {n_codes} differ", f"≤ {MAX_FLIPS:g} of codes", ok_codes),
+          (f"{name}: e4m3 scales / global scales", f"{scale_flips} / {global_flips} differ", "0 global",
+           ok_scales),
+          (f"{name}: updates", f"max diff {worst:.1e} of max |u|", f"≤ {update_tol:g}", ok_updates)]
+  return rows, ok_codes and ok_scales and ok_updates
 
 
 def main() -> int:
@@ -117,7 +125,7 @@ def main() -> int:
   for name, tx, tol, n in (
       ("adamw_nvfp4 stochastic", optim.adamw_nvfp4(1e-3), 1e-5, 3),
       ("adamw_nvfp4 nearest", optim.adamw_nvfp4(1e-3, rounding="nearest"), 1e-5, 3),
-      ("muon_nvfp4", optim.muon_nvfp4(0.02, min_size=0), 2e-2, 2)):
+      ("muon_nvfp4 (NVFP4 momentum)", optim.muon_nvfp4(0.02, min_size=0, quantize_mu=True), 0.3, 2)):
     r, o = state_rows(name, tx, params, grads[:n], tol)
     rows, ok = rows + r, ok and o
   print("\n| check | GPU vs CPU | bound / note | pass |\n|---|---|---|---|")
