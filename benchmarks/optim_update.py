@@ -4,8 +4,8 @@ GPU == CPU equality of the NVFP4 state.
   python benchmarks/optim_update.py            # on the GPU (< 2 min)
   python benchmarks/optim_update.py --small    # CPU-sized smoke run
   python benchmarks/optim_update.py --muon     # also time muon_nvfp4 against optax.contrib.muon
-  python benchmarks/optim_update.py --variants # where the time goes: ungrouped leaves, the
-                                               # quantizer alone on every leaf (nearest / SR)
+  python benchmarks/optim_update.py --variants # where the time goes: ungrouped leaves, RBG bits,
+                                               # the quantizer alone on every leaf (nearest / SR)
 
 Timing: ``params, state = step(params, state, grads)`` (``tx.update`` + ``optax.apply_updates``),
 jitted with params and state donated, median of ``--iters`` runs after 3 warm-up runs, each ended
@@ -156,6 +156,7 @@ def main(argv=None):
     runs["muon_nvfp4"] = optim.muon_nvfp4(0.02, muon_mask=optim.default_muon_mask)
   if args.variants:
     runs["adamw_nvfp4 (ungrouped leaves)"] = optim.adamw_nvfp4(1e-3, group_leaves=False)
+    runs["adamw_nvfp4 (rbg random bits)"] = optim.adamw_nvfp4(1e-3, prng_impl="rbg")
     runs["quantizer only: every grad leaf, nearest"] = _QuantizeOnly("nearest")
     runs["quantizer only: every grad leaf, stochastic"] = _QuantizeOnly("stochastic")
   rows, ok = [], True

@@ -164,9 +164,14 @@ def grouped_map(fn, indices, *leaf_lists, group: bool = True):
   return out
 
 
-def step_key(seed: int, count) -> jax.Array:
-  """The random key of one step: ``fold_in(key(seed), count)``; deterministic and checkpoint-free."""
-  return jax.random.fold_in(jax.random.key(seed), count)
+def step_key(seed: int, count, impl: str | None = None) -> jax.Array:
+  """The random key of one step: ``fold_in(key(seed), count)``; deterministic and checkpoint-free.
+
+  ``impl`` picks the generator (``jax.random.key``'s ``impl``): None is JAX's default (threefry,
+  the same bits sharded or not); ``"rbg"`` uses XLA's RngBitGenerator, cheaper on GPUs, whose bits
+  may depend on the backend and the sharding.
+  """
+  return jax.random.fold_in(jax.random.key(seed, impl=impl), count)
 
 
 def state_nbytes(state) -> int:

@@ -87,6 +87,7 @@ def scale_by_adam_nvfp4(
     mu_storage: str = "direct",
     group_leaves: bool = True,
     seed: int = 0,
+    prng_impl: str | None = None,
 ) -> optax.GradientTransformation:
   """Adam's scaling (no learning rate) with m and a power of v stored as NVFP4.
 
@@ -114,6 +115,7 @@ def scale_by_adam_nvfp4(
     group_leaves: update leaves of one shape together under ``jax.vmap`` (fewer programs, but
       stacking copies); False updates each leaf on its own.
     seed: stochastic rounding uses ``fold_in(key(seed), count)``: deterministic, nothing to store.
+    prng_impl: generator of the rounding bits (``jax.random.key``'s ``impl``; default threefry).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ScaleByAdamNvfp4State``.
@@ -153,7 +155,7 @@ def scale_by_adam_nvfp4(
     u_leaves = treedef.flatten_up_to(u32)
     mu_new, nu_new = treedef.flatten_up_to(mu32), treedef.flatten_up_to(nu32)
 
-    key = _common.step_key(seed, count_inc) if stochastic else None
+    key = _common.step_key(seed, count_inc, prng_impl) if stochastic else None
     q_idx = [i for i, q in enumerate(quantized) if q]
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(quantized))]
     leaf_fn = lambda g, m, v, k: _leaf_update(g, m, v, k, count_inc)  # noqa: E731
@@ -248,8 +250,7 @@ def adamw_nvfp4(
     weight_decay: decoupled weight decay, multiplied by the learning rate.
     mask: which leaves get weight decay (pytree of bools or callable), as ``optax.adamw``.
     **nvfp4_options: ``quantize``, ``min_size``, ``rounding``, ``nu_transform``, ``zero_guard``,
-      ``group_leaves``,
-      ``clip_update``, ``seed`` of ``scale_by_adam_nvfp4``.
+      ``group_leaves``, ``clip_update``, ``seed``, ``prng_impl`` of ``scale_by_adam_nvfp4``.
 
   Returns:
     An optax transformation; with ``quantize=False`` it equals ``optax.adamw`` bit for bit.
