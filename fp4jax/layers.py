@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from fp4jax.ops.dense import mixed_matmul
 from fp4jax.ops.matmul import MatmulConfig, nvfp4_matmul
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -250,8 +251,8 @@ class LoraSvdDense(nnx.Module):
     x = x_BxTxK if self.dtype is None else x_BxTxK.astype(self.dtype)
     y = nvfp4_matmul(x, self.kernel[...], key=key, config=self.config)
     ld = self.lora_dtype
-    xa = jnp.dot(x.astype(ld), self.lora_a[...].astype(ld), preferred_element_type=jnp.float32).astype(ld)
-    y = y + jnp.dot(xa, self.lora_b[...].astype(ld), preferred_element_type=jnp.float32).astype(y.dtype)
+    xa = mixed_matmul(x, self.lora_a[...], ld)
+    y = y + mixed_matmul(xa, self.lora_b[...], ld).astype(y.dtype)
     if self.bias is not None:
       y = _add_bias(y, self.bias[...])
     return y

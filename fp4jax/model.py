@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fp4jax.ops.dense import mixed_matmul
 from fp4jax.recipe import Recipe
 
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
@@ -155,8 +156,9 @@ def projection_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 class Dense(nnx.Module):
-  """The BF16 projection: float32 master ``kernel`` (in, out), a plain matmul in ``dtype`` with
-  float32 accumulation (no custom_vjp, so XLA fuses freely; the baseline of every comparison)."""
+  """The BF16 projection: float32 master ``kernel`` (in, out), GEMMs on ``dtype`` operands with
+  float32 accumulation, forward and backward (``fp4jax.ops.mixed_matmul``; the baseline of every
+  comparison)."""
 
   def __init__(self, in_features: int, out_features: int, *, dtype, std: float, rngs: nnx.Rngs):
     self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (in_features, out_features)))
@@ -164,9 +166,7 @@ class Dense(nnx.Module):
 
   def __call__(self, x, key=None):
     del key  # deterministic; the argument keeps one call signature for every precision
-    y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype),
-                preferred_element_type=jnp.float32)
-    return y.astype(self.dtype)
+    return mixed_matmul(x, self.kernel[...], self.dtype)
 
 
 class Embed(nnx.Module):
@@ -382,8 +382,7 @@ class Transformer(nnx.Module):
       float32 logits (B, T, V).
     """
     x_BxTxD = self.features(tokens_BxT, key=key)
-    return jnp.dot(x_BxTxD, self.lm_head.kernel[...].astype(self.cfg.compute_dtype),
-                   preferred_element_type=jnp.float32)
+    return mixed_matmul(x_BxTxD, self.lm_head.kernel[...], self.cfg.compute_dtype, jnp.float32)
 
   def features(self, tokens_BxT, *, key=None):
     """The final-normed hidden states (B, T, D) in the compute dtype, before the LM head.
@@ -457,11 +456,13 @@ def cross_entropy(logits_BxTxV, targets_BxT, mask_BxT=None):
 def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int = 8192):
   """Mean next-token cross-entropy of ``x @ kernel`` without materializing (B, T, V) logits.
 
-  Same math as ``cross_entropy(dot(x, kernel.astype(x.dtype), f32), targets)``: per chunk of
-  ``chunk_tokens`` tokens, float32 logits (f32 accumulation), float32 logsumexp and target
-  logit; a ``lax.scan`` over chunks whose body is rematerialized, so the forward and backward
-  hold one (chunk, V) float32 block instead of (B·T, V). The kernel's gradient is accumulated in
-  float32 across chunks. Costs one extra LM-head forward matmul in the backward.
+  Same loss as ``cross_entropy(Transformer.__call__ logits, targets)``: per chunk of
+  ``chunk_tokens`` tokens, float32 logits (``mixed_matmul``: f32 accumulation), float32
+  logsumexp and target logit; a ``lax.scan`` over chunks whose body is rematerialized, so the
+  forward and backward hold one (chunk, V) float32 block instead of (B·T, V). The logits'
+  cotangent enters the two backward GEMMs in ``x``'s dtype (``mixed_matmul``); the kernel's
+  gradient is accumulated in float32 across chunks. Costs one extra LM-head forward matmul in
+  the backward.
 
   Args:
     x_BxTxD: final hidden states (compute dtype).
@@ -491,8 +492,7 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
 
   @jax.checkpoint
   def chunk_nll(x_CxD, tgt_C):
-    logits_CxV = jnp.dot(x_CxD, kernel_DxV.astype(x_CxD.dtype),
-                         preferred_element_type=jnp.float32)
+    logits_CxV = mixed_matmul(x_CxD, kernel_DxV, x_CxD.dtype, jnp.float32)
     lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
     # A compare-and-select (fuses; no B·T×V scatter in the backward as take_along_axis has).
     hit_CxV = jnp.arange(v, dtype=jnp.int32)[None, :] == tgt_C[:, None]

@@ -1,0 +1,85 @@
+"""High-precision matmul ``x @ kernel`` for the BF16 parts of a model, with a mixed-precision backward.
+
+``jnp.dot(x.astype(bf16), w.astype(bf16), preferred_element_type=f32)`` is the obvious way to ask
+for float32 accumulation, but its autodiff is slow on the GPU: the cotangent of a float32 output is
+float32, so both backward GEMMs get one float32 operand, XLA promotes the other, and they run as
+float32 (TF32) GEMMs. On the H200 that made the 125m train step's GEMMs take 130 ms of 227 ms
+(``benchmarks/profile_step.py``). ``mixed_matmul`` keeps the forward's numerics and casts the
+cotangent to the compute dtype first, as Transformer Engine and Megatron do:
+
+  forward  y  = (x_c · k_c)             float32 accumulation, output ``out_dtype``
+  dgrad    dx = (dy_c · k_cᵀ)           float32 accumulation, output ``dtype``
+  wgrad    dk = (x_cᵀ · dy_c)           float32 accumulation and output (the master weight's)
+
+with ``_c`` the operand cast to ``dtype``. ``mixed_matmul_vjp_reference`` computes the same
+gradients from float32 copies of the rounded operands (tests compare the two).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def _contract_last(a, b):
+  """a[..., K] · b[K, N]."""
+  return ((a.ndim - 1,), (0,)), ((), ())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def mixed_matmul(x, kernel, dtype=jnp.bfloat16, out_dtype=None):
+  """``x @ kernel`` with operands in ``dtype``, float32 accumulation, a ``dtype`` backward.
+
+  Args:
+    x: ``[..., K]`` activations (any float dtype).
+    kernel: ``[K, N]`` weight (typically the float32 master weight).
+    dtype: operand dtype of the three GEMMs (``jnp.bfloat16``; ``jnp.float32`` gives a plain
+      float32 matmul).
+    out_dtype: dtype of the result (default ``dtype``; ``jnp.float32`` for logits).
+
+  Returns:
+    ``[..., N]`` in ``out_dtype``. Gradients: ``dx`` in ``x.dtype`` (computed in ``dtype``),
+    ``dkernel`` in ``kernel.dtype`` (computed with float32 output).
+  """
+  return _forward(x, kernel, dtype, out_dtype)
+
+
+def _forward(x, kernel, dtype, out_dtype):
+  out_dtype = dtype if out_dtype is None else out_dtype
+  xc, kc = x.astype(dtype), kernel.astype(dtype)
+  return lax.dot_general(xc, kc, _contract_last(xc, kc), preferred_element_type=out_dtype)
+
+
+def _fwd(x, kernel, dtype, out_dtype):
+  xc, kc = x.astype(dtype), kernel.astype(dtype)
+  y = lax.dot_general(xc, kc, _contract_last(xc, kc),
+                      preferred_element_type=dtype if out_dtype is None else out_dtype)
+  # Scalars that carry the input dtypes (residuals must be arrays).
+  return y, (xc, kc, jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype))
+
+
+def _bwd(dtype, out_dtype, res, dy):
+  del out_dtype
+  xc, kc, x_tag, k_tag = res
+  dyc = dy.astype(dtype)
+  dx = lax.dot_general(dyc, kc, (((dyc.ndim - 1,), (1,)), ((), ())), preferred_element_type=dtype)
+  lead = tuple(range(xc.ndim - 1))
+  dk = lax.dot_general(xc, dyc, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+  return dx.astype(x_tag.dtype), dk.astype(k_tag.dtype)
+
+
+mixed_matmul.defvjp(_fwd, _bwd)
+
+
+def mixed_matmul_vjp_reference(x, kernel, dy, dtype=jnp.bfloat16):
+  """``(dx, dkernel)`` of ``mixed_matmul`` in float32 at HIGHEST precision, from the operands and
+  the cotangent rounded to ``dtype`` (the GEMMs' own rounding left out)."""
+  f32 = lambda a: a.astype(dtype).astype(jnp.float32)  # noqa: E731
+  xr, kr, dyr = f32(x), f32(kernel), f32(dy)
+  hi = lax.Precision.HIGHEST
+  dx = jnp.einsum("...n,kn->...k", dyr, kr, precision=hi)
+  dk = jnp.einsum("...k,...n->kn", xr, dyr, precision=hi)
+  return dx, dk
