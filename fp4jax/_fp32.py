@@ -121,3 +121,43 @@ def e4m3_to_f32(code):
   sub = m.astype(jnp.float32) * (1.0 / 512.0)
   mag = jnp.where(e == 0, sub, normal)
   return jnp.where((c & 0x80) != 0, -mag, mag)
+
+
+def sqrt_rn(x):
+  """IEEE round-to-nearest-even ``sqrt(x)`` for float32 ``x`` (exact on any backend).
+
+  Digit-by-digit integer square root of the 24-bit mantissa (26 result bits, remainder as sticky
+  bit). ``x < 0`` or NaN gives NaN, ``+inf`` gives ``+inf``; subnormal inputs are exact too.
+  """
+  x = jnp.asarray(x, jnp.float32)
+  mag = _bits(x) & 0x7FFFFFFF  # |x| and the zero test on the bits (XLA-CPU flushes subnormals)
+  m, e = _unpack(_from_bits(mag))
+  exp2 = e - 127 - _MANT_BITS  # x = m * 2^exp2, m in [2^23, 2^24)
+  odd = (exp2 & 1) == 1
+  m = jnp.where(odd, m << 1, m)  # now x = m * 2^(exp2 - odd), an even power
+  half_exp = (exp2 - odd.astype(jnp.int32) - 26) >> 1  # sqrt(x) = sqrt(m * 2^26) * 2^half_exp
+  # floor(sqrt(m * 2^26)) bit by bit: the radicand's bit pairs come from m (< 2^25) shifted up 26.
+  root = jnp.zeros_like(m)
+  rem = jnp.zeros_like(m)
+  for i in range(26):
+    shift = 24 - 2 * i
+    pair = (m >> shift) & 3 if shift >= 0 else jnp.zeros_like(m)
+    rem = (rem << 2) | pair
+    trial = (root << 2) | 1
+    take = rem >= trial
+    rem = jnp.where(take, rem - trial, rem)
+    root = (root << 1) | take.astype(jnp.int32)
+  # root has 25 or 26 bits; keep 24 and round to nearest even (the remainder is the sticky bit).
+  wide = root >= (1 << 25)
+  drop = jnp.where(wide, 2, 1)
+  kept = root >> drop
+  dropped = root & ((1 << drop) - 1)
+  half = 1 << (drop - 1)
+  up = (dropped > half) | ((dropped == half) & ((rem != 0) | ((kept & 1) == 1)))
+  kept = kept + up.astype(jnp.int32)
+  biased = half_exp + drop + _MANT_BITS + 127  # value = kept * 2^(half_exp + drop)
+  bits = ((biased - 1) << _MANT_BITS) + kept  # a carry to 2^24 bumps the exponent
+  negative = _bits(x) < 0
+  out = jnp.where(mag == 0, x, _from_bits(bits))  # sqrt(±0) = ±0
+  out = jnp.where(mag == _INF_BITS, x, out)
+  return jnp.where((mag > _INF_BITS) | (negative & (mag != 0)), jnp.nan, out)

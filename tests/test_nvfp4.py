@@ -311,6 +311,19 @@ def test_div_rn_matches_ieee_including_subnormals():
   np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
+def test_sqrt_rn_matches_ieee_including_subnormals_and_specials():
+  rng = np.random.default_rng(0)
+  bits = rng.integers(0, 0x7F800000, 200_000, dtype=np.int64).astype(np.uint32)  # every binade
+  x = np.concatenate([bits.view(np.float32), np.array(
+      [0.0, -0.0, np.inf, -np.inf, -1.0, np.nan, 1.0, 2.0, 0.25, 1e-45, 3.4e38], np.float32)])
+  with np.errstate(invalid="ignore"):
+    want = np.sqrt(x)
+  got = np.asarray(jax.jit(_fp32.sqrt_rn)(x))
+  nan = np.isnan(want)
+  np.testing.assert_array_equal(np.isnan(got), nan)
+  np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
 def test_round_to_e4m3_matches_ml_dtypes():
   v = np.concatenate([np.linspace(0, 448, 20001), np.linspace(0, 2**-5, 5001)]).astype(np.float32)
   value, code = jax.jit(_fp32.round_to_e4m3)(v)
