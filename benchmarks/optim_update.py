@@ -28,7 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fp4jax import nvfp4, optim
+from fp4jax import _fp32, nvfp4, optim
+
+
+# √v stored through the correctly rounded integer square root instead of jnp.sqrt.
+EXACT_SQRT = (_fp32.sqrt_rn, lambda s: s * s)
 
 
 class _QuantizeOnly(optax.GradientTransformation):
@@ -130,11 +134,37 @@ def equality(tx, params, grads_list, accel):
   return worst
 
 
+def profile(tx, params, grads, name, steps=5):
+  """Device-side profile of ``steps`` updates (benchmarks/profile_step.py's trace summary)."""
+  import tempfile
+
+  from benchmarks.profile_step import read_trace, summarize
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  fn = jax.jit(step, donate_argnums=(0, 1))
+  for _ in range(3):
+    params, state = fn(params, state, grads)
+  jax.block_until_ready(params)
+  trace_dir = tempfile.mkdtemp(prefix="fp4jax_optim_prof_")
+  with jax.profiler.trace(trace_dir):
+    for _ in range(steps):
+      params, state = fn(params, state, grads)
+    jax.block_until_ready(params)
+  print(f"profile of {name}: {steps} updates")
+  summarize(*read_trace(trace_dir), steps, 30)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--small", action="store_true", help="CPU-sized pytree")
   ap.add_argument("--muon", action="store_true", help="also time muon_nvfp4 vs optax.contrib.muon")
   ap.add_argument("--variants", action="store_true", help="diagnostic rows (see the docstring)")
+  ap.add_argument("--profile", default=None, metavar="NAME",
+                  help="only profile this optimizer's update (a row name) and print its top ops")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--max-mismatch", type=float, default=1e-5,
                   help="largest tolerated share of NVFP4 codes differing GPU vs CPU")
@@ -148,7 +178,8 @@ def main(argv=None):
 
   runs = {"optax.adamw": optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1),
           "adamw_nvfp4": optim.adamw_nvfp4(1e-3),
-          "adamw_nvfp4 (nearest rounding)": optim.adamw_nvfp4(1e-3, rounding="nearest")}
+          "adamw_nvfp4 (nearest rounding)": optim.adamw_nvfp4(1e-3, rounding="nearest"),
+          "adamw_nvfp4 (integer sqrt)": optim.adamw_nvfp4(1e-3, nu_transform=EXACT_SQRT)}
   if args.muon:
     dims = lambda p: jax.tree.map(  # noqa: E731
         lambda m: optax.contrib.MuonDimensionNumbers() if m else None, optim.default_muon_mask(p))
@@ -159,6 +190,8 @@ def main(argv=None):
     runs["adamw_nvfp4 (rbg random bits)"] = optim.adamw_nvfp4(1e-3, prng_impl="rbg")
     runs["quantizer only: every grad leaf, nearest"] = _QuantizeOnly("nearest")
     runs["quantizer only: every grad leaf, stochastic"] = _QuantizeOnly("stochastic")
+  if args.profile:
+    return profile(runs[args.profile], params, grads, args.profile)
   rows, ok = [], True
   for name, tx in runs.items():
     ms, comp, nbytes, finite = time_update(tx, params, grads, iters)
@@ -172,7 +205,8 @@ def main(argv=None):
   grads_list = [make_tree(eq_shapes, 10 + i) for i in range(3)]
   eq_rows = []
   for name, tx in (("adamw_nvfp4", optim.adamw_nvfp4(1e-3)),
-                   ("adamw_nvfp4 (nearest)", optim.adamw_nvfp4(1e-3, rounding="nearest"))):
+                   ("adamw_nvfp4 (nearest)", optim.adamw_nvfp4(1e-3, rounding="nearest")),
+                   ("adamw_nvfp4 (integer sqrt)", optim.adamw_nvfp4(1e-3, nu_transform=EXACT_SQRT))):
     w = equality(tx, eq_params, grads_list, accel)
     passed = (w["codes"] <= args.max_mismatch * w["n_codes"] and w["global"] == 0
               and w["fp32_state"] <= 1e-4 and w["updates"] <= 1e-5)

@@ -30,10 +30,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from fp4jax import nvfp4, optim  # noqa: E402
+from fp4jax import _fp32, nvfp4, optim  # noqa: E402
 from fp4jax.optim import ns  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -81,6 +82,16 @@ def product_rows():
   return rows, ok and good and good2
 
 
+def sqrt_row(rng):
+  """jnp.sqrt and fp4jax._fp32.sqrt_rn on the device against the CPU (information, not a verdict)."""
+  x = rng.integers(0x00800000, 0x7F800000, 1 << 22, dtype=np.int64).astype(np.uint32).view(np.float32)
+  out = []
+  for name, f in (("jnp.sqrt", jnp.sqrt), ("sqrt_rn", _fp32.sqrt_rn)):
+    g, c = on(DEV, f, x), on(CPU, f, x)
+    out.append(f"{name} {int(np.sum(np.asarray(g).view(np.uint32) != np.asarray(c).view(np.uint32)))}")
+  return ("f32 sqrt bits, 4M normal inputs", "; ".join(out) + " differ", "(info)", True)
+
+
 def _is_q(x):
   return isinstance(x, nvfp4.NVFP4Tensor)
 
@@ -101,7 +112,11 @@ def state_rows(name, tx, params, grads, update_tol):
       flips += int(np.sum(np.asarray(a.codes) != np.asarray(c.codes)))
       n_codes += int(np.asarray(a.codes).size)
       scale_flips += int(np.sum(np.asarray(a.scales).view(np.uint8) != np.asarray(c.scales).view(np.uint8)))
-      global_flips += int(np.asarray(a.global_scale).view(np.uint32) != np.asarray(c.global_scale).view(np.uint32))
+      ga, gc = (np.asarray(t.global_scale).reshape(-1).view(np.uint32) for t in (a, c))
+      if np.any(ga != gc):
+        global_flips += 1
+        print(f"  {name}: global scale differs, leaf {a.shape}: GPU {ga.view(np.float32)} CPU "
+              f"{gc.view(np.float32)} ({(ga.astype(np.int64) - gc.astype(np.int64)).tolist()} ulp)")
   worst = max(float(np.max(np.abs(np.asarray(a) - np.asarray(c)))) / (float(np.max(np.abs(c))) + 1e-30)
               for a, c in zip(jax.tree.leaves(ug), jax.tree.leaves(uc)))
   ok_codes = flips <= MAX_FLIPS * n_codes
@@ -122,8 +137,12 @@ def main() -> int:
   grads = [{k: (rng.standard_normal(s) * 10.0 ** -rng.uniform(0, 4)).astype(np.float32)
             for k, s in shapes.items()} for _ in range(3)]
   rows, ok = product_rows()
+  rows.append(sqrt_row(rng))
+  exact_sqrt = (_fp32.sqrt_rn, lambda s: s * s)
   for name, tx, tol, n in (
       ("adamw_nvfp4 stochastic", optim.adamw_nvfp4(1e-3), 1e-5, 3),
+      ("adamw_nvfp4 stochastic, integer sqrt", optim.adamw_nvfp4(1e-3, nu_transform=exact_sqrt),
+       1e-5, 3),
       ("adamw_nvfp4 nearest", optim.adamw_nvfp4(1e-3, rounding="nearest"), 1e-5, 3),
       ("muon_nvfp4 (NVFP4 momentum)", optim.muon_nvfp4(0.02, min_size=0, quantize_mu=True), 0.3, 2)):
     r, o = state_rows(name, tx, params, grads[:n], tol)

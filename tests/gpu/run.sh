@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs named GPU checks/benchmarks on the device machine, each with its log under $OUT, and prints a
 # summary table last. Usage (from the repo root, after the .whl prelude): tests/gpu/run.sh NAME...
-# NAME: nvfp4 matmul data optim quantize train_step optim_update
+# NAME: a key of CMD below
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -14,6 +14,13 @@ declare -A CMD=(
   [quantize]="python3 benchmarks/quantize.py"
   [train_step]="python3 benchmarks/train_step.py"
   [optim_update]="python3 benchmarks/optim_update.py --muon"
+  [optim_adamw]="python3 benchmarks/optim_update.py"
+  [optim_profile]="python3 benchmarks/optim_update.py --profile=adamw_nvfp4"
+  [optim_variants]="python3 benchmarks/optim_update.py --variants"
+  [train_bf16]="python3 benchmarks/train_step.py --recipes=bf16"
+  [train_scan]="python3 benchmarks/train_step.py --recipes=bf16 --scan"
+  [fp4_scan]="timeout 180 python3 benchmarks/train_step.py --recipes=bf16,fp4_linear --scan --batch=16"
+  [profile]="python3 benchmarks/profile_step.py --recipe=bf16 --top=40"
 )
 summary=""
 for name in "$@"; do
