@@ -31,7 +31,8 @@ from jax.sharding import PartitionSpec as P
 from fp4jax import sharding as shd
 from fp4jax.checkpoint import Checkpointer
 from fp4jax.metrics import MetricsWriter, peak_flops
-from fp4jax.model import ModelConfig, Transformer, chunked_cross_entropy, projection_dims
+from fp4jax.loss import chunked_cross_entropy
+from fp4jax.model import ModelConfig, Transformer, projection_dims
 from fp4jax.recipe import Recipe
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -194,7 +195,7 @@ def init_state(model_cfg: ModelConfig, recipe: Recipe, tx: optax.GradientTransfo
 def loss_fn(graphdef, params, inputs_BxT, targets_BxT, key):
   """Mean next-token cross-entropy of the model ``nnx.merge(graphdef, params)``.
 
-  The LM head and the loss run chunked (``fp4jax.model.chunked_cross_entropy``): the float32
+  The LM head and the loss run chunked (``fp4jax.loss.chunked_cross_entropy``): the float32
   (B, T, V) logits are never materialized (8.6 GB at 64×1024 tokens, vocab 32768).
   """
   model = nnx.merge(graphdef, params)
