@@ -66,7 +66,7 @@ def read_trace(trace_dir: str) -> tuple[list[dict], dict]:
   return events, names
 
 
-def summarize(events, names, steps: int, top: int) -> None:
+def summarize(events, names, steps: int, top: int, hlo: dict | None = None) -> None:
   device_pids = {pid for (pid, tid), n in names.items() if tid is None and "device" in n.lower()
                  and "cpu" not in n.lower()}
   if not device_pids:  # CPU runs: the host's XLA threads stand in for a device
@@ -85,20 +85,41 @@ def summarize(events, names, steps: int, top: int) -> None:
   evs = lines[key]
   total = sum(e["dur"] for e in evs)
   by_kind, by_name = collections.Counter(), collections.Counter()
-  count = collections.Counter()
+  count, args_of = collections.Counter(), {}
   for e in evs:
     by_kind[kind_of(e["name"])] += e["dur"]
     by_name[e["name"]] += e["dur"]
     count[e["name"]] += 1
+    args_of.setdefault(e["name"], e.get("args") or {})
   print(f"\nop timeline: {names.get((key[0], None))} / {names.get(key)}; {total / 1e3 / steps:.2f} ms "
         "per step")
   print("\n| kind | ms / step | share |\n|---|---:|---:|")
   for kind, us in by_kind.most_common():
     print(f"| {kind} | {us / 1e3 / steps:.2f} | {100 * us / total:.1f}% |")
-  print(f"\n| top {top} ops | calls / step | ms / step | share |\n|---|---:|---:|---:|")
+  print(f"\n| top {top} ops | calls / step | ms / step | share | HLO |\n|---|---:|---:|---:|---|")
   for name, us in by_name.most_common(top):
+    a = args_of[name]
+    op = a.get("hlo_op") or a.get("long_name") or ""
+    what = op
+    if hlo:  # kernel `loop_add_fusion_37` is instruction `loop_add_fusion.37`
+      for cand in (op.lstrip("%"), name, re.sub(r"_(\d+)$", r".\1", name)):
+        if cand in hlo:
+          what = hlo[cand]
+          break
     print(f"| {name[:90]} | {count[name] / steps:.0f} | {us / 1e3 / steps:.3f} | "
-          f"{100 * us / total:.1f}% |")
+          f"{100 * us / total:.1f}% | {str(what)[:160]} |")
+
+
+def read_hlo(dump_dir: str) -> dict:
+  """Instruction name -> its line (shape and operands), from XLA's optimized-HLO text dumps."""
+  out = {}
+  for path in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")):
+    with open(path) as f:
+      for line in f:
+        m = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = (.*)", line)
+        if m:
+          out.setdefault(m.group(1), m.group(2).strip())
+  return out
 
 
 def main(argv=None) -> int:
@@ -114,7 +135,12 @@ def main(argv=None) -> int:
   p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"))
   p.add_argument("--top", type=int, default=30)
   p.add_argument("--trace", default=None, help="keep the trace in this directory")
+  p.add_argument("--dump", default=None,
+                 help="dump the optimized HLO here and show each top op's instruction")
   args = p.parse_args(argv)
+  if args.dump:  # before the backend starts
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.dump}"
+                               " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*")
   args.batch = args.batch or (8 if args.tiny else 64)
   args.seq = args.seq or (64 if args.tiny else 1024)
   args.data = None
@@ -140,7 +166,7 @@ def main(argv=None) -> int:
         f"{'scan' if args.scan else 'unrolled'}; wall {wall * 1e3:.1f} ms/step under the profiler; "
         f"loss {float(m['loss']):.4f}")
   events, names = read_trace(trace_dir)
-  summarize(events, names, args.steps, args.top)
+  summarize(events, names, args.steps, args.top, read_hlo(args.dump) if args.dump else None)
   return 0
 
 
