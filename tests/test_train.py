@@ -388,7 +388,7 @@ def test_benchmark_fallback_matches_125m_config():
 def test_loss_fn_is_the_cross_entropy_of_the_model_logits():
   """loss_fn runs the LM head chunked (no (B, T, V) logits) but is the same loss and gradient."""
   from flax import nnx
-  from fp4jax.model import cross_entropy
+  from fp4jax.loss import cross_entropy
   cfg = ModelConfig(**{**MODEL.__dict__, "dtype": "bfloat16"})
   graphdef, state, _ = init_state(cfg, get_recipe("bf16"), make_optimizer(OPT, get_recipe("bf16"),
                                                                         10), shd.make_mesh((1, 1, 1)))
