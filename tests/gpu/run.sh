@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs named GPU checks/benchmarks on the device machine, each with its log under $OUT, and prints a
 # summary table last. Usage (from the repo root, after the .whl prelude): tests/gpu/run.sh NAME...
-# NAME: a key of CMD below
+# NAME: a key of CMD below. RUN_TIMEOUT (default 300) bounds each run in seconds.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -19,13 +19,15 @@ declare -A CMD=(
   [optim_variants]="python3 benchmarks/optim_update.py --variants"
   [train_bf16]="python3 benchmarks/train_step.py --recipes=bf16"
   [train_scan]="python3 benchmarks/train_step.py --recipes=bf16 --scan"
-  [fp4_scan]="timeout 180 python3 benchmarks/train_step.py --recipes=bf16,fp4_linear --scan --batch=16"
+  [fp4_scan]="python3 benchmarks/train_step.py --recipes=bf16,fp4_linear --scan --batch=16"
   [profile]="python3 benchmarks/profile_step.py --recipe=bf16 --top=40"
 )
 summary=""
 for name in "$@"; do
   start=$(date +%s)
-  ${CMD[$name]} > "$OUT/$name.log" 2>&1
+  # Each run gets at most $RUN_TIMEOUT seconds (rc 124 past it), so one slow run cannot use up a
+  # device call's limit before the others and the summary are printed.
+  timeout "${RUN_TIMEOUT:-300}" ${CMD[$name]} > "$OUT/$name.log" 2>&1
   rc=$?
   summary+="| $name | $rc | $(( $(date +%s) - start )) s |\n"
   echo "===== $name (rc=$rc)"; tail -n 25 "$OUT/$name.log"
