@@ -38,7 +38,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax import lax
 
@@ -51,8 +50,8 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _VALID_BLOCKS = ((1, BLOCK), (BLOCK, BLOCK))
 _ROUNDINGS = ("nearest", "stochastic")
 _INV6 = float(np.float32(1.0) / np.float32(6.0))
-# The values of the non-negative finite E4M3 bytes 0..126 (0x7F is NaN), as float32.
-_E4M3_VALUES = np.arange(127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+# The non-negative finite E4M3 bytes 0..126 (0x7F is NaN).
+_E4M3_CODES = np.arange(127, dtype=np.uint8)
 
 
 @jax.tree_util.register_dataclass
@@ -279,7 +278,7 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None) -> N
   # the per-element loop by XLA and recomputed 16 times per block (the integer division is ~100
   # operations); an optimization barrier on the per-block values made XLA-CPU compile 70x slower.
   # (The barrier only keeps XLA-CPU from fusing the product into the division: 9 s of compile.)
-  denominators = lax.optimization_barrier(jnp.asarray(_E4M3_VALUES) * s_dec[..., None])
+  denominators = lax.optimization_barrier(_fp32.e4m3_to_f32(_E4M3_CODES) * s_dec[..., None])
   table = jnp.minimum(_fp32.div_rn(jnp.float32(1.0), denominators), _fp32.F32_MAX)
   escale = table.at[dscale_code.astype(jnp.int32)].get(mode="promise_in_bounds")
 

@@ -54,11 +54,10 @@ def _forward(x, kernel, dtype, out_dtype):
 
 
 def _fwd(x, kernel, dtype, out_dtype):
-  xc, kc = x.astype(dtype), kernel.astype(dtype)
-  y = lax.dot_general(xc, kc, _contract_last(xc, kc),
-                      preferred_element_type=dtype if out_dtype is None else out_dtype)
-  # Scalars that carry the input dtypes (residuals must be arrays).
-  return y, (xc, kc, jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype))
+  # The residuals are the operands as cast for the GEMM, plus scalars that carry the input dtypes
+  # (residuals must be arrays).
+  y = _forward(x, kernel, dtype, out_dtype)
+  return y, (x.astype(dtype), kernel.astype(dtype), jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype))
 
 
 def _bwd(dtype, out_dtype, res, dy):
