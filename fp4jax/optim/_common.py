@@ -114,6 +114,17 @@ def rounded(x, zero) -> jax.Array:
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def rounded_ema(old, new, decay: float, zero) -> jax.Array:
+  """``decay * old + (1 - decay) * new`` in float32 with every product rounded on its own.
+
+  ``old`` (often a dequantized product ``q * scale``) is rounded first too, so no backend can
+  contract or reassociate across it: the moments, and the NVFP4 state made from them, get the same
+  bits on the GPU and the CPU.
+  """
+  return (rounded((1.0 - decay) * new.astype(jnp.float32), zero)
+          + rounded(decay * rounded(old, zero), zero))
+
+
 def zero_floor(t: NVFP4Tensor) -> jax.Array:
   """Per element, the largest value that round-to-nearest stores as code 0 in its block.
 

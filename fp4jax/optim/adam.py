@@ -180,16 +180,14 @@ def scale_by_adam_nvfp4(
     k_m, k_v = (None, None) if key is None else (jax.random.fold_in(key, 0),
                                                  jax.random.fold_in(key, 1))
     read_nu = _common.decode_guarded if zero_guard else _common.decode
-    # Every product is rounded on its own (GPU == CPU bits): no FMA contraction, and no
-    # reassociation of a chain of products such as b2 * (s * s) or b1 * (q * scale).
-    z = _common.runtime_zero(count_inc)
-    v_old = _common.rounded(from_stored(read_nu(nu_q)), z)
-    m_old = _common.rounded(_common.decode(mu_q), z)
+    v_old = from_stored(read_nu(nu_q))
+    m_old = _common.decode(mu_q)
     if normalized_mu:  # mu holds m / sqrt(v) of the stored v
       m_old = m_old * jnp.sqrt(v_old)
-    m = _common.rounded((1.0 - b1) * g32, z) + _common.rounded(b1 * m_old, z)
-    g2 = _common.rounded(g32 * g32, z)
-    v = _common.rounded((1.0 - b2) * g2, z) + _common.rounded(b2 * v_old, z)
+    # Every product rounded on its own: GPU == CPU bits (no FMA contraction or reassociation).
+    z = _common.runtime_zero(count_inc)
+    m = _common.rounded_ema(m_old, g32, b1, z)
+    v = _common.rounded_ema(v_old, _common.rounded(g32 * g32, z), b2, z)
     mu_hat = _bias_corrected_mu(m, g32, count_inc)
     nu_hat = optax.tree.bias_correction(v, b2, count_inc)
     u = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)

@@ -112,9 +112,7 @@ def scale_by_orthogonalized_momentum(
 
     def leaf(g, mu, key):
       if _common.is_nvfp4(mu):
-        z = _common.runtime_zero(count_inc)  # no FMA contraction: GPU == CPU bits
-        mu_new = (_common.rounded((1 - beta) * g.astype(jnp.float32), z)
-                  + _common.rounded(beta * _common.decode(mu), z))
+        mu_new = _common.rounded_ema(_common.decode(mu), g, beta, _common.runtime_zero(count_inc))
         stored = _common.encode(mu_new, rounding, key)
       else:
         mu_new = optax.tree.update_moment(g, mu, beta, 1)
