@@ -28,11 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fp4jax import _fp32, nvfp4, optim
-
-
-# √v stored through the correctly rounded integer square root instead of jnp.sqrt.
-EXACT_SQRT = (_fp32.sqrt_rn, lambda s: s * s)
+from fp4jax import nvfp4, optim
 
 
 class _QuantizeOnly(optax.GradientTransformation):
@@ -178,8 +174,7 @@ def main(argv=None):
 
   runs = {"optax.adamw": optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1),
           "adamw_nvfp4": optim.adamw_nvfp4(1e-3),
-          "adamw_nvfp4 (nearest rounding)": optim.adamw_nvfp4(1e-3, rounding="nearest"),
-          "adamw_nvfp4 (integer sqrt)": optim.adamw_nvfp4(1e-3, nu_transform=EXACT_SQRT)}
+          "adamw_nvfp4 (nearest rounding)": optim.adamw_nvfp4(1e-3, rounding="nearest")}
   if args.muon:
     dims = lambda p: jax.tree.map(  # noqa: E731
         lambda m: optax.contrib.MuonDimensionNumbers() if m else None, optim.default_muon_mask(p))
@@ -205,8 +200,7 @@ def main(argv=None):
   grads_list = [make_tree(eq_shapes, 10 + i) for i in range(3)]
   eq_rows = []
   for name, tx in (("adamw_nvfp4", optim.adamw_nvfp4(1e-3)),
-                   ("adamw_nvfp4 (nearest)", optim.adamw_nvfp4(1e-3, rounding="nearest")),
-                   ("adamw_nvfp4 (integer sqrt)", optim.adamw_nvfp4(1e-3, nu_transform=EXACT_SQRT))):
+                   ("adamw_nvfp4 (nearest)", optim.adamw_nvfp4(1e-3, rounding="nearest"))):
     w = equality(tx, eq_params, grads_list, accel)
     passed = (w["codes"] <= args.max_mismatch * w["n_codes"] and w["global"] == 0
               and w["fp32_state"] <= 1e-4 and w["updates"] <= 1e-5)

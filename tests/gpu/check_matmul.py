@@ -23,21 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from _check import CPU, DEV, on, rel, report
 from fp4jax.layers import Fp4Dense, LoraSvdDense
 from fp4jax.ops import MatmulConfig, matmul, nvfp4_matmul
 
 # f32 GEMMs (the bf16-config rows with f32 inputs) at full f32 on the GPU too, not TF32, as in the tests.
 jax.config.update("jax_default_matmul_precision", "highest")
-CPU = jax.devices("cpu")[0]
-DEV = jax.devices()[0]
 M0, M1, K, N = 4, 128, 1024, 768
 NVFP4 = MatmulConfig.nvfp4()
-
-
-def on(device, fn, *args):
-  with jax.default_device(device):
-    args = [jax.device_put(a, device) for a in args]
-    return jax.tree.map(np.asarray, jax.jit(fn)(*args))
 
 
 def bits_differ(a, b) -> int:
@@ -45,11 +38,6 @@ def bits_differ(a, b) -> int:
   if a.dtype.itemsize > 1 or a.dtype != np.uint8:
     a, b = a.view(f"u{a.dtype.itemsize}"), b.view(f"u{b.dtype.itemsize}")
   return int(np.sum(a != b))
-
-
-def rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def inputs(dtype):
@@ -148,11 +136,7 @@ def main() -> int:
   r, o = layer_rows(xb, dyb, key)
   rows, ok = rows + r, ok and o
   print(f"\nshapes: x [{M0}, {M1}, {K}], w [{K}, {N}]\n")
-  print("| check | GPU vs CPU | bound / note |\n|---|---|---|")
-  for row in rows:
-    print(f"| {row[0]} | {row[1]} | {row[2]} |")
-  print("\nRESULT:", "PASS" if ok else "FAIL")
-  return 0 if ok else 1
+  return report(("check", "GPU vs CPU", "bound / note"), rows, ok)
 
 
 if __name__ == "__main__":

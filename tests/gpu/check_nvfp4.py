@@ -14,10 +14,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from _check import CPU, DEV, on, report
 from fp4jax import nvfp4
 
-CPU = jax.devices("cpu")[0]
-DEV = jax.devices()[0]
 
 
 def inputs():
@@ -38,12 +37,6 @@ def inputs():
       "f16": rng.standard_normal(shape).astype(np.float16),
       "nan_f32": nan.astype(np.float32),
   }
-
-
-def on(device, fn, *args):
-  with jax.default_device(device):
-    args = [jax.device_put(a, device) for a in args]
-    return jax.tree.map(np.asarray, jax.jit(fn)(*args))
 
 
 def same_bits(a, b):
@@ -122,11 +115,8 @@ def main():
   folded = same_bits(on(DEV, naive, xs), xs) == 0
   rows.append(("trap: jit x.astype(f8).astype(f32) returns x unchanged", "yes" if folded else "no", "(info)"))
 
-  print("\n| check | mismatching bits/elements | fake_quant mismatches / note |\n|---|---|---|")
-  for r in rows:
-    print(f"| {r[0]} | {r[1]} | {r[2]} |")
-  print("\nRESULT:", "FAIL" if failed else "PASS")
-  return 1 if failed else 0
+  return report(("check", "mismatching bits/elements", "fake_quant mismatches / note"), rows,
+                not failed)
 
 
 if __name__ == "__main__":

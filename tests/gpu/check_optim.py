@@ -34,23 +34,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from _check import CPU, DEV, on, rel, report  # noqa: E402
 from fp4jax import _fp32, nvfp4, optim  # noqa: E402
 from fp4jax.optim import ns  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-CPU = jax.devices("cpu")[0]
-DEV = jax.devices()[0]
 MAX_FLIPS = 1e-5
-
-
-def on(device, fn, *args):
-  args = jax.device_put(args, device)
-  return jax.device_get(jax.jit(fn)(*args))
-
-
-def rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def product_rows():
@@ -138,20 +127,13 @@ def main() -> int:
             for k, s in shapes.items()} for _ in range(3)]
   rows, ok = product_rows()
   rows.append(sqrt_row(rng))
-  exact_sqrt = (_fp32.sqrt_rn, lambda s: s * s)
   for name, tx, tol, n in (
       ("adamw_nvfp4 stochastic", optim.adamw_nvfp4(1e-3), 1e-5, 3),
-      ("adamw_nvfp4 stochastic, integer sqrt", optim.adamw_nvfp4(1e-3, nu_transform=exact_sqrt),
-       1e-5, 3),
       ("adamw_nvfp4 nearest", optim.adamw_nvfp4(1e-3, rounding="nearest"), 1e-5, 3),
       ("muon_nvfp4 (NVFP4 momentum)", optim.muon_nvfp4(0.02, min_size=0, quantize_mu=True), 0.3, 2)):
     r, o = state_rows(name, tx, params, grads[:n], tol)
     rows, ok = rows + r, ok and o
-  print("\n| check | GPU vs CPU | bound / note | pass |\n|---|---|---|---|")
-  for row in rows:
-    print(f"| {row[0]} | {row[1]} | {row[2]} | {row[3]} |")
-  print("\nRESULT:", "PASS" if ok else "FAIL")
-  return 0 if ok else 1
+  return report(("check", "GPU vs CPU", "bound / note", "pass"), rows, ok)
 
 
 if __name__ == "__main__":
