@@ -91,8 +91,10 @@ def summarize(events, names, steps: int, top: int, hlo: dict | None = None) -> N
     by_name[e["name"]] += e["dur"]
     count[e["name"]] += 1
     args_of.setdefault(e["name"], e.get("args") or {})
+  span = max(e["ts"] + e["dur"] for e in evs) - min(e["ts"] for e in evs)
   print(f"\nop timeline: {names.get((key[0], None))} / {names.get(key)}; {total / 1e3 / steps:.2f} ms "
-        "per step")
+        f"busy per step; first kernel start to last kernel end {span / 1e3 / steps:.2f} ms per step, "
+        f"{len(evs) / steps:.0f} kernels per step")
   print("\n| kind | ms / step | share |\n|---|---:|---:|")
   for kind, us in by_kind.most_common():
     print(f"| {kind} | {us / 1e3 / steps:.2f} | {100 * us / total:.1f}% |")

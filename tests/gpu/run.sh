@@ -21,6 +21,8 @@ declare -A CMD=(
   [train_scan]="python3 benchmarks/train_step.py --recipes=bf16 --scan"
   [fp4_scan]="python3 benchmarks/train_step.py --recipes=bf16,fp4_linear --scan --batch=16"
   [profile]="python3 benchmarks/profile_step.py --recipe=bf16 --top=40"
+  [profile_hlo]="python3 benchmarks/profile_step.py --recipe=bf16 --top=60 --dump=/tmp/fp4jax_hlo"
+  [optim_profiles]="python3 benchmarks/optim_update.py --profile=optax.adamw,adamw_nvfp4"
 )
 summary=""
 for name in "$@"; do
