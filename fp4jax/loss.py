@@ -1,14 +1,21 @@
 """Next-token cross-entropy: from full logits, or chunked from the final hidden states and the LM head.
 
 ``chunked_cross_entropy`` is what ``fp4jax.train`` uses: it never materializes the (B, T, V) float32
-logits (8 GiB for the 125m model at 64×1024 tokens), and its LM-head GEMMs go through
-``fp4jax.ops.mixed_matmul``.
+logits (8 GiB for the 125m model at 64×1024 tokens), and its LM-head GEMMs take operands in the
+hidden states' dtype with float32 accumulation (``fp4jax.ops.mixed_matmul``'s convention).
+
+Memory trade: by default each chunk's forward also forms the logits' cotangent softmax − onehot in
+``x``'s dtype and saves it for the backward, so the backward is just the two GEMMs (no recomputed
+logits GEMM, no pass over float32 logits). That residual is 2 bytes × tokens × V for bf16
+(4.3 GB at 64×1024 tokens, V = 32768). ``recompute=True`` saves nothing per chunk and recomputes the
+logits in the backward instead.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from fp4jax.ops.dense import mixed_matmul
 
@@ -25,22 +32,69 @@ def cross_entropy(logits_BxTxV, targets_BxT, mask_BxT=None):
   return jnp.sum(nll_BxT * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int = 8192):
+def _logits_nll(x_CxD, kernel_DxV, tgt_C):
+  """float32 logits (operands in ``x``'s dtype, f32 accumulation), per-token nll, target one-hot."""
+  logits_CxV = mixed_matmul(x_CxD, kernel_DxV, x_CxD.dtype, jnp.float32)
+  lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
+  # A compare-and-select (fuses; no (C, V) scatter in the backward as take_along_axis has).
+  hit_CxV = jnp.arange(kernel_DxV.shape[1], dtype=jnp.int32)[None, :] == tgt_C[:, None]
+  return logits_CxV, lse_C, hit_CxV, lse_C - jnp.sum(jnp.where(hit_CxV, logits_CxV, 0.0), axis=-1)
+
+
+@jax.custom_vjp
+def _nll_sum(x_CxD, kernel_DxV, tgt_C, w_C):
+  """``sum(w · nll)`` of one chunk (float32); its backward needs no logits recomputation."""
+  return jnp.sum(_logits_nll(x_CxD, kernel_DxV, tgt_C)[3] * w_C)
+
+
+def _nll_sum_fwd(x_CxD, kernel_DxV, tgt_C, w_C):
+  logits_CxV, lse_C, hit_CxV, nll_C = _logits_nll(x_CxD, kernel_DxV, tgt_C)
+  # d(sum w·nll)/dlogits, formed in the same pass over the float32 logits as the loss and kept in
+  # x's dtype: the backward GEMMs take it as is (bf16 operands), and no f32 (C, V) array is saved.
+  dl_CxV = ((jnp.exp(logits_CxV - lse_C[:, None]) - hit_CxV) * w_C[:, None]).astype(x_CxD.dtype)
+  return jnp.sum(nll_C * w_C), (x_CxD, kernel_DxV.astype(x_CxD.dtype), dl_CxV, w_C)
+
+
+def _nll_sum_bwd(res, g):
+  x_CxD, kc_DxV, dl_CxV, w_C = res
+  # g (1/n for the mean) scales the f32 GEMM outputs: for n a power of two this is bitwise the same
+  # as rounding g·dl to bf16 before the GEMM.
+  dx = lax.dot_general(dl_CxV, kc_DxV, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  dk = lax.dot_general(x_CxD, dl_CxV, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  # The kernel is the float32 master weight: its cotangent stays f32 (the scan sums it over chunks).
+  return (dx * g).astype(x_CxD.dtype), dk * g, None, jnp.zeros_like(w_C)
+
+
+_nll_sum.defvjp(_nll_sum_fwd, _nll_sum_bwd)
+
+
+@jax.checkpoint
+def _nll_sum_recompute(x_CxD, kernel_DxV, tgt_C, w_C):
+  """``_nll_sum`` through ``mixed_matmul``'s autodiff, rematerialized: saves only the inputs."""
+  return jnp.sum(_logits_nll(x_CxD, kernel_DxV, tgt_C)[3] * w_C)
+
+
+def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int = 8192,
+                          recompute: bool = False):
   """Mean next-token cross-entropy of ``x @ kernel`` without materializing (B, T, V) logits.
 
-  Same loss as ``cross_entropy(Transformer.__call__ logits, targets)``: per chunk of
-  ``chunk_tokens`` tokens, float32 logits (``mixed_matmul``: f32 accumulation), float32
-  logsumexp and target logit; a ``lax.scan`` over chunks whose body is rematerialized, so the
-  forward and backward hold one (chunk, V) float32 block instead of (B·T, V). The logits'
-  cotangent enters the two backward GEMMs in ``x``'s dtype (``mixed_matmul``); the kernel's
-  gradient is accumulated in float32 across chunks. Costs one extra LM-head forward matmul in
-  the backward.
+  Same loss as ``cross_entropy(Transformer.__call__ logits, targets)``: a ``lax.scan`` over chunks
+  of ``chunk_tokens`` tokens, each with float32 logits (operands in ``x``'s dtype, f32
+  accumulation), float32 logsumexp and target logit, so forward and backward hold one (chunk, V)
+  float32 block instead of (B·T, V). The backward's two GEMMs take the logits' cotangent in
+  ``x``'s dtype; the kernel's gradient is float32, summed in float32 across chunks.
+
+  Memory: by default the forward saves each chunk's logits cotangent (softmax − onehot, in
+  ``x``'s dtype) for the backward: 2 bytes × B·T × V for bf16 ``x`` (4.3 GB at 64×1024 tokens,
+  V = 32768). ``recompute=True`` saves nothing per chunk (only the inputs) but recomputes the
+  logits GEMM, the logsumexp and the cotangent in the backward.
 
   Args:
     x_BxTxD: final hidden states (compute dtype).
     kernel_DxV: LM head kernel (float32 master weight; cast to ``x``'s dtype per chunk).
     targets_BxT: int target ids.
     chunk_tokens: tokens per chunk (B·T is padded up to a multiple; padded tokens have weight 0).
+    recompute: recompute the logits in the backward instead of saving the (B·T, V) cotangent.
 
   Returns:
     float32 scalar.
@@ -50,7 +104,7 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
   if x_BxTxD.shape[:-1] != targets_BxT.shape or kernel_DxV.shape[0] != x_BxTxD.shape[-1]:
     raise ValueError(f"chunked_cross_entropy: shapes x {x_BxTxD.shape}, kernel "
                      f"{kernel_DxV.shape}, targets {targets_BxT.shape} do not match")
-  d, v = kernel_DxV.shape
+  d = kernel_DxV.shape[0]
   x_NxD = x_BxTxD.reshape(-1, d)
   tgt_N = targets_BxT.reshape(-1).astype(jnp.int32)
   n = x_NxD.shape[0]
@@ -61,18 +115,11 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
     x_NxD = jnp.pad(x_NxD, ((0, pad), (0, 0)))
     tgt_N, w_N = jnp.pad(tgt_N, (0, pad)), jnp.pad(w_N, (0, pad))
   k = (n + pad) // c
-
-  @jax.checkpoint
-  def chunk_nll(x_CxD, tgt_C):
-    logits_CxV = mixed_matmul(x_CxD, kernel_DxV, x_CxD.dtype, jnp.float32)
-    lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
-    # A compare-and-select (fuses; no B·T×V scatter in the backward as take_along_axis has).
-    hit_CxV = jnp.arange(v, dtype=jnp.int32)[None, :] == tgt_C[:, None]
-    return lse_C - jnp.sum(jnp.where(hit_CxV, logits_CxV, 0.0), axis=-1)
+  nll_sum = _nll_sum_recompute if recompute else _nll_sum
 
   def body(total, xs):
     x_CxD, tgt_C, w_C = xs
-    return total + jnp.sum(chunk_nll(x_CxD, tgt_C) * w_C), None
+    return total + nll_sum(x_CxD, kernel_DxV, tgt_C, w_C), None
 
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
                           (x_NxD.reshape(k, c, d), tgt_N.reshape(k, c), w_N.reshape(k, c)))

@@ -204,15 +204,20 @@ def test_lorasvd_model_shards_low_rank_factors_and_runs():
   assert logits.shape == (1, 16, 64) and np.isfinite(np.asarray(logits)).all()
 
 
-@pytest.mark.parametrize("chunk", [96, 40, 7, 10_000])  # exact, padded, tiny, one chunk
-def test_chunked_cross_entropy_matches_full_logits(chunk):
+def _ce_inputs(dtype=jnp.bfloat16, v=50):
   k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
-  x = jax.random.normal(k1, (3, 32, 16)).astype(jnp.bfloat16)
-  w = 0.3 * jax.random.normal(k2, (16, 50))
-  t = jax.random.randint(k3, (3, 32), 0, 50)
+  x = jax.random.normal(k1, (3, 32, 16)).astype(dtype)
+  w = 0.3 * jax.random.normal(k2, (16, v))
+  return x, w, jax.random.randint(k3, (3, 32), 0, v)
+
+
+@pytest.mark.parametrize("chunk", [96, 40, 7, 10_000])  # exact, padded, tiny, one chunk
+def test_chunked_cross_entropy_recompute_matches_full_logits(chunk):
+  x, w, t = _ce_inputs()
   # The model's full-logits path: the same LM-head GEMM (mixed_matmul, bf16 backward).
   full = lambda x, w: cross_entropy(mixed_matmul(x, w, x.dtype, jnp.float32), t)  # noqa: E731
-  chunked = lambda x, w: chunked_cross_entropy(x, w, t, chunk_tokens=chunk)  # noqa: E731
+  chunked = lambda x, w: chunked_cross_entropy(  # noqa: E731
+      x, w, t, chunk_tokens=chunk, recompute=True)
   l0, (dx0, dw0) = jax.value_and_grad(full, (0, 1))(x, w)
   l1, (dx1, dw1) = jax.value_and_grad(chunked, (0, 1))(x, w)
   np.testing.assert_allclose(l1, l0, rtol=1e-6)
@@ -226,6 +231,56 @@ def test_chunked_cross_entropy_matches_full_logits(chunk):
   np.testing.assert_allclose(np.asarray(dx1, np.float32), np.asarray(dx2, np.float32), rtol=0,
                              atol=2 ** -6 * float(jnp.max(jnp.abs(dx2.astype(jnp.float32)))))
   np.testing.assert_allclose(dw1, dw2, rtol=0, atol=2 ** -7 * float(jnp.max(jnp.abs(dw2))))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("chunk", [96, 40, 7])  # exact, padded, tiny
+def test_chunked_cross_entropy_matches_float32_reference(chunk, dtype):
+  """The default (custom_vjp, saved bf16 dlogits) against float32 autodiff of the full logits
+  from the same rounded operands; and against ``recompute=True``."""
+  x, w, t = _ce_inputs(dtype)
+
+  def ref(x, w):  # everything in float32, from the operands as the GEMMs see them
+    f32 = lambda a: a.astype(dtype).astype(jnp.float32)  # noqa: E731
+    return cross_entropy(jnp.dot(f32(x), f32(w), precision=jax.lax.Precision.HIGHEST), t)
+
+  l0, (dx0, dw0) = jax.value_and_grad(ref, (0, 1))(x, w)
+  f = lambda x, w, rc=False: chunked_cross_entropy(  # noqa: E731
+      x, w, t, chunk_tokens=chunk, recompute=rc)
+  l1, (dx1, dw1) = jax.value_and_grad(f, (0, 1))(x, w)
+  assert dx1.dtype == dtype and dw1.dtype == jnp.float32 and l1.dtype == jnp.float32
+  np.testing.assert_allclose(l1, l0, rtol=1e-5)
+  # bf16: dlogits and dx are rounded to bf16 (2^-9 relative each); float32: summation order only.
+  tol = 2 ** -7 if dtype == jnp.bfloat16 else 1e-5
+  amax = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))  # noqa: E731
+  np.testing.assert_allclose(np.asarray(dx1, np.float32), np.asarray(dx0, np.float32), rtol=0,
+                             atol=2 * tol * amax(dx0))
+  np.testing.assert_allclose(dw1, dw0, rtol=0, atol=tol * amax(dw0))
+  # recompute=True: the same loss, gradients within bf16 rounding of each other; jit agrees.
+  l2, (dx2, dw2) = jax.value_and_grad(lambda x, w: f(x, w, True), (0, 1))(x, w)
+  np.testing.assert_allclose(l2, l1, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(dx2, np.float32), np.asarray(dx1, np.float32), rtol=0,
+                             atol=tol * amax(dx1))
+  np.testing.assert_allclose(dw2, dw1, rtol=0, atol=tol * amax(dw1))
+  l3, (dx3, dw3) = jax.jit(jax.value_and_grad(f, (0, 1)))(x, w)
+  np.testing.assert_allclose(l3, l1, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(dx3, np.float32), np.asarray(dx1, np.float32), rtol=0,
+                             atol=tol * amax(dx1))
+  np.testing.assert_allclose(dw3, dw1, rtol=0, atol=1e-6 * amax(dw1))
+
+
+def test_chunked_cross_entropy_saved_residuals():
+  """What the backward keeps (the leaves of ``jax.vjp``'s closure): by default one bf16
+  (chunks, C, V) dlogits stack, no float32 (C, V) logits, the kernel cast once (not per chunk);
+  with ``recompute=True`` nothing of size C·V."""
+  x, w, t = _ce_inputs(v=64)  # 96 tokens, chunks of C=40 (3, padded), D=16 < C
+  res = lambda rc: [(a.shape, a.dtype) for a in jax.tree_util.tree_leaves(jax.vjp(  # noqa: E731
+      lambda x, w: chunked_cross_entropy(x, w, t, chunk_tokens=40, recompute=rc), x, w)[1])]
+  saved = res(False)
+  assert ((3, 40, 64), jnp.bfloat16) in saved and ((16, 64), jnp.bfloat16) in saved, saved
+  assert not [s for s in saved if s[1] == jnp.float32 and np.prod(s[0]) >= 40 * 64], saved
+  assert not [s for s in saved if s[0][-2:] == (16, 64) and len(s[0]) > 2], saved
+  assert not [s for s in res(True) if np.prod(s[0]) >= 40 * 64], res(True)
 
 
 def test_chunked_cross_entropy_rejects_bad_input():
