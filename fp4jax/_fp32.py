@@ -123,40 +123,55 @@ def e4m3_to_f32(code):
   return jnp.where((c & 0x80) != 0, -mag, mag)
 
 
+def _square_base24(q):
+  """``q * q`` for 0 <= q < 2^26 as an exact (hi, lo) pair: ``hi * 2^24 + lo``, ``lo < 2^24``."""
+  qa, qb = q >> 12, q & 0xFFF
+  cross = 2 * qa * qb
+  lo = ((cross & 0xFFF) << 12) + qb * qb
+  return qa * qa + (cross >> 12) + (lo >> 24), lo & 0xFFFFFF
+
+
 def sqrt_rn(x):
   """IEEE round-to-nearest-even ``sqrt(x)`` for float32 ``x`` (exact on any backend).
 
-  Digit-by-digit integer square root of the 24-bit mantissa (26 result bits, remainder as sticky
-  bit). ``x < 0`` or NaN gives NaN, ``+inf`` gives ``+inf``; subnormal inputs are exact too.
+  The backend's ``sqrt`` gives a candidate mantissa R (the H200's is not correctly rounded); two
+  rounds of an exact integer test move R to the root's correct rounding: R is it iff
+  ``(2R - 1)^2 <= 4 MX < (2R + 1)^2``, with ``MX`` the radicand's mantissa scaled so that
+  ``sqrt(MX)`` has 24 bits (no ties: the left sides are odd, ``4 MX`` even). The squares are exact in
+  two 24-bit limbs of int32. ``x < 0`` or NaN gives NaN, ``+inf`` gives ``+inf``; subnormal inputs
+  are exact too.
   """
+  return _sqrt_corrected(x, jnp.sqrt)
+
+
+def _sqrt_corrected(x, approx_sqrt):
+  """``sqrt_rn`` from any ``approx_sqrt`` within 2 ulp on [1, 4) (the tests pass perturbed ones)."""
   x = jnp.asarray(x, jnp.float32)
   mag = _bits(x) & 0x7FFFFFFF  # |x| and the zero test on the bits (XLA-CPU flushes subnormals)
   m, e = _unpack(_from_bits(mag))
   exp2 = e - 127 - _MANT_BITS  # x = m * 2^exp2, m in [2^23, 2^24)
   odd = (exp2 & 1) == 1
-  m = jnp.where(odd, m << 1, m)  # now x = m * 2^(exp2 - odd), an even power
-  half_exp = (exp2 - odd.astype(jnp.int32) - 26) >> 1  # sqrt(x) = sqrt(m * 2^26) * 2^half_exp
-  # floor(sqrt(m * 2^26)) bit by bit: the radicand's bit pairs come from m (< 2^25) shifted up 26.
-  root = jnp.zeros_like(m)
-  rem = jnp.zeros_like(m)
-  for i in range(26):
-    shift = 24 - 2 * i
-    pair = (m >> shift) & 3 if shift >= 0 else jnp.zeros_like(m)
-    rem = (rem << 2) | pair
-    trial = (root << 2) | 1
-    take = rem >= trial
-    rem = jnp.where(take, rem - trial, rem)
-    root = (root << 1) | take.astype(jnp.int32)
-  # root has 25 or 26 bits; keep 24 and round to nearest even (the remainder is the sticky bit).
-  wide = root >= (1 << 25)
-  drop = jnp.where(wide, 2, 1)
-  kept = root >> drop
-  dropped = root & ((1 << drop) - 1)
-  half = 1 << (drop - 1)
-  up = (dropped > half) | ((dropped == half) & ((rem != 0) | ((kept & 1) == 1)))
-  kept = kept + up.astype(jnp.int32)
-  biased = half_exp + drop + _MANT_BITS + 127  # value = kept * 2^(half_exp + drop)
-  bits = ((biased - 1) << _MANT_BITS) + kept  # a carry to 2^24 bumps the exponent
+  # x = MX * 2^(exp2 - s) with MX = m * 2^s, s = 23 (odd) or 24 (even): sqrt(MX) in [2^23, 2^24).
+  s = jnp.where(odd, 23, 24)
+  z = _from_bits((jnp.where(odd, 127, 128) << _MANT_BITS) | (m & (_IMPLICIT - 1)))  # MX / 2^46
+  zb = _bits(approx_sqrt(z))  # in [1, 2]: R = sqrt(z) * 2^23
+  # R from sqrt(z), clamped to [2^23, 2^24] where an inexact sqrt left [1, 2] (sqrt(1) just below 1).
+  r = jnp.where(zb >= 0x40000000, 1 << 24,
+                jnp.where(zb < 0x3F800000, _IMPLICIT, (zb & (_IMPLICIT - 1)) | _IMPLICIT))
+  four_mx = m << (s - 22)  # 4 MX = four_mx * 2^24 (low limb 0)
+  for _ in range(2):
+    hi, lo = _square_base24(2 * r + 1)
+    up = four_mx > hi  # 4 MX >= (2R + 1)^2; the low limbs: 0 >= lo only if lo == 0
+    up = up | ((four_mx == hi) & (lo == 0))
+    # (2R - 1)^2 = (2R + 1)^2 - 8R
+    eight_r = 8 * r
+    lo2 = lo - (eight_r & 0xFFFFFF)
+    hi2 = hi - (eight_r >> 24) - (lo2 < 0).astype(jnp.int32)
+    lo2 = lo2 & 0xFFFFFF
+    down = (four_mx < hi2) | ((four_mx == hi2) & (lo2 > 0))
+    r = r + up.astype(jnp.int32) - down.astype(jnp.int32)
+  half_exp = (exp2 - s) >> 1  # sqrt(x) = R * 2^half_exp
+  bits = ((half_exp + _MANT_BITS + 127 - 1) << _MANT_BITS) + r  # R = 2^24 carries into the exponent
   negative = _bits(x) < 0
   out = jnp.where(mag == 0, x, _from_bits(bits))  # sqrt(±0) = ±0
   out = jnp.where(mag == _INF_BITS, x, out)

@@ -232,7 +232,7 @@ def global_decode_scale(amax):
   return s_enc, _fp32.div_rn(jnp.float32(1.0), s_enc)
 
 
-def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None) -> NVFP4Tensor:
+def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits=None) -> NVFP4Tensor:
   """Quantizes ``x`` to NVFP4, bit-exact to Transformer Engine's algorithm (DESIGN.md §3).
 
   Args:
@@ -244,14 +244,16 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None) -> N
     rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased: rounds to one of the two
       neighbouring E2M1 values with probabilities that make the expectation exact; 24 random bits
       per element from ``key``).
-    key: a ``jax.random`` key, required for stochastic rounding. Same key, same bits.
+    key: a ``jax.random`` key for stochastic rounding (``jax.random.bits``). Same key, same bits.
+    bits: instead of ``key``, the uint32 random bits themselves, shaped like ``x`` (the top 24 of
+      each are used), e.g. from a cheaper generator that XLA fuses into the quantizer.
 
   Returns:
     An ``NVFP4Tensor``. Non-finite ``x`` gives a NaN global scale (see the module docstring).
 
   Raises:
-    ValueError: a blocked axis not a multiple of 16, a bad ``block``/``axis``/``rounding``, or
-      stochastic rounding without a key.
+    ValueError: a blocked axis not a multiple of 16, a bad ``block``/``axis``/``rounding``,
+      stochastic rounding without a key or bits, or bits of the wrong shape or dtype.
   """
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -259,8 +261,11 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None) -> N
   block, axis = _normalize(x.shape, block, axis)
   if rounding not in _ROUNDINGS:
     raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
-  if rounding == "stochastic" and key is None:
-    raise ValueError("rounding='stochastic' needs a `key` (a jax.random key)")
+  if rounding == "stochastic" and key is None and bits is None:
+    raise ValueError("rounding='stochastic' needs a `key` (a jax.random key) or `bits`")
+  if bits is not None and (tuple(bits.shape) != tuple(x.shape) or bits.dtype != jnp.uint32):
+    raise ValueError(f"bits must be uint32 shaped like x {tuple(x.shape)}, got {bits.dtype}"
+                     f"{tuple(bits.shape)}")
 
   x32 = _fp32.flush_subnormals(x.astype(jnp.float32))
   # NaN -> inf before the max: XLA's CPU max does not propagate NaN.
@@ -287,7 +292,9 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None) -> N
   if rounding == "nearest":
     mag = _e2m1_rne_code(a)
   else:
-    mag = _e2m1_stochastic_code(a, jax.random.bits(key, x.shape, jnp.uint32))
+    if bits is None:
+      bits = jax.random.bits(key, x.shape, jnp.uint32)
+    mag = _e2m1_stochastic_code(a, bits)
   zero_block = _expand(dscale == 0, x.shape, block, axis) | ~finite
   code = jnp.where(zero_block, 0, mag | jnp.where(y < 0, 8, 0).astype(jnp.uint8)).astype(jnp.uint8)
 

@@ -1,5 +1,7 @@
 """fp4jax.nvfp4: bit-exactness against the numpy transcription of TE's algorithm, format, errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -311,14 +313,25 @@ def test_div_rn_matches_ieee_including_subnormals():
   np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
-def test_sqrt_rn_matches_ieee_including_subnormals_and_specials():
+def _off_by_ulps(k):
+  """A square root ``k`` ulps off (the backend's sqrt stands in for an inexact one, as the H200's)."""
+  return lambda z: jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(jnp.sqrt(z), jnp.int32) + k, jnp.float32)
+
+
+@pytest.mark.parametrize("off", [0, 1, -1, 2, -2])
+def test_sqrt_rn_matches_ieee_including_subnormals_and_specials(off):
   rng = np.random.default_rng(0)
   bits = rng.integers(0, 0x7F800000, 200_000, dtype=np.int64).astype(np.uint32)  # every binade
-  x = np.concatenate([bits.view(np.float32), np.array(
-      [0.0, -0.0, np.inf, -np.inf, -1.0, np.nan, 1.0, 2.0, 0.25, 1e-45, 3.4e38], np.float32)])
+  squares = (rng.integers(1 << 23, 1 << 24, 1000).astype(np.float32) * 2.0**-20) ** 2  # exact roots
+  x = np.concatenate([bits.view(np.float32), squares, np.nextafter(squares, 0), np.array(
+      [0.0, -0.0, np.inf, -np.inf, -1.0, np.nan, 1.0, 2.0, 0.25, 1e-45, 3.4e38, 4.0 - 2**-21,
+       1.0 + 2**-23], np.float32)])
   with np.errstate(invalid="ignore"):
     want = np.sqrt(x)
-  got = np.asarray(jax.jit(_fp32.sqrt_rn)(x))
+  fn = _fp32.sqrt_rn if off == 0 else functools.partial(_fp32._sqrt_corrected,
+                                                         approx_sqrt=_off_by_ulps(off))
+  got = np.asarray(jax.jit(fn)(x))
   nan = np.isnan(want)
   np.testing.assert_array_equal(np.isnan(got), nan)
   np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))

@@ -202,3 +202,30 @@ def test_stochastic_rounding_is_reproducible_from_seed():
 def test_bad_arguments_raise(kwargs):
   with pytest.raises(ValueError):
     optim.scale_by_adam_nvfp4(**kwargs)
+
+
+def test_counter_bits_are_uniform_keyed_and_unbiased_for_rounding():
+  key = jax.random.key(3)
+  shape = (128, 1024)
+  b1 = np.asarray(_common.counter_bits(jax.random.fold_in(key, 1), shape))
+  b2 = np.asarray(_common.counter_bits(jax.random.fold_in(key, 2), shape))
+  np.testing.assert_array_equal(b1, np.asarray(_common.counter_bits(jax.random.fold_in(key, 1), shape)))
+  n = b1.size
+  u1, u2 = (b1 >> 8).astype(np.float64) / 2**24, (b2 >> 8).astype(np.float64) / 2**24
+  assert abs(u1.mean() - 0.5) < 4 * 0.2887 / np.sqrt(n)
+  counts = np.bincount((b1 >> 28).ravel(), minlength=16)  # top 4 bits: chi-square, 15 dof
+  chi2 = np.sum((counts - n / 16) ** 2 / (n / 16))
+  assert chi2 < 50, chi2  # p ~ 1e-5 for a uniform source
+  assert abs(np.corrcoef(u1.ravel(), u2.ravel())[0, 1]) < 4 / np.sqrt(n)
+  # Neighbouring elements are unrelated too.
+  assert abs(np.corrcoef(u1.ravel()[:-1], u1.ravel()[1:])[0, 1]) < 4 / np.sqrt(n)
+  # Stochastic rounding with these bits is unbiased: the mean over 64 keys approaches x.
+  x = jax.random.normal(jax.random.key(0), (64, 256))
+  deq = jnp.stack([nvfp4.quantize(x, rounding="stochastic", bits=_common.counter_bits(
+      jax.random.fold_in(key, i), x.shape)).dequantize() for i in range(64)])
+  near = nvfp4.quantize(x).dequantize()
+  step = jnp.abs(near - x).mean()  # the size of a rounding error
+  bias = jnp.abs(deq.mean(0) - x).mean()
+  assert bias < 0.3 * step, (bias, step)
+  with pytest.raises(ValueError, match="bits must be uint32"):
+    nvfp4.quantize(x, rounding="stochastic", bits=jnp.zeros((4,), jnp.uint32))

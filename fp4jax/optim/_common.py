@@ -88,9 +88,38 @@ def map_params(fn, params):
 
 
 def encode(x, rounding: str, key) -> NVFP4Tensor:
-  """float32 ``x`` -> NVFP4, 1×16 blocks along ``block_axis(x.shape)``."""
+  """float32 ``x`` -> NVFP4, 1×16 blocks along ``block_axis(x.shape)``; stochastic rounding takes its
+  bits from ``counter_bits(key, x.shape)``."""
+  bits = counter_bits(key, x.shape) if rounding == "stochastic" else None
   return nvfp4.quantize(x.astype(jnp.float32), block=(1, BLOCK), axis=block_axis(x.shape),
-                        rounding=rounding, key=key if rounding == "stochastic" else None)
+                        rounding=rounding, bits=bits)
+
+
+def _mix32(x):
+  """A bijective 32-bit integer finalizer (Wellons' "lowbias32": xorshift-multiply, bias ~1.7e-4)."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def counter_bits(key, shape) -> jax.Array:
+  """uint32 rounding bits: a keyed hash of each element's flat index.
+
+  ``jax.random.bits`` (threefry) is a separate kernel of ~100 integer operations per word whose
+  output goes through memory; this is ~15 operations that XLA fuses into the quantizer. Two rounds of
+  a bijective mix keyed by the two ends of ``key``'s data: distinct keys (steps, leaves, moments,
+  via ``fold_in``) give unrelated streams; the same key gives the same bits on every backend and
+  sharding (integer arithmetic on the global index). Stochastic rounding uses the top 24 bits.
+  """
+  words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+  k1, k2 = _mix32(words[0] ^ jnp.uint32(0x9E3779B9)), _mix32(words[-1] ^ jnp.uint32(0x85EBCA6B))
+  size = math.prod(shape)
+  if size >= 2**32:
+    raise ValueError(f"counter_bits: {size} elements, more than 2^32 counters")
+  idx = jnp.arange(size, dtype=jnp.uint32).reshape(shape)
+  return _mix32(_mix32(idx ^ k1) + k2)
 
 
 def decode(t: NVFP4Tensor) -> jax.Array:

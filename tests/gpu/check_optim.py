@@ -36,7 +36,7 @@ import optax  # noqa: E402
 
 from _check import CPU, DEV, on, rel, report  # noqa: E402
 from fp4jax import _fp32, nvfp4, optim  # noqa: E402
-from fp4jax.optim import ns  # noqa: E402
+from fp4jax.optim import _common, ns  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 MAX_FLIPS = 1e-5
@@ -118,6 +118,51 @@ def state_rows(name, tx, params, grads, update_tol):
   return rows, ok_codes and ok_scales and ok_updates
 
 
+def _bits_differ(a, b):
+  return np.flatnonzero(np.asarray(a, np.float32).view(np.uint32).ravel()
+                        != np.asarray(b, np.float32).view(np.uint32).ravel())
+
+
+def diagnose(name, tx, params, grads, b1=0.9, b2=0.95):
+  """Finds the first update whose new global scales differ when both devices start from the same
+  (CPU) state, and recomputes that update's moment arithmetic (as adam.py does it) on both devices,
+  printing which intermediate first differs and its inputs. Information only."""
+  state = on(CPU, tx.init, params)
+  for t, g in enumerate(grads, 1):
+    step = lambda g, s, p: tx.update(g, s, p)  # noqa: E731
+    (_, sg), (uc, sc) = on(DEV, step, g, state, params), on(CPU, step, g, state, params)
+    adam_g, adam_c, adam_in = sg[0], sc[0], state[0]
+    for key in adam_c.mu:
+      for moment in ("mu", "nu"):
+        a, c = getattr(adam_g, moment)[key], getattr(adam_c, moment)[key]
+        if not _is_q(c) or not len(_bits_differ(a.global_scale, c.global_scale)):
+          continue
+        print(f"  {name}: update {t} from the same state: {moment} global scale of {key} differs")
+
+        def moments(g, mu, nu, count):
+          z = _common.runtime_zero(count)
+          m_old, s_old = _common.decode(mu), _common.decode(nu)
+          v_old = s_old * s_old
+          m = _common.rounded_ema(m_old, g, b1, z)
+          gg = _common.rounded(g * g, z)
+          v = _common.rounded_ema(v_old, gg, b2, z)
+          return dict(m_old=m_old, s_old=s_old, v_old=v_old, m=m, gg=gg, v=v, s=_fp32.sqrt_rn(v))
+
+        args = (g[key], adam_in.mu[key], adam_in.nu[key], np.int32(t))
+        mg, mc = on(DEV, moments, *args), on(CPU, moments, *args)
+        for k in mg:
+          idx = _bits_differ(mg[k], mc[k])
+          if len(idx):
+            i = idx[0]
+            ins = {n: float(np.asarray(mc[n]).ravel()[i]) for n in ("m_old", "v_old", "s_old")}
+            print(f"    {k}: {len(idx)} elements differ; first at {i}: GPU {np.asarray(mg[k]).ravel()[i]!r} "
+                  f"CPU {np.asarray(mc[k]).ravel()[i]!r}; g {float(g[key].ravel()[i])!r}, {ins}")
+        for k in ("m", "s"):
+          print(f"    amax {k}: GPU {np.abs(mg[k]).max()!r} CPU {np.abs(mc[k]).max()!r}")
+    params = optax.apply_updates(params, uc)
+    state = sc
+
+
 def main() -> int:
   print(f"device: {DEV.device_kind} ({DEV.platform}) vs {CPU.device_kind}; jax {jax.__version__}")
   rng = np.random.default_rng(1)
@@ -133,6 +178,8 @@ def main() -> int:
       ("muon_nvfp4 (NVFP4 momentum)", optim.muon_nvfp4(0.02, min_size=0, quantize_mu=True), 0.3, 2)):
     r, o = state_rows(name, tx, params, grads[:n], tol)
     rows, ok = rows + r, ok and o
+    if not o and name.startswith("adamw"):
+      diagnose(name, tx, params, grads[:n])
   return report(("check", "GPU vs CPU", "bound / note", "pass"), rows, ok)
 
 
