@@ -196,11 +196,14 @@ def loss_fn(graphdef, params, inputs_BxT, targets_BxT, key):
   """Mean next-token cross-entropy of the model ``nnx.merge(graphdef, params)``.
 
   The LM head and the loss run chunked (``fp4jax.loss.chunked_cross_entropy``): the float32
-  (B, T, V) logits are never materialized (8.6 GB at 64×1024 tokens, vocab 32768).
+  (B, T, V) logits are never materialized (8.6 GB at 64×1024 tokens, vocab 32768). Its backward
+  reuses a saved bf16 logits cotangent (2 bytes × B·T × V), or, with the model's ``remat`` (the
+  memory-saving setting), recomputes the logits instead.
   """
   model = nnx.merge(graphdef, params)
   x_BxTxD = model.features(inputs_BxT, key=key)
-  return chunked_cross_entropy(x_BxTxD, model.lm_head.kernel[...], targets_BxT)
+  return chunked_cross_entropy(x_BxTxD, model.lm_head.kernel[...], targets_BxT,
+                               recompute=model.cfg.remat)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callable | None = None,

@@ -69,6 +69,7 @@ def main():
             x, block=block, axis=axis, rounding=rounding, key=key)
         fmism = same_bits(on(DEV, fq, x), on(CPU, fq, x))
         rows.append((f"quantize {name} {block} ax{axis} {rounding}", mism, fmism))
+        print(*rows[-1], sep=" | ", flush=True)  # progress, in case the run is cut short
         failed |= mism > 0 or fmism > 0
 
   # Fused with a matmul. Exact variant: 2688 in x[0, 0] and w[0, 0] pins S_enc = S_dec = 1; every
