@@ -4,7 +4,7 @@ GPU == CPU equality of the NVFP4 state.
   python benchmarks/optim_update.py            # on the GPU (< 2 min)
   python benchmarks/optim_update.py --small    # CPU-sized smoke run
   python benchmarks/optim_update.py --muon     # also time muon_nvfp4 against optax.contrib.muon
-  python benchmarks/optim_update.py --variants # where the time goes: ungrouped leaves, RBG bits,
+  python benchmarks/optim_update.py --variants # where the time goes: ungrouped leaves, RBG keys,
                                                # the quantizer alone on every leaf (nearest / SR)
 
 Timing: ``params, state = step(params, state, grads)`` (``tx.update`` + ``optax.apply_updates``),

@@ -207,9 +207,9 @@ def grouped_map(fn, indices, *leaf_lists, group: bool = True):
 def step_key(seed: int, count, impl: str | None = None) -> jax.Array:
   """The random key of one step: ``fold_in(key(seed), count)``; deterministic and checkpoint-free.
 
-  ``impl`` picks the generator (``jax.random.key``'s ``impl``): None is JAX's default (threefry,
-  the same bits sharded or not); ``"rbg"`` uses XLA's RngBitGenerator, cheaper on GPUs, whose bits
-  may depend on the backend and the sharding.
+  ``impl`` picks the key's generator (``jax.random.key``'s ``impl``): None is JAX's default
+  (threefry). The per-element rounding bits are ``counter_bits`` of the key, the same on every
+  backend and sharding.
   """
   return jax.random.fold_in(jax.random.key(seed, impl=impl), count)
 

@@ -24,7 +24,9 @@ Design, chosen by measurement (``benchmarks/optim_states.py``, tiny byte LM; ben
   (``zero_guard=True``, an upper bound of the flushed value) made updates too small: +3%.
 - **Stochastic rounding** keeps slowly decaying entries decaying (with round-to-nearest an entry
   whose block max holds still re-rounds to the same code forever; see the staleness test);
-  nearest rounding trained as well at this scale and is cheaper (``rounding="nearest"``).
+  nearest rounding trained as well at this scale (``rounding="nearest"``). The rounding bits are a
+  keyed hash of the element index that XLA fuses into the quantizer (``_common.counter_bits``), so
+  stochastic rounding adds no kernel and no memory traffic (benchmarks/RESULTS.md).
 
 Leaves that the storage rule keeps in float32 (``fp4jax.optim._common``) run ``optax.scale_by_adam``'s
 arithmetic unchanged, and with ``quantize=False`` the transform equals optax's bit for bit.
@@ -116,7 +118,8 @@ def scale_by_adam_nvfp4(
     group_leaves: update leaves of one shape together under ``jax.vmap`` (fewer programs, but
       stacking copies); False updates each leaf on its own.
     seed: stochastic rounding uses ``fold_in(key(seed), count)``: deterministic, nothing to store.
-    prng_impl: generator of the rounding bits (``jax.random.key``'s ``impl``; default threefry).
+    prng_impl: generator of the per-step key (``jax.random.key``'s ``impl``; default threefry); the
+      rounding bits are ``_common.counter_bits`` of that key.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ScaleByAdamNvfp4State``.
