@@ -107,8 +107,8 @@ def _mix32(x):
 def counter_bits(key, shape) -> jax.Array:
   """uint32 rounding bits: a keyed hash of each element's flat index.
 
-  ``jax.random.bits`` (threefry) is a separate kernel of ~100 integer operations per word whose
-  output goes through memory; this is ~15 operations that XLA fuses into the quantizer. Two rounds of
+  ``jax.random.bits`` (threefry: 20 rounds per pair of words) ran as a separate kernel whose output
+  went through memory; this is ~17 integer operations that XLA fuses into the quantizer. Two rounds of
   a bijective mix keyed by the two ends of ``key``'s data: distinct keys (steps, leaves, moments,
   via ``fold_in``) give unrelated streams; the same key gives the same bits on every backend and
   sharding (integer arithmetic on the global index). Stochastic rounding uses the top 24 bits.
