@@ -229,3 +229,24 @@ def test_counter_bits_are_uniform_keyed_and_unbiased_for_rounding():
   assert bias < 0.3 * step, (bias, step)
   with pytest.raises(ValueError, match="bits must be uint32"):
     nvfp4.quantize(x, rounding="stochastic", bits=jnp.zeros((4,), jnp.uint32))
+
+
+def test_grouped_leaves_equal_ungrouped_bit_for_bit():
+  # The grouped (vmapped) path is the default on accelerators and off by default on the CPU.
+  rng = np.random.default_rng(0)
+  # Shapes whose grouped program XLA:CPU compiles fast with 8 host devices ((64, 128) takes ~50 s).
+  shapes = {"a": (128, 512), "b": (128, 512), "d": (64,)}  # a group of 2 and a float32 leaf
+  params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+  grads = [{k: jnp.asarray(rng.standard_normal(s) * 10.0 ** -i, jnp.float32) for k, s in shapes.items()}
+           for i in range(3)]
+  results = []
+  for group in (True, False):
+    tx = optim.adamw_nvfp4(1e-3, group_leaves=group)
+    state, step = tx.init(params), jax.jit(tx.update)
+    for g in grads:
+      u, state = step(g, state, params)
+    results.append(jax.tree.leaves((u, state)))
+  for a, b in zip(*results):
+    np.testing.assert_array_equal(np.asarray(a).reshape(-1).view(np.uint8),
+                                  np.asarray(b).reshape(-1).view(np.uint8))
+  assert _common.group_by_default() == (jax.default_backend() != "cpu")

@@ -88,7 +88,7 @@ def scale_by_adam_nvfp4(
     zero_guard: bool = False,
     clip_update: bool = True,
     mu_storage: str = "direct",
-    group_leaves: bool = True,
+    group_leaves: bool | None = None,
     seed: int = 0,
     prng_impl: str | None = None,
 ) -> optax.GradientTransformation:
@@ -116,7 +116,9 @@ def scale_by_adam_nvfp4(
       (bounded by Adam's bound, so its 1×16 blocks are well conditioned) and reads m back as
       ``stored * sqrt(v_stored)``.
     group_leaves: update leaves of one shape together under ``jax.vmap`` (fewer programs, but
-      stacking copies); False updates each leaf on its own.
+      stacking copies); False updates each leaf on its own; None (default): grouped except when
+      JAX's default backend is the CPU (``_common.group_by_default``: same bits, XLA:CPU compiles
+      groups slowly).
     seed: stochastic rounding uses ``fold_in(key(seed), count)``: deterministic, nothing to store.
     prng_impl: generator of the per-step key (``jax.random.key``'s ``impl``; default threefry); the
       rounding bits are ``_common.counter_bits`` of that key.

@@ -123,7 +123,9 @@ def scale_by_orthogonalized_momentum(
     key = _common.step_key(seed, count_inc) if rounding == "stochastic" else None
     keys = [None if key is None or not q else jax.random.fold_in(key, i)
             for i, q in enumerate(quantized)]
-    outs = _common.grouped_map(leaf, range(len(g_leaves)), g_leaves, mu_leaves, keys)
+    # Always grouped: batched Newton–Schulz products (the CPU default of adam's grouping is about
+    # the quantizer's compile time; here the batched matmuls are the point).
+    outs = _common.grouped_map(leaf, range(len(g_leaves)), g_leaves, mu_leaves, keys, group=True)
     u = treedef.unflatten([outs[i][0] for i in range(len(g_leaves))])
     mu = treedef.unflatten([outs[i][1] for i in range(len(g_leaves))])
     return u, ScaleByMuonNvfp4State(count=count_inc, mu=mu)
