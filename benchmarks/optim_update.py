@@ -4,7 +4,7 @@ GPU == CPU equality of the NVFP4 state.
   python benchmarks/optim_update.py            # on the GPU (< 2 min)
   python benchmarks/optim_update.py --small    # CPU-sized smoke run
   python benchmarks/optim_update.py --muon     # also time muon_nvfp4 against optax.contrib.muon
-  python benchmarks/optim_update.py --variants # where the time goes: ungrouped leaves, RBG keys,
+  python benchmarks/optim_update.py --variants # where the time goes: (un)grouped leaves, RBG keys,
                                                # the quantizer alone on every leaf (nearest / SR)
 
 Timing: ``params, state = step(params, state, grads)`` (``tx.update`` + ``optax.apply_updates``),
@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from fp4jax import nvfp4, optim
+from fp4jax.optim import _common
 
 
 class _QuantizeOnly(optax.GradientTransformation):
@@ -44,9 +45,7 @@ class _QuantizeOnly(optax.GradientTransformation):
       def one(i, g):
         if not optim.stores_nvfp4(g.shape, optim.DEFAULT_MIN_SIZE):
           return g
-        t = nvfp4.quantize(g, axis=-1 if g.shape[-1] % 16 == 0 else 0, rounding=rounding,
-                           key=jax.random.fold_in(key, i))
-        return t.dequantize()
+        return _common.decode(_common.encode(g, rounding, jax.random.fold_in(key, i)))
       leaves, treedef = jax.tree.flatten(updates)
       return treedef.unflatten([one(i, g) for i, g in enumerate(leaves)]), state
 
@@ -203,8 +202,9 @@ def main(argv=None):
     runs["optax.contrib.muon"] = optax.contrib.muon(0.02, adam_b2=0.95, muon_weight_dimension_numbers=dims)
     runs["muon_nvfp4"] = optim.muon_nvfp4(0.02, muon_mask=optim.default_muon_mask)
   if args.variants:
+    runs["adamw_nvfp4 (grouped leaves)"] = optim.adamw_nvfp4(1e-3, group_leaves=True)
     runs["adamw_nvfp4 (ungrouped leaves)"] = optim.adamw_nvfp4(1e-3, group_leaves=False)
-    runs["adamw_nvfp4 (rbg random bits)"] = optim.adamw_nvfp4(1e-3, prng_impl="rbg")
+    runs["adamw_nvfp4 (rbg keys)"] = optim.adamw_nvfp4(1e-3, prng_impl="rbg")
     runs["quantizer only: every grad leaf, nearest"] = _QuantizeOnly("nearest")
     runs["quantizer only: every grad leaf, stochastic"] = _QuantizeOnly("stochastic")
   if args.profile:

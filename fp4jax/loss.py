@@ -41,10 +41,15 @@ def _logits_nll(x_CxD, kernel_DxV, tgt_C):
   return logits_CxV, lse_C, hit_CxV, lse_C - jnp.sum(jnp.where(hit_CxV, logits_CxV, 0.0), axis=-1)
 
 
-@jax.custom_vjp
-def _nll_sum(x_CxD, kernel_DxV, tgt_C, w_C):
-  """``sum(w · nll)`` of one chunk (float32); its backward needs no logits recomputation."""
+def _nll_sum_plain(x_CxD, kernel_DxV, tgt_C, w_C):
+  """``sum(w · nll)`` of one chunk (float32)."""
   return jnp.sum(_logits_nll(x_CxD, kernel_DxV, tgt_C)[3] * w_C)
+
+
+# The default: its backward needs no logits recomputation (the fwd rule saves the cotangent).
+_nll_sum = jax.custom_vjp(_nll_sum_plain)
+# recompute=True: ``mixed_matmul``'s autodiff, rematerialized; saves only the inputs.
+_nll_sum_recompute = jax.checkpoint(_nll_sum_plain)
 
 
 def _nll_sum_fwd(x_CxD, kernel_DxV, tgt_C, w_C):
@@ -66,12 +71,6 @@ def _nll_sum_bwd(res, g):
 
 
 _nll_sum.defvjp(_nll_sum_fwd, _nll_sum_bwd)
-
-
-@jax.checkpoint
-def _nll_sum_recompute(x_CxD, kernel_DxV, tgt_C, w_C):
-  """``_nll_sum`` through ``mixed_matmul``'s autodiff, rematerialized: saves only the inputs."""
-  return jnp.sum(_logits_nll(x_CxD, kernel_DxV, tgt_C)[3] * w_C)
 
 
 def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int = 8192,

@@ -253,7 +253,8 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
 
   Raises:
     ValueError: a blocked axis not a multiple of 16, a bad ``block``/``axis``/``rounding``,
-      stochastic rounding without a key or bits, or bits of the wrong shape or dtype.
+      stochastic rounding without a key or bits (or with both), or bits of the wrong shape or
+      dtype.
   """
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -263,6 +264,8 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
     raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
   if rounding == "stochastic" and key is None and bits is None:
     raise ValueError("rounding='stochastic' needs a `key` (a jax.random key) or `bits`")
+  if key is not None and bits is not None:
+    raise ValueError("give stochastic rounding a `key` or its `bits`, not both")
   if bits is not None and (tuple(bits.shape) != tuple(x.shape) or bits.dtype != jnp.uint32):
     raise ValueError(f"bits must be uint32 shaped like x {tuple(x.shape)}, got {bits.dtype}"
                      f"{tuple(bits.shape)}")

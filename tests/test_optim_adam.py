@@ -229,6 +229,8 @@ def test_counter_bits_are_uniform_keyed_and_unbiased_for_rounding():
   assert bias < 0.3 * step, (bias, step)
   with pytest.raises(ValueError, match="bits must be uint32"):
     nvfp4.quantize(x, rounding="stochastic", bits=jnp.zeros((4,), jnp.uint32))
+  with pytest.raises(ValueError, match="not both"):
+    nvfp4.quantize(x, rounding="stochastic", key=key, bits=jnp.zeros(x.shape, jnp.uint32))
 
 
 def test_grouped_leaves_equal_ungrouped_bit_for_bit():

@@ -56,8 +56,8 @@ def _forward(x, kernel, dtype, out_dtype):
 def _fwd(x, kernel, dtype, out_dtype):
   # The residuals are the operands as cast for the GEMM, plus scalars that carry the input dtypes
   # (residuals must be arrays).
-  y = _forward(x, kernel, dtype, out_dtype)
-  return y, (x.astype(dtype), kernel.astype(dtype), jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype))
+  xc, kc = x.astype(dtype), kernel.astype(dtype)
+  return _forward(xc, kc, dtype, out_dtype), (xc, kc, jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype))
 
 
 def _bwd(dtype, out_dtype, res, dy):

@@ -176,9 +176,9 @@ def decode_guarded(t: NVFP4Tensor) -> jax.Array:
 def group_by_default() -> bool:
   """Whether same-shape leaves are batched by default: not when JAX's default backend is the CPU.
 
-  Measured on the CPU (``--small`` GPT-2 pytree of ``benchmarks/optim_update.py``, adamw_nvfp4):
-  grouped 55 s to compile, 30.9 ms per update; ungrouped 8 s and 30.2 ms, with bit-identical
-  results. XLA:CPU's compile time for a vmapped group is erratic: two (64, 128) leaves took 51 s
+  Measured on the CPU, one run of ``benchmarks/optim_update.py --small --skip-equality --variants``
+  (adamw_nvfp4): grouped 55.1 s to compile, 30.5 ms per update; ungrouped 7.6 s and 29.5 ms; the
+  results are bit-identical (tests). XLA:CPU's compile time for a vmapped group is erratic: two (64, 128) leaves took 51 s
   with 8 host devices and 2 s with one, two (128, 512) leaves 1.4 s. Ungrouped leaves compile in
   about a second each. On the GPU, grouping launches fewer kernels.
   """

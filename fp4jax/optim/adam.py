@@ -74,6 +74,16 @@ def adam_update_bound(count, b1, b2, *, nesterov: bool = False) -> jax.Array:
   return jnp.where(b2 > 0, bound * v_scale, jnp.inf)
 
 
+def new_moments(m_old, v_old, g32, b1, b2, count):
+  """Adam's moment EMAs in float32 from the decoded old moments, every product rounded on its own
+  (``_common.rounded_ema``): the same bits on the GPU and the CPU (no FMA contraction or
+  reassociation). ``count`` only feeds the compiler-opaque zero of ``_common.rounded``."""
+  z = _common.runtime_zero(count)
+  m = _common.rounded_ema(m_old, g32, b1, z)
+  v = _common.rounded_ema(v_old, _common.rounded(g32 * g32, z), b2, z)
+  return m, v
+
+
 def scale_by_adam_nvfp4(
     b1: float = 0.9,
     b2: float = 0.95,
@@ -189,10 +199,7 @@ def scale_by_adam_nvfp4(
     m_old = _common.decode(mu_q)
     if normalized_mu:  # mu holds m / sqrt(v) of the stored v
       m_old = m_old * jnp.sqrt(v_old)
-    # Every product rounded on its own: GPU == CPU bits (no FMA contraction or reassociation).
-    z = _common.runtime_zero(count_inc)
-    m = _common.rounded_ema(m_old, g32, b1, z)
-    v = _common.rounded_ema(v_old, _common.rounded(g32 * g32, z), b2, z)
+    m, v = new_moments(m_old, v_old, g32, b1, b2, count_inc)
     mu_hat = _bias_corrected_mu(m, g32, count_inc)
     nu_hat = optax.tree.bias_correction(v, b2, count_inc)
     u = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)

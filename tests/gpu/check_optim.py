@@ -36,7 +36,7 @@ import optax  # noqa: E402
 
 from _check import CPU, DEV, on, rel, report  # noqa: E402
 from fp4jax import _fp32, nvfp4, optim  # noqa: E402
-from fp4jax.optim import _common, ns  # noqa: E402
+from fp4jax.optim import _common, adam, ns  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 MAX_FLIPS = 1e-5
@@ -143,14 +143,12 @@ def diagnose(name, tx, params, grads, b1=0.9, b2=0.95):
           continue
         print(f"  {name}: update {t} from the same state: {moment} global scale of {key} differs")
 
-        def moments(g, mu, nu, count):
-          z = _common.runtime_zero(count)
+        def moments(g, mu, nu, count):  # _leaf_update's steps for the default sqrt transform
+          to_stored, from_stored = adam._NU_TRANSFORMS["sqrt"]
           m_old, s_old = _common.decode(mu), _common.decode(nu)
-          v_old = s_old * s_old
-          m = _common.rounded_ema(m_old, g, b1, z)
-          gg = _common.rounded(g * g, z)
-          v = _common.rounded_ema(v_old, gg, b2, z)
-          return dict(m_old=m_old, s_old=s_old, v_old=v_old, m=m, gg=gg, v=v, s=_fp32.sqrt_rn(v))
+          v_old = from_stored(s_old)
+          m, v = adam.new_moments(m_old, v_old, g, b1, b2, count)
+          return dict(m_old=m_old, s_old=s_old, v_old=v_old, m=m, v=v, s=to_stored(v))
 
         args = (g[key], adam_in.mu[key], adam_in.nu[key], np.int32(t))
         mg, mc = on(DEV, moments, *args), on(CPU, moments, *args)
