@@ -180,6 +180,8 @@ def main(argv=None):
   ap.add_argument("--variants", action="store_true", help="diagnostic rows (see the docstring)")
   ap.add_argument("--profile", default=None, metavar="NAME",
                   help="only profile these optimizers' updates (comma-separated row names), print top ops")
+  ap.add_argument("--runs", default=None, metavar="NAMES",
+                  help="comma-separated names of the rows to time (default: all that the flags add)")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--skip-equality", action="store_true",
                   help="timings only (tests/gpu/check_optim.py checks GPU == CPU too)")
@@ -207,6 +209,12 @@ def main(argv=None):
     runs["adamw_nvfp4 (rbg keys)"] = optim.adamw_nvfp4(1e-3, prng_impl="rbg")
     runs["quantizer only: every grad leaf, nearest"] = _QuantizeOnly("nearest")
     runs["quantizer only: every grad leaf, stochastic"] = _QuantizeOnly("stochastic")
+  if args.runs:
+    wanted = args.runs.split(",")
+    unknown = [w for w in wanted if w not in runs]
+    if unknown:
+      ap.error(f"--runs: unknown {unknown}; known: {sorted(runs)}")
+    runs = {w: runs[w] for w in wanted}
   if args.profile:
     for name in args.profile.split(","):
       profile(runs[name], params, grads, name)

@@ -33,17 +33,32 @@ def cross_entropy(logits_BxTxV, targets_BxT, mask_BxT=None):
 
 
 def _logits_nll(x_CxD, kernel_DxV, tgt_C):
-  """float32 logits (operands in ``x``'s dtype, f32 accumulation), per-token nll, target one-hot."""
+  """float32 logits (operands in ``x``'s dtype, f32 accumulation), per-token nll, target one-hot.
+
+  Differentiable without a (C, V) scatter: the target logit is a compare-and-select sum (the
+  backward of ``take_along_axis`` would scatter into a zeroed (C, V) buffer)."""
   logits_CxV = mixed_matmul(x_CxD, kernel_DxV, x_CxD.dtype, jnp.float32)
   lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
-  # A compare-and-select (fuses; no (C, V) scatter in the backward as take_along_axis has).
   hit_CxV = jnp.arange(kernel_DxV.shape[1], dtype=jnp.int32)[None, :] == tgt_C[:, None]
-  return logits_CxV, lse_C, hit_CxV, lse_C - jnp.sum(jnp.where(hit_CxV, logits_CxV, 0.0), axis=-1)
+  return lse_C - jnp.sum(jnp.where(hit_CxV, logits_CxV, 0.0), axis=-1)
 
 
 def _nll_sum_plain(x_CxD, kernel_DxV, tgt_C, w_C):
   """``sum(w · nll)`` of one chunk (float32)."""
-  return jnp.sum(_logits_nll(x_CxD, kernel_DxV, tgt_C)[3] * w_C)
+  return jnp.sum(_logits_nll(x_CxD, kernel_DxV, tgt_C) * w_C)
+
+
+def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype):
+  """Per row of float32 logits: ``(lse, target logit, dl)`` with ``dl = (softmax − onehot) · w``.
+
+  The forward rule's one pass over the logits (never differentiated). The target logit is a
+  gather, not differentiated, so no one-hot reduction over the row is needed.
+  """
+  lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
+  tgt_logit_C = jnp.take_along_axis(logits_CxV, tgt_C[:, None], axis=-1, mode="clip")[:, 0]
+  hit_CxV = jnp.arange(logits_CxV.shape[1], dtype=jnp.int32)[None, :] == tgt_C[:, None]
+  dl_CxV = ((jnp.exp(logits_CxV - lse_C[:, None]) - hit_CxV) * w_C[:, None]).astype(dl_dtype)
+  return lse_C, tgt_logit_C, dl_CxV
 
 
 # The default: its backward needs no logits recomputation (the fwd rule saves the cotangent).
@@ -53,11 +68,11 @@ _nll_sum_recompute = jax.checkpoint(_nll_sum_plain)
 
 
 def _nll_sum_fwd(x_CxD, kernel_DxV, tgt_C, w_C):
-  logits_CxV, lse_C, hit_CxV, nll_C = _logits_nll(x_CxD, kernel_DxV, tgt_C)
+  logits_CxV = mixed_matmul(x_CxD, kernel_DxV, x_CxD.dtype, jnp.float32)
   # d(sum w·nll)/dlogits, formed in the same pass over the float32 logits as the loss and kept in
   # x's dtype: the backward GEMMs take it as is (bf16 operands), and no f32 (C, V) array is saved.
-  dl_CxV = ((jnp.exp(logits_CxV - lse_C[:, None]) - hit_CxV) * w_C[:, None]).astype(x_CxD.dtype)
-  return jnp.sum(nll_C * w_C), (x_CxD, kernel_DxV.astype(x_CxD.dtype), dl_CxV, w_C)
+  lse_C, tgt_logit_C, dl_CxV = softmax_xent_rows(logits_CxV, tgt_C, w_C, x_CxD.dtype)
+  return jnp.sum((lse_C - tgt_logit_C) * w_C), (x_CxD, kernel_DxV.astype(x_CxD.dtype), dl_CxV, w_C)
 
 
 def _nll_sum_bwd(res, g):
@@ -66,7 +81,7 @@ def _nll_sum_bwd(res, g):
   # as rounding g·dl to bf16 before the GEMM.
   dx = lax.dot_general(dl_CxV, kc_DxV, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   dk = lax.dot_general(x_CxD, dl_CxV, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-  # The kernel is the float32 master weight: its cotangent stays f32 (the scan sums it over chunks).
+  # The kernel is the float32 master weight: its cotangent stays f32 (summed over chunks in f32).
   return (dx * g).astype(x_CxD.dtype), dk * g, None, jnp.zeros_like(w_C)
 
 
@@ -77,10 +92,11 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
                           recompute: bool = False):
   """Mean next-token cross-entropy of ``x @ kernel`` without materializing (B, T, V) logits.
 
-  Same loss as ``cross_entropy(Transformer.__call__ logits, targets)``: a ``lax.scan`` over chunks
-  of ``chunk_tokens`` tokens, each with float32 logits (operands in ``x``'s dtype, f32
-  accumulation), float32 logsumexp and target logit, so forward and backward hold one (chunk, V)
-  float32 block instead of (B·T, V). The backward's two GEMMs take the logits' cotangent in
+  Same loss as ``cross_entropy(Transformer.__call__ logits, targets)``, over chunks of
+  ``chunk_tokens`` tokens, each with float32 logits (operands in ``x``'s dtype, f32
+  accumulation), float32 logsumexp and target logit, so no (B·T, V) float32 array is formed. The
+  default path unrolls the chunks (each saved cotangent is its own buffer); ``recompute=True``
+  runs them in a ``lax.scan``, one chunk's logits alive at a time. The backward's two GEMMs take the logits' cotangent in
   ``x``'s dtype; the kernel's gradient is float32, summed in float32 across chunks.
 
   Memory: by default the forward saves each chunk's logits cotangent (softmax − onehot, in
@@ -90,7 +106,7 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
 
   Args:
     x_BxTxD: final hidden states (compute dtype).
-    kernel_DxV: LM head kernel (float32 master weight; cast to ``x``'s dtype per chunk).
+    kernel_DxV: LM head kernel (float32 master weight; cast to ``x``'s dtype for the GEMMs).
     targets_BxT: int target ids.
     chunk_tokens: tokens per chunk (B·T is padded up to a multiple; padded tokens have weight 0).
     recompute: recompute the logits in the backward instead of saving the (B·T, V) cotangent.
@@ -114,12 +130,20 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
     x_NxD = jnp.pad(x_NxD, ((0, pad), (0, 0)))
     tgt_N, w_N = jnp.pad(tgt_N, (0, pad)), jnp.pad(w_N, (0, pad))
   k = (n + pad) // c
-  nll_sum = _nll_sum_recompute if recompute else _nll_sum
+  if recompute:
+    # A loop: one chunk's logits live at a time in the forward and in the backward.
+    def body(total, xs):
+      x_CxD, tgt_C, w_C = xs
+      return total + _nll_sum_recompute(x_CxD, kernel_DxV, tgt_C, w_C), None
 
-  def body(total, xs):
-    x_CxD, tgt_C, w_C = xs
-    return total + nll_sum(x_CxD, kernel_DxV, tgt_C, w_C), None
-
-  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                          (x_NxD.reshape(k, c, d), tgt_N.reshape(k, c), w_N.reshape(k, c)))
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                            (x_NxD.reshape(k, c, d), tgt_N.reshape(k, c), w_N.reshape(k, c)))
+    return total / n
+  # Unrolled: each chunk's saved cotangent is its own buffer. Under a scan the residuals were one
+  # stacked (k, C, V) array, which XLA zero-filled and then wrote chunk by chunk (two extra passes
+  # over 4.3 GB per 125m step on the H200).
+  total = jnp.zeros((), jnp.float32)
+  for i in range(k):
+    rows = slice(i * c, (i + 1) * c)
+    total = total + _nll_sum(x_NxD[rows], kernel_DxV, tgt_N[rows], w_N[rows])
   return total / n

@@ -270,16 +270,16 @@ def test_chunked_cross_entropy_matches_float32_reference(chunk, dtype):
 
 
 def test_chunked_cross_entropy_saved_residuals():
-  """What the backward keeps (the leaves of ``jax.vjp``'s closure): by default one bf16
-  (chunks, C, V) dlogits stack, no float32 (C, V) logits, the kernel cast once (not per chunk);
-  with ``recompute=True`` nothing of size C·V."""
+  """What the backward keeps (the leaves of ``jax.vjp``'s closure): by default one bf16 (C, V)
+  dlogits per chunk (no stacked (chunks, C, V) array), no float32 (C, V) logits, the kernel in
+  bf16 (not a stack of per-chunk casts); with ``recompute=True`` nothing of size C·V."""
   x, w, t = _ce_inputs(v=64)  # 96 tokens, chunks of C=40 (3, padded), D=16 < C
   res = lambda rc: [(a.shape, a.dtype) for a in jax.tree_util.tree_leaves(jax.vjp(  # noqa: E731
       lambda x, w: chunked_cross_entropy(x, w, t, chunk_tokens=40, recompute=rc), x, w)[1])]
   saved = res(False)
-  assert ((3, 40, 64), jnp.bfloat16) in saved and ((16, 64), jnp.bfloat16) in saved, saved
+  assert saved.count(((40, 64), jnp.bfloat16)) == 3 and ((16, 64), jnp.bfloat16) in saved, saved
   assert not [s for s in saved if s[1] == jnp.float32 and np.prod(s[0]) >= 40 * 64], saved
-  assert not [s for s in saved if s[0][-2:] == (16, 64) and len(s[0]) > 2], saved
+  assert not [s for s in saved if len(s[0]) > 2], saved
   assert not [s for s in res(True) if np.prod(s[0]) >= 40 * 64], res(True)
 
 
