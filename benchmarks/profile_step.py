@@ -135,6 +135,7 @@ def main(argv=None) -> int:
   p.add_argument("--scan", action="store_true")
   p.add_argument("--remat", action="store_true")
   p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"))
+  p.add_argument("--cross-entropy", default="auto", choices=("auto", "pallas", "xla"))
   p.add_argument("--top", type=int, default=30)
   p.add_argument("--trace", default=None, help="keep the trace in this directory")
   p.add_argument("--dump", default=None,
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
   args.batch = args.batch or (8 if args.tiny else 64)
   args.seq = args.seq or (64 if args.tiny else 1024)
   args.data = None
-  cfg = model_config(args.tiny, None, args.remat, args.scan, args.attention)
+  cfg = model_config(args.tiny, None, args.remat, args.scan, args.attention, args.cross_entropy)
   mesh = shd.make_mesh((1, -1, 1))
   recipe = get_recipe(args.recipe)
   opt = OptimizerConfig(learning_rate=1e-3, warmup_steps=10)

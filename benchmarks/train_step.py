@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fp4jax import sharding as shd  # noqa: E402
+from fp4jax.loss import rows_impl  # noqa: E402
 from fp4jax.metrics import peak_flops  # noqa: E402
 from fp4jax.model import ModelConfig, attention_impl  # noqa: E402
 from fp4jax.recipe import get_recipe  # noqa: E402
@@ -39,14 +40,16 @@ from fp4jax.train import (OptimizerConfig, global_batch, init_state, jit_steps, 
 
 FALLBACK_125M = dict(vocab_size=None, d_model=768, n_layers=12, n_heads=12, n_kv_heads=None,
                      head_dim=None, d_ff=None, qk_norm=True, rope_theta=10000.0, dtype="bfloat16",
-                     init_std=0.02, scan_layers=False, remat=False)
+                     init_std=0.02, scan_layers=False, remat=False, attention="auto",
+                     cross_entropy="auto")
 
 
 def model_config(tiny: bool, vocab_size: int | None, remat: bool, scan: bool,
-                 attention: str = "auto") -> ModelConfig:
+                 attention: str = "auto", cross_entropy: str = "auto") -> ModelConfig:
   if tiny:
     return ModelConfig(vocab_size=vocab_size or 384, d_model=64, n_layers=2, n_heads=4,
-                       remat=remat, scan_layers=scan, attention=attention)
+                       remat=remat, scan_layers=scan, attention=attention,
+                       cross_entropy=cross_entropy)
   try:  # the experiment config is the source of truth ...
     path = REPO / "experiments" / "configs" / "125m.py"
     spec = importlib.util.spec_from_file_location("config_125m", path)
@@ -59,6 +62,7 @@ def model_config(tiny: bool, vocab_size: int | None, remat: bool, scan: bool,
   m["remat"] = remat or m["remat"]
   m["scan_layers"] = scan or m["scan_layers"]
   m["attention"] = attention
+  m["cross_entropy"] = cross_entropy
   return ModelConfig(**m)
 
 
@@ -116,6 +120,8 @@ def main(argv=None) -> int:
   p.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor sizes")
   p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
                  help="attention kernel (auto: cuDNN on a GPU when the shapes allow)")
+  p.add_argument("--cross-entropy", default="auto", choices=("auto", "pallas", "xla"),
+                 help="the loss's pass over the logits (auto: the Pallas kernel on a GPU)")
   args = p.parse_args(argv)
   args.batch = args.batch or (8 if args.tiny else 64)
   args.seq = args.seq or (64 if args.tiny else 1024)
@@ -124,12 +130,12 @@ def main(argv=None) -> int:
   if args.data:
     from fp4jax import data
     vocab = -(-data.read_meta(args.data).vocab_size // 128) * 128
-  cfg = model_config(args.tiny, vocab, args.remat, args.scan, args.attention)
+  cfg = model_config(args.tiny, vocab, args.remat, args.scan, args.attention, args.cross_entropy)
   mesh = shd.make_mesh(tuple(int(s) for s in args.mesh.split(",")))
   dev = mesh.devices.flat[0]
   print(f"device: {mesh.devices.size} x {dev.device_kind} ({dev.platform}); model d={cfg.d_model} "
         f"L={cfg.n_layers} V={cfg.vocab_size} N={cfg.num_params() / 1e6:.1f}M; attention "
-        f"{attention_impl(cfg)}; batch {args.batch}"
+        f"{attention_impl(cfg)}; loss rows {rows_impl(cfg.cross_entropy)}; batch {args.batch}"
         f" x seq {args.seq}; {'data ' + args.data if args.data else 'synthetic tokens'}",
         flush=True)
   data = batches(args, cfg.vocab_size, mesh, max(2, min(args.steps, 4)))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp4jax.kernels.cross_entropy import softmax_xent_rows
 from fp4jax.ops.dense import mixed_matmul
 
 
@@ -43,17 +44,16 @@ def _logits_nll(x_CxD, kernel_DxV, tgt_C):
   return lse_C - jnp.sum(jnp.where(hit_CxV, logits_CxV, 0.0), axis=-1)
 
 
-def _nll_sum_plain(x_CxD, kernel_DxV, tgt_C, w_C):
-  """``sum(w · nll)`` of one chunk (float32)."""
+def _nll_sum_plain(x_CxD, kernel_DxV, tgt_C, w_C, rows="xla"):
+  """``sum(w · nll)`` of one chunk (float32). (``rows`` picks the forward rule's pass only.)"""
+  del rows
   return jnp.sum(_logits_nll(x_CxD, kernel_DxV, tgt_C) * w_C)
 
 
-def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype):
-  """Per row of float32 logits: ``(lse, target logit, dl)`` with ``dl = (softmax − onehot) · w``.
-
-  The forward rule's one pass over the logits (never differentiated). The target logit is a
-  gather, not differentiated, so no one-hot reduction over the row is needed.
-  """
+def _xent_rows_xla(logits_CxV, tgt_C, w_C, dl_dtype):
+  """Per row of float32 logits: ``(lse, target logit, dl)`` with ``dl = (softmax − onehot) · w``,
+  in XLA (passes: max, sum of exp, the cotangent). The target logit is a gather (never
+  differentiated here), not a one-hot reduction over the row."""
   lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
   tgt_logit_C = jnp.take_along_axis(logits_CxV, tgt_C[:, None], axis=-1, mode="clip")[:, 0]
   hit_CxV = jnp.arange(logits_CxV.shape[1], dtype=jnp.int32)[None, :] == tgt_C[:, None]
@@ -61,21 +61,39 @@ def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype):
   return lse_C, tgt_logit_C, dl_CxV
 
 
+def rows_impl(rows: str) -> str:
+  """The forward rule's pass over each chunk's logits: ``"pallas"`` (``fp4jax.kernels.cross_entropy``,
+  one read of the logits), ``"xla"``, or ``"pallas_interpret"`` (the kernel in Pallas interpret
+  mode: CPU tests). ``"auto"``: the kernel when JAX's default backend is a GPU, else XLA."""
+  if rows not in LOSS_ROWS:
+    raise ValueError(f"cross-entropy rows={rows!r}: expected one of {LOSS_ROWS}")
+  if rows == "auto":
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+  return rows
+
+
+LOSS_ROWS = ("auto", "pallas", "xla", "pallas_interpret")
+
 # The default: its backward needs no logits recomputation (the fwd rule saves the cotangent).
-_nll_sum = jax.custom_vjp(_nll_sum_plain)
+_nll_sum = jax.custom_vjp(_nll_sum_plain, nondiff_argnums=(4,))
 # recompute=True: ``mixed_matmul``'s autodiff, rematerialized; saves only the inputs.
 _nll_sum_recompute = jax.checkpoint(_nll_sum_plain)
 
 
-def _nll_sum_fwd(x_CxD, kernel_DxV, tgt_C, w_C):
+def _nll_sum_fwd(x_CxD, kernel_DxV, tgt_C, w_C, rows):
   logits_CxV = mixed_matmul(x_CxD, kernel_DxV, x_CxD.dtype, jnp.float32)
   # d(sum w·nll)/dlogits, formed in the same pass over the float32 logits as the loss and kept in
   # x's dtype: the backward GEMMs take it as is (bf16 operands), and no f32 (C, V) array is saved.
-  lse_C, tgt_logit_C, dl_CxV = softmax_xent_rows(logits_CxV, tgt_C, w_C, x_CxD.dtype)
+  if rows in ("pallas", "pallas_interpret"):
+    lse_C, tgt_logit_C, dl_CxV = softmax_xent_rows(logits_CxV, tgt_C, w_C, x_CxD.dtype,
+                                                   interpret=rows == "pallas_interpret")
+  else:
+    lse_C, tgt_logit_C, dl_CxV = _xent_rows_xla(logits_CxV, tgt_C, w_C, x_CxD.dtype)
   return jnp.sum((lse_C - tgt_logit_C) * w_C), (x_CxD, kernel_DxV.astype(x_CxD.dtype), dl_CxV, w_C)
 
 
-def _nll_sum_bwd(res, g):
+def _nll_sum_bwd(rows, res, g):
+  del rows
   x_CxD, kc_DxV, dl_CxV, w_C = res
   # g (1/n for the mean) scales the f32 GEMM outputs: for n a power of two this is bitwise the same
   # as rounding g·dl to bf16 before the GEMM.
@@ -89,7 +107,7 @@ _nll_sum.defvjp(_nll_sum_fwd, _nll_sum_bwd)
 
 
 def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int = 8192,
-                          recompute: bool = False):
+                          recompute: bool = False, rows: str = "auto"):
   """Mean next-token cross-entropy of ``x @ kernel`` without materializing (B, T, V) logits.
 
   Same loss as ``cross_entropy(Transformer.__call__ logits, targets)``, over chunks of
@@ -110,12 +128,17 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
     targets_BxT: int target ids.
     chunk_tokens: tokens per chunk (B·T is padded up to a multiple; padded tokens have weight 0).
     recompute: recompute the logits in the backward instead of saving the (B·T, V) cotangent.
+    rows: how the default path's forward passes over each chunk's float32 logits (logsumexp,
+      target logit, cotangent): ``"pallas"`` (one fused kernel, ``fp4jax.kernels.cross_entropy``),
+      ``"xla"``, ``"auto"`` (the kernel on a GPU) or ``"pallas_interpret"`` (CPU tests). Same
+      values up to summation order.
 
   Returns:
     float32 scalar.
   """
   if chunk_tokens < 1:
     raise ValueError(f"chunk_tokens={chunk_tokens}: must be >= 1")
+  rows = rows_impl(rows)
   if x_BxTxD.shape[:-1] != targets_BxT.shape or kernel_DxV.shape[0] != x_BxTxD.shape[-1]:
     raise ValueError(f"chunked_cross_entropy: shapes x {x_BxTxD.shape}, kernel "
                      f"{kernel_DxV.shape}, targets {targets_BxT.shape} do not match")
@@ -144,6 +167,6 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
   # over 4.3 GB per 125m step on the H200).
   total = jnp.zeros((), jnp.float32)
   for i in range(k):
-    rows = slice(i * c, (i + 1) * c)
-    total = total + _nll_sum(x_NxD[rows], kernel_DxV, tgt_N[rows], w_N[rows])
+    sl = slice(i * c, (i + 1) * c)
+    total = total + _nll_sum(x_NxD[sl], kernel_DxV, tgt_N[sl], w_N[sl], rows)
   return total / n

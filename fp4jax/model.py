@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fp4jax.loss import LOSS_ROWS
 from fp4jax.ops.dense import mixed_matmul
 from fp4jax.recipe import Recipe
 
@@ -60,6 +61,9 @@ class ModelConfig:
       allow it: bfloat16/float16 compute, head_dim a multiple of 8 up to 128; else XLA),
       "cudnn" or "xla". ``jax.nn.dot_product_attention``'s own default is XLA, which
       materializes float32 B×N×T×T scores and probabilities (and a B×N×T×T mask).
+    cross_entropy: the training loss's pass over each chunk's float32 logits (``fp4jax.loss``):
+      "auto" (the fused Pallas kernel ``fp4jax.kernels.cross_entropy`` when the default backend
+      is a GPU, else XLA), "pallas" or "xla". Same loss up to summation order.
   """
 
   vocab_size: int
@@ -77,6 +81,7 @@ class ModelConfig:
   scan_layers: bool = False
   remat: bool = False
   attention: str = "auto"
+  cross_entropy: str = "auto"
 
   def __post_init__(self):
     for f in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -95,6 +100,9 @@ class ModelConfig:
     if self.attention not in ATTENTION_IMPLS:
       raise ValueError(f"ModelConfig.attention={self.attention!r}: expected one of "
                        f"{ATTENTION_IMPLS}")
+    if self.cross_entropy not in LOSS_ROWS:
+      raise ValueError(f"ModelConfig.cross_entropy={self.cross_entropy!r}: expected one of "
+                       f"{LOSS_ROWS}")
     if self.attention == "cudnn" and not _cudnn_shapes_ok(self):
       raise ValueError(f"ModelConfig.attention='cudnn' needs dtype bfloat16 and head_dim a "
                        f"multiple of 8 up to 128 (got dtype={self.dtype}, head_dim={self.hdim})")

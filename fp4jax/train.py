@@ -203,7 +203,7 @@ def loss_fn(graphdef, params, inputs_BxT, targets_BxT, key):
   model = nnx.merge(graphdef, params)
   x_BxTxD = model.features(inputs_BxT, key=key)
   return chunked_cross_entropy(x_BxTxD, model.lm_head.kernel[...], targets_BxT,
-                               recompute=model.cfg.remat)
+                               recompute=model.cfg.remat, rows=model.cfg.cross_entropy)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callable | None = None,
@@ -390,7 +390,8 @@ class TrainConfig:
 def run_meta(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig) -> dict:
   """What a checkpoint must agree with to be restored into this run."""
   r = {k: v for k, v in recipe.to_dict().items() if k != "lora_resplit_every"}  # a schedule
-  m = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k != "attention"}  # a kernel
+  kernels = ("attention", "cross_entropy")  # implementation choices, not the model
+  m = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in kernels}
   return {"model": m, "recipe": r, "optimizer": {"name": opt_cfg.name}}
 
 

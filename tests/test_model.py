@@ -283,6 +283,24 @@ def test_chunked_cross_entropy_saved_residuals():
   assert not [s for s in res(True) if np.prod(s[0]) >= 40 * 64], res(True)
 
 
+@pytest.mark.parametrize("chunk", [96, 40])  # exact, padded (weight-0 rows)
+def test_chunked_cross_entropy_pallas_rows_match_xla(chunk):
+  """The fused loss kernel (interpret mode) in the forward rule: the same loss and gradients as
+  the XLA passes, up to summation order and a bf16 ulp of the saved cotangent."""
+  x, w, t = _ce_inputs(v=300)  # V not a power of two: the kernel masks its padding columns
+  f = lambda x, w, rows: chunked_cross_entropy(x, w, t, chunk_tokens=chunk, rows=rows)  # noqa: E731
+  l0, (dx0, dw0) = jax.value_and_grad(lambda x, w: f(x, w, "xla"), (0, 1))(x, w)
+  l1, (dx1, dw1) = jax.jit(jax.value_and_grad(lambda x, w: f(x, w, "pallas_interpret"),
+                                              (0, 1)))(x, w)
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  amax = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))  # noqa: E731
+  np.testing.assert_allclose(np.asarray(dx1, np.float32), np.asarray(dx0, np.float32), rtol=0,
+                             atol=2 ** -8 * amax(dx0))
+  np.testing.assert_allclose(dw1, dw0, rtol=0, atol=2 ** -8 * amax(dw0))
+  with pytest.raises(ValueError, match="rows"):
+    f(x, w, "triton")
+
+
 def test_chunked_cross_entropy_rejects_bad_input():
   x, w, t = jnp.zeros((2, 4, 8)), jnp.zeros((8, 10)), jnp.zeros((2, 4), jnp.int32)
   with pytest.raises(ValueError, match="chunk_tokens"):
@@ -323,7 +341,8 @@ cfg = ModelConfig(vocab_size=512, d_model=128, n_layers=2, n_heads=2, attention=
 g, st = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, get_recipe("bf16"), rngs=nnx.Rngs(0))))
 def loss(st, tok):
   m = nnx.merge(g, st)
-  return chunked_cross_entropy(m.features(tok), m.lm_head.kernel[...], tok, chunk_tokens=256)
+  return chunked_cross_entropy(m.features(tok), m.lm_head.kernel[...], tok, chunk_tokens=256,
+                               rows="pallas")
 tok = jax.ShapeDtypeStruct((4, 256), jnp.int32)
 mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
     device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
@@ -339,7 +358,7 @@ print("DOTS", len(dots), "F32_OPERANDS", sorted({d for d in dots if "f32>" in d[
 
 def test_attention_lowers_to_cudnn_for_h200_without_scores_or_full_logits():
   """The bf16 model lowered for CUDA (abstract H200, no GPU): cuDNN fused attention forward and
-  backward, no T×T score tensor, no (B, T, V) float32 logits, bf16 operands in every GEMM.
+  backward, the Pallas loss kernel (Triton), no T×T score tensor, no (B, T, V) float32 logits, bf16 operands in every GEMM.
   Private jax hooks, so a subprocess."""
   import subprocess
   import sys
@@ -348,6 +367,7 @@ def test_attention_lowers_to_cudnn_for_h200_without_scores_or_full_logits():
                      timeout=300, cwd=Path(__file__).resolve().parents[1])
   assert r.returncode == 0, r.stderr[-3000:]
   assert "__cudnn$fmhaSoftmax" in r.stdout and "__cudnn$fmhaSoftmaxBackward" in r.stdout
+  assert "__gpu$xla.gpu.triton" in r.stdout, r.stdout  # the fused loss kernel, one per chunk
   assert "SCORES False False" in r.stdout, r.stdout
   # Every GEMM of forward and backward takes bf16 operands: a float32 cotangent entering a dot
   # makes XLA run a float32 (TF32) GEMM (fp4jax.ops.mixed_matmul; 130 -> 61 ms of GEMMs per

@@ -26,7 +26,9 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
       d_ff=config_dict.placeholder(int),        # None: ~8/3 d_model, a multiple of 16
       qk_norm=True, rope_theta=10000.0, dtype="bfloat16", init_std=0.02,
       scan_layers=False,  # one lax.scan per run of same-precision blocks (see ModelConfig)
-      remat=False))      # rematerialize block activations in the backward (less memory)
+      remat=False,       # rematerialize block activations in the backward (less memory)
+      attention="auto",  # auto | cudnn | xla (auto: cuDNN flash attention on a GPU)
+      cross_entropy="auto"))  # auto | pallas | xla (auto: the fused Pallas loss kernel on a GPU)
   c.data = ml_collections.ConfigDict(dict(
       corpus="shakespeare",   # built-in corpus name or a folder of .txt files
       tokenizer="byte",       # byte | bpe | path of a tokenizer.json
