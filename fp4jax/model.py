@@ -244,15 +244,20 @@ def make_projection(in_features: int, out_features: int, precision: str, recipe:
 
 @functools.partial(jax.checkpoint, static_argnums=(2,))
 def rope(x_BxTxNxH, positions_T, theta: float):
-  """Rotary position embedding (rotate-half form), computed in float32."""
+  """Rotary position embedding (rotate-half form), computed in float32.
+
+  ``out = x · cos + rotate_half(x) · sin`` with ``rotate_half(x) = [-x2, x1]``: the output is one
+  elementwise expression (the concatenate is on the small input side), which XLA fuses with the
+  QK-norm; concatenating the two output halves cost a separate copy per q and k on the GPU.
+  """
   h = x_BxTxNxH.shape[-1]
   inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)
   ang_TxH2 = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
-  sin, cos = jnp.sin(ang_TxH2)[None, :, None, :], jnp.cos(ang_TxH2)[None, :, None, :]
+  ang_TxH = jnp.concatenate([ang_TxH2, ang_TxH2], axis=-1)
+  sin, cos = jnp.sin(ang_TxH)[None, :, None, :], jnp.cos(ang_TxH)[None, :, None, :]
   x = x_BxTxNxH.astype(jnp.float32)
-  x1, x2 = x[..., : h // 2], x[..., h // 2:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxNxH.dtype)
+  x_rot = jnp.concatenate([-x[..., h // 2:], x[..., : h // 2]], axis=-1)
+  return (x * cos + x_rot * sin).astype(x_BxTxNxH.dtype)
 
 
 class Attention(nnx.Module):

@@ -7,15 +7,15 @@
 - ``dl_CxV[i]``: ``((exp(logits[i] - lse[i]) - onehot(tgt[i])) * w[i]).astype(dl_dtype)``, the
   cotangent of ``sum(w * (lse - tgt_logit))`` with respect to the logits,
 
-reading the logits once and writing ``dl`` once, where the XLA path (``fp4jax.loss``) makes
+reading the logits once or twice and writing ``dl`` once, where the XLA path (``fp4jax.loss``) makes
 separate passes over the (C, V) float32 array (row max, sum of exp, target pick, cotangent).
 ``softmax_xent_rows_reference`` is the same in plain jnp.
 
 Two kernels: ``"row"`` holds whole rows (padded to a power of two, V_pad) in registers, for
 V_pad <= 65536; ``"tiled"`` takes any V in tiles, with an online max / sum of exp in a first loop
 and the cotangent in a second (so it reads the logits twice; the second read of a program's rows
-may come from L2). Which is faster, and with which tunables, is for benchmarks/cross_entropy.py
-on the GPU to say.
+may come from L2). On the H200 "tiled" (2048 columns, 4 warps) was the faster at V = 32768 and
+50304 (benchmarks/cross_entropy.py; benchmarks/RESULTS.md), so "auto" takes it.
 
 Everything inside the kernels lowers to Triton (power-of-two blocks, masked loads and stores for the
 ragged column tail and row tail, no gathers or value slicing): see tests/test_kernels_cross_entropy.py
@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-ROW_MAX_V_PAD = 65536  # "auto" takes "row" up to this padded width, "tiled" above
+ROW_MAX_V_PAD = 65536  # the widest rows "row" is meant for (one row fills a register file)
 _TRITON_MAX_NUMEL = 1 << 20  # Triton's limit on the elements of one block
 _IMPLS = ("auto", "row", "tiled", "reference")
 
@@ -214,13 +214,13 @@ def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *, impl: st
     dl_dtype: dtype of ``dl`` (bfloat16: the dtype of the LM-head GEMM operands).
     impl: ``"row"`` (whole rows of V_pad = next power of two >= V columns per program; needs
       rows_per_program · V_pad <= 2**20), ``"tiled"`` (any V, ``tile_v`` columns at a time, two
-      reads of the logits), ``"auto"`` (``"row"`` when V_pad <= 65536, else ``"tiled"``), or
+      reads of the logits), ``"auto"`` (``"tiled"``, the faster on the H200), or
       ``"reference"`` (``softmax_xent_rows_reference``, plain XLA).
     rows_per_program: rows per grid program, a power of two (default 1). C need not be a multiple:
       the last program masks its rows.
     num_warps: Triton warps per program, a power of two <= 32 (default: ``"row"`` about 64 logits
-      per thread, 16 for V = 32768 and one row; ``"tiled"`` 8).
-    tile_v: ``"tiled"`` only: columns per tile, a power of two (default 4096, at most V_pad).
+      per thread, 16 for V = 32768 and one row; ``"tiled"`` 4).
+    tile_v: ``"tiled"`` only: columns per tile, a power of two (default 2048, at most V_pad).
     num_stages: Triton pipelining stages (default: Triton's, 3 on CUDA); matters for ``"tiled"``.
     interpret: run the kernel in Pallas interpret mode (CPU tests).
 
@@ -233,7 +233,9 @@ def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *, impl: st
   c, v = logits_CxV.shape
   v_pad = _next_pow2(v)
   if impl == "auto":
-    impl = "row" if v_pad <= ROW_MAX_V_PAD else "tiled"
+    # Measured on the H200 (benchmarks/RESULTS.md): "tiled" beat "row" at V = 32768 (0.91 vs
+    # 1.02 ms per 8192-row chunk at their best settings) and at V = 50304 (1.40 vs 1.67 ms).
+    impl = "tiled"
   w_C = w_C.astype(jnp.float32)
   if impl == "reference":
     return _no_derivative(functools.partial(softmax_xent_rows_reference, dl_dtype=dl_dtype))(
@@ -250,9 +252,9 @@ def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *, impl: st
     warps = int(np.clip(r * v_pad // 2048, 4, 32)) if num_warps is None else num_warps
     kernel = functools.partial(_row_kernel, n_rows=c, n_cols=v)
   else:
-    tile = min(4096 if tile_v is None else tile_v, v_pad)
+    tile = min(2048 if tile_v is None else tile_v, v_pad)
     _check_pow2("tile_v", tile)
-    warps = 8 if num_warps is None else num_warps
+    warps = 4 if num_warps is None else num_warps
     kernel = functools.partial(_tiled_kernel, n_rows=c, n_cols=v, tile=tile)
   _check_pow2("num_warps", warps, 32)
   if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):

@@ -83,6 +83,19 @@ def test_rope_is_a_rotation_and_relative():
   assert dot(5, 2) == pytest.approx(dot(13, 10), rel=1e-4)
 
 
+def test_rope_is_the_rotate_half_formula():
+  """The fused form equals the textbook halves ``[x1 cos - x2 sin, x2 cos + x1 sin]`` (float32,
+  bit for bit on the CPU), so checkpoints and loss curves from before carry over."""
+  x = jax.random.normal(jax.random.key(4), (2, 8, 3, 16)).astype(jnp.bfloat16)
+  pos = jnp.arange(8)
+  ang = pos.astype(jnp.float32)[:, None] * (1e4 ** (-jnp.arange(0, 16, 2, dtype=jnp.float32) / 16))[None, :]
+  sin, cos = jnp.sin(ang)[None, :, None, :], jnp.cos(ang)[None, :, None, :]
+  x1, x2 = x[..., :8].astype(jnp.float32), x[..., 8:].astype(jnp.float32)
+  want = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+  np.testing.assert_array_equal(np.asarray(rope(x, pos, 1e4), np.float32),
+                                np.asarray(want, np.float32))
+
+
 def test_qk_norm_option():
   with_norm = _model()
   without = _model(ModelConfig(**{**CFG.__dict__, "qk_norm": False}))
