@@ -273,10 +273,20 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
   x32 = _fp32.flush_subnormals(x.astype(jnp.float32))
   # NaN -> inf before the max: XLA's CPU max does not propagate NaN.
   ax = jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32))
+  if rounding == "stochastic" and bits is None:
+    bits = jax.random.bits(key, x.shape, jnp.uint32)
+  return _quantize_blocks(x32, _block_amax(ax, block, axis), block, axis, rounding, bits, x.dtype)
+
+
+def _quantize_blocks(x32, block_amax, block, axis, rounding, bits, dtype) -> NVFP4Tensor:
+  """``quantize`` from flushed float32 ``x32`` and its per-block ``max|x|`` (NaN counted as inf).
+
+  The block maxima may come from elsewhere when they are known to be equal (e.g. ``f(max v)`` for
+  a non-decreasing ``f`` of a non-negative ``v``: ``fp4jax.optim._common.encode_monotone``).
+  """
   # The tensor's amax is the max of the block amaxes (the same value): one pass over the elements
   # gives both, where max(ax) beside the block maxima was a second full pass on the GPU.
-  block_amax = _block_amax(ax, block, axis)
-  amax = jnp.max(block_amax) if x.size else jnp.float32(0)
+  amax = jnp.max(block_amax) if x32.size else jnp.float32(0)
   finite = amax <= _fp32.F32_MAX  # false for NaN and inf
   s_enc, s_dec = global_decode_scale(jnp.where(finite, amax, 0.0))
   s_dec = jnp.where(finite, s_dec, jnp.nan)
@@ -293,25 +303,24 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
   table = jnp.minimum(_fp32.div_rn(jnp.float32(1.0), denominators), _fp32.F32_MAX)
   escale = table.at[dscale_code.astype(jnp.int32)].get(mode="promise_in_bounds")
 
-  y = jnp.clip(x32 * _expand(escale, x.shape, block, axis), -E2M1_MAX, E2M1_MAX)
+  shape = x32.shape
+  y = jnp.clip(x32 * _expand(escale, shape, block, axis), -E2M1_MAX, E2M1_MAX)
   a = jnp.abs(y)
   if rounding == "nearest":
     mag = _e2m1_rne_code(a)
   else:
-    if bits is None:
-      bits = jax.random.bits(key, x.shape, jnp.uint32)
     mag = _e2m1_stochastic_code(a, bits)
-  zero_block = _expand(dscale == 0, x.shape, block, axis) | ~finite
+  zero_block = _expand(dscale == 0, shape, block, axis) | ~finite
   code = jnp.where(zero_block, 0, mag | jnp.where(y < 0, 8, 0).astype(jnp.uint8)).astype(jnp.uint8)
 
   return NVFP4Tensor(
       codes=_pack(code, axis),
       scales=lax.bitcast_convert_type(dscale_code, jnp.float8_e4m3fn),
       global_scale=s_dec.astype(jnp.float32),
-      shape=tuple(x.shape),
+      shape=tuple(shape),
       block=block,
       axis=axis,
-      dtype=x.dtype,
+      dtype=dtype,
   )
 
 
