@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fp4jax.loss import LOSS_ROWS
-from fp4jax.ops.dense import mixed_matmul
+from fp4jax.ops.dense import mixed_matmul, mixed_matmul_split
 from fp4jax.recipe import Recipe
 
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
@@ -280,19 +280,34 @@ class Attention(nnx.Module):
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
     k_qkv, k_o = jax.random.split(key)
-    n, kv = cfg.n_heads, cfg.kv_heads
-    g = n // kv
-    # Columns grouped per KV head: [q_1 .. q_g, k, v] for each group, so a tensor-parallel split
-    # of the fused output keeps whole groups local (query head i attends with KV head i // g).
-    qkv = self.qkv(x_BxTxD, key=k_qkv).reshape(b, t, kv, g + 2, cfg.hdim)
-    q = qkv[:, :, :, :g].reshape(b, t, n, cfg.hdim)
-    k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
+    q, k, v = self._qkv(x_BxTxD, k_qkv)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     pos_T = jnp.arange(t)
     q, k = rope(q, pos_T, cfg.rope_theta), rope(k, pos_T, cfg.rope_theta)
     o_BxTxNxH = _attention(q, k, v, attention_impl(cfg), fallback=cfg.attention == "auto")
     return self.o(o_BxTxNxH.reshape(b, t, cfg.n_heads * cfg.hdim), key=k_o)
+
+  def _qkv(self, x_BxTxD, key):
+    """q (B, T, N, H), k and v (B, T, K, H) from the one qkv projection."""
+    b, t, _ = x_BxTxD.shape
+    n, kv, h = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.hdim
+    g = n // kv
+    # Columns grouped per KV head: [q_1 .. q_g, k, v] for each group, so a tensor-parallel split
+    # of the fused output keeps whole groups local (query head i attends with KV head i // g).
+    if isinstance(self.qkv, Dense):
+      # Three GEMMs on column slices of the (small) kernel give q, k, v contiguous: slicing the
+      # fused output cost three strided copies per layer (2.2 ms per step on the H200) and its
+      # backward assembled the fused cotangent (a 6 ms fusion per step). Same forward bits, dx
+      # up to float32 summation order. NVFP4 projections keep the fused GEMM: their quantization
+      # scale is per whole tensor, so splitting it would change the numerics.
+      w = self.qkv.kernel[...].reshape(-1, kv, g + 2, h)
+      wq, wk, wv = (w[:, :, :g].reshape(-1, n * h), w[:, :, g].reshape(-1, kv * h),
+                    w[:, :, g + 1].reshape(-1, kv * h))
+      q, k, v = mixed_matmul_split(x_BxTxD, (wq, wk, wv), self.qkv.dtype)
+      return q.reshape(b, t, n, h), k.reshape(b, t, kv, h), v.reshape(b, t, kv, h)
+    qkv = self.qkv(x_BxTxD, key=key).reshape(b, t, kv, g + 2, h)
+    return qkv[:, :, :, :g].reshape(b, t, n, h), qkv[:, :, :, g], qkv[:, :, :, g + 1]
 
 
 def _attention(q, k, v, impl: str, fallback: bool):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax.ops import mixed_matmul, mixed_matmul_vjp_reference
+from fp4jax.ops import mixed_matmul, mixed_matmul_split, mixed_matmul_vjp_reference
 
 
 def _data(shape_x=(3, 40, 48), n=80, seed=0):
@@ -60,3 +60,55 @@ def test_grad_under_jit_and_2d_input():
   rdx, rdw = mixed_matmul_vjp_reference(x, w, dy)
   np.testing.assert_allclose(np.asarray(gx, np.float32), rdx, rtol=1e-2, atol=1e-2)
   np.testing.assert_allclose(gw, rdw, rtol=1e-5, atol=1e-4)
+
+
+def _qkv_layout(kv, g, h=8, d=48, seed=1):
+  """x, the model's fused qkv kernel (D, kv·(g+2)·H: [q_1..q_g, k, v] per KV head), cotangents."""
+  x, w, _ = _data((3, 40, d), kv * (g + 2) * h, seed)
+  keys = jax.random.split(jax.random.key(seed + 1), 3)
+  dys = tuple(jax.random.normal(k, (3, 40, m * h)).astype(jnp.bfloat16)
+              for k, m in zip(keys, (kv * g, kv, kv), strict=True))
+  return x, w, dys
+
+
+def _split_kernels(w, kv, g, h=8):
+  w = w.reshape(w.shape[0], kv, g + 2, h)
+  return tuple(a.reshape(w.shape[0], -1) for a in (w[:, :, :g], w[:, :, g], w[:, :, g + 1]))
+
+
+def _fused_then_sliced(x, w, kv, g, h=8):
+  y = mixed_matmul(x, w).reshape(*x.shape[:-1], kv, g + 2, h)
+  return tuple(a.reshape(*x.shape[:-1], -1)
+               for a in (y[..., :g, :], y[..., g, :], y[..., g + 1, :]))
+
+
+@pytest.mark.parametrize("kv,g", [(4, 1), (2, 3)])  # MHA, GQA
+def test_split_equals_fused_gemm_then_slices(kv, g):
+  """q, k, v as three GEMMs == one fused GEMM sliced: forward bit for bit; dx within one bf16 ulp
+  (float32 sums of three partial products vs one accumulation), dkernel to float32 rounding."""
+  x, w, dys = _qkv_layout(kv, g)
+  split = lambda x, w: mixed_matmul_split(x, _split_kernels(w, kv, g))  # noqa: E731
+  ys0, vjp0 = jax.vjp(lambda x, w: _fused_then_sliced(x, w, kv, g), x, w)
+  ys1, vjp1 = jax.vjp(split, x, w)
+  for y0, y1 in zip(ys0, ys1, strict=True):
+    assert y1.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
+  (dx0, dw0), (dx1, dw1) = vjp0(dys), vjp1(dys)
+  assert dx1.dtype == x.dtype and dw1.dtype == jnp.float32
+  ulps = np.abs(np.asarray(dx1).view(np.int16).astype(np.int32) - np.asarray(dx0).view(np.int16))
+  assert ulps.max() <= 1 and (ulps == 0).mean() > 0.99, (ulps.max(), (ulps == 0).mean())
+  np.testing.assert_allclose(dw1, dw0, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(dw0))))
+  # The op alone against the float32 reference of the concatenated kernels.
+  ks = _split_kernels(w, kv, g)
+  dx, dks = jax.vjp(mixed_matmul_split, x, ks)[1](dys)
+  rdx, rdk = mixed_matmul_vjp_reference(x, jnp.concatenate(ks, -1), jnp.concatenate(dys, -1))
+  np.testing.assert_allclose(np.asarray(dx, np.float32), rdx, rtol=1e-2, atol=1e-2)
+  np.testing.assert_allclose(jnp.concatenate(dks, -1), rdk, rtol=1e-5, atol=1e-4)
+  # jit == no-jit.
+
+  def forward_and_grads(x, w, dys):
+    ys, vjp = jax.vjp(split, x, w)
+    return (*ys, *vjp(dys))
+
+  for a, b in zip(jax.jit(forward_and_grads)(x, w, dys), (*ys1, dx1, dw1), strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

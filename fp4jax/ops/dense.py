@@ -13,6 +13,9 @@ cotangent to the compute dtype first, as Transformer Engine and Megatron do:
 
 with ``_c`` the operand cast to ``dtype``. ``mixed_matmul_vjp_reference`` computes the same
 gradients from float32 copies of the rounded operands (tests compare the two).
+
+``mixed_matmul_split`` is the same op for several kernels sharing one input (attention's q, k, v):
+each output is its own GEMM result, where slicing one fused output cost strided copies.
 """
 
 from __future__ import annotations
@@ -71,6 +74,53 @@ def _bwd(dtype, out_dtype, res, dy):
 
 
 mixed_matmul.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def mixed_matmul_split(x, kernels, dtype=jnp.bfloat16):
+  """``tuple(x @ k for k in kernels)``: ``mixed_matmul`` of the column-concatenated kernels, its
+  output already split.
+
+  The forward is ``mixed_matmul`` per kernel (bit for bit the columns of the fused GEMM). The
+  backward sums the dgrads ``dy_i_c · k_i_cᵀ`` in float32 and rounds once, as the fused GEMM's
+  single float32 accumulation does (up to summation order), and takes each wgrad as
+  ``mixed_matmul``'s.
+
+  Args:
+    x: ``[..., K]`` activations.
+    kernels: tuple of ``[K, N_i]`` weights (typically float32 master weights or slices of one).
+    dtype: operand and output dtype of the GEMMs.
+
+  Returns:
+    Tuple of ``[..., N_i]`` in ``dtype``. Gradients: ``dx`` in ``x.dtype`` (rounded to ``dtype``
+    once), ``dkernels`` in their kernels' dtypes (float32 output).
+  """
+  xc = x.astype(dtype)
+  return tuple(_forward(xc, k, dtype, None) for k in kernels)
+
+
+def _split_fwd(x, kernels, dtype):
+  xc, kcs = x.astype(dtype), tuple(k.astype(dtype) for k in kernels)
+  tags = (jnp.zeros((), x.dtype), tuple(jnp.zeros((), k.dtype) for k in kernels))
+  return tuple(_forward(xc, kc, dtype, None) for kc in kcs), (xc, kcs, tags)
+
+
+def _split_bwd(dtype, res, dys):
+  xc, kcs, (x_tag, k_tags) = res
+  dycs = [dy.astype(dtype) for dy in dys]
+  # The dgrads summed in float32 and rounded once, like the fused GEMM's single accumulation
+  # (adding bf16-rounded partials would round once per kernel).
+  dx = functools.reduce(jnp.add, (lax.dot_general(dyc, kc, (((dyc.ndim - 1,), (1,)), ((), ())),
+                                                  preferred_element_type=jnp.float32)
+                                  for dyc, kc in zip(dycs, kcs, strict=True)))
+  lead = tuple(range(xc.ndim - 1))
+  dks = tuple(lax.dot_general(xc, dyc, ((lead, lead), ((), ())),
+                              preferred_element_type=jnp.float32).astype(tag.dtype)
+              for dyc, tag in zip(dycs, k_tags, strict=True))
+  return dx.astype(dtype).astype(x_tag.dtype), dks
+
+
+mixed_matmul_split.defvjp(_split_fwd, _split_bwd)
 
 
 def mixed_matmul_vjp_reference(x, kernel, dy, dtype=jnp.bfloat16):
