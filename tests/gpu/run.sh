@@ -16,6 +16,7 @@ declare -A CMD=(
   [optim_update]="python3 benchmarks/optim_update.py --muon"
   [optim_adamw]="python3 benchmarks/optim_update.py"
   [optim_timing]="python3 benchmarks/optim_update.py --skip-equality"
+  [optim_timing_stacked]="python3 benchmarks/optim_update.py --skip-equality --stacked"
   [optim_profile]="python3 benchmarks/optim_update.py --profile=adamw_nvfp4"
   [optim_variants]="python3 benchmarks/optim_update.py --variants"
   [train_bf16]="python3 benchmarks/train_step.py --recipes=bf16"
