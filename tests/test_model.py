@@ -97,6 +97,32 @@ def test_rope_is_the_rotate_half_formula():
                                 np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rms_norm_custom_backward_matches_autodiff(dtype):
+  """RMSNorm's hand-written backward (saves x and 1/rms) against autodiff of the same forward."""
+  from fp4jax.model import _rms_norm
+
+  def plain(x, scale):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+    return (y * scale[None, None, :]).astype(x.dtype)
+
+  k1, k2, k3 = jax.random.split(jax.random.key(9), 3)
+  x = (3.0 * jax.random.normal(k1, (2, 5, 64))).astype(dtype)
+  scale = 1.0 + 0.1 * jax.random.normal(k2, (64,))
+  dy = jax.random.normal(k3, (2, 5, 64)).astype(dtype)
+  y0, vjp0 = jax.vjp(plain, x, scale)
+  y1, vjp1 = jax.vjp(lambda x, s: _rms_norm(x, s, 1e-6), x, scale)
+  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
+  (dx0, ds0), (dx1, ds1) = vjp0(dy), vjp1(dy)
+  assert dx1.dtype == dtype and ds1.dtype == jnp.float32
+  tol = 2 ** -7 if dtype == jnp.bfloat16 else 1e-5
+  amax = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))  # noqa: E731
+  np.testing.assert_allclose(np.asarray(dx1, np.float32), np.asarray(dx0, np.float32), rtol=0,
+                             atol=tol * amax(dx0))
+  np.testing.assert_allclose(ds1, ds0, rtol=0, atol=1e-5 * amax(ds0))
+
+
 def test_qk_norm_option():
   with_norm = _model()
   without = _model(ModelConfig(**{**CFG.__dict__, "qk_norm": False}))
