@@ -283,11 +283,7 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
 
 
 def _quantize_blocks(x32, block_amax, block, axis, rounding, bits, dtype) -> NVFP4Tensor:
-  """``quantize`` from flushed float32 ``x32`` and its per-block ``max|x|`` (NaN counted as inf).
-
-  The block maxima may come from elsewhere when they are known to be equal (e.g. ``f(max v)`` for
-  a non-decreasing ``f`` of a non-negative ``v``: ``fp4jax.optim._common.encode_monotone``).
-  """
+  """``quantize`` from flushed float32 ``x32`` and its per-block ``max|x|`` (NaN counted as inf)."""
   # The tensor's amax is the max of the block amaxes (the same value): one pass over the elements
   # gives both, where max(ax) beside the block maxima was a second full pass on the GPU.
   amax = jnp.max(block_amax) if x32.size else jnp.float32(0)

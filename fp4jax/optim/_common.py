@@ -24,7 +24,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from fp4jax import _fp32, nvfp4
+from fp4jax import nvfp4
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
 
 DEFAULT_MIN_SIZE = 4096
@@ -94,26 +94,6 @@ def encode(x, rounding: str, key) -> NVFP4Tensor:
   bits = counter_bits(key, x.shape) if rounding == "stochastic" else None
   return nvfp4.quantize(x.astype(jnp.float32), block=(1, BLOCK), axis=block_axis(x.shape),
                         rounding=rounding, bits=bits)
-
-
-def encode_monotone(v, fn, rounding: str, key) -> NVFP4Tensor:
-  """``encode(fn(v))`` for ``v >= 0`` (NaN and +inf allowed) and a non-decreasing ``fn >= 0``
-  (``fn(inf) = inf``, ``fn(NaN) = NaN``), bit for bit, with the block maxima taken as ``fn`` of
-  ``v``'s block maxima.
-
-  ``max fn(v_i) = fn(max v_i)`` for such an ``fn`` (and flushing subnormals to zero is itself
-  non-decreasing), so the reduction pass over the elements needs no ``fn``: for the stored √v,
-  ``sqrt_rn`` (~70 integer operations) runs per element only in the quantizing pass, and once per
-  block in the reduction.
-  """
-  v = v.astype(jnp.float32)
-  ax = block_axis(v.shape)
-  vmax = nvfp4._block_amax(jnp.where(jnp.isnan(v), jnp.inf, jnp.abs(v)), (1, BLOCK), ax)
-  s = fn(vmax)
-  block_amax = jnp.where(jnp.isnan(s), jnp.inf, jnp.abs(_fp32.flush_subnormals(s)))
-  bits = counter_bits(key, v.shape) if rounding == "stochastic" else None
-  return nvfp4._quantize_blocks(_fp32.flush_subnormals(fn(v)), block_amax, (1, BLOCK), ax,
-                                rounding, bits, jnp.float32)
 
 
 def _mix32(x):

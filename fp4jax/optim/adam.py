@@ -144,7 +144,6 @@ def scale_by_adam_nvfp4(
   _common.check_common(min_size, mu_rounding)
   _common.check_common(min_size, nu_rounding)
   to_stored, from_stored = _nu_maps(nu_transform)
-  monotone_nu = isinstance(nu_transform, str)  # the built-in maps are exactly non-decreasing
   stochastic = "stochastic" in (mu_rounding, nu_rounding)
   if mu_storage not in ("direct", "normalized"):
     raise ValueError(f"mu_storage must be 'direct' or 'normalized', got {mu_storage!r}")
@@ -207,10 +206,7 @@ def scale_by_adam_nvfp4(
     if clip_update:
       bound = adam_update_bound(count_inc, b1, b2, nesterov=nesterov)
       u = jnp.clip(u, -bound, bound)
-    if monotone_nu:  # the same bits as encode(to_stored(v)), with less arithmetic per element
-      nu_new = _common.encode_monotone(v, to_stored, nu_rounding, k_v)
-    else:
-      nu_new = _common.encode(to_stored(v), nu_rounding, k_v)
+    nu_new = _common.encode(to_stored(v), nu_rounding, k_v)
     if normalized_mu:
       s_new = jnp.sqrt(from_stored(read_nu(nu_new)))
       m = jnp.where(s_new > 0, m / jnp.where(s_new > 0, s_new, 1.0), 0.0)
