@@ -20,6 +20,7 @@ declare -A CMD=(
   [optim_profile]="python3 benchmarks/optim_update.py --profile=adamw_nvfp4"
   [optim_variants]="python3 benchmarks/optim_update.py --variants"
   [train_bf16]="python3 benchmarks/train_step.py --recipes=bf16"
+  [train_bf16_2048]="python3 benchmarks/train_step.py --recipes=bf16 --batch=32 --seq=2048"
   [train_bf16_xla_ce]="python3 benchmarks/train_step.py --recipes=bf16 --cross-entropy=xla"
   [ce_kernel]="python3 benchmarks/cross_entropy.py"
   [ce_kernel_50k]="python3 benchmarks/cross_entropy.py --vocab=50304"
