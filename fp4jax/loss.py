@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax.kernels.cross_entropy import softmax_xent_rows
+from fp4jax.kernels.cross_entropy import softmax_xent_rows, softmax_xent_rows_reference
 from fp4jax.ops.dense import mixed_matmul
 
 
@@ -34,7 +34,7 @@ def cross_entropy(logits_BxTxV, targets_BxT, mask_BxT=None):
 
 
 def _logits_nll(x_CxD, kernel_DxV, tgt_C):
-  """float32 logits (operands in ``x``'s dtype, f32 accumulation), per-token nll, target one-hot.
+  """Per-token nll from float32 logits (operands in ``x``'s dtype, f32 accumulation).
 
   Differentiable without a (C, V) scatter: the target logit is a compare-and-select sum (the
   backward of ``take_along_axis`` would scatter into a zeroed (C, V) buffer)."""
@@ -50,15 +50,7 @@ def _nll_sum_plain(x_CxD, kernel_DxV, tgt_C, w_C, rows="xla"):
   return jnp.sum(_logits_nll(x_CxD, kernel_DxV, tgt_C) * w_C)
 
 
-def _xent_rows_xla(logits_CxV, tgt_C, w_C, dl_dtype):
-  """Per row of float32 logits: ``(lse, target logit, dl)`` with ``dl = (softmax − onehot) · w``,
-  in XLA (passes: max, sum of exp, the cotangent). The target logit is a gather (never
-  differentiated here), not a one-hot reduction over the row."""
-  lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
-  tgt_logit_C = jnp.take_along_axis(logits_CxV, tgt_C[:, None], axis=-1, mode="clip")[:, 0]
-  hit_CxV = jnp.arange(logits_CxV.shape[1], dtype=jnp.int32)[None, :] == tgt_C[:, None]
-  dl_CxV = ((jnp.exp(logits_CxV - lse_C[:, None]) - hit_CxV) * w_C[:, None]).astype(dl_dtype)
-  return lse_C, tgt_logit_C, dl_CxV
+LOSS_ROWS = ("auto", "pallas", "xla", "pallas_interpret")
 
 
 def rows_impl(rows: str) -> str:
@@ -71,8 +63,6 @@ def rows_impl(rows: str) -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
   return rows
 
-
-LOSS_ROWS = ("auto", "pallas", "xla", "pallas_interpret")
 
 # The default: its backward needs no logits recomputation (the fwd rule saves the cotangent).
 _nll_sum = jax.custom_vjp(_nll_sum_plain, nondiff_argnums=(4,))
@@ -88,7 +78,7 @@ def _nll_sum_fwd(x_CxD, kernel_DxV, tgt_C, w_C, rows):
     lse_C, tgt_logit_C, dl_CxV = softmax_xent_rows(logits_CxV, tgt_C, w_C, x_CxD.dtype,
                                                    interpret=rows == "pallas_interpret")
   else:
-    lse_C, tgt_logit_C, dl_CxV = _xent_rows_xla(logits_CxV, tgt_C, w_C, x_CxD.dtype)
+    lse_C, tgt_logit_C, dl_CxV = softmax_xent_rows_reference(logits_CxV, tgt_C, w_C, x_CxD.dtype)
   return jnp.sum((lse_C - tgt_logit_C) * w_C), (x_CxD, kernel_DxV.astype(x_CxD.dtype), dl_CxV, w_C)
 
 
@@ -114,8 +104,9 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
   ``chunk_tokens`` tokens, each with float32 logits (operands in ``x``'s dtype, f32
   accumulation), float32 logsumexp and target logit, so no (B·T, V) float32 array is formed. The
   default path unrolls the chunks (each saved cotangent is its own buffer); ``recompute=True``
-  runs them in a ``lax.scan``, one chunk's logits alive at a time. The backward's two GEMMs take the logits' cotangent in
-  ``x``'s dtype; the kernel's gradient is float32, summed in float32 across chunks.
+  runs them in a ``lax.scan``, one chunk's logits alive at a time. The backward's two GEMMs take
+  the logits' cotangent in ``x``'s dtype; the kernel's gradient is float32, summed in float32
+  across chunks.
 
   Memory: by default the forward saves each chunk's logits cotangent (softmax − onehot, in
   ``x``'s dtype) for the backward: 2 bytes × B·T × V for bf16 ``x`` (4.3 GB at 64×1024 tokens,
@@ -130,7 +121,7 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
     recompute: recompute the logits in the backward instead of saving the (B·T, V) cotangent.
     rows: how the default path's forward passes over each chunk's float32 logits (logsumexp,
       target logit, cotangent): ``"pallas"`` (one fused kernel, ``fp4jax.kernels.cross_entropy``),
-      ``"xla"``, ``"auto"`` (the kernel on a GPU) or ``"pallas_interpret"`` (CPU tests). Same
+      ``"xla"`` (its jnp reference), ``"auto"`` (the kernel on a GPU) or ``"pallas_interpret"`` (CPU tests). Same
       values up to summation order.
 
   Returns:

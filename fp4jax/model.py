@@ -202,6 +202,7 @@ class RMSNorm(nnx.Module):
 # backward that also keeps the per-row 1/rms (4 bytes a row): recomputing it from x was a separate
 # reduction pass per norm (~3 ms of a 125m step on the H200).
 def _rms_stats(x, eps):
+  """float32 x and the per-row 1/rms."""
   x32 = x.astype(jnp.float32)
   return x32, jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
@@ -210,15 +211,14 @@ def _row(scale, ndim):
   return scale.reshape((1,) * (ndim - 1) + (-1,))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rms_norm(x, scale, eps: float):
-  x32, rs = _rms_stats(x, eps)
-  return (x32 * rs * _row(scale, x.ndim)).astype(x.dtype)
-
-
 def _rms_norm_fwd(x, scale, eps):
   x32, rs = _rms_stats(x, eps)
   return (x32 * rs * _row(scale, x.ndim)).astype(x.dtype), (x, scale, rs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rms_norm(x, scale, eps: float):
+  return _rms_norm_fwd(x, scale, eps)[0]
 
 
 def _rms_norm_bwd(eps, res, dy):

@@ -102,9 +102,9 @@ class NVFP4Tensor:
   def block_scales(self) -> jax.Array:
     """The decoded E4M3 block scales (float32), one per block.
 
-    Integer decoding: a plain ``astype(float32)`` is exact too, but the H200 profile of the
-    adamw_nvfp4 update got slower with it (device busy 4.28 -> 4.88 ms per update; reductions
-    1.90 -> 2.64 ms), as XLA expands the f8 conversion in software on sm_90.
+    Integer decoding: a plain ``astype(float32)`` is exact too, but with it the H200 profile of the
+    adamw_nvfp4 update was slower (device busy 4.28 -> 4.88 ms per update, reductions 1.90 -> 2.64
+    ms; benchmarks/RESULTS.md). Why was not looked into.
     """
     return _fp32.e4m3_to_f32(lax.bitcast_convert_type(self.scales, jnp.uint8))
 
@@ -278,16 +278,10 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
   x32 = _fp32.flush_subnormals(x.astype(jnp.float32))
   # NaN -> inf before the max: XLA's CPU max does not propagate NaN.
   ax = jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32))
-  if rounding == "stochastic" and bits is None:
-    bits = jax.random.bits(key, x.shape, jnp.uint32)
-  return _quantize_blocks(x32, _block_amax(ax, block, axis), block, axis, rounding, bits, x.dtype)
-
-
-def _quantize_blocks(x32, block_amax, block, axis, rounding, bits, dtype) -> NVFP4Tensor:
-  """``quantize`` from flushed float32 ``x32`` and its per-block ``max|x|`` (NaN counted as inf)."""
   # The tensor's amax is the max of the block amaxes (the same value): one pass over the elements
   # gives both, where max(ax) beside the block maxima was a second full pass on the GPU.
-  amax = jnp.max(block_amax) if x32.size else jnp.float32(0)
+  block_amax = _block_amax(ax, block, axis)
+  amax = jnp.max(block_amax) if x.size else jnp.float32(0)
   finite = amax <= _fp32.F32_MAX  # false for NaN and inf
   s_enc, s_dec = global_decode_scale(jnp.where(finite, amax, 0.0))
   s_dec = jnp.where(finite, s_dec, jnp.nan)
@@ -304,24 +298,25 @@ def _quantize_blocks(x32, block_amax, block, axis, rounding, bits, dtype) -> NVF
   table = jnp.minimum(_fp32.div_rn(jnp.float32(1.0), denominators), _fp32.F32_MAX)
   escale = table.at[dscale_code.astype(jnp.int32)].get(mode="promise_in_bounds")
 
-  shape = x32.shape
-  y = jnp.clip(x32 * _expand(escale, shape, block, axis), -E2M1_MAX, E2M1_MAX)
+  y = jnp.clip(x32 * _expand(escale, x.shape, block, axis), -E2M1_MAX, E2M1_MAX)
   a = jnp.abs(y)
   if rounding == "nearest":
     mag = _e2m1_rne_code(a)
   else:
+    if bits is None:
+      bits = jax.random.bits(key, x.shape, jnp.uint32)
     mag = _e2m1_stochastic_code(a, bits)
-  zero_block = _expand(dscale == 0, shape, block, axis) | ~finite
+  zero_block = _expand(dscale == 0, x.shape, block, axis) | ~finite
   code = jnp.where(zero_block, 0, mag | jnp.where(y < 0, 8, 0).astype(jnp.uint8)).astype(jnp.uint8)
 
   return NVFP4Tensor(
       codes=_pack(code, axis),
       scales=lax.bitcast_convert_type(dscale_code, jnp.float8_e4m3fn),
       global_scale=s_dec.astype(jnp.float32),
-      shape=tuple(shape),
+      shape=tuple(x.shape),
       block=block,
       axis=axis,
-      dtype=dtype,
+      dtype=x.dtype,
   )
 
 
