@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from fp4jax import nvfp4, optim
+from fp4jax.kernels import adam_nvfp4 as adam_kernel
 from fp4jax.optim import _common
 
 
@@ -112,14 +113,16 @@ def _is_q(x):
 
 
 def run_on(device, tx, params, grads_list):
-  params, state = jax.device_put((params, tx.init(params)), device)
-  step = jax.jit(tx.update)
-  us = []
-  for g in grads_list:
-    u, state = step(jax.device_put(g, device), state, params)
-    params = optax.apply_updates(params, u)
-    us.append(u)
-  return jax.device_get((us, state))
+  # The default device picks the update's implementation (Pallas kernels on a GPU, XLA on the CPU).
+  with jax.default_device(device):
+    params, state = jax.device_put((params, tx.init(params)), device)
+    step = jax.jit(tx.update)
+    us = []
+    for g in grads_list:
+      u, state = step(jax.device_put(g, device), state, params)
+      params = optax.apply_updates(params, u)
+      us.append(u)
+    return jax.device_get((us, state))
 
 
 def equality(tx, params, grads_list, accel):
@@ -192,6 +195,10 @@ def main(argv=None):
                   help="only profile these optimizers' updates (comma-separated row names), print top ops")
   ap.add_argument("--runs", default=None, metavar="NAMES",
                   help="comma-separated names of the rows to time (default: all that the flags add)")
+  ap.add_argument("--sweep", default=None, metavar="RxW,...",
+                  help="also time adamw_nvfp4's Pallas kernels at these blocks-per-program x warps")
+  ap.add_argument("--kernel-config", default=None, metavar="RxW",
+                  help="blocks per program x warps of adamw_nvfp4's Pallas kernels for every row")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--skip-equality", action="store_true",
                   help="timings only (tests/gpu/check_optim.py checks GPU == CPU too)")
@@ -207,7 +214,8 @@ def main(argv=None):
 
   runs = {"optax.adamw": optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1),
           "adamw_nvfp4": optim.adamw_nvfp4(1e-3),
-          "adamw_nvfp4 (nearest rounding)": optim.adamw_nvfp4(1e-3, rounding="nearest")}
+          "adamw_nvfp4 (nearest rounding)": optim.adamw_nvfp4(1e-3, rounding="nearest"),
+          "adamw_nvfp4 (xla)": optim.adamw_nvfp4(1e-3, kernel="xla")}
   if args.muon:
     dims = lambda p: jax.tree.map(  # noqa: E731
         lambda m: optax.contrib.MuonDimensionNumbers() if m else None, optim.default_muon_mask(p))
@@ -225,12 +233,22 @@ def main(argv=None):
     if unknown:
       ap.error(f"--runs: unknown {unknown}; known: {sorted(runs)}")
     runs = {w: runs[w] for w in wanted}
+  if args.kernel_config:
+    adam_kernel.BLOCK_ROWS, adam_kernel.NUM_WARPS = (int(x) for x in args.kernel_config.split("x"))
   if args.profile:
     for name in args.profile.split(","):
       profile(runs[name], params, grads, name)
     return 0
+  configs = {}
+  for cfg in (args.sweep.split(",") if args.sweep else []):
+    br, nw = (int(x) for x in cfg.split("x"))
+    name = f"adamw_nvfp4 (pallas {br}x{nw})"
+    runs[name], configs[name] = optim.adamw_nvfp4(1e-3, kernel="pallas"), (br, nw)
   rows, ok = [], True
+  default_config = (adam_kernel.BLOCK_ROWS, adam_kernel.NUM_WARPS)
   for name, tx in runs.items():
+    # The kernels read their launch sizes when traced; time_update traces its own jit.
+    adam_kernel.BLOCK_ROWS, adam_kernel.NUM_WARPS = configs.get(name, default_config)
     ms, piped, comp, nbytes, finite = time_update(tx, params, grads, iters)
     ok &= finite
     rows.append((name, ms, piped, comp, nbytes, finite))

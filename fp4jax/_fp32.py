@@ -99,8 +99,13 @@ def round_to_e4m3(v):
   lsb = (b >> 20) & 1
   normal_bits = ((b + (1 << 19) - 1 + lsb) >> 20) << 20
   normal = _from_bits(normal_bits)
-  # Subnormal E4M3: multiples of 2^-9; v * 512 is exact and round() is ties-to-even.
-  sub_k = lax.round(v * 512.0, lax.RoundingMethod.TO_NEAREST_EVEN)
+  # Subnormal E4M3: multiples of 2^-9; v * 512 is exact, rounded to nearest, ties to even, in
+  # integers (Pallas Triton has no round; the kernels call this too). Only v < 2^-6 takes this
+  # branch, so the int32 conversion of a larger v is never used.
+  t = v * 512.0
+  k = jnp.minimum(t, 512.0).astype(jnp.int32)  # floor, t >= 0
+  frac = t - k.astype(jnp.float32)  # exact
+  sub_k = (k + ((frac > 0.5) | ((frac == 0.5) & ((k & 1) == 1))).astype(jnp.int32)).astype(jnp.float32)
   sub = sub_k * (1.0 / 512.0)
   is_normal = e >= -6
   value = jnp.where(is_normal, normal, sub)

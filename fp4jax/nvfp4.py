@@ -168,13 +168,18 @@ def _e2m1_rne_code(a):
 
 
 def _e2m1_stochastic_code(a, bits):
-  """Magnitude a in [0, 6] -> code, rounding up with probability (a - lo) / (hi - lo)."""
-  lo = ((a >= 0.5).astype(jnp.uint8) + (a >= 1.0) + (a >= 1.5) + (a >= 2.0) + (a >= 3.0)
-        + (a >= 4.0) + (a >= 6.0)).astype(jnp.uint8)
-  inv_step = jnp.where(lo < 4, 2.0, jnp.where(lo < 6, 1.0, 0.5)).astype(jnp.float32)
-  p = (a - _decode_e2m1(lo)) * inv_step  # exact: a - lo is exact (Sterbenz) and steps are 2^k
+  """Magnitude a in [0, 6] -> code, rounding up with probability (a - lo) / (hi - lo).
+
+  The grid's step is 0.5 below 2, 1 below 4 and 2 up to 6, so ``t = a / step`` is exact: its integer
+  part is the lower neighbour within the step's range and its fraction the probability (exact).
+  """
+  lt2, lt4 = a < 2.0, a < 4.0
+  t = a * jnp.where(lt2, 2.0, jnp.where(lt4, 1.0, 0.5)).astype(jnp.float32)
+  k = t.astype(jnp.int32)  # floor: t >= 0
+  p = t - k.astype(jnp.float32)
+  lo = k + jnp.where(lt2, 0, jnp.where(lt4, 2, 4))  # the code of the lower neighbour; 7 at a = 6
   u = (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24))  # uniform on [0, 1), 24 bits
-  return lo + ((u < p) & (lo < 7)).astype(jnp.uint8)
+  return (lo + (u < p).astype(jnp.int32)).astype(jnp.uint8)
 
 
 def _decode_e2m1(code):

@@ -178,6 +178,23 @@ def test_stochastic_rounding_unbiased_and_deterministic():
   np.testing.assert_array_equal(np.asarray(a.scales, np.float32), np.asarray(t_near.scales, np.float32))
 
 
+def test_stochastic_code_is_the_probability_rule():
+  """The E2M1 stochastic code of a magnitude a in [0, 6] with 24-bit uniform u: the lower grid
+  neighbour lo, plus 1 iff u < (a - lo) / (hi - lo), computed here in float64 from the grid itself,
+  on every multiple of 2^-12 in [0, 6] (all boundaries and midpoints) and on random magnitudes."""
+  grid = np.asarray(nvfp4.E2M1_VALUES)
+  rng = np.random.default_rng(0)
+  a = np.concatenate([np.arange(6 * 4096 + 1) / 4096.0, rng.uniform(0, 6, 20000)]).astype(np.float32)
+  bits = rng.integers(0, 2**32, a.shape, dtype=np.uint64).astype(np.uint32)
+  lo = np.searchsorted(grid, a.astype(np.float64), side="right") - 1
+  hi = np.minimum(lo + 1, 7)
+  p = np.where(hi > lo, (a - grid[lo]) / (grid[hi] - grid[lo] + (hi == lo)), 0.0)
+  u = (bits >> 8).astype(np.float64) / 2.0**24
+  want = lo + (u < p)
+  got = np.asarray(jax.jit(nvfp4._e2m1_stochastic_code)(a, bits))
+  np.testing.assert_array_equal(got, want)
+
+
 def test_stochastic_rounding_of_grid_values_is_exact():
   # Block 0 holds 2688 (so S_enc = S_dec = 1); every other block is E2M1 grid values times a power
   # of two with a 6·2^k in it, so dscale = 2^k and x·escale lands exactly on the grid: SR must not move it.

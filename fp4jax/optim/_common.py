@@ -174,7 +174,7 @@ def decode_guarded(t: NVFP4Tensor) -> jax.Array:
 
 
 def group_by_default() -> bool:
-  """Whether same-shape leaves are batched by default: not when JAX's default backend is the CPU.
+  """Whether same-shape leaves are batched by default: not when the default platform is the CPU.
 
   Measured on the CPU, one run of ``benchmarks/optim_update.py --small --skip-equality --variants``
   (adamw_nvfp4): grouped 55.1 s to compile, 30.5 ms per update; ungrouped 7.6 s and 29.5 ms; the
@@ -182,7 +182,16 @@ def group_by_default() -> bool:
   with 8 host devices and 2 s with one, two (128, 512) leaves 1.4 s. Ungrouped leaves compile in
   about a second each. On the GPU, grouping launches fewer kernels.
   """
-  return jax.default_backend() != "cpu"
+  return default_platform() != "cpu"
+
+
+def default_platform() -> str:
+  """The platform computations go to by default: that of ``jax.default_device`` when one is set
+  (``with jax.default_device(cpu):`` on a GPU machine gives "cpu"), else JAX's default backend."""
+  device = jax.config.jax_default_device
+  if device is None:
+    return jax.default_backend()
+  return device if isinstance(device, str) else device.platform
 
 
 def grouped_map(fn, indices, *leaf_lists, group: bool | None = None):

@@ -42,8 +42,11 @@ import jax.numpy as jnp
 import optax
 
 from fp4jax import _fp32
+from fp4jax.kernels import adam_nvfp4 as adam_kernel
 from fp4jax.optim import _common
 from fp4jax.optim._common import DEFAULT_MIN_SIZE
+
+KERNELS = ("auto", "pallas", "pallas_interpret", "xla")
 
 
 class ScaleByAdamNvfp4State(NamedTuple):
@@ -101,6 +104,7 @@ def scale_by_adam_nvfp4(
     group_leaves: bool | None = None,
     seed: int = 0,
     prng_impl: str | None = None,
+    kernel: str = "auto",
 ) -> optax.GradientTransformation:
   """Adam's scaling (no learning rate) with m and a power of v stored as NVFP4.
 
@@ -132,6 +136,14 @@ def scale_by_adam_nvfp4(
     seed: stochastic rounding uses ``fold_in(key(seed), count)``: deterministic, nothing to store.
     prng_impl: generator of the per-step key (``jax.random.key``'s ``impl``; default threefry); the
       rounding bits are ``_common.counter_bits`` of that key.
+    kernel: how NVFP4 leaves are updated: ``"pallas"`` (two fused Pallas Triton kernels per leaf,
+      ``fp4jax.kernels.adam_nvfp4``; GPU only), ``"xla"`` (plain jnp), ``"pallas_interpret"``
+      (the kernels in interpret mode, for CPU tests), or ``"auto"`` (default): ``"pallas"`` when
+      the default platform (``_common.default_platform``) is a GPU, else ``"xla"``. Both give the same state bits. The kernels
+      take the default storage (``nu_transform="sqrt"``, ``mu_storage="direct"``, no
+      ``zero_guard``) and leaves blocked along their last axis; other leaves and options use the
+      XLA path. They see whole leaves: under a mesh that shards the state (FSDP, tensor
+      parallel) use ``"xla"``, which XLA partitions.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ScaleByAdamNvfp4State``.
@@ -148,6 +160,12 @@ def scale_by_adam_nvfp4(
   if mu_storage not in ("direct", "normalized"):
     raise ValueError(f"mu_storage must be 'direct' or 'normalized', got {mu_storage!r}")
   normalized_mu = mu_storage == "normalized"
+  if kernel not in KERNELS:
+    raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+  kernel_ok = (nu_transform == "sqrt" and not normalized_mu and not zero_guard)
+  hyper = adam_kernel.AdamHyper(b1=b1, b2=b2, eps=eps, eps_root=eps_root, nesterov=nesterov,
+                                clip_update=clip_update, mu_rounding=mu_rounding,
+                                nu_rounding=nu_rounding)
 
   def init_fn(params):
     zeros = lambda p: _common.zeros_state(p.shape, min_size, quantize)  # noqa: E731
@@ -174,6 +192,21 @@ def scale_by_adam_nvfp4(
     key = _common.step_key(seed, count_inc, prng_impl) if stochastic else None
     q_idx = [i for i, q in enumerate(quantized) if q]
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(quantized))]
+    impl = kernel if kernel != "auto" else (
+        "pallas" if _common.default_platform() in ("gpu", "cuda") else "xla")
+    fused = []
+    if impl != "xla" and kernel_ok:
+      fused = [i for i in q_idx if adam_kernel.supports(mu_leaves[i])
+               and adam_kernel.supports(nu_leaves[i])]
+      q_idx = [i for i in q_idx if i not in set(fused)]
+    if fused:
+      bound = adam_update_bound(count_inc, b1, b2, nesterov=nesterov)
+      outs = adam_kernel.update_leaves(
+          [g_leaves[i] for i in fused], [mu_leaves[i] for i in fused],
+          [nu_leaves[i] for i in fused], fused, count_inc, key, hyper, bound=bound,
+          interpret=impl == "pallas_interpret")
+      for j, i in enumerate(fused):
+        u_leaves[i], mu_new[i], nu_new[i] = (o[j] for o in outs)
     leaf_fn = lambda g, m, v, k: _leaf_update(g, m, v, k, count_inc)  # noqa: E731
     for i, out in _common.grouped_map(leaf_fn, q_idx, g_leaves, mu_leaves, nu_leaves, keys,
                                       group=group_leaves).items():

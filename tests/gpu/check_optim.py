@@ -12,7 +12,9 @@ backend in the same process, and compares:
    with each other tightly: each step requantizes a product whose f32 summation order differs by
    backend, a 1-ulp difference flips a code at a rounding boundary, and five steps make the two runs
    two equally valid roundings (~7% apart, measured on the H200);
-3. ``adamw_nvfp4`` after 3 updates, one jitted update per step (stochastic and nearest rounding): packed codes, E4M3 scales and
+3. ``adamw_nvfp4`` after 3 updates, one jitted update per step (stochastic and nearest rounding;
+   on the GPU the Pallas kernels by default, and the XLA path once more), against the CPU's XLA
+   path: packed codes, E4M3 scales and
    global scales bit for bit (counts reported; at most 1e-5 of the codes may flip), updates to 1e-5
    of their max. The moments' products are rounded before each sum (``_common.rounded``), so the
    GPU's FMA contraction cannot change their bits;
@@ -168,7 +170,9 @@ def diagnose(name, tx, params, grads, b1=0.9, b2=0.95):
 def main() -> int:
   print(f"device: {DEV.device_kind} ({DEV.platform}) vs {CPU.device_kind}; jax {jax.__version__}")
   rng = np.random.default_rng(1)
-  shapes = {"embed": (1024, 256), "qkv": (256, 768), "down": (1024, 256), "norm": (256,), "b": (768,)}
+  # "head": 600 blocks of 16, so the Pallas update's last program is ragged (512 blocks per program).
+  shapes = {"embed": (1024, 256), "qkv": (256, 768), "down": (1024, 256), "head": (200, 48),
+            "norm": (256,), "b": (768,)}
   params = {k: (rng.standard_normal(s) * 0.02).astype(np.float32) for k, s in shapes.items()}
   grads = [{k: (rng.standard_normal(s) * 10.0 ** -rng.uniform(0, 4)).astype(np.float32)
             for k, s in shapes.items()} for _ in range(3)]
@@ -177,6 +181,7 @@ def main() -> int:
   for name, tx, tol, n in (
       ("adamw_nvfp4 stochastic", optim.adamw_nvfp4(1e-3), 1e-5, 3),
       ("adamw_nvfp4 nearest", optim.adamw_nvfp4(1e-3, rounding="nearest"), 1e-5, 3),
+      ("adamw_nvfp4 stochastic, XLA on the GPU too", optim.adamw_nvfp4(1e-3, kernel="xla"), 1e-5, 3),
       ("muon_nvfp4 (NVFP4 momentum)", optim.muon_nvfp4(0.02, min_size=0, quantize_mu=True), 0.3, 2)):
     r, o = state_rows(name, tx, params, grads[:n], tol)
     rows, ok = rows + r, ok and o

@@ -1,0 +1,399 @@
+"""The AdamW update of NVFP4 moments in two Pallas (Triton) kernels per leaf.
+
+``fp4jax.optim.scale_by_adam_nvfp4`` updates a leaf by decoding its moments, running Adam's float32
+arithmetic and re-encoding m and √v as NVFP4 (1×16 blocks along the last axis). Encoding needs each
+new moment's tensor amax before any code is written, so the XLA program makes several passes and,
+grouping leaves of one shape under ``vmap``, copies stacks of them. Here each leaf takes two
+kernels that read only the gradient and the packed state, with a tiny XLA step between them:
+
+1. ``stats``: decode m and √v, compute the new moments and the update ``u`` (written), and each
+   program's max of |m| and of v (a float32 per program, not per element).
+2. XLA, once for all leaves: the tensor amaxes, ``S_enc`` and ``S_dec`` in Transformer Engine's
+   order (``fp4jax.nvfp4.global_decode_scale``).
+3. ``encode``: recompute the same moments (same inputs, same code, same bits), then per 16-element
+   block the E4M3 scale and ``1 / (dscale * S_dec)`` once, and the E2M1 codes, packed in place.
+
+Per parameter that is about 4 + 1.1 bytes read twice and 4 + 1.1 written (float32 gradient), where
+``optax.adamw`` reads 12 and writes 12.
+
+Bits: the kernels call the very functions of the XLA path (``fp4jax.nvfp4``, ``fp4jax._fp32``,
+``fp4jax.optim._common``): integer-exact division and square root, products rounded before each
+addition (no FMA contraction), the same counter hash for the stochastic rounding bits. The stored
+state therefore equals the XLA path's bit for bit on every backend (tests in interpret mode on the
+CPU; ``tests/gpu/check_optim.py`` on the H200). ``u`` uses the backend's float32 division and
+``sqrt`` like the XLA path, so on the GPU it may differ from the CPU in the last bit.
+
+Layout: a leaf of ``n`` elements is viewed as ``(n / 16, 16)`` blocks; a program takes
+``block_rows`` blocks and reads the even and odd elements of each block as two strided (rows, 8)
+tiles, which is how the packed codes hold them (even element in the low nibble), so nothing is
+interleaved in registers. The last program masks rows past the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from fp4jax import _fp32, nvfp4
+from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
+from fp4jax.optim import _common
+
+BLOCK_ROWS = 64  # default 16-element blocks per program
+NUM_WARPS = 4  # default Triton warps per program
+_HALF = BLOCK // 2
+_INT_HEAD = 8  # the int table: [runtime zero, pad...], then 4 key words per leaf
+_F32_HEAD = 8  # the float table: [bc1, bc1 of count + 1, bc2, bound, pad...], then per leaf the
+# old global scales of m and √v
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamHyper:
+  """The static part of one update: Adam's constants and the rounding of each moment."""
+
+  b1: float
+  b2: float
+  eps: float
+  eps_root: float
+  nesterov: bool
+  clip_update: bool
+  mu_rounding: str
+  nu_rounding: str
+
+
+def supports(mu) -> bool:
+  """Whether a stored moment can take the kernels: NVFP4, 1×16 blocks along the last axis."""
+  return (_common.is_nvfp4(mu) and mu.block == (1, BLOCK) and mu.axis == len(mu.shape) - 1
+          and mu.size < 2**31)
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _pad_pow2(x):
+  x = x.reshape(-1)
+  return jnp.pad(x, (0, _next_pow2(x.size) - x.size))
+
+
+@functools.partial(jax.jit, inline=True)
+def _bias_denominator(decay, count):
+  # optax.tree.bias_correction's denominator, computed as it does (the kernel divides by it).
+  return 1 - decay**count
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernels
+
+
+def _ptx(op, *args):
+  """A correctly rounded float32 PTX instruction, elementwise (Triton's ``/`` and ``sqrt`` are not)."""
+  args = [jnp.broadcast_to(jnp.asarray(a, jnp.float32), args[-1].shape) for a in args]
+  operands = ", ".join(f"${i + 1}" for i in range(len(args)))
+  return plgpu.elementwise_inline_asm(
+      f"{op} $0, {operands};", args=args, constraints=",".join(["=f"] + ["f"] * len(args)),
+      pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])[0]
+
+
+def _recip_rn(x, interpret):
+  """IEEE ``1 / x``: PTX ``div.rn.f32`` on the GPU; the CPU's division (IEEE) in interpret mode, where
+  ``_fp32.div_rn`` on vectors made XLA:CPU compile for minutes. Both equal ``_fp32.div_rn`` for the
+  normal ``x`` they get (``1 / (dscale * S_dec)`` with a normal tensor amax)."""
+  return jnp.float32(1.0) / x if interpret else _ptx("div.rn.f32", 1.0, x)
+
+
+def _sqrt_rn(x, interpret):
+  """IEEE ``sqrt``: PTX ``sqrt.rn.f32`` on the GPU (subnormals included), ``_fp32.sqrt_rn`` in
+  interpret mode: the same bits."""
+  return _fp32.sqrt_rn(x) if interpret else _ptx("sqrt.rn.f32", x)
+
+
+def _rows_ok(nb, br, shape):
+  """Rows of this program inside the leaf, or None when every program is full."""
+  if nb % br == 0:
+    return None
+  return pl.program_id(0) * br + lax.broadcasted_iota(jnp.int32, shape, 0) < nb
+
+
+def _load(ref, ok):
+  if ok is None:
+    return ref[...]
+  if ref.dtype == jnp.float8_e4m3fn:  # Triton cannot cast an `other` to f8: zero the bytes after
+    return lax.bitcast_convert_type(
+        jnp.where(ok, _f8_bytes(plgpu.load(ref, mask=ok)), jnp.uint8(0)), jnp.float8_e4m3fn)
+  return plgpu.load(ref, mask=ok, other=0)
+
+
+def _store(ref, val, ok):
+  if ok is None:
+    ref[...] = val
+  else:
+    plgpu.store(ref, val, mask=ok)
+
+
+def _half(ref, h):
+  """The even (h = 0) or odd (h = 1) elements of each 16-element block row of ``ref``."""
+  return ref.at[:, :, jnp.int32(h)]
+
+
+def _f8_bytes(x):
+  return lax.bitcast_convert_type(x, jnp.uint8)
+
+
+def _moments(hp, zero, f_ref, leaf, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2):
+  """Per half h: (g, m, v) in float32, (rows, 8) each; the arithmetic of ``adam.new_moments``."""
+  mcode, vcode = _load(mc_ref, ok2), _load(vc_ref, ok2)
+  mscale = _fp32.e4m3_to_f32(_f8_bytes(_load(ms_ref, ok1)))[:, None]
+  vscale = _fp32.e4m3_to_f32(_f8_bytes(_load(vs_ref, ok1)))[:, None]
+  mg, vg = f_ref[_F32_HEAD + 2 * leaf], f_ref[_F32_HEAD + 2 * leaf + 1]
+  out = []
+  for h in range(2):
+    shift = 4 * h
+    g = _load(_half(g_ref, h), ok2).astype(jnp.float32)
+    # NVFP4Tensor.dequantize's products, in its order.
+    m_old = (nvfp4._decode_e2m1((mcode >> shift) & 0xF) * mscale) * mg
+    s_old = (nvfp4._decode_e2m1((vcode >> shift) & 0xF) * vscale) * vg
+    v_old = s_old * s_old  # the "sqrt" transform's from_stored
+    m = _common.rounded_ema(m_old, g, hp.b1, zero)
+    v = _common.rounded_ema(v_old, _common.rounded(g * g, zero), hp.b2, zero)
+    out.append((g, m, v))
+  return out
+
+
+def _max2d(x):
+  # One axis at a time: a full reduction failed to lower to Triton (a 2-D sharding on the scalar).
+  return jnp.max(jnp.max(x, axis=1), axis=0)
+
+
+def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref,
+                  u_ref, a_ref, *, hp: AdamHyper, nb: int, leaf: int, interpret: bool):
+  del a_in  # the same buffer as a_ref (aliased)
+  br = g_ref.shape[0]
+  ok1, ok2 = _rows_ok(nb, br, (br,)), _rows_ok(nb, br, (br, _HALF))
+  zero = i_ref[0]
+  bc1, bc1_next, bc2, bound = f_ref[0], f_ref[1], f_ref[2], f_ref[3]
+  amax_m = amax_v = jnp.float32(0)
+  for h, (g, m, v) in enumerate(_moments(hp, zero, f_ref, leaf, g_ref, mc_ref, ms_ref, vc_ref,
+                                         vs_ref, ok1, ok2)):
+    # scale_by_adam_nvfp4's update, in its order.
+    if hp.nesterov:
+      mu_hat = hp.b1 * (m / bc1_next) + (1 - hp.b1) * (g / bc1)
+    else:
+      mu_hat = m / bc1
+    u = mu_hat / (jnp.sqrt(v / bc2 + hp.eps_root) + hp.eps)
+    if hp.clip_update:
+      u = jnp.clip(u, -bound, bound)
+    _store(_half(u_ref, h), u.astype(u_ref.dtype), ok2)
+    # The encoder's amax (nvfp4.quantize): subnormals flushed, NaN counted as inf. Rows past the end
+    # loaded as zeros, which leave the max alone.
+    am = _fp32.flush_subnormals(m)
+    amax_m = jnp.maximum(amax_m, _max2d(jnp.where(jnp.isnan(am), jnp.inf, jnp.abs(am))))
+    amax_v = jnp.maximum(amax_v, _max2d(jnp.where(jnp.isnan(v), jnp.inf, jnp.abs(v))))
+  # max(sqrt_rn(v)) = sqrt_rn(max(v)): sqrt_rn is monotone, and its results are never subnormal.
+  amax_s = _sqrt_rn(jnp.full((1,), amax_v, jnp.float32), interpret)
+  # Into the leaf's two entries of the amax buffer: the int32 max of the bit patterns is the
+  # float max for values >= 0 (+inf included), and the buffer starts at 0.
+  # (Scalars: Triton's lowering takes a (1,) int32 value for a float one.)
+  for j, amax in enumerate((amax_m, jnp.max(amax_s))):
+    plgpu.atomic_max(a_ref, jnp.int32(2 * leaf + j), lax.bitcast_convert_type(amax, jnp.int32))
+
+
+def _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret):
+  """NVFP4 codes of one moment given as its two (rows, 8) halves: ``nvfp4.quantize``'s arithmetic
+  with the tensor's ``S_enc / 6`` (``mconst``) and ``S_dec`` known. Returns (packed, scale codes)."""
+  xs = [_fp32.flush_subnormals(x) for x in xs]
+  # No NaN test (quantize maps NaN to inf here): a NaN makes the tensor non-finite, and then every
+  # block is zeroed below whatever its max.
+  block_amax = jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=1), jnp.max(jnp.abs(xs[1]), axis=1))
+  block_amax = jnp.where(finite, block_amax, 0.0)
+  dscale, dcode = _fp32.round_to_e4m3(
+      jnp.clip(jnp.minimum(block_amax * mconst, _fp32.F32_MAX), 0.0, nvfp4.E4M3_MAX))
+  escale = jnp.minimum(_recip_rn(_fp32.e4m3_to_f32(dcode) * s_dec, interpret),
+                       _fp32.F32_MAX)[:, None]
+  zero_block = ((dscale == 0) | ~finite)[:, None]
+  rows = lax.broadcasted_iota(jnp.uint32, xs[0].shape, 0) + row0
+  cols = lax.broadcasted_iota(jnp.uint32, xs[0].shape, 1) * 2
+  codes = []
+  for h, x in enumerate(xs):
+    y = jnp.clip(x * escale, -nvfp4.E2M1_MAX, nvfp4.E2M1_MAX)
+    a = jnp.abs(y)
+    if rounding == "nearest":
+      mag = nvfp4._e2m1_rne_code(a)
+    else:  # _common.counter_bits of the element's flat index
+      idx = rows * BLOCK + cols + h
+      mag = nvfp4._e2m1_stochastic_code(a, _common._mix32(_common._mix32(idx ^ k1) + k2))
+    sign = jnp.where(y < 0, 8, 0).astype(jnp.uint8)
+    codes.append(jnp.where(zero_block, 0, mag | sign).astype(jnp.uint8))
+  return codes[0] | (codes[1] << 4), dcode
+
+
+def _encode_kernel(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, vs_ref, vg_ref,
+                   mc_out, ms_out, mg_out, vc_out, vs_out, vg_out, *, hp: AdamHyper, nb: int,
+                   leaf: int, interpret: bool):
+  br = g_ref.shape[0]
+  ok1, ok2 = _rows_ok(nb, br, (br,)), _rows_ok(nb, br, (br, _HALF))
+  zero = i_ref[0]
+  del mg_ref, vg_ref  # the old global scales' buffers, aliased to mg_out and vg_out; read from f_ref
+  halves = _moments(hp, zero, f_ref, leaf, g_ref, mc_ref, ms_ref, vc_ref, vs_ref,
+                    ok1, ok2)
+  row0 = (pl.program_id(0) * br).astype(jnp.uint32)
+  outs = ((mc_out, ms_out, mg_out), (vc_out, vs_out, vg_out))
+  for j, (rounding, (c_out, s_out, g_out)) in enumerate(
+      zip((hp.mu_rounding, hp.nu_rounding), outs)):
+    t = 4 * (2 * leaf + j)  # [S_enc / 6, S_dec, finite, pad] of this moment
+    mconst, s_dec, finite = t_ref[t], t_ref[t + 1], t_ref[t + 2] > 0
+    k1 = k2 = None
+    if rounding == "stochastic":
+      k = _INT_HEAD + 4 * leaf + 2 * j
+      k1, k2 = (lax.bitcast_convert_type(i_ref[k], jnp.uint32),
+                lax.bitcast_convert_type(i_ref[k + 1], jnp.uint32))
+    xs = [m for _, m, _ in halves] if j == 0 else [_sqrt_rn(v, interpret) for _, _, v in halves]
+    packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret)
+    _store(c_out, packed, ok2)
+    _store(s_out, lax.bitcast_convert_type(dcode, jnp.float8_e4m3fn), ok1)
+    g_out[...] = jnp.full((1,), s_dec, jnp.float32)  # every program writes the same value
+
+
+# ----------------------------------------------------------------------------------------------
+# The update of a list of leaves
+
+
+def _key_words(key, leaf_ids):
+  """Per leaf, the two words ``counter_bits`` derives from each moment's key (int32, (L, 4))."""
+  def words(i):
+    k_leaf = jax.random.fold_in(key, i)
+    out = []
+    for j in range(2):  # the keys of m and v, as adam._leaf_update folds them
+      w = jax.random.key_data(jax.random.fold_in(k_leaf, j)).reshape(-1).astype(jnp.uint32)
+      out += [_common._mix32(w[0] ^ jnp.uint32(0x9E3779B9)),
+              _common._mix32(w[-1] ^ jnp.uint32(0x85EBCA6B))]
+    return jnp.stack(out)
+  w = jax.vmap(words)(jnp.asarray(leaf_ids, jnp.uint32))
+  return lax.bitcast_convert_type(w, jnp.int32)
+
+
+def update_leaves(grads, mus, nus, leaf_ids, count_inc, key, hp: AdamHyper, *, bound,
+                  block_rows: int | None = None, num_warps: int | None = None,
+                  interpret: bool = False):
+  """The kernels' AdamW update of NVFP4 leaves (``supports(mu)`` true for each).
+
+  Args:
+    grads: gradient leaves (float32 or bfloat16).
+    mus, nus: their stored m and √v (``NVFP4Tensor``, 1×16 blocks along the last axis).
+    leaf_ids: each leaf's index in the tree, which keys its rounding bits as in the XLA path.
+    count_inc: the step count after this update (int32 scalar).
+    key: the step's key (``_common.step_key``), or None for nearest rounding of both moments.
+    hp: constants and roundings.
+    bound: the update clip bound (float32 scalar; unused without ``hp.clip_update``).
+    block_rows: 16-element blocks per program, a power of two (default ``BLOCK_ROWS``).
+    num_warps: Triton warps per program (default ``NUM_WARPS``).
+    interpret: Pallas interpret mode (CPU tests).
+
+  Returns:
+    Lists ``(u, mu_new, nu_new)``: updates in the gradients' dtypes and the new stored moments.
+  """
+  if not grads:
+    return [], [], []
+  block_rows = BLOCK_ROWS if block_rows is None else block_rows
+  num_warps = NUM_WARPS if num_warps is None else num_warps
+  if block_rows < 1 or block_rows & (block_rows - 1):
+    raise ValueError(f"block_rows must be a power of two, got {block_rows!r}")
+  zero = _common.runtime_zero(count_inc)
+  ints = [jnp.broadcast_to(zero, (1,)), jnp.zeros((_INT_HEAD - 1,), jnp.int32)]
+  if key is not None:
+    ints.append(_key_words(key, leaf_ids).reshape(-1))
+  ints = _pad_pow2(jnp.concatenate(ints))
+  floats = jnp.stack([_bias_denominator(hp.b1, count_inc),
+                      _bias_denominator(hp.b1, optax.safe_increment(count_inc)),
+                      _bias_denominator(hp.b2, count_inc),
+                      jnp.asarray(bound, jnp.float32)]).astype(jnp.float32)
+  old_scales = jnp.stack([t.global_scale.astype(jnp.float32) for pair in zip(mus, nus)
+                          for t in pair])
+  floats = _pad_pow2(jnp.concatenate([floats, jnp.zeros((_F32_HEAD - 4,), jnp.float32),
+                                      old_scales]))
+  params = plgpu.CompilerParams(num_warps=num_warps)
+
+  def spec(shape, br):
+    if len(shape) == 1:
+      return pl.BlockSpec((br,), lambda i: (i,))
+    return pl.BlockSpec((br, *shape[1:]), lambda i: (i,) + (0,) * (len(shape) - 1))
+
+  whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,))  # noqa: E731
+  scalar = pl.BlockSpec((1,), lambda i: (0,))
+
+  def views(g, mu, nu):
+    nb = g.size // BLOCK
+    state = []
+    for t in (mu, nu):
+      state += [t.codes.reshape(nb, _HALF), t.scales.reshape(nb), t.global_scale.reshape(1)]
+    return nb, g.reshape(nb, _HALF, 2), state
+
+  def spec_of(x, br):
+    return spec(x.shape, br) if x.shape != (1,) else scalar
+
+  # Each leaf's amax of m and of √v, as float32 bit patterns, maxed in by the stats programs.
+  amax_bits = jnp.zeros((_next_pow2(2 * len(grads)),), jnp.int32)
+  us = []
+  for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
+    nb, g2, state = views(g, mu, nu)
+    br = min(block_rows, _next_pow2(nb))
+    u2, amax_bits = pl.pallas_call(
+        functools.partial(_stats_kernel, hp=hp, nb=nb, leaf=i, interpret=interpret),
+        grid=(pl.cdiv(nb, br),),
+        in_specs=[whole(ints), whole(floats), whole(amax_bits), spec(g2.shape, br)]
+        + [spec_of(x, br) for k, x in enumerate(state) if k % 3 != 2],
+        out_specs=[spec(g2.shape, br), whole(amax_bits)],
+        out_shape=[jax.ShapeDtypeStruct(g2.shape, g.dtype),
+                   jax.ShapeDtypeStruct(amax_bits.shape, jnp.int32)],
+        input_output_aliases={2: 1},
+        compiler_params=params, interpret=interpret, name="adam_nvfp4_stats",
+    )(ints, floats, amax_bits, g2, *(x for k, x in enumerate(state) if k % 3 != 2))
+    us.append(u2.reshape(g.shape))
+
+  # S_enc and S_dec of all leaves at once, as nvfp4.quantize computes them.
+  amax = lax.bitcast_convert_type(amax_bits[:2 * len(grads)], jnp.float32).reshape(-1, 2)
+  finite = amax <= _fp32.F32_MAX
+  s_enc, s_dec = nvfp4.global_decode_scale(jnp.where(finite, amax, 0.0))
+  s_dec = jnp.where(finite, s_dec, jnp.nan)
+  table = jnp.stack([s_enc * jnp.float32(nvfp4._INV6), s_dec, finite.astype(jnp.float32),
+                     jnp.zeros_like(s_enc)], axis=-1)  # (L, 2, 4)
+  table = _pad_pow2(table)
+
+  mus_new, nus_new = [], []
+  for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
+    nb, g2, state = views(g, mu, nu)
+    br = min(block_rows, _next_pow2(nb))
+    n_prog = pl.cdiv(nb, br)
+    codes, scales = (jax.ShapeDtypeStruct((nb, _HALF), jnp.uint8),
+                     jax.ShapeDtypeStruct((nb,), jnp.float8_e4m3fn))
+    one = jax.ShapeDtypeStruct((1,), jnp.float32)
+    mc, ms, mg, vc, vs, vg = pl.pallas_call(
+        functools.partial(_encode_kernel, hp=hp, nb=nb, leaf=i, interpret=interpret),
+        grid=(n_prog,),
+        in_specs=[whole(ints), whole(floats), whole(table), spec(g2.shape, br)]
+        + [spec_of(x, br) for x in state],
+        out_specs=[spec(codes.shape, br), spec(scales.shape, br), scalar] * 2,
+        out_shape=[codes, scales, one] * 2,
+        # The new state overwrites the old in place (each program reads its own blocks before
+        # writing them; the old global scales come from `floats`), so a jit that donates the state
+        # copies nothing.
+        input_output_aliases={4 + k: k for k in range(6)},
+        compiler_params=params, interpret=interpret, name="adam_nvfp4_encode",
+    )(ints, floats, table, g2, *state)
+    mus_new.append(_rebuild(mu, mc, ms, mg))
+    nus_new.append(_rebuild(nu, vc, vs, vg))
+  return us, mus_new, nus_new
+
+
+def _rebuild(t: NVFP4Tensor, codes, scales, global_scale) -> NVFP4Tensor:
+  return NVFP4Tensor(codes=codes.reshape(t.codes.shape),
+                     scales=scales.reshape(t.scales.shape),
+                     global_scale=global_scale.reshape(()), shape=t.shape, block=t.block,
+                     axis=t.axis, dtype=t.dtype)
+

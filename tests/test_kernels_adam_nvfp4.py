@@ -1,0 +1,186 @@
+"""fp4jax.kernels.adam_nvfp4: the Pallas update equals the XLA path of scale_by_adam_nvfp4 (interpret
+mode on the CPU: state bit for bit, updates to float32 rounding), and lowers to Triton for an H200."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from fp4jax import optim
+from fp4jax.nvfp4 import NVFP4Tensor
+from fp4jax.kernels import adam_nvfp4 as kernel
+from fp4jax.optim import _common
+
+# (64, 128): 512 blocks; (33, 160): 330 blocks, a ragged last program at any power-of-two size;
+# "zero": an all-zero gradient (amax 0); "bias": a float32 leaf.
+SHAPES = {"w": (64, 128), "odd": (33, 160), "zero": (16, 256), "bias": (128,)}
+
+
+def _tree(seed, dtype=jnp.float32, nan=False):
+  keys = jax.random.split(jax.random.key(seed), len(SHAPES))
+  out = {}
+  for i, (k, (name, shape)) in enumerate(zip(keys, SHAPES.items())):
+    x = jax.random.normal(k, shape) * 10.0 ** -i
+    out[name] = jnp.zeros(shape) if name == "zero" else x
+  if nan:
+    out["odd"] = out["odd"].at[3, 5].set(jnp.nan)
+  return jax.tree.map(lambda x: x.astype(dtype), out)
+
+
+def _bits(x):
+  x = np.atleast_1d(np.asarray(x))
+  return x.view(np.uint8)
+
+
+def _assert_state_equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(_bits(x), _bits(y))
+
+
+def _assert_updates_close(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    np.testing.assert_array_equal(np.isnan(x), np.isnan(y))
+    # The backends' float32 division and sqrt in u differ by an ulp or two between the two programs.
+    np.testing.assert_allclose(np.nan_to_num(x), np.nan_to_num(y), rtol=2e-6, atol=1e-12)
+
+
+def _run(tx, steps, **tree_kw):
+  params = jax.tree.map(jnp.zeros_like, _tree(0))
+  state, f, us = tx.init(params), jax.jit(tx.update), []
+  for t in range(steps):
+    u, state = f(_tree(t + 1, **tree_kw), state, params)
+    us.append(u)
+  return us, state
+
+
+@pytest.mark.parametrize("rounding,nesterov,dtype,nan", [
+    ("stochastic", False, jnp.float32, False),
+    ("nearest", False, jnp.float32, False),
+    (("nearest", "stochastic"), True, jnp.bfloat16, False),
+    ("stochastic", False, jnp.float32, True),
+])
+def test_interpret_equals_xla_path(rounding, nesterov, dtype, nan):
+  kw = dict(rounding=rounding, nesterov=nesterov, min_size=1024)
+  u_x, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2, dtype=dtype, nan=nan)
+  u_k, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 2, dtype=dtype, nan=nan)
+  assert isinstance(s_k.mu["w"], NVFP4Tensor) and not isinstance(s_k.mu["bias"], NVFP4Tensor)
+  _assert_state_equal(s_k, s_x)
+  for a, b in zip(u_k, u_x):
+    assert jax.tree.map(lambda x: x.dtype, a) == jax.tree.map(lambda x: x.dtype, b)
+    _assert_updates_close(a, b)
+  if nan:  # a non-finite moment: NaN global scale, every code 0 (nvfp4.quantize's contract)
+    assert np.isnan(np.asarray(s_k.mu["odd"].global_scale))
+    assert not np.any(np.asarray(s_k.mu["odd"].codes))
+    assert np.isfinite(np.asarray(s_k.mu["w"].global_scale))
+  zero = s_k.mu["zero"]  # amax 0: S_dec = 1, all codes and scales 0
+  assert float(zero.global_scale) == 1.0 and not np.any(np.asarray(zero.codes))
+
+
+@pytest.mark.parametrize("block_rows", [64, 128])
+def test_many_programs_and_ragged_tail(block_rows):
+  """The kernels called directly with small programs (8 and 6 programs, the last ragged) from a
+  non-zero state give the XLA path's state."""
+  tx = optim.scale_by_adam_nvfp4(kernel="xla", min_size=1024)
+  params = jax.tree.map(jnp.zeros_like, _tree(0))
+  _, state = jax.jit(tx.update)(_tree(1), tx.init(params), params)
+  u_x, s_x = jax.jit(tx.update)(_tree(2), state, params)
+
+  names = ["odd", "w", "zero"]  # the tree's leaf order (sorted keys); bias is float32
+  ids = [sorted(SHAPES).index(n) for n in names]
+  hp = kernel.AdamHyper(0.9, 0.95, 1e-8, 0.0, False, True, "stochastic", "stochastic")
+
+  @jax.jit
+  def direct(g, mu, nu, count):
+    count_inc = count + 1
+    bound = optim.adam_update_bound(count_inc, 0.9, 0.95)
+    return kernel.update_leaves([g[n] for n in names], [mu[n] for n in names],
+                                [nu[n] for n in names], ids, count_inc,
+                                _common.step_key(0, count_inc), hp, bound=bound,
+                                block_rows=block_rows, interpret=True)
+
+  us, mus, nus = direct(_tree(2), state.mu, state.nu, state.count)
+  for j, n in enumerate(names):
+    _assert_state_equal((mus[j], nus[j]), (s_x.mu[n], s_x.nu[n]))
+    _assert_updates_close(us[j], u_x[n])
+
+
+def test_options_outside_the_kernels_use_the_xla_path():
+  """Storage options the kernels do not implement fall back to XLA: same state as kernel="xla"."""
+  kw = dict(min_size=1024, mu_storage="normalized", nu_transform="quarter")
+  _, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 1)
+  _, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 1)
+  _assert_state_equal(s_k, s_x)
+
+
+def test_supports_only_last_axis_blocks():
+  assert kernel.supports(_common.zeros_nvfp4((64, 128)))
+  assert not kernel.supports(_common.zeros_nvfp4((64, 24)))  # blocked along axis 0
+  assert not kernel.supports(jnp.zeros((64, 128)))
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="kernel must be one of"):
+    optim.scale_by_adam_nvfp4(kernel="triton")
+  hp = kernel.AdamHyper(0.9, 0.95, 1e-8, 0.0, False, True, "nearest", "nearest")
+  z = _common.zeros_nvfp4((16, 64))
+  with pytest.raises(ValueError, match="block_rows must be a power of two"):
+    kernel.update_leaves([jnp.zeros((16, 64))], [z], [z], [0], jnp.int32(1), None, hp,
+                         bound=1.0, block_rows=96, interpret=True)
+
+
+def test_auto_follows_the_default_device():
+  assert _common.default_platform() == "cpu"
+  with jax.default_device("cpu"):
+    assert _common.default_platform() == "cpu"
+
+
+_H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
+
+
+@pytest.fixture
+def triton_modules(monkeypatch):
+  """The Triton modules lowered while the test runs, each checked by MLIR's verifier."""
+  from jax._src.pallas.triton import lowering
+  modules, original = [], lowering.lower_jaxpr_to_triton_module
+
+  def verified(*args, **kwargs):
+    result = original(*args, **kwargs)
+    assert result.module.operation.verify()
+    modules.append(str(result.module))
+    return result
+
+  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", verified)
+  return modules
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_lowers_to_triton_for_h200(triton_modules, rounding):
+  """Two Triton kernels per NVFP4 leaf and nothing per element left to XLA; the encoder divides and
+  takes square roots with PTX's correctly rounded instructions; ragged leaves load with masks."""
+  tx = optim.scale_by_adam_nvfp4(kernel="pallas", rounding=rounding, min_size=1024)
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+  state = jax.eval_shape(tx.init, params)
+  with jax.sharding.use_abstract_mesh(_H200):
+    hlo = jax.jit(tx.update).trace(params, state).lower(lowering_platforms=("cuda",)).as_text()
+  n_leaves = 3
+  assert hlo.count("__gpu$xla.gpu.triton") == 2 * n_leaves, hlo
+  assert len(triton_modules) == 2 * n_leaves
+  stats = [m for m in triton_modules if "@adam_nvfp4_stats" in m]
+  encode = [m for m in triton_modules if "@adam_nvfp4_encode" in m]
+  assert len(stats) == len(encode) == n_leaves
+  for m in encode:
+    assert "div.rn.f32" in m and "sqrt.rn.f32" in m
+  # The (33, 160) leaf: 330 blocks, not a multiple of the blocks per program, so its loads carry
+  # masks (and only its).
+  br = kernel.BLOCK_ROWS
+  assert 330 % br and 512 % br == 0 and 4096 // 16 % br == 0
+  masked = [m for m in triton_modules if re.search(rf"tt\.load %\w+, %\w+, %\w+ : tensor<{br}x8x", m)]
+  assert len(masked) == 2, [m[:200] for m in masked]
+
