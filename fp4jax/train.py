@@ -111,7 +111,7 @@ def _decay_mask(params):
 
 
 def make_optimizer(cfg: OptimizerConfig, recipe: Recipe, total_steps: int,
-                   seed: int = 0) -> optax.GradientTransformation:
+                   seed: int = 0, sharded_state: bool = False) -> optax.GradientTransformation:
   """The optimizer of a run: clipping, then AdamW or Muon, with the recipe's state format.
 
   Args:
@@ -120,12 +120,16 @@ def make_optimizer(cfg: OptimizerConfig, recipe: Recipe, total_steps: int,
       Newton–Schulz operands).
     total_steps: for the schedule.
     seed: seed of the stochastic rounding of NVFP4 optimizer states.
+    sharded_state: the mesh shards parameters and optimizer state (FSDP or tensor parallel): NVFP4
+      AdamW then updates through XLA, which partitions the update, instead of the Pallas
+      kernels, which take whole leaves.
 
   Returns:
     An ``optax.GradientTransformation``.
   """
   lr = make_schedule(cfg, total_steps)
   quant = recipe.optimizer_states == "nvfp4"
+  kernel = "xla" if sharded_state else "auto"
   if cfg.name == "muon":
     # One Muon implementation for every recipe (so a comparison changes only the precision):
     # NS operands in recipe.newton_schulz, momentum / Adam moments NVFP4 if optimizer_states is.
@@ -134,12 +138,12 @@ def make_optimizer(cfg: OptimizerConfig, recipe: Recipe, total_steps: int,
     tx = optim.muon_nvfp4(lr, eps=cfg.eps, weight_decay=cfg.weight_decay,
                           ns_precision=recipe.newton_schulz, quantize=quant, adam_b1=cfg.b1,
                           adam_b2=cfg.b2, adam_weight_decay=cfg.weight_decay,
-                          weight_decay_mask=_decay_mask, seed=seed)
+                          weight_decay_mask=_decay_mask, seed=seed, adam_kernel=kernel)
   elif quant:
     recipe.check_available()
     from fp4jax import optim
     tx = optim.adamw_nvfp4(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                           mask=_decay_mask, seed=seed)
+                           mask=_decay_mask, seed=seed, kernel=kernel)
   else:
     tx = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                      mask=_decay_mask)
@@ -423,7 +427,8 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
   workdir = Path(workdir)
   mesh = mesh if mesh is not None else shd.make_mesh(train_cfg.mesh_shape)
   tc = train_cfg
-  tx = make_optimizer(opt_cfg, recipe, tc.steps, seed=tc.seed)
+  sharded = any(mesh.shape.get(axis, 1) > 1 for axis in ("fsdp", "tensor"))
+  tx = make_optimizer(opt_cfg, recipe, tc.steps, seed=tc.seed, sharded_state=sharded)
   schedule = make_schedule(opt_cfg, tc.steps)
   graphdef, state, shardings = init_state(model_cfg, recipe, tx, mesh, tc.seed)
   train_step, eval_step = jit_steps(graphdef, tx, schedule, shardings, mesh, tc.grad_accum)

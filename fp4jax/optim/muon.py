@@ -242,6 +242,7 @@ def muon_nvfp4(
     adam_weight_decay: float = 0.0,
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     muon_mask: Callable | Mapping | None = None,
+    adam_kernel: str = "auto",
     **options,
 ) -> optax.GradientTransformationExtraArgs:
   """Muon for 2-D weights, ``adamw_nvfp4`` for embeddings, the LM head and non-2-D leaves.
@@ -260,6 +261,8 @@ def muon_nvfp4(
     muon_mask: pytree (or ``params -> pytree``) of bools, or of ``MuonDimensionNumbers`` / None
       as optax's ``muon_weight_dimension_numbers``, choosing the Muon leaves; default
       ``default_muon_mask`` (2-D and not named like an embedding or LM head).
+    adam_kernel: ``kernel`` of the AdamW side (``scale_by_adam_nvfp4``: "auto", "pallas", "xla",
+      "pallas_interpret").
     **options: ``min_size``, ``rounding``, ``seed`` for both sides.
 
   Returns:
@@ -275,5 +278,5 @@ def muon_nvfp4(
   )
   adam_tx = adamw_nvfp4(learning_rate if adam_learning_rate is None else adam_learning_rate,
                         adam_b1, adam_b2, eps, weight_decay=adam_weight_decay, nesterov=nesterov,
-                        quantize=quantize, **options)
+                        quantize=quantize, kernel=adam_kernel, **options)
   return partitioned(muon_tx, adam_tx, default_muon_mask if muon_mask is None else muon_mask)

@@ -108,6 +108,7 @@ def root(
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     muon_mask: Callable | Mapping | None = None,
     min_size: int = DEFAULT_MIN_SIZE,
+    adam_kernel: str = "auto",
     **options,
 ) -> optax.GradientTransformationExtraArgs:
   """ROOT for 2-D weights, ``adamw_nvfp4`` for embeddings, the LM head and non-2-D leaves.
@@ -125,6 +126,8 @@ def root(
     adam_learning_rate: AdamW's learning rate; default ``learning_rate``.
     muon_mask: which leaves ROOT takes (see ``muon_nvfp4``); default ``default_muon_mask``.
     min_size: leaves below it keep float32 states.
+    adam_kernel: ``kernel`` of the AdamW side (``scale_by_adam_nvfp4``: "auto", "pallas", "xla",
+      "pallas_interpret").
     **options: ``rounding``, ``seed``.
 
   Returns:
@@ -141,5 +144,5 @@ def root(
   )
   adam_tx = adamw_nvfp4(learning_rate if adam_learning_rate is None else adam_learning_rate,
                         adam_b1, adam_b2, adam_eps, weight_decay=weight_decay, quantize=quantize,
-                        min_size=min_size, **options)
+                        min_size=min_size, kernel=adam_kernel, **options)
   return partitioned(root_tx, adam_tx, default_muon_mask if muon_mask is None else muon_mask)
