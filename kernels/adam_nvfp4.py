@@ -208,32 +208,42 @@ def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref,
     plgpu.atomic_max(a_ref, jnp.int32(slot), lax.bitcast_convert_type(amax, jnp.int32))
 
 
-def _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret):
+def _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret, sqrt_of):
   """NVFP4 codes of one moment given as its two (rows, 8) halves: ``nvfp4.quantize``'s arithmetic
-  with the tensor's ``S_enc / 6`` (``mconst``) and ``S_dec`` known. Returns (packed, scale codes)."""
-  xs = [_fp32.flush_subnormals(x) for x in xs]
+  with the tensor's ``S_enc / 6`` (``mconst``) and ``S_dec`` known. Returns (packed, scale codes).
+
+  ``sqrt_of``: the halves are square roots (+0 or normal, never negative or subnormal), so the
+  subnormal flush, ``abs`` and the sign bit are skipped (the same codes, fewer operations).
+  """
+  if not sqrt_of:
+    xs = [_fp32.flush_subnormals(x) for x in xs]
+  mags = xs if sqrt_of else [jnp.abs(x) for x in xs]
   # No NaN test (quantize maps NaN to inf here): a NaN makes the tensor non-finite, and then every
   # block is zeroed below whatever its max.
-  block_amax = jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=1), jnp.max(jnp.abs(xs[1]), axis=1))
+  block_amax = jnp.maximum(jnp.max(mags[0], axis=1), jnp.max(mags[1], axis=1))
   block_amax = jnp.where(finite, block_amax, 0.0)
   dscale, dcode = _fp32.round_to_e4m3(
       jnp.clip(jnp.minimum(block_amax * mconst, _fp32.F32_MAX), 0.0, nvfp4.E4M3_MAX))
-  escale = jnp.minimum(_recip_rn(_fp32.e4m3_to_f32(dcode) * s_dec, interpret),
-                       _fp32.F32_MAX)[:, None]
+  # dscale is the E4M3 value of dcode: this is quantize's table entry 1 / (e4m3(code) * S_dec).
+  escale = jnp.minimum(_recip_rn(dscale * s_dec, interpret), _fp32.F32_MAX)[:, None]
   zero_block = ((dscale == 0) | ~finite)[:, None]
   rows = lax.broadcasted_iota(jnp.uint32, xs[0].shape, 0) + row0
   cols = lax.broadcasted_iota(jnp.uint32, xs[0].shape, 1) * 2
   codes = []
   for h, x in enumerate(xs):
-    y = jnp.clip(x * escale, -nvfp4.E2M1_MAX, nvfp4.E2M1_MAX)
-    a = jnp.abs(y)
+    if sqrt_of:
+      a = jnp.minimum(x * escale, nvfp4.E2M1_MAX)
+    else:
+      y = jnp.clip(x * escale, -nvfp4.E2M1_MAX, nvfp4.E2M1_MAX)
+      a = jnp.abs(y)
     if rounding == "nearest":
       mag = nvfp4._e2m1_rne_code(a)
     else:  # _common.counter_bits of the element's flat index
       idx = rows * BLOCK + cols + h
       mag = nvfp4._e2m1_stochastic_code(a, _common._mix32(_common._mix32(idx ^ k1) + k2))
-    sign = jnp.where(y < 0, 8, 0).astype(jnp.uint8)
-    codes.append(jnp.where(zero_block, 0, mag | sign).astype(jnp.uint8))
+    if not sqrt_of:  # the sign of x * escale (an underflow to -0.0 gives +0's code, as quantize)
+      mag = mag | jnp.where(y < 0, 8, 0).astype(jnp.uint8)
+    codes.append(jnp.where(zero_block, 0, mag).astype(jnp.uint8))
   return codes[0] | (codes[1] << 4), dcode
 
 
@@ -258,7 +268,8 @@ def _encode_kernel(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, v
       k1, k2 = (lax.bitcast_convert_type(i_ref[k], jnp.uint32),
                 lax.bitcast_convert_type(i_ref[k + 1], jnp.uint32))
     xs = [m for _, m, _ in halves] if j == 0 else [_sqrt_rn(v, interpret) for _, _, v in halves]
-    packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret)
+    packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret,
+                                   sqrt_of=j == 1)
     _store(c_out, packed, ok2)
     _store(s_out, lax.bitcast_convert_type(dcode, jnp.float8_e4m3fn), ok1)
     g_out[...] = jnp.full((1,), s_dec, jnp.float32)  # every program writes the same value
