@@ -4,29 +4,35 @@
 arithmetic and re-encoding m and √v as NVFP4 (1×16 blocks along the last axis). Encoding needs each
 new moment's tensor amax before any code is written, so the XLA program makes several passes and,
 grouping leaves of one shape under ``vmap``, copies stacks of them. Here each leaf takes two
-kernels that read only the gradient and the packed state, with a tiny XLA step between them:
+kernels that read only the gradient and the packed state, with one small XLA step for all leaves:
 
-1. ``stats``: decode m and √v, compute the new moments and the update ``u`` (written), and each
-   program's max of |m| and of v (a float32 per program, not per element).
-2. XLA, once for all leaves: the tensor amaxes, ``S_enc`` and ``S_dec`` in Transformer Engine's
-   order (``fp4jax.nvfp4.global_decode_scale``).
+1. ``stats``: decode m and √v, compute the new moments and the update ``u`` (written), and fold each
+   program's max of |m| and of √v into the leaf's two slots of one int32 buffer (atomic max of the
+   float bit patterns, which orders non-negative floats).
+2. XLA, once for all leaves: ``S_enc`` and ``S_dec`` from those amaxes in Transformer Engine's order
+   (``fp4jax.nvfp4.global_decode_scale``).
 3. ``encode``: recompute the same moments (same inputs, same code, same bits), then per 16-element
-   block the E4M3 scale and ``1 / (dscale * S_dec)`` once, and the E2M1 codes, packed in place.
+   block the E4M3 scale and ``1 / (dscale * S_dec)`` once, and the E2M1 codes, written over the old
+   state in place (``input_output_aliases``: a jit that donates the state copies nothing).
 
 Per parameter that is about 4 + 1.1 bytes read twice and 4 + 1.1 written (float32 gradient), where
-``optax.adamw`` reads 12 and writes 12.
+``optax.adamw`` reads 12 and writes 12. On the H200 the kernels are bound by integer and float
+instructions, not by memory (benchmarks/RESULTS.md).
 
-Bits: the kernels call the very functions of the XLA path (``fp4jax.nvfp4``, ``fp4jax._fp32``,
-``fp4jax.optim._common``): integer-exact division and square root, products rounded before each
-addition (no FMA contraction), the same counter hash for the stochastic rounding bits. The stored
-state therefore equals the XLA path's bit for bit on every backend (tests in interpret mode on the
-CPU; ``tests/gpu/check_optim.py`` on the H200). ``u`` uses the backend's float32 division and
-``sqrt`` like the XLA path, so on the GPU it may differ from the CPU in the last bit.
+Bits: the kernels call the functions of the XLA path (``fp4jax.nvfp4``, ``fp4jax._fp32``,
+``fp4jax.optim._common``): products rounded before each addition (no FMA contraction), the same E4M3
+and E2M1 rounding, the same counter hash for the stochastic rounding bits. The two correctly rounded
+operations that the XLA path builds from integers (``_fp32.div_rn`` for ``1 / (dscale * S_dec)``,
+``_fp32.sqrt_rn`` for √v) are PTX's ``div.rn.f32`` and ``sqrt.rn.f32`` on the GPU (IEEE, the same
+values), and in interpret mode the CPU's IEEE division and ``_fp32.sqrt_rn``. The stored state
+therefore equals the XLA path's bit for bit (tests in interpret mode on the CPU;
+``tests/gpu/check_optim.py`` on the H200). ``u`` uses the backend's float32 division and ``sqrt``
+like the XLA path, so it may differ from it in the last bits.
 
-Layout: a leaf of ``n`` elements is viewed as ``(n / 16, 16)`` blocks; a program takes
-``block_rows`` blocks and reads the even and odd elements of each block as two strided (rows, 8)
-tiles, which is how the packed codes hold them (even element in the low nibble), so nothing is
-interleaved in registers. The last program masks rows past the end.
+Layout: a leaf of ``n`` elements is viewed as ``(n / 16, 8, 2)``; a program takes ``block_rows``
+16-element blocks and reads the even and odd elements of each block as two (rows, 8) tiles, which
+is how the packed codes hold them (even element in the low nibble), so nothing is interleaved in
+registers. The last program masks rows past the end.
 """
 
 from __future__ import annotations

@@ -184,3 +184,32 @@ def test_lowers_to_triton_for_h200(triton_modules, rounding):
   masked = [m for m in triton_modules if re.search(rf"tt\.load %\w+, %\w+, %\w+ : tensor<{br}x8x", m)]
   assert len(masked) == 2, [m[:200] for m in masked]
 
+
+
+def _uses_pallas(tx, monkeypatch, platform, shapes=SHAPES):
+  """Whether ``tx.update``'s jaxpr calls a Pallas kernel when the default platform is ``platform``."""
+  monkeypatch.setattr(_common, "default_platform", lambda: platform)
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+  state = jax.eval_shape(tx.init, params)
+  update = lambda *args: tx.update(*args)  # noqa: E731 (a new function: no cached trace)
+  return "pallas_call" in str(jax.make_jaxpr(update)(params, state, params))
+
+
+def test_auto_takes_the_kernels_on_a_gpu_only(monkeypatch):
+  tx = optim.adamw_nvfp4(1e-3, min_size=1024)
+  assert _uses_pallas(tx, monkeypatch, "gpu")
+  assert not _uses_pallas(tx, monkeypatch, "cpu")
+  assert not _uses_pallas(optim.adamw_nvfp4(1e-3, min_size=1024, kernel="xla"), monkeypatch, "gpu")
+
+
+def test_train_uses_xla_when_the_state_is_sharded(monkeypatch):
+  """fp4jax.train's optimizer: the kernels see whole leaves, so a sharded state updates through XLA."""
+  from fp4jax.recipe import get_recipe
+  from fp4jax.train import OptimizerConfig, make_optimizer
+  recipe = get_recipe("bf16", optimizer_states="nvfp4")
+  shapes = {"embedding": (256, 64), "w": (64, 128)}  # Muon sends the embedding to AdamW
+  for name in ("adamw", "muon"):
+    cfg = OptimizerConfig(name=name)
+    assert _uses_pallas(make_optimizer(cfg, recipe, 10), monkeypatch, "gpu", shapes)
+    tx = make_optimizer(cfg, recipe, 10, sharded_state=True)
+    assert not _uses_pallas(tx, monkeypatch, "gpu", shapes)
