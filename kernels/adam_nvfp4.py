@@ -48,6 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fp4jax import _fp32, nvfp4
+from fp4jax.kernels._util import next_pow2, store
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
 from fp4jax.optim import _common
 
@@ -82,13 +83,10 @@ def supports(mu) -> bool:
           and mu.size < 2**31)
 
 
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
-
 
 def _pad_pow2(x):
   x = x.reshape(-1)
-  return jnp.pad(x, (0, _next_pow2(x.size) - x.size))
+  return jnp.pad(x, (0, next_pow2(x.size) - x.size))
 
 
 @functools.partial(jax.jit, inline=True)
@@ -138,12 +136,6 @@ def _load(ref, ok):
         jnp.where(ok, _f8_bytes(plgpu.load(ref, mask=ok)), jnp.uint8(0)), jnp.float8_e4m3fn)
   return plgpu.load(ref, mask=ok, other=0)
 
-
-def _store(ref, val, ok):
-  if ok is None:
-    ref[...] = val
-  else:
-    plgpu.store(ref, val, mask=ok)
 
 
 def _half(ref, h):
@@ -198,7 +190,7 @@ def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref,
     u = mu_hat / (jnp.sqrt(v / bc2 + hp.eps_root) + hp.eps)
     if hp.clip_update:
       u = jnp.clip(u, -bound, bound)
-    _store(_half(u_ref, h), u.astype(u_ref.dtype), ok2)
+    store(_half(u_ref, h), u.astype(u_ref.dtype), ok2)
     # The encoder's amax (nvfp4.quantize): subnormals flushed, NaN counted as inf. Rows past the end
     # loaded as zeros, which leave the max alone.
     am = _fp32.flush_subnormals(m)
@@ -276,8 +268,8 @@ def _encode_kernel(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, v
     xs = [m for _, m, _ in halves] if j == 0 else [_sqrt_rn(v, interpret) for _, _, v in halves]
     packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret,
                                    sqrt_of=j == 1)
-    _store(c_out, packed, ok2)
-    _store(s_out, lax.bitcast_convert_type(dcode, jnp.float8_e4m3fn), ok1)
+    store(c_out, packed, ok2)
+    store(s_out, lax.bitcast_convert_type(dcode, jnp.float8_e4m3fn), ok1)
     g_out[...] = jnp.full((1,), s_dec, jnp.float32)  # every program writes the same value
 
 
@@ -360,11 +352,11 @@ def update_leaves(grads, mus, nus, leaf_ids, count_inc, key, hp: AdamHyper, *, b
 
   # Each leaf's amax of m and of √v, as float32 bit patterns, maxed in by the stats programs.
   shared = SHARED_AMAX and len(grads) > 1
-  amax_bits = jnp.zeros((_next_pow2(2 * len(grads)),), jnp.int32)
+  amax_bits = jnp.zeros((next_pow2(2 * len(grads)),), jnp.int32)
   us, amaxes = [], []
   for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
     nb, g2, state = views(g, mu, nu)
-    br = min(block_rows, _next_pow2(nb))
+    br = min(block_rows, next_pow2(nb))
     if not shared:
       amax_bits = jnp.zeros((2,), jnp.int32)
     u2, amax_bits = pl.pallas_call(
@@ -394,7 +386,7 @@ def update_leaves(grads, mus, nus, leaf_ids, count_inc, key, hp: AdamHyper, *, b
   mus_new, nus_new = [], []
   for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
     nb, g2, state = views(g, mu, nu)
-    br = min(block_rows, _next_pow2(nb))
+    br = min(block_rows, next_pow2(nb))
     n_prog = pl.cdiv(nb, br)
     codes, scales = (jax.ShapeDtypeStruct((nb, _HALF), jnp.uint8),
                      jax.ShapeDtypeStruct((nb,), jnp.float8_e4m3fn))

@@ -33,13 +33,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fp4jax.kernels._util import next_pow2, store
+
 ROW_MAX_V_PAD = 65536  # the widest rows "row" is meant for (one row fills a register file)
 _TRITON_MAX_NUMEL = 1 << 20  # Triton's limit on the elements of one block
 _IMPLS = ("auto", "row", "tiled", "reference")
 
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _is_pow2(n) -> bool:
@@ -72,12 +71,6 @@ def _load_row_vectors(tgt_ref, w_ref, row_ok):
   return plgpu.load(tgt_ref, mask=row_ok, other=0), plgpu.load(w_ref, mask=row_ok, other=0.0)
 
 
-def _store(ref, val, mask):
-  if mask is None:
-    ref[...] = val
-  else:
-    plgpu.store(ref, val, mask=mask)
-
 
 def _and(a, b):
   return b if a is None else a if b is None else a & b
@@ -96,12 +89,12 @@ def _row_kernel(x_ref, tgt_ref, w_ref, lse_ref, tl_ref, dl_ref, *, n_rows, n_col
   m = jnp.max(x, axis=1)
   lse = m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), axis=1))
   hit = col == tgt[:, None]
-  _store(lse_ref, lse, row_ok)
-  _store(tl_ref, jnp.sum(jnp.where(hit, x, 0.0), axis=1), row_ok)
+  store(lse_ref, lse, row_ok)
+  store(tl_ref, jnp.sum(jnp.where(hit, x, 0.0), axis=1), row_ok)
   # exp(x - lse) again rather than exp(x - m) / sum: the reference's formula, and the exp is cheap
   # next to the memory traffic.
   dl = (jnp.exp(x - lse[:, None]) - jnp.where(hit, 1.0, 0.0)) * w[:, None]
-  _store(dl_ref, dl.astype(dl_ref.dtype), mask)
+  store(dl_ref, dl.astype(dl_ref.dtype), mask)
 
 
 def _tiled_kernel(x_ref, tgt_ref, w_ref, lse_ref, tl_ref, dl_ref, *, n_rows, n_cols, tile):
@@ -135,13 +128,13 @@ def _tiled_kernel(x_ref, tgt_ref, w_ref, lse_ref, tl_ref, dl_ref, *, n_rows, n_c
     carry = stats(n_full, carry, masked=True)
   m, s, t = carry
   lse = m + jnp.log(s)
-  _store(lse_ref, lse, row_ok)
-  _store(tl_ref, t, row_ok)
+  store(lse_ref, lse, row_ok)
+  store(tl_ref, t, row_ok)
 
   def write(k, masked=False):
     col, x, mask = tile_at(k, masked)
     dl = (jnp.exp(x - lse[:, None]) - jnp.where(col == tgt[:, None], 1.0, 0.0)) * w[:, None]
-    _store(dl_ref.at[:, pl.ds(k * tile, tile)], dl.astype(dl_ref.dtype), mask)
+    store(dl_ref.at[:, pl.ds(k * tile, tile)], dl.astype(dl_ref.dtype), mask)
 
   def write_full(k, carry):
     write(k)
@@ -236,7 +229,7 @@ def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *, impl: st
   if impl not in _IMPLS:
     raise ValueError(f"softmax_xent_rows: impl={impl!r}, expected one of {_IMPLS}")
   c, v = logits_CxV.shape
-  v_pad = _next_pow2(v)
+  v_pad = next_pow2(v)
   if impl == "auto":
     # Measured on the H200 (benchmarks/RESULTS.md): "tiled" beat "row" at V = 32768 (0.91 vs
     # 1.02 ms per 8192-row chunk at their best settings) and at V = 50304 (1.40 vs 1.67 ms).
@@ -248,7 +241,7 @@ def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *, impl: st
 
   r = 1 if rows_per_program is None else rows_per_program
   _check_pow2("rows_per_program", r)
-  r = min(r, _next_pow2(c))  # no programs wider than all rows
+  r = min(r, next_pow2(c))  # no programs wider than all rows
   if impl == "row":
     if r * v_pad > _TRITON_MAX_NUMEL:
       raise ValueError(f"softmax_xent_rows: impl='row' holds rows_per_program x V_pad = {r} x {v_pad} "

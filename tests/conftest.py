@@ -9,3 +9,29 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+import pytest  # noqa: E402
+from jax.sharding import AbstractDevice, AbstractMesh  # noqa: E402
+
+# An abstract H200 for CUDA lowering checks on the CPU: trace under
+# ``jax.sharding.use_abstract_mesh(H200)`` and lower with ``lowering_platforms=("cuda",)``.
+H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
+
+
+@pytest.fixture
+def triton_modules(monkeypatch):
+  """The Triton (TTIR) modules lowered while the test runs, each checked by MLIR's verifier
+  (Pallas itself does not verify; the verifier catches invalid IR such as bad pointer types)."""
+  from jax._src.pallas.triton import lowering
+  modules, original = [], lowering.lower_jaxpr_to_triton_module
+
+  def verified(*args, **kwargs):
+    result = original(*args, **kwargs)
+    assert result.module.operation.verify()
+    modules.append(str(result.module))
+    return result
+
+  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", verified)
+  return modules

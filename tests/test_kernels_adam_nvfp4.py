@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
+from conftest import H200
 
 from fp4jax import optim
 from fp4jax.nvfp4 import NVFP4Tensor
@@ -140,26 +140,6 @@ def test_auto_follows_the_default_device():
     assert _common.default_platform() == "cpu"
 
 
-_H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
-
-
-@pytest.fixture
-def triton_modules(monkeypatch):
-  """The Triton modules lowered while the test runs, each checked by MLIR's verifier."""
-  from jax._src.pallas.triton import lowering
-  modules, original = [], lowering.lower_jaxpr_to_triton_module
-
-  def verified(*args, **kwargs):
-    result = original(*args, **kwargs)
-    assert result.module.operation.verify()
-    modules.append(str(result.module))
-    return result
-
-  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", verified)
-  return modules
-
-
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 def test_lowers_to_triton_for_h200(triton_modules, rounding):
   """Two Triton kernels per NVFP4 leaf and nothing per element left to XLA; the encoder divides and
@@ -167,7 +147,7 @@ def test_lowers_to_triton_for_h200(triton_modules, rounding):
   tx = optim.scale_by_adam_nvfp4(kernel="pallas", rounding=rounding, min_size=1024)
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   state = jax.eval_shape(tx.init, params)
-  with jax.sharding.use_abstract_mesh(_H200):
+  with jax.sharding.use_abstract_mesh(H200):
     hlo = jax.jit(tx.update).trace(params, state).lower(lowering_platforms=("cuda",)).as_text()
   n_leaves = 3
   assert hlo.count("__gpu$xla.gpu.triton") == 2 * n_leaves, hlo

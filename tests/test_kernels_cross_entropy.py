@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
+from conftest import H200
 
 from fp4jax.kernels.cross_entropy import softmax_xent_rows, softmax_xent_rows_reference
 
@@ -155,27 +155,6 @@ def test_bad_arguments_raise_value_errors():
                    jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((64,), jnp.float32))
 
 
-_H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
-
-
-@pytest.fixture
-def triton_modules(monkeypatch):
-  """The Triton (TTIR) modules lowered while the test runs, each checked by MLIR's verifier
-  (Pallas itself does not verify; the verifier catches invalid IR such as bad pointer types)."""
-  from jax._src.pallas.triton import lowering
-  modules, original = [], lowering.lower_jaxpr_to_triton_module
-
-  def verified(*args, **kwargs):
-    result = original(*args, **kwargs)
-    assert result.module.operation.verify()
-    modules.append(str(result.module))
-    return result
-
-  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", verified)
-  return modules
-
-
 # (impl, C, V, kwargs, the kernel's loads of logits): "row" reads each row once, "tiled" twice per
 # tile. Masks only where needed: the ragged column tail (V < V_pad; "tiled": its peeled last tile)
 # and the ragged row tail (C not a multiple of the rows per program; no padding copy in XLA).
@@ -199,7 +178,7 @@ def test_lowers_to_triton_for_h200(triton_modules, impl, c, v, kw, loads):
   f = jax.jit(functools.partial(softmax_xent_rows, impl=impl, **kw))
   args = (jax.ShapeDtypeStruct((c, v), jnp.float32), jax.ShapeDtypeStruct((c,), jnp.int32),
           jax.ShapeDtypeStruct((c,), jnp.float32))
-  with jax.sharding.use_abstract_mesh(_H200):  # abstract values only in here
+  with jax.sharding.use_abstract_mesh(H200):  # abstract values only in here
     hlo = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert hlo.count("__gpu$xla.gpu.triton") == 1, hlo
   assert "stablehlo.exponential" not in hlo and "stablehlo.reduce" not in hlo, hlo
