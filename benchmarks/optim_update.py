@@ -196,8 +196,7 @@ def main(argv=None):
   ap.add_argument("--runs", default=None, metavar="NAMES",
                   help="comma-separated names of the rows to time (default: all that the flags add)")
   ap.add_argument("--sweep", default=None, metavar="RxW,...",
-                  help="also time adamw_nvfp4's Pallas kernels at these blocks-per-program x warps "
-                  "(':per-leaf' appended: one amax buffer per leaf)")
+                  help="also time adamw_nvfp4's Pallas kernels at these blocks-per-program x warps")
   ap.add_argument("--kernel-config", default=None, metavar="RxW",
                   help="blocks per program x warps of adamw_nvfp4's Pallas kernels for every row")
   ap.add_argument("--iters", type=int, default=20)
@@ -242,17 +241,14 @@ def main(argv=None):
     return 0
   configs = {}
   for cfg in (args.sweep.split(",") if args.sweep else []):
-    size, _, amax = cfg.partition(":")  # RxW[:per-leaf]
-    br, nw = (int(x) for x in size.split("x"))
+    br, nw = (int(x) for x in cfg.split("x"))
     name = f"adamw_nvfp4 (pallas {cfg})"
-    runs[name] = optim.adamw_nvfp4(1e-3, kernel="pallas")
-    configs[name] = (br, nw, amax != "per-leaf")
+    runs[name], configs[name] = optim.adamw_nvfp4(1e-3, kernel="pallas"), (br, nw)
   rows, ok = [], True
-  default_config = (adam_kernel.BLOCK_ROWS, adam_kernel.NUM_WARPS, adam_kernel.SHARED_AMAX)
+  default_config = (adam_kernel.BLOCK_ROWS, adam_kernel.NUM_WARPS)
   for name, tx in runs.items():
     # The kernels read their launch sizes when traced; time_update traces its own jit.
-    adam_kernel.BLOCK_ROWS, adam_kernel.NUM_WARPS, adam_kernel.SHARED_AMAX = configs.get(
-        name, default_config)
+    adam_kernel.BLOCK_ROWS, adam_kernel.NUM_WARPS = configs.get(name, default_config)
     ms, piped, comp, nbytes, finite = time_update(tx, params, grads, iters)
     ok &= finite
     rows.append((name, ms, piped, comp, nbytes, finite))

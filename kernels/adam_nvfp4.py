@@ -54,9 +54,6 @@ from fp4jax.optim import _common
 
 BLOCK_ROWS = 64  # default 16-element blocks per program
 NUM_WARPS = 4  # default Triton warps per program
-# One amax buffer for all leaves (the stats kernels run one after the other) or one per leaf (they
-# are independent, at the cost of a tiny buffer each).
-SHARED_AMAX = True
 _HALF = BLOCK // 2
 _INT_HEAD = 8  # the int table: [runtime zero, pad...], then 4 key words per leaf
 _F32_HEAD = 8  # the float table: [bc1, bc1 of count + 1, bc2, bound, pad...], then per leaf the
@@ -202,8 +199,7 @@ def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref,
   # float max for values >= 0 (+inf included), and the buffer starts at 0.
   # (Scalars: Triton's lowering takes a (1,) int32 value for a float one.)
   for j, amax in enumerate((amax_m, jnp.max(amax_s))):
-    slot = 2 * leaf + j if a_ref.shape[0] > 2 else j
-    plgpu.atomic_max(a_ref, jnp.int32(slot), lax.bitcast_convert_type(amax, jnp.int32))
+    plgpu.atomic_max(a_ref, jnp.int32(2 * leaf + j), lax.bitcast_convert_type(amax, jnp.int32))
 
 
 def _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret, sqrt_of):
@@ -351,14 +347,13 @@ def update_leaves(grads, mus, nus, leaf_ids, count_inc, key, hp: AdamHyper, *, b
     return spec(x.shape, br) if x.shape != (1,) else scalar
 
   # Each leaf's amax of m and of √v, as float32 bit patterns, maxed in by the stats programs.
-  shared = SHARED_AMAX and len(grads) > 1
+  # One buffer for all leaves, so the stats kernels run one after the other (one buffer per leaf,
+  # which lets them overlap, measured slower on the H200: benchmarks/RESULTS.md).
   amax_bits = jnp.zeros((next_pow2(2 * len(grads)),), jnp.int32)
-  us, amaxes = [], []
+  us = []
   for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
     nb, g2, state = views(g, mu, nu)
     br = min(block_rows, next_pow2(nb))
-    if not shared:
-      amax_bits = jnp.zeros((2,), jnp.int32)
     u2, amax_bits = pl.pallas_call(
         functools.partial(_stats_kernel, hp=hp, nb=nb, leaf=i, interpret=interpret),
         grid=(pl.cdiv(nb, br),),
@@ -371,11 +366,9 @@ def update_leaves(grads, mus, nus, leaf_ids, count_inc, key, hp: AdamHyper, *, b
         compiler_params=params, interpret=interpret, name="adam_nvfp4_stats",
     )(ints, floats, amax_bits, g2, *(x for k, x in enumerate(state) if k % 3 != 2))
     us.append(u2.reshape(g.shape))
-    amaxes.append(amax_bits)
 
   # S_enc and S_dec of all leaves at once, as nvfp4.quantize computes them.
-  amax_bits = amax_bits[:2 * len(grads)] if shared else jnp.concatenate(amaxes)
-  amax = lax.bitcast_convert_type(amax_bits, jnp.float32).reshape(-1, 2)
+  amax = lax.bitcast_convert_type(amax_bits[:2 * len(grads)], jnp.float32).reshape(-1, 2)
   finite = amax <= _fp32.F32_MAX
   s_enc, s_dec = nvfp4.global_decode_scale(jnp.where(finite, amax, 0.0))
   s_dec = jnp.where(finite, s_dec, jnp.nan)
