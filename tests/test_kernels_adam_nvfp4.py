@@ -175,11 +175,12 @@ def _uses_pallas(tx, monkeypatch, platform, shapes=SHAPES):
   return "pallas_call" in str(jax.make_jaxpr(update)(params, state, params))
 
 
-def test_auto_takes_the_kernels_on_a_gpu_only(monkeypatch):
+def test_auto_takes_the_kernels_on_a_cuda_gpu_only(monkeypatch):
   tx = optim.adamw_nvfp4(1e-3, min_size=1024)
-  assert _uses_pallas(tx, monkeypatch, "gpu")
+  assert _uses_pallas(tx, monkeypatch, "cuda")
   assert not _uses_pallas(tx, monkeypatch, "cpu")
-  assert not _uses_pallas(optim.adamw_nvfp4(1e-3, min_size=1024, kernel="xla"), monkeypatch, "gpu")
+  assert not _uses_pallas(tx, monkeypatch, "rocm")
+  assert not _uses_pallas(optim.adamw_nvfp4(1e-3, min_size=1024, kernel="xla"), monkeypatch, "cuda")
 
 
 def test_train_uses_xla_when_the_state_is_sharded(monkeypatch):
@@ -190,6 +191,6 @@ def test_train_uses_xla_when_the_state_is_sharded(monkeypatch):
   shapes = {"embedding": (256, 64), "w": (64, 128)}  # Muon sends the embedding to AdamW
   for name in ("adamw", "muon"):
     cfg = OptimizerConfig(name=name)
-    assert _uses_pallas(make_optimizer(cfg, recipe, 10), monkeypatch, "gpu", shapes)
+    assert _uses_pallas(make_optimizer(cfg, recipe, 10), monkeypatch, "cuda", shapes)
     tx = make_optimizer(cfg, recipe, 10, sharded_state=True)
-    assert not _uses_pallas(tx, monkeypatch, "gpu", shapes)
+    assert not _uses_pallas(tx, monkeypatch, "cuda", shapes)

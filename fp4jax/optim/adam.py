@@ -145,7 +145,7 @@ def scale_by_adam_nvfp4(
     kernel: how NVFP4 leaves are updated: ``"pallas"`` (two fused Pallas Triton kernels per leaf,
       ``fp4jax.kernels.adam_nvfp4``; GPU only), ``"xla"`` (plain jnp), ``"pallas_interpret"``
       (the kernels in interpret mode, for CPU tests), or ``"auto"`` (default): ``"pallas"`` when
-      the default platform (``_common.default_platform``) is a GPU, else ``"xla"``. Both give the same state bits. The kernels
+      the default platform (``_common.default_platform``) is a CUDA GPU, else ``"xla"``. Both give the same state bits. The kernels
       take the default storage (``nu_transform="sqrt"``, ``mu_storage="direct"``, no
       ``zero_guard``) and leaves blocked along their last axis; other leaves and options use the
       XLA path. They see whole leaves: under a mesh that shards the state (FSDP, tensor
@@ -199,7 +199,7 @@ def scale_by_adam_nvfp4(
     q_idx = [i for i, q in enumerate(quantized) if q]
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(quantized))]
     impl = kernel if kernel != "auto" else (
-        "pallas" if _common.default_platform() in ("gpu", "cuda") else "xla")
+        "pallas" if _common.default_platform() == "cuda" else "xla")
     fused = []
     if impl != "xla" and kernel_ok:
       fused = [i for i in q_idx if adam_kernel.supports(mu_leaves[i])
