@@ -80,7 +80,6 @@ def supports(mu) -> bool:
           and mu.size < 2**31)
 
 
-
 def _pad_pow2(x):
   x = x.reshape(-1)
   return jnp.pad(x, (0, next_pow2(x.size) - x.size))
@@ -132,7 +131,6 @@ def _load(ref, ok):
     return lax.bitcast_convert_type(
         jnp.where(ok, _f8_bytes(plgpu.load(ref, mask=ok)), jnp.uint8(0)), jnp.float8_e4m3fn)
   return plgpu.load(ref, mask=ok, other=0)
-
 
 
 def _half(ref, h):
@@ -197,7 +195,7 @@ def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref,
   amax_s = _sqrt_rn(jnp.full((1,), amax_v, jnp.float32), interpret)
   # Into the leaf's two entries of the amax buffer: the int32 max of the bit patterns is the
   # float max for values >= 0 (+inf included), and the buffer starts at 0.
-  # (Scalars: Triton's lowering takes a (1,) int32 value for a float one.)
+  # Scalar values: for a (1,)-shaped int32 value the atomic's Triton lowering takes its float path.
   for j, amax in enumerate((amax_m, jnp.max(amax_s))):
     plgpu.atomic_max(a_ref, jnp.int32(2 * leaf + j), lax.bitcast_convert_type(amax, jnp.int32))
 

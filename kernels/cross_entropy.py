@@ -40,7 +40,6 @@ _TRITON_MAX_NUMEL = 1 << 20  # Triton's limit on the elements of one block
 _IMPLS = ("auto", "row", "tiled", "reference")
 
 
-
 def _is_pow2(n) -> bool:
   return isinstance(n, (int, np.integer)) and n >= 1 and (n & (n - 1)) == 0
 
@@ -69,7 +68,6 @@ def _load_row_vectors(tgt_ref, w_ref, row_ok):
   if row_ok is None:
     return tgt_ref[...], w_ref[...]
   return plgpu.load(tgt_ref, mask=row_ok, other=0), plgpu.load(w_ref, mask=row_ok, other=0.0)
-
 
 
 def _and(a, b):
