@@ -292,8 +292,7 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
   s_dec = jnp.where(finite, s_dec, jnp.nan)
 
   block_amax = jnp.where(finite, block_amax, 0.0)
-  m = s_enc * jnp.float32(_INV6)
-  dscale, dscale_code = _fp32.round_to_e4m3(jnp.clip(jnp.minimum(block_amax * m, _fp32.F32_MAX), 0.0, E4M3_MAX))
+  dscale, dscale_code = _scale_codes(block_amax, s_enc * jnp.float32(_INV6))
   # escale = 1 / (dscale * S_dec) takes one of 127 values per tensor (dscale is a non-negative
   # E4M3 value): divide once per code, then look the blocks up. A per-block division is fused into
   # the per-element loop by XLA and recomputed 16 times per block (the integer division is ~100
@@ -303,16 +302,10 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
   table = jnp.minimum(_fp32.div_rn(jnp.float32(1.0), denominators), _fp32.F32_MAX)
   escale = table.at[dscale_code.astype(jnp.int32)].get(mode="promise_in_bounds")
 
-  y = jnp.clip(x32 * _expand(escale, x.shape, block, axis), -E2M1_MAX, E2M1_MAX)
-  a = jnp.abs(y)
-  if rounding == "nearest":
-    mag = _e2m1_rne_code(a)
-  else:
-    if bits is None:
-      bits = jax.random.bits(key, x.shape, jnp.uint32)
-    mag = _e2m1_stochastic_code(a, bits)
+  if rounding == "stochastic" and bits is None:
+    bits = jax.random.bits(key, x.shape, jnp.uint32)
   zero_block = _expand(dscale == 0, x.shape, block, axis) | ~finite
-  code = jnp.where(zero_block, 0, mag | jnp.where(y < 0, 8, 0).astype(jnp.uint8)).astype(jnp.uint8)
+  code = _element_codes(x32, _expand(escale, x.shape, block, axis), zero_block, rounding, bits)
 
   return NVFP4Tensor(
       codes=_pack(code, axis),
@@ -323,6 +316,21 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
       axis=axis,
       dtype=x.dtype,
   )
+
+
+def _scale_codes(block_amax, m):
+  """The E4M3 block scales (value, byte) of block amaxes, with ``m = S_enc * fp32(1/6)``."""
+  return _fp32.round_to_e4m3(jnp.clip(jnp.minimum(block_amax * m, _fp32.F32_MAX), 0.0, E4M3_MAX))
+
+
+def _element_codes(x32, escale, zero_block, rounding, bits):
+  """E2M1 codes (sign in bit 3) of ``x32 * escale``, 0 where ``zero_block``: the per-element step of
+  ``quantize`` (``escale`` and ``zero_block`` broadcast against ``x32``; ``bits`` for stochastic
+  rounding). The Pallas kernels call it too."""
+  y = jnp.clip(x32 * escale, -E2M1_MAX, E2M1_MAX)
+  a = jnp.abs(y)
+  mag = _e2m1_rne_code(a) if rounding == "nearest" else _e2m1_stochastic_code(a, bits)
+  return jnp.where(zero_block, 0, mag | jnp.where(y < 0, 8, 0).astype(jnp.uint8)).astype(jnp.uint8)
 
 
 def dequantize(t: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:

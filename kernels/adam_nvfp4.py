@@ -42,7 +42,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -83,12 +82,6 @@ def supports(mu) -> bool:
 def _pad_pow2(x):
   x = x.reshape(-1)
   return jnp.pad(x, (0, next_pow2(x.size) - x.size))
-
-
-@functools.partial(jax.jit, inline=True)
-def _bias_denominator(decay, count):
-  # optax.tree.bias_correction's denominator, computed as it does (the kernel divides by it).
-  return 1 - decay**count
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,7 +136,7 @@ def _f8_bytes(x):
 
 
 def _moments(hp, zero, f_ref, leaf, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2):
-  """Per half h: (g, m, v) in float32, (rows, 8) each; the arithmetic of ``adam.new_moments``."""
+  """Per half h: (g, m, v) in float32, (rows, 8) each (``_common.adam_moments``)."""
   mcode, vcode = _load(mc_ref, ok2), _load(vc_ref, ok2)
   mscale = _fp32.e4m3_to_f32(_f8_bytes(_load(ms_ref, ok1)))[:, None]
   vscale = _fp32.e4m3_to_f32(_f8_bytes(_load(vs_ref, ok1)))[:, None]
@@ -156,8 +149,7 @@ def _moments(hp, zero, f_ref, leaf, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, ok1, 
     m_old = (nvfp4._decode_e2m1((mcode >> shift) & 0xF) * mscale) * mg
     s_old = (nvfp4._decode_e2m1((vcode >> shift) & 0xF) * vscale) * vg
     v_old = s_old * s_old  # the "sqrt" transform's from_stored
-    m = _common.rounded_ema(m_old, g, hp.b1, zero)
-    v = _common.rounded_ema(v_old, _common.rounded(g * g, zero), hp.b2, zero)
+    m, v = _common.adam_moments(m_old, v_old, g, hp.b1, hp.b2, zero)
     out.append((g, m, v))
   return out
 
@@ -177,14 +169,8 @@ def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref,
   amax_m = amax_v = jnp.float32(0)
   for h, (g, m, v) in enumerate(_moments(hp, zero, f_ref, leaf, g_ref, mc_ref, ms_ref, vc_ref,
                                          vs_ref, ok1, ok2)):
-    # scale_by_adam_nvfp4's update, in its order.
-    if hp.nesterov:
-      mu_hat = hp.b1 * (m / bc1_next) + (1 - hp.b1) * (g / bc1)
-    else:
-      mu_hat = m / bc1
-    u = mu_hat / (jnp.sqrt(v / bc2 + hp.eps_root) + hp.eps)
-    if hp.clip_update:
-      u = jnp.clip(u, -bound, bound)
+    u = _common.adam_direction(m, v, g, bc1, bc1_next, bc2, hp.b1, hp.eps, hp.eps_root,
+                               hp.nesterov, bound if hp.clip_update else None)
     store(_half(u_ref, h), u.astype(u_ref.dtype), ok2)
     # The encoder's amax (nvfp4.quantize): subnormals flushed, NaN counted as inf. Rows past the end
     # loaded as zeros, which leave the max alone.
@@ -200,42 +186,26 @@ def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref,
     plgpu.atomic_max(a_ref, jnp.int32(2 * leaf + j), lax.bitcast_convert_type(amax, jnp.int32))
 
 
-def _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret, sqrt_of):
-  """NVFP4 codes of one moment given as its two (rows, 8) halves: ``nvfp4.quantize``'s arithmetic
-  with the tensor's ``S_enc / 6`` (``mconst``) and ``S_dec`` known. Returns (packed, scale codes).
-
-  ``sqrt_of``: the halves are square roots (+0 or normal, never negative or subnormal), so the
-  subnormal flush, ``abs`` and the sign bit are skipped (the same codes, fewer operations).
-  """
-  if not sqrt_of:
-    xs = [_fp32.flush_subnormals(x) for x in xs]
-  mags = xs if sqrt_of else [jnp.abs(x) for x in xs]
+def _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret):
+  """NVFP4 codes of one moment given as its two (rows, 8) halves: ``nvfp4.quantize``'s steps with the
+  tensor's ``S_enc / 6`` (``mconst``) and ``S_dec`` known. Returns (packed, scale codes)."""
+  xs = [_fp32.flush_subnormals(x) for x in xs]
   # No NaN test (quantize maps NaN to inf here): a NaN makes the tensor non-finite, and then every
   # block is zeroed below whatever its max.
-  block_amax = jnp.maximum(jnp.max(mags[0], axis=1), jnp.max(mags[1], axis=1))
+  block_amax = jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=1), jnp.max(jnp.abs(xs[1]), axis=1))
   block_amax = jnp.where(finite, block_amax, 0.0)
-  dscale, dcode = _fp32.round_to_e4m3(
-      jnp.clip(jnp.minimum(block_amax * mconst, _fp32.F32_MAX), 0.0, nvfp4.E4M3_MAX))
-  # dscale is the E4M3 value of dcode: this is quantize's table entry 1 / (e4m3(code) * S_dec).
-  escale = jnp.minimum(_recip_rn(dscale * s_dec, interpret), _fp32.F32_MAX)[:, None]
+  dscale, dcode = nvfp4._scale_codes(block_amax, mconst)
+  # quantize's table entry for this block's scale byte: 1 / (e4m3(code) * S_dec).
+  escale = jnp.minimum(_recip_rn(_fp32.e4m3_to_f32(dcode) * s_dec, interpret),
+                       _fp32.F32_MAX)[:, None]
   zero_block = ((dscale == 0) | ~finite)[:, None]
   rows = lax.broadcasted_iota(jnp.uint32, xs[0].shape, 0) + row0
   cols = lax.broadcasted_iota(jnp.uint32, xs[0].shape, 1) * 2
   codes = []
   for h, x in enumerate(xs):
-    if sqrt_of:
-      a = jnp.minimum(x * escale, nvfp4.E2M1_MAX)
-    else:
-      y = jnp.clip(x * escale, -nvfp4.E2M1_MAX, nvfp4.E2M1_MAX)
-      a = jnp.abs(y)
-    if rounding == "nearest":
-      mag = nvfp4._e2m1_rne_code(a)
-    else:  # _common.counter_bits of the element's flat index
-      idx = rows * BLOCK + cols + h
-      mag = nvfp4._e2m1_stochastic_code(a, _common._mix32(_common._mix32(idx ^ k1) + k2))
-    if not sqrt_of:  # the sign of x * escale (an underflow to -0.0 gives +0's code, as quantize)
-      mag = mag | jnp.where(y < 0, 8, 0).astype(jnp.uint8)
-    codes.append(jnp.where(zero_block, 0, mag).astype(jnp.uint8))
+    # _common.counter_bits of the element's flat index
+    bits = None if rounding == "nearest" else _common.counter_hash(rows * BLOCK + cols + h, k1, k2)
+    codes.append(nvfp4._element_codes(x, escale, zero_block, rounding, bits))
   return codes[0] | (codes[1] << 4), dcode
 
 
@@ -260,8 +230,7 @@ def _encode_kernel(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, v
       k1, k2 = (lax.bitcast_convert_type(i_ref[k], jnp.uint32),
                 lax.bitcast_convert_type(i_ref[k + 1], jnp.uint32))
     xs = [m for _, m, _ in halves] if j == 0 else [_sqrt_rn(v, interpret) for _, _, v in halves]
-    packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret,
-                                   sqrt_of=j == 1)
+    packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret)
     store(c_out, packed, ok2)
     store(s_out, lax.bitcast_convert_type(dcode, jnp.float8_e4m3fn), ok1)
     g_out[...] = jnp.full((1,), s_dec, jnp.float32)  # every program writes the same value
@@ -272,21 +241,17 @@ def _encode_kernel(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, v
 
 
 def _key_words(key, leaf_ids):
-  """Per leaf, the two words ``counter_bits`` derives from each moment's key (int32, (L, 4))."""
+  """Per leaf, the ``counter_words`` of its two moments' keys (int32, (L, 4)), as the XLA path keys
+  the leaf (``fold_in(key, leaf)``, then ``_common.moment_keys``)."""
   def words(i):
-    k_leaf = jax.random.fold_in(key, i)
-    out = []
-    for j in range(2):  # the keys of m and v, as adam._leaf_update folds them
-      w = jax.random.key_data(jax.random.fold_in(k_leaf, j)).reshape(-1).astype(jnp.uint32)
-      out += [_common._mix32(w[0] ^ jnp.uint32(0x9E3779B9)),
-              _common._mix32(w[-1] ^ jnp.uint32(0x85EBCA6B))]
-    return jnp.stack(out)
+    return jnp.stack([w for k in _common.moment_keys(jax.random.fold_in(key, i))
+                      for w in _common.counter_words(k)])
   w = jax.vmap(words)(jnp.asarray(leaf_ids, jnp.uint32))
   return lax.bitcast_convert_type(w, jnp.int32)
 
 
-def update_leaves(grads, mus, nus, leaf_ids, count_inc, key, hp: AdamHyper, *, bound,
-                  block_rows: int | None = None, num_warps: int | None = None,
+def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominators, bound, zero,
+                  *, block_rows: int | None = None, num_warps: int | None = None,
                   interpret: bool = False):
   """The kernels' AdamW update of NVFP4 leaves (``supports(mu)`` true for each).
 
@@ -294,10 +259,11 @@ def update_leaves(grads, mus, nus, leaf_ids, count_inc, key, hp: AdamHyper, *, b
     grads: gradient leaves (float32 or bfloat16).
     mus, nus: their stored m and √v (``NVFP4Tensor``, 1×16 blocks along the last axis).
     leaf_ids: each leaf's index in the tree, which keys its rounding bits as in the XLA path.
-    count_inc: the step count after this update (int32 scalar).
     key: the step's key (``_common.step_key``), or None for nearest rounding of both moments.
     hp: constants and roundings.
-    bound: the update clip bound (float32 scalar; unused without ``hp.clip_update``).
+    bias_denominators: ``(bc1, bc1 at count + 1, bc2)`` of ``_common.adam_direction``.
+    bound: the update clip bound (float32 scalar), or None (``hp.clip_update`` False).
+    zero: ``_common.runtime_zero`` of the step count (``_common.adam_moments``).
     block_rows: 16-element blocks per program, a power of two (default ``BLOCK_ROWS``).
     num_warps: Triton warps per program (default ``NUM_WARPS``).
     interpret: Pallas interpret mode (CPU tests).
@@ -311,15 +277,12 @@ def update_leaves(grads, mus, nus, leaf_ids, count_inc, key, hp: AdamHyper, *, b
   num_warps = NUM_WARPS if num_warps is None else num_warps
   if block_rows < 1 or block_rows & (block_rows - 1):
     raise ValueError(f"block_rows must be a power of two, got {block_rows!r}")
-  zero = _common.runtime_zero(count_inc)
   ints = [jnp.broadcast_to(zero, (1,)), jnp.zeros((_INT_HEAD - 1,), jnp.int32)]
   if key is not None:
     ints.append(_key_words(key, leaf_ids).reshape(-1))
   ints = _pad_pow2(jnp.concatenate(ints))
-  floats = jnp.stack([_bias_denominator(hp.b1, count_inc),
-                      _bias_denominator(hp.b1, optax.safe_increment(count_inc)),
-                      _bias_denominator(hp.b2, count_inc),
-                      jnp.asarray(bound, jnp.float32)]).astype(jnp.float32)
+  floats = jnp.stack([*bias_denominators, jnp.float32(0) if bound is None else bound]
+                     ).astype(jnp.float32)
   old_scales = jnp.stack([t.global_scale.astype(jnp.float32) for pair in zip(mus, nus)
                           for t in pair])
   floats = _pad_pow2(jnp.concatenate([floats, jnp.zeros((_F32_HEAD - 4,), jnp.float32),

@@ -99,9 +99,11 @@ def test_many_programs_and_ragged_tail(block_rows):
   def direct(g, mu, nu, count):
     count_inc = count + 1
     bound = optim.adam_update_bound(count_inc, 0.9, 0.95)
+    bcs = (_common.bias_denominator(0.9, count_inc), _common.bias_denominator(0.9, count_inc + 1),
+           _common.bias_denominator(0.95, count_inc))
     return kernel.update_leaves([g[n] for n in names], [mu[n] for n in names],
-                                [nu[n] for n in names], ids, count_inc,
-                                _common.step_key(0, count_inc), hp, bound=bound,
+                                [nu[n] for n in names], ids, _common.step_key(0, count_inc), hp,
+                                bcs, bound, _common.runtime_zero(count_inc),
                                 block_rows=block_rows, interpret=True)
 
   us, mus, nus = direct(_tree(2), state.mu, state.nu, state.count)
@@ -130,8 +132,8 @@ def test_bad_arguments():
   hp = kernel.AdamHyper(0.9, 0.95, 1e-8, 0.0, False, True, "nearest", "nearest")
   z = _common.zeros_nvfp4((16, 64))
   with pytest.raises(ValueError, match="block_rows must be a power of two"):
-    kernel.update_leaves([jnp.zeros((16, 64))], [z], [z], [0], jnp.int32(1), None, hp,
-                         bound=1.0, block_rows=96, interpret=True)
+    kernel.update_leaves([jnp.zeros((16, 64))], [z], [z], [0], None, hp, (1.0, 1.0, 1.0), 1.0,
+                         jnp.int32(0), block_rows=96, interpret=True)
 
 
 def test_auto_follows_the_default_device():

@@ -16,6 +16,7 @@ this by default except on the CPU, where it only costs compile time (``group_by_
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -114,13 +115,28 @@ def counter_bits(key, shape) -> jax.Array:
   via ``fold_in``) give unrelated streams; the same key gives the same bits on every backend and
   sharding (integer arithmetic on the global index). Stochastic rounding uses the top 24 bits.
   """
-  words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
-  k1, k2 = _mix32(words[0] ^ jnp.uint32(0x9E3779B9)), _mix32(words[-1] ^ jnp.uint32(0x85EBCA6B))
+  k1, k2 = counter_words(key)
   size = math.prod(shape)
   if size >= 2**32:
     raise ValueError(f"counter_bits: {size} elements, more than 2^32 counters")
   idx = jnp.arange(size, dtype=jnp.uint32).reshape(shape)
+  return counter_hash(idx, k1, k2)
+
+
+def counter_words(key):
+  """The two uint32 words that key ``counter_bits``' hash, mixed from the ends of ``key``'s data."""
+  words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+  return _mix32(words[0] ^ jnp.uint32(0x9E3779B9)), _mix32(words[-1] ^ jnp.uint32(0x85EBCA6B))
+
+
+def counter_hash(idx, k1, k2):
+  """``counter_bits`` of uint32 flat indices ``idx`` given the key's ``counter_words``."""
   return _mix32(_mix32(idx ^ k1) + k2)
+
+
+def moment_keys(key):
+  """The keys of an Adam leaf's two moments (m, v) from the leaf's key."""
+  return jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
 
 
 def decode(t: NVFP4Tensor) -> jax.Array:
@@ -142,6 +158,34 @@ def rounded(x, zero) -> jax.Array:
   """
   bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) + zero
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def adam_moments(m_old, v_old, g32, b1: float, b2: float, zero):
+  """Adam's moment EMAs in float32 from the decoded old moments, every product rounded on its own
+  (``rounded_ema``): the same bits on the GPU and the CPU (no FMA contraction or reassociation).
+  ``zero``: ``runtime_zero`` of the step count."""
+  m = rounded_ema(m_old, g32, b1, zero)
+  v = rounded_ema(v_old, rounded(g32 * g32, zero), b2, zero)
+  return m, v
+
+
+@functools.partial(jax.jit, inline=True)
+def bias_denominator(decay, count):
+  """``1 - decay ** count``, computed as ``optax.tree.bias_correction`` does before dividing by it."""
+  return 1 - decay**count
+
+
+def adam_direction(m, v, g32, bc1, bc1_next, bc2, b1: float, eps: float, eps_root: float,
+                   nesterov: bool, bound=None):
+  """Adam's update ``m_hat / (sqrt(v_hat + eps_root) + eps)`` from the new moments, with optax's
+  bias corrections (``bc*``: ``bias_denominator`` of b1 at count and count + 1, of b2 at count;
+  Nesterov as ``optax.scale_by_adam(nesterov=True)``), clipped to ``±bound`` when one is given."""
+  if nesterov:
+    m_hat = b1 * (m / bc1_next) + (1 - b1) * (g32 / bc1)
+  else:
+    m_hat = m / bc1
+  u = m_hat / (jnp.sqrt(v / bc2 + eps_root) + eps)
+  return u if bound is None else jnp.clip(u, -bound, bound)
 
 
 def rounded_ema(old, new, decay: float, zero) -> jax.Array:

@@ -83,16 +83,6 @@ def adam_update_bound(count, b1, b2, *, nesterov: bool = False) -> jax.Array:
   return jnp.where(b2 > 0, bound * v_scale, jnp.inf)
 
 
-def new_moments(m_old, v_old, g32, b1, b2, count):
-  """Adam's moment EMAs in float32 from the decoded old moments, every product rounded on its own
-  (``_common.rounded_ema``): the same bits on the GPU and the CPU (no FMA contraction or
-  reassociation). ``count`` only feeds the compiler-opaque zero of ``_common.rounded``."""
-  z = _common.runtime_zero(count)
-  m = _common.rounded_ema(m_old, g32, b1, z)
-  v = _common.rounded_ema(v_old, _common.rounded(g32 * g32, z), b2, z)
-  return m, v
-
-
 def scale_by_adam_nvfp4(
     b1: float = 0.9,
     b2: float = 0.95,
@@ -204,12 +194,12 @@ def scale_by_adam_nvfp4(
     if impl != "xla" and kernel_ok:
       fused = [i for i in q_idx if adam_kernel.supports(mu_leaves[i])
                and adam_kernel.supports(nu_leaves[i])]
-      q_idx = [i for i in q_idx if i not in set(fused)]
+      q_idx = [i for i in q_idx if i not in fused]
     if fused:
-      bound = adam_update_bound(count_inc, b1, b2, nesterov=nesterov)
       outs = adam_kernel.update_leaves(
           [g_leaves[i] for i in fused], [mu_leaves[i] for i in fused],
-          [nu_leaves[i] for i in fused], fused, count_inc, key, hyper, bound=bound,
+          [nu_leaves[i] for i in fused], fused, key, hyper, _bias_denominators(count_inc),
+          _clip_bound(count_inc), _common.runtime_zero(count_inc),
           interpret=impl == "pallas_interpret")
       for j, i in enumerate(fused):
         u_leaves[i], mu_new[i], nu_new[i] = (o[j] for o in outs)
@@ -231,26 +221,30 @@ def scale_by_adam_nvfp4(
 
   def _leaf_update(g, mu_q, nu_q, key, count_inc):
     g32 = g.astype(jnp.float32)
-    k_m, k_v = (None, None) if key is None else (jax.random.fold_in(key, 0),
-                                                 jax.random.fold_in(key, 1))
+    k_m, k_v = (None, None) if key is None else _common.moment_keys(key)
     read_nu = _common.decode_guarded if zero_guard else _common.decode
     v_old = from_stored(read_nu(nu_q))
     m_old = _common.decode(mu_q)
     if normalized_mu:  # mu holds m / sqrt(v) of the stored v
       m_old = m_old * jnp.sqrt(v_old)
-    m, v = new_moments(m_old, v_old, g32, b1, b2, count_inc)
-    mu_hat = _bias_corrected_mu(m, g32, count_inc)
-    nu_hat = optax.tree.bias_correction(v, b2, count_inc)
-    u = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
-    if clip_update:
-      bound = adam_update_bound(count_inc, b1, b2, nesterov=nesterov)
-      u = jnp.clip(u, -bound, bound)
+    m, v = _common.adam_moments(m_old, v_old, g32, b1, b2, _common.runtime_zero(count_inc))
+    u = _common.adam_direction(m, v, g32, *_bias_denominators(count_inc), b1, eps, eps_root,
+                               nesterov, _clip_bound(count_inc))
     nu_new = _common.encode(to_stored(v), nu_rounding, k_v)
     if normalized_mu:
       s_new = jnp.sqrt(from_stored(read_nu(nu_new)))
       m = jnp.where(s_new > 0, m / jnp.where(s_new > 0, s_new, 1.0), 0.0)
     mu_new = _common.encode(m, mu_rounding, k_m)
     return u.astype(g.dtype), mu_new, nu_new
+
+  def _bias_denominators(count_inc):
+    """bc1, bc1 at count + 1, bc2 (``_common.adam_direction``)."""
+    return (_common.bias_denominator(b1, count_inc),
+            _common.bias_denominator(b1, optax.safe_increment(count_inc)),
+            _common.bias_denominator(b2, count_inc))
+
+  def _clip_bound(count_inc):
+    return adam_update_bound(count_inc, b1, b2, nesterov=nesterov) if clip_update else None
 
   def _bias_corrected_mu(mu, g, count_inc):
     if nesterov:

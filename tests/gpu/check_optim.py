@@ -149,7 +149,7 @@ def diagnose(name, tx, params, grads, b1=0.9, b2=0.95):
           to_stored, from_stored = adam._NU_TRANSFORMS["sqrt"]
           m_old, s_old = _common.decode(mu), _common.decode(nu)
           v_old = from_stored(s_old)
-          m, v = adam.new_moments(m_old, v_old, g, b1, b2, count)
+          m, v = _common.adam_moments(m_old, v_old, g, b1, b2, _common.runtime_zero(count))
           return dict(m_old=m_old, s_old=s_old, v_old=v_old, m=m, v=v, s=to_stored(v))
 
         args = (g[key], adam_in.mu[key], adam_in.nu[key], np.int32(t))
