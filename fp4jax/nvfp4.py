@@ -183,13 +183,13 @@ def _e2m1_stochastic_code(a, bits):
 
 
 def _decode_e2m1(code):
-  """E2M1 codes (uint8, sign in bit 3) -> float32, with integer operations only."""
+  """E2M1 codes (uint8, sign in bit 3) -> float32, built as bit patterns with integer operations only:
+  a normal magnitude code k in 2..7 is float32 ``(k << 22) + bits(0.5)`` (E2M1's exponent and mantissa
+  bits shifted into float32's, bias 1 -> 127); k = 1 is 0.5, k = 0 is 0."""
   c = code.astype(jnp.int32)
-  e = (c >> 1) & 3
-  m = c & 1
-  normal = lax.bitcast_convert_type(((e + 126) << 23) | (m << 22), jnp.float32)
-  mag = jnp.where(e == 0, m.astype(jnp.float32) * 0.5, normal)
-  return jnp.where((c & 8) != 0, -mag, mag)
+  k = c & 7
+  mag = jnp.where(k >= 2, (k << 22) + 0x3F000000, k * 0x3F000000)
+  return lax.bitcast_convert_type(mag | ((c & 8) << 28), jnp.float32)
 
 
 def _pack(codes, axis):

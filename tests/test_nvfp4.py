@@ -178,6 +178,13 @@ def test_stochastic_rounding_unbiased_and_deterministic():
   np.testing.assert_array_equal(np.asarray(a.scales, np.float32), np.asarray(t_near.scales, np.float32))
 
 
+def test_decode_e2m1_every_code():
+  """The integer decoder gives each of the 16 codes' value, signed zero included, bit for bit."""
+  want = np.array(list(nvfp4.E2M1_VALUES) + [-v for v in nvfp4.E2M1_VALUES], np.float32)
+  got = np.asarray(jax.jit(nvfp4._decode_e2m1)(jnp.arange(16, dtype=jnp.uint8)))
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_stochastic_code_is_the_probability_rule():
   """The E2M1 stochastic code of a magnitude a in [0, 6] with 24-bit uniform u: the lower grid
   neighbour lo, plus 1 iff u < (a - lo) / (hi - lo), computed here in float64 from the grid itself,
