@@ -30,9 +30,11 @@ therefore equals the XLA path's bit for bit (tests in interpret mode on the CPU;
 like the XLA path, so it may differ from it in the last bits.
 
 Layout: a leaf of ``n`` elements is viewed as ``(n / 16, 8, 2)``; a program takes ``block_rows``
-16-element blocks and reads the even and odd elements of each block as two (rows, 8) tiles, which
-is how the packed codes hold them (even element in the low nibble), so nothing is interleaved in
-registers. The last program masks rows past the end.
+16-element blocks and works on the even and odd elements of each block as two (rows, 8) tiles: that
+is how the packed codes hold them (even element in the low nibble), so codes are packed and unpacked
+without shuffles. ``stats`` loads the gradient as one contiguous (rows, 8, 2) tile split in registers
+and joins ``u`` back the same way for one contiguous store; ``encode`` reads the two halves with
+strided loads (see ``_halves``). The last program masks rows past the end.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ from fp4jax.kernels._util import next_pow2, store
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
 from fp4jax.optim import _common
 
-BLOCK_ROWS = 64  # default 16-element blocks per program
-NUM_WARPS = 4  # default Triton warps per program
+BLOCK_ROWS = 64  # default 16-element blocks per program of `encode`
+NUM_WARPS = 4  # default Triton warps per program of `encode`
+STATS_BLOCK_ROWS = 64  # the same for `stats`
+STATS_NUM_WARPS = 4
 _HALF = BLOCK // 2
 _INT_HEAD = 8  # the int table: [runtime zero, pad...], then 4 key words per leaf
 _F32_HEAD = 8  # the float table: [bc1, bc1 of count + 1, bc2, bound, pad...], then per leaf the
@@ -104,6 +108,13 @@ def _recip_rn(x, interpret):
   return jnp.float32(1.0) / x if interpret else _ptx("div.rn.f32", 1.0, x)
 
 
+def _mul_rn(interpret):
+  """The moments' products (``_common.rounded_ema``'s ``mul``): PTX ``mul.rn.f32`` on the GPU, which
+  ptxas never fuses into an addition (one instruction; ``rounded``'s integer add per product is what
+  made the kernels wait on the integer pipe); None (``rounded``) in interpret mode."""
+  return None if interpret else lambda a, b: _ptx("mul.rn.f32", a, b)
+
+
 def _sqrt_rn(x, interpret):
   """IEEE ``sqrt``: PTX ``sqrt.rn.f32`` on the GPU (subnormals included), ``_fp32.sqrt_rn`` in
   interpret mode: the same bits."""
@@ -126,30 +137,37 @@ def _load(ref, ok):
   return plgpu.load(ref, mask=ok, other=0)
 
 
-def _half(ref, h):
-  """The even (h = 0) or odd (h = 1) elements of each 16-element block row of ``ref``."""
-  return ref.at[:, :, jnp.int32(h)]
+def _halves(ref, ok2, ok3, split):
+  """The even and odd elements of each 16-element block row of ``ref`` (rows, 8, 2).
+
+  ``split``: one contiguous load split in registers (Triton's ``split``; ``stats`` ran 13% faster on
+  the H200), else two strided loads (``encode``, whose other tiles have a layout that made the split
+  cost more than it saved: +33%)."""
+  if split:
+    return jnp.unstack(_load(ref, ok3), axis=-1)
+  return [_load(ref.at[:, :, jnp.int32(h)], ok2) for h in range(2)]
 
 
 def _f8_bytes(x):
   return lax.bitcast_convert_type(x, jnp.uint8)
 
 
-def _moments(hp, zero, f_ref, leaf, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2):
-  """Per half h: (g, m, v) in float32, (rows, 8) each (``_common.adam_moments``)."""
+def _moments(hp, zero, f_ref, leaf, gs, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret):
+  """Per half h of the gradient's halves ``gs``: (g, m, v) in float32, (rows, 8) each
+  (``_common.adam_moments``)."""
   mcode, vcode = _load(mc_ref, ok2), _load(vc_ref, ok2)
   mscale = _fp32.e4m3_to_f32(_f8_bytes(_load(ms_ref, ok1)))[:, None]
   vscale = _fp32.e4m3_to_f32(_f8_bytes(_load(vs_ref, ok1)))[:, None]
   mg, vg = f_ref[_F32_HEAD + 2 * leaf], f_ref[_F32_HEAD + 2 * leaf + 1]
   out = []
-  for h in range(2):
+  for h, g in enumerate(gs):
     shift = 4 * h
-    g = _load(_half(g_ref, h), ok2).astype(jnp.float32)
+    g = g.astype(jnp.float32)
     # NVFP4Tensor.dequantize's products, in its order.
     m_old = (nvfp4._decode_e2m1((mcode >> shift) & 0xF) * mscale) * mg
     s_old = (nvfp4._decode_e2m1((vcode >> shift) & 0xF) * vscale) * vg
     v_old = s_old * s_old  # the "sqrt" transform's from_stored
-    m, v = _common.adam_moments(m_old, v_old, g, hp.b1, hp.b2, zero)
+    m, v = _common.adam_moments(m_old, v_old, g, hp.b1, hp.b2, zero, _mul_rn(interpret))
     out.append((g, m, v))
   return out
 
@@ -163,20 +181,25 @@ def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref,
                   u_ref, a_ref, *, hp: AdamHyper, nb: int, leaf: int, interpret: bool):
   del a_in  # the same buffer as a_ref (aliased)
   br = g_ref.shape[0]
-  ok1, ok2 = _rows_ok(nb, br, (br,)), _rows_ok(nb, br, (br, _HALF))
+  ok1, ok2, ok3 = (_rows_ok(nb, br, s) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
   zero = i_ref[0]
   bc1, bc1_next, bc2, bound = f_ref[0], f_ref[1], f_ref[2], f_ref[3]
-  amax_m = amax_v = jnp.float32(0)
-  for h, (g, m, v) in enumerate(_moments(hp, zero, f_ref, leaf, g_ref, mc_ref, ms_ref, vc_ref,
-                                         vs_ref, ok1, ok2)):
-    u = _common.adam_direction(m, v, g, bc1, bc1_next, bc2, hp.b1, hp.eps, hp.eps_root,
-                               hp.nesterov, bound if hp.clip_update else None)
-    store(_half(u_ref, h), u.astype(u_ref.dtype), ok2)
+  abs_m, abs_v, us = [], [], []
+  for g, m, v in _moments(hp, zero, f_ref, leaf, _halves(g_ref, ok2, ok3, split=True), mc_ref,
+                          ms_ref, vc_ref, vs_ref, ok1, ok2, interpret):
+    us.append(_common.adam_direction(m, v, g, bc1, bc1_next, bc2, hp.b1, hp.eps, hp.eps_root,
+                                     hp.nesterov, bound if hp.clip_update else None))
     # The encoder's amax (nvfp4.quantize): subnormals flushed, NaN counted as inf. Rows past the end
     # loaded as zeros, which leave the max alone.
     am = _fp32.flush_subnormals(m)
-    amax_m = jnp.maximum(amax_m, _max2d(jnp.where(jnp.isnan(am), jnp.inf, jnp.abs(am))))
-    amax_v = jnp.maximum(amax_v, _max2d(jnp.where(jnp.isnan(v), jnp.inf, jnp.abs(v))))
+    abs_m.append(jnp.where(jnp.isnan(am), jnp.inf, jnp.abs(am)))
+    abs_v.append(jnp.where(jnp.isnan(v), jnp.inf, jnp.abs(v)))
+  # Joined back in registers: one contiguous store.
+  store(u_ref, jnp.stack(us, axis=-1).astype(u_ref.dtype), ok3)
+  # The halves maxed elementwise first: one cross-warp reduction (shared memory and barriers, which
+  # stalled the kernel) per moment and program.
+  amax_m = _max2d(jnp.maximum(*abs_m))
+  amax_v = _max2d(jnp.maximum(*abs_v))
   # max(sqrt_rn(v)) = sqrt_rn(max(v)): sqrt_rn is monotone, and its results are never subnormal.
   amax_s = _sqrt_rn(jnp.full((1,), amax_v, jnp.float32), interpret)
   # Into the leaf's two entries of the amax buffer: the int32 max of the bit patterns is the
@@ -216,8 +239,8 @@ def _encode_kernel(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, v
   ok1, ok2 = _rows_ok(nb, br, (br,)), _rows_ok(nb, br, (br, _HALF))
   zero = i_ref[0]
   del mg_ref, vg_ref  # the old global scales' buffers, aliased to mg_out and vg_out; read from f_ref
-  halves = _moments(hp, zero, f_ref, leaf, g_ref, mc_ref, ms_ref, vc_ref, vs_ref,
-                    ok1, ok2)
+  halves = _moments(hp, zero, f_ref, leaf, _halves(g_ref, ok2, None, split=False), mc_ref, ms_ref,
+                    vc_ref, vs_ref, ok1, ok2, interpret)
   row0 = (pl.program_id(0) * br).astype(jnp.uint32)
   outs = ((mc_out, ms_out, mg_out), (vc_out, vs_out, vg_out))
   for j, (rounding, (c_out, s_out, g_out)) in enumerate(
@@ -252,6 +275,7 @@ def _key_words(key, leaf_ids):
 
 def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominators, bound, zero,
                   *, block_rows: int | None = None, num_warps: int | None = None,
+                  stats_block_rows: int | None = None, stats_num_warps: int | None = None,
                   interpret: bool = False):
   """The kernels' AdamW update of NVFP4 leaves (``supports(mu)`` true for each).
 
@@ -264,8 +288,11 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominato
     bias_denominators: ``(bc1, bc1 at count + 1, bc2)`` of ``_common.adam_direction``.
     bound: the update clip bound (float32 scalar), or None (``hp.clip_update`` False).
     zero: ``_common.runtime_zero`` of the step count (``_common.adam_moments``).
-    block_rows: 16-element blocks per program, a power of two (default ``BLOCK_ROWS``).
-    num_warps: Triton warps per program (default ``NUM_WARPS``).
+    block_rows: 16-element blocks per program of ``encode``, a power of two (default
+      ``BLOCK_ROWS``).
+    num_warps: Triton warps per program of ``encode`` (default ``NUM_WARPS``).
+    stats_block_rows, stats_num_warps: the same for ``stats`` (defaults ``STATS_BLOCK_ROWS``,
+      ``STATS_NUM_WARPS``).
     interpret: Pallas interpret mode (CPU tests).
 
   Returns:
@@ -275,8 +302,11 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominato
     return [], [], []
   block_rows = BLOCK_ROWS if block_rows is None else block_rows
   num_warps = NUM_WARPS if num_warps is None else num_warps
-  if block_rows < 1 or block_rows & (block_rows - 1):
-    raise ValueError(f"block_rows must be a power of two, got {block_rows!r}")
+  stats_rows = STATS_BLOCK_ROWS if stats_block_rows is None else stats_block_rows
+  stats_warps = STATS_NUM_WARPS if stats_num_warps is None else stats_num_warps
+  for name, rows in (("block_rows", block_rows), ("stats_block_rows", stats_rows)):
+    if rows < 1 or rows & (rows - 1):
+      raise ValueError(f"{name} must be a power of two, got {rows!r}")
   ints = [jnp.broadcast_to(zero, (1,)), jnp.zeros((_INT_HEAD - 1,), jnp.int32)]
   if key is not None:
     ints.append(_key_words(key, leaf_ids).reshape(-1))
@@ -287,7 +317,6 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominato
                           for t in pair])
   floats = _pad_pow2(jnp.concatenate([floats, jnp.zeros((_F32_HEAD - 4,), jnp.float32),
                                       old_scales]))
-  params = plgpu.CompilerParams(num_warps=num_warps)
 
   def spec(shape, br):
     if len(shape) == 1:
@@ -314,7 +343,7 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominato
   us = []
   for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
     nb, g2, state = views(g, mu, nu)
-    br = min(block_rows, next_pow2(nb))
+    br = min(stats_rows, next_pow2(nb))
     u2, amax_bits = pl.pallas_call(
         functools.partial(_stats_kernel, hp=hp, nb=nb, leaf=i, interpret=interpret),
         grid=(pl.cdiv(nb, br),),
@@ -324,7 +353,8 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominato
         out_shape=[jax.ShapeDtypeStruct(g2.shape, g.dtype),
                    jax.ShapeDtypeStruct(amax_bits.shape, jnp.int32)],
         input_output_aliases={2: 1},
-        compiler_params=params, interpret=interpret, name="adam_nvfp4_stats",
+        compiler_params=plgpu.CompilerParams(num_warps=stats_warps), interpret=interpret,
+        name="adam_nvfp4_stats",
     )(ints, floats, amax_bits, g2, *(x for k, x in enumerate(state) if k % 3 != 2))
     us.append(u2.reshape(g.shape))
 
@@ -356,7 +386,8 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominato
         # writing them; the old global scales come from `floats`), so a jit that donates the state
         # copies nothing.
         input_output_aliases={4 + k: k for k in range(6)},
-        compiler_params=params, interpret=interpret, name="adam_nvfp4_encode",
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps), interpret=interpret,
+        name="adam_nvfp4_encode",
     )(ints, floats, table, g2, *state)
     mus_new.append(_rebuild(mu, mc, ms, mg))
     nus_new.append(_rebuild(nu, vc, vs, vg))

@@ -82,10 +82,10 @@ def test_interpret_equals_xla_path(rounding, nesterov, dtype, nan):
   assert float(zero.global_scale) == 1.0 and not np.any(np.asarray(zero.codes))
 
 
-@pytest.mark.parametrize("block_rows", [64, 128])
-def test_many_programs_and_ragged_tail(block_rows):
-  """The kernels called directly with small programs (8 and 6 programs, the last ragged) from a
-  non-zero state give the XLA path's state."""
+@pytest.mark.parametrize("block_rows, stats_block_rows", [(64, 64), (128, 128), (64, 256)])
+def test_many_programs_and_ragged_tail(block_rows, stats_block_rows):
+  """The kernels called directly with small programs (8 and 6 programs, the last ragged; stats
+  and encode with programs of different sizes) from a non-zero state give the XLA path's state."""
   tx = optim.scale_by_adam_nvfp4(kernel="xla", min_size=1024)
   params = jax.tree.map(jnp.zeros_like, _tree(0))
   _, state = jax.jit(tx.update)(_tree(1), tx.init(params), params)
@@ -104,7 +104,8 @@ def test_many_programs_and_ragged_tail(block_rows):
     return kernel.update_leaves([g[n] for n in names], [mu[n] for n in names],
                                 [nu[n] for n in names], ids, _common.step_key(0, count_inc), hp,
                                 bcs, bound, _common.runtime_zero(count_inc),
-                                block_rows=block_rows, interpret=True)
+                                block_rows=block_rows, stats_block_rows=stats_block_rows,
+                                interpret=True)
 
   us, mus, nus = direct(_tree(2), state.mu, state.nu, state.count)
   for j, n in enumerate(names):
@@ -131,9 +132,11 @@ def test_bad_arguments():
     optim.scale_by_adam_nvfp4(kernel="triton")
   hp = kernel.AdamHyper(0.9, 0.95, 1e-8, 0.0, False, True, "nearest", "nearest")
   z = _common.zeros_nvfp4((16, 64))
-  with pytest.raises(ValueError, match="block_rows must be a power of two"):
-    kernel.update_leaves([jnp.zeros((16, 64))], [z], [z], [0], None, hp, (1.0, 1.0, 1.0), 1.0,
-                         jnp.int32(0), block_rows=96, interpret=True)
+  args = ([jnp.zeros((16, 64))], [z], [z], [0], None, hp, (1.0, 1.0, 1.0), 1.0, jnp.int32(0))
+  with pytest.raises(ValueError, match="^block_rows must be a power of two"):
+    kernel.update_leaves(*args, block_rows=96, interpret=True)
+  with pytest.raises(ValueError, match="stats_block_rows must be a power of two"):
+    kernel.update_leaves(*args, stats_block_rows=0, interpret=True)
 
 
 def test_auto_follows_the_default_device():

@@ -252,3 +252,18 @@ def test_grouped_leaves_equal_ungrouped_bit_for_bit():
     np.testing.assert_array_equal(np.asarray(a).reshape(-1).view(np.uint8),
                                   np.asarray(b).reshape(-1).view(np.uint8))
   assert _common.group_by_default() == (jax.default_backend() != "cpu")
+
+
+def test_moments_mul_hook_gives_the_rounded_products():
+  """``adam_moments(mul=...)`` (the kernels pass PTX mul.rn there) computes the same float32 values
+  as the default integer-barrier rounding, here with a plain product on the CPU."""
+  rng = np.random.default_rng(0)
+  m_old, v_old, g = (jnp.asarray(rng.standard_normal(4096) * 10.0 ** rng.uniform(-6, 2, 4096),
+                                 jnp.float32) for _ in range(3))
+  v_old = v_old * v_old
+  zero = _common.runtime_zero(jnp.int32(3))
+  want = jax.jit(lambda *a: _common.adam_moments(*a, 0.9, 0.95, zero))(m_old, v_old, g)
+  got = jax.jit(lambda *a: _common.adam_moments(*a, 0.9, 0.95, zero, lambda x, y: x * y))(
+      m_old, v_old, g)
+  for w, o in zip(want, got):
+    np.testing.assert_array_equal(np.asarray(o).view(np.uint32), np.asarray(w).view(np.uint32))

@@ -160,12 +160,13 @@ def rounded(x, zero) -> jax.Array:
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def adam_moments(m_old, v_old, g32, b1: float, b2: float, zero):
+def adam_moments(m_old, v_old, g32, b1: float, b2: float, zero, mul=None):
   """Adam's moment EMAs in float32 from the decoded old moments, every product rounded on its own
   (``rounded_ema``): the same bits on the GPU and the CPU (no FMA contraction or reassociation).
-  ``zero``: ``runtime_zero`` of the step count."""
-  m = rounded_ema(m_old, g32, b1, zero)
-  v = rounded_ema(v_old, rounded(g32 * g32, zero), b2, zero)
+  ``zero``: ``runtime_zero`` of the step count; ``mul``: see ``rounded_ema``."""
+  m = rounded_ema(m_old, g32, b1, zero, mul)
+  gg = rounded(g32 * g32, zero) if mul is None else mul(g32, g32)
+  v = rounded_ema(v_old, gg, b2, zero, mul)
   return m, v
 
 
@@ -188,15 +189,19 @@ def adam_direction(m, v, g32, bc1, bc1_next, bc2, b1: float, eps: float, eps_roo
   return u if bound is None else jnp.clip(u, -bound, bound)
 
 
-def rounded_ema(old, new, decay: float, zero) -> jax.Array:
+def rounded_ema(old, new, decay: float, zero, mul=None) -> jax.Array:
   """``decay * old + (1 - decay) * new`` in float32 with every product rounded on its own.
 
   ``old`` (often a dequantized product ``q * scale``) is rounded first too, so no backend can
   contract or reassociate across it: the moments, and the NVFP4 state made from them, get the same
-  bits on the GPU and the CPU.
+  bits on the GPU and the CPU. ``mul(a, b)``, when given, computes those products instead: a float32
+  multiply that no compiler fuses into the addition (the Pallas kernels pass PTX's ``mul.rn.f32``,
+  one instruction where ``rounded`` adds an integer operation per product); the values are the same.
   """
-  return (rounded((1.0 - decay) * new.astype(jnp.float32), zero)
-          + rounded(decay * rounded(old, zero), zero))
+  if mul is None:
+    return (rounded((1.0 - decay) * new.astype(jnp.float32), zero)
+            + rounded(decay * rounded(old, zero), zero))
+  return mul(1.0 - decay, new.astype(jnp.float32)) + mul(decay, old)
 
 
 def zero_floor(t: NVFP4Tensor) -> jax.Array:
