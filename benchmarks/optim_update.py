@@ -10,8 +10,10 @@ GPU == CPU equality of the NVFP4 state.
 Timing: ``params, state = step(params, state, grads)`` (``tx.update`` + ``optax.apply_updates``),
 jitted with params and state donated, median of ``--iters`` runs after 3 warm-up runs, each ended
 by ``block_until_ready`` (dispatch + device time), and ``--iters`` runs back to back with one block
-at the end (dispatch overlapping the device, as in a training loop). Equality: three updates of a smaller pytree with fixed gradients on the
-accelerator and on the CPU; NVFP4 codes, scales and global scales compared bit for bit, updates to
+at the end (dispatch overlapping the device, as in a training loop); with ``--busy`` also the
+device's busy time per update from a profile (kernels only: no host dispatch, so it does not move
+with the host's load as the wall-clock figures do). Equality: three updates of a smaller pytree with
+fixed gradients on the accelerator and on the CPU; NVFP4 codes, scales and global scales compared bit for bit, updates to
 1e-5 of their max; float32 leaves (optax's arithmetic, which XLA's GPU backend contracts into FMAs)
 are reported, bound 1e-4. Exits 1 if a state differs beyond ``--max-mismatch`` of its codes or a
 result is not finite. Prints markdown tables last.
@@ -146,11 +148,12 @@ def equality(tx, params, grads_list, accel):
   return worst
 
 
-def profile(tx, params, grads, name, steps=5):
-  """Device-side profile of ``steps`` updates (benchmarks/profile_step.py's trace summary)."""
+def profile(tx, params, grads, name, steps=5, report=True):
+  """Device-side profile of ``steps`` updates (benchmarks/profile_step.py's trace summary, printed
+  when ``report``). Returns the device's busy milliseconds per update."""
   import tempfile
 
-  from benchmarks.profile_step import read_trace, summarize
+  from benchmarks.profile_step import busy_ms, read_trace, summarize
 
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
@@ -167,21 +170,26 @@ def profile(tx, params, grads, name, steps=5):
     for _ in range(steps):
       params, state = fn(params, state, grads)
     jax.block_until_ready(params)
-  print(f"profile of {name}: {steps} updates")
-  summarize(*read_trace(trace_dir), steps, 30)
+  trace = read_trace(trace_dir)
+  if report:
+    print(f"profile of {name}: {steps} updates")
+    summarize(*trace, steps, 30)
+  return busy_ms(*trace, steps)
 
 
 def _print_timings(rows, n, accel, stacked=False):
-  base, base_piped = rows[0][1], rows[0][2]
+  base, base_piped, base_busy = rows[0][1], rows[0][2], rows[0][6]
   layout = "block leaves stacked over layers" if stacked else "one leaf per block parameter"
   print(f"\n### Optimizer update, {n / 1e6:.1f}M-parameter GPT-2-small pytree ({layout}), "
         f"{accel.device_kind}\n")
-  print("| optimizer | median ms (blocking) | vs optax.adamw | back-to-back ms | vs optax.adamw | "
-        "compile s | state B/param | finite |")
-  print("|---|---|---|---|---|---|---|---|")
-  for name, ms, piped, comp, nbytes, finite in rows:
-    print(f"| {name} | {ms:.3f} | {ms / base:.2f}x | {piped:.3f} | {piped / base_piped:.2f}x | "
-          f"{comp:.1f} | {nbytes / n:.3f} | {finite} |")
+  busy_head = " device busy ms | vs optax.adamw |" if base_busy is not None else ""
+  print("| optimizer | median ms (blocking) | vs optax.adamw | back-to-back ms | vs optax.adamw |"
+        f"{busy_head} compile s | state B/param | finite |")
+  print("|---|---|---|---|---|" + ("---|---|" if busy_head else "") + "---|---|---|")
+  for name, ms, piped, comp, nbytes, finite, busy in rows:
+    busy_cols = f" {busy:.3f} | {busy / base_busy:.2f}x |" if busy_head else ""
+    print(f"| {name} | {ms:.3f} | {ms / base:.2f}x | {piped:.3f} | {piped / base_piped:.2f}x |"
+          f"{busy_cols} {comp:.1f} | {nbytes / n:.3f} | {finite} |")
 
 
 def main(argv=None):
@@ -198,7 +206,11 @@ def main(argv=None):
   ap.add_argument("--sweep", default=None, metavar="RxW,...",
                   help="also time adamw_nvfp4's Pallas kernels at these blocks-per-program x warps")
   ap.add_argument("--kernel-config", default=None, metavar="RxW",
-                  help="blocks per program x warps of adamw_nvfp4's Pallas kernels for every row")
+                  help="blocks per program x warps of adamw_nvfp4's Pallas encode kernel, every row")
+  ap.add_argument("--stats-config", default=None, metavar="RxW",
+                  help="the same for the stats kernel")
+  ap.add_argument("--busy", action="store_true",
+                  help="also profile each row: the device's busy time per update (no host time)")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--skip-equality", action="store_true",
                   help="timings only (tests/gpu/check_optim.py checks GPU == CPU too)")
@@ -237,6 +249,9 @@ def main(argv=None):
     runs = {w: runs[w] for w in wanted}
   if args.kernel_config:
     adam_kernel.BLOCK_ROWS, adam_kernel.NUM_WARPS = (int(x) for x in args.kernel_config.split("x"))
+  if args.stats_config:
+    adam_kernel.STATS_BLOCK_ROWS, adam_kernel.STATS_NUM_WARPS = (
+        int(x) for x in args.stats_config.split("x"))
   if args.profile:
     for name in args.profile.split(","):
       profile(runs[name], params, grads, name)
@@ -252,10 +267,12 @@ def main(argv=None):
     # The kernels read their launch sizes when traced; time_update traces its own jit.
     adam_kernel.BLOCK_ROWS, adam_kernel.NUM_WARPS = configs.get(name, default_config)
     ms, piped, comp, nbytes, finite = time_update(tx, params, grads, iters)
+    busy = profile(tx, params, grads, name, report=False) if args.busy else None
     ok &= finite
-    rows.append((name, ms, piped, comp, nbytes, finite))
+    rows.append((name, ms, piped, comp, nbytes, finite, busy))
     print(f"  {name}: {ms:.3f} ms, back to back {piped:.3f} ms (compile {comp:.1f} s), "
-          f"{nbytes / n:.3f} B/param, finite={finite}", flush=True)
+          f"{nbytes / n:.3f} B/param, finite={finite}"
+          + (f", device busy {busy:.3f} ms" if busy is not None else ""), flush=True)
 
   if args.skip_equality:
     return _print_timings(rows, n, accel, args.stacked) or (0 if ok else 1)

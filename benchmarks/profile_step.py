@@ -66,7 +66,7 @@ def read_trace(trace_dir: str) -> tuple[list[dict], dict]:
   return events, names
 
 
-def summarize(events, names, steps: int, top: int, hlo: dict | None = None) -> None:
+def _device_lines(events, names):
   device_pids = {pid for (pid, tid), n in names.items() if tid is None and "device" in n.lower()
                  and "cpu" not in n.lower()}
   if not device_pids:  # CPU runs: the host's XLA threads stand in for a device
@@ -75,13 +75,28 @@ def summarize(events, names, steps: int, top: int, hlo: dict | None = None) -> N
   for e in events:
     if e.get("ph") == "X" and e.get("pid") in device_pids:
       lines[(e["pid"], e.get("tid"))].append(e)
+  return lines
+
+
+def _op_line(lines, names):
+  """The op-level timeline: XLA Ops where the profiler has one, else the busiest timeline."""
+  pick = [k for k in lines if "xla ops" in str(names.get(k, "")).lower()]
+  return pick[0] if pick else max(lines, key=lambda k: sum(e["dur"] for e in lines[k]))
+
+
+def busy_ms(events, names, steps: int) -> float:
+  """Milliseconds per step during which the op timeline runs a kernel (device time, no host)."""
+  lines = _device_lines(events, names)
+  return sum(e["dur"] for e in lines[_op_line(lines, names)]) / 1e3 / steps
+
+
+def summarize(events, names, steps: int, top: int, hlo: dict | None = None) -> None:
+  lines = _device_lines(events, names)
   print("\n| timeline | events | busy ms / step |\n|---|---:|---:|")
   for key, evs in sorted(lines.items(), key=lambda kv: -sum(e["dur"] for e in kv[1])):
     label = f"{names.get((key[0], None), key[0])} / {names.get(key, key[1])}"
     print(f"| {label[:80]} | {len(evs)} | {sum(e['dur'] for e in evs) / 1e3 / steps:.2f} |")
-  # The op-level timeline: XLA Ops where the profiler has one, else the busiest timeline.
-  pick = [k for k in lines if "xla ops" in str(names.get(k, "")).lower()]
-  key = pick[0] if pick else max(lines, key=lambda k: sum(e["dur"] for e in lines[k]))
+  key = _op_line(lines, names)
   evs = lines[key]
   total = sum(e["dur"] for e in evs)
   by_kind, by_name = collections.Counter(), collections.Counter()
