@@ -16,8 +16,9 @@ kernels that read only the gradient and the packed state, with one small XLA ste
    state in place (``input_output_aliases``: a jit that donates the state copies nothing).
 
 Per parameter that is about 4 + 1.1 bytes read twice and 4 + 1.1 written (float32 gradient), where
-``optax.adamw`` reads 12 and writes 12. On the H200 the kernels are bound by integer and float
-instructions, not by memory (benchmarks/RESULTS.md).
+``optax.adamw`` reads 12 and writes 12. On the H200 ``encode`` is bound by the ALU pipe (integer,
+logic, compare and select instructions: 87% busy under Nsight Compute), not by memory
+(benchmarks/RESULTS.md).
 
 Bits: the kernels call the functions of the XLA path (``fp4jax.nvfp4``, ``fp4jax._fp32``,
 ``fp4jax.optim._common``): products rounded before each addition (no FMA contraction), the same E4M3
