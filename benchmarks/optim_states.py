@@ -46,6 +46,7 @@ CANDIDATES = {
     "sqrt v, stochastic, zero guard": dict(**_GUARD),
     "sqrt v, stochastic, clip (default)": dict(**_CLIP),
     "sqrt v, nearest, clip": dict(rounding="nearest", **_CLIP),
+    "sqrt v nearest, m stochastic, clip": dict(rounding=("stochastic", "nearest"), **_CLIP),
     "sqrt v, nearest, guard+clip": dict(rounding="nearest", **_BOTH),
     "sqrt v, stochastic, guard+clip": dict(**_BOTH),
     "v^1/4, stochastic, guard+clip": dict(nu_transform="quarter", **_BOTH),
@@ -53,7 +54,8 @@ CANDIDATES = {
     "sqrt v, stochastic, m/sqrt(v), guard+clip": dict(mu_storage="normalized", **_BOTH),
 }
 TRAIN_CANDIDATES = ("sqrt v, nearest", "sqrt v, nearest, clip", "sqrt v, stochastic, clip (default)",
-                    "sqrt v, stochastic, guard+clip", "sqrt v, stochastic, m/sqrt(v), clip")
+                    "sqrt v, stochastic, guard+clip", "sqrt v, stochastic, m/sqrt(v), clip",
+                    "sqrt v nearest, m stochastic, clip")
 B1, B2, LR, WD = 0.9, 0.95, 1e-3, 0.1
 
 
@@ -121,10 +123,10 @@ def _print_shadow(rows, ref_max, steps):
     print(f"| {k} | {err:.3f} | {umax:.3g} | {over:.2e} |", flush=True)
 
 
-def train_all(steps: int, seeds=(0,)):
+def train_all(steps: int, seeds=(0,), names=TRAIN_CANDIDATES):
   out = {}
   runs = {"fp32 optax.adamw": lambda: optax.adamw(LR, b1=B1, b2=B2, weight_decay=WD)}
-  for k in TRAIN_CANDIDATES:
+  for k in names:
     runs[k] = functools.partial(optim.adamw_nvfp4, LR, B1, B2, weight_decay=WD, **CANDIDATES[k])
   for k, make in runs.items():
     finals = []
@@ -143,13 +145,19 @@ def main(argv=None):
   ap.add_argument("--seeds", type=int, default=1)
   ap.add_argument("--only", choices=("shadow", "train"), default=None)
   ap.add_argument("--lr", type=float, default=LR)
+  ap.add_argument("--train-candidates", default=None, metavar="NAMES",
+                  help="';'-separated names of the candidates to train (default: TRAIN_CANDIDATES)")
   args = ap.parse_args(argv)
+  names = TRAIN_CANDIDATES if args.train_candidates is None else args.train_candidates.split(";")
+  unknown = [n for n in names if n not in CANDIDATES]
+  if unknown:
+    ap.error(f"--train-candidates: unknown {unknown}; known: {sorted(CANDIDATES)}")
   _set_lr(args.lr)
   t0 = time.time()
   if args.only != "train":
     shadow(args.steps)
   if args.only != "shadow":
-    res = train_all(args.train_steps, tuple(range(args.seeds)))
+    res = train_all(args.train_steps, tuple(range(args.seeds)), names)
     base = np.mean(res["fp32 optax.adamw"])
     print(f"\n### Training, {args.train_steps} steps, lr {LR:g}, seeds {args.seeds}, final loss "
           "(last 50)\n")

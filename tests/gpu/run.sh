@@ -16,6 +16,7 @@ declare -A CMD=(
   [optim_update]="python3 benchmarks/optim_update.py --muon"
   [optim_adamw]="python3 benchmarks/optim_update.py"
   [optim_timing]="python3 benchmarks/optim_update.py --skip-equality"
+  [optim_busy]="python3 benchmarks/optim_update.py --skip-equality --busy --runs=optax.adamw,adamw_nvfp4"
   [optim_timing_stacked]="python3 benchmarks/optim_update.py --skip-equality --stacked"
   [optim_profile]="python3 benchmarks/optim_update.py --profile=adamw_nvfp4"
   [optim_variants]="python3 benchmarks/optim_update.py --variants"
