@@ -204,7 +204,7 @@ def main(argv=None):
   ap.add_argument("--runs", default=None, metavar="NAMES",
                   help="comma-separated names of the rows to time (default: all that the flags add)")
   ap.add_argument("--sweep", default=None, metavar="RxW,...",
-                  help="also time adamw_nvfp4's Pallas kernels at these blocks-per-program x warps")
+                  help="also time adamw_nvfp4 at these blocks-per-program x warps of its encode kernel")
   ap.add_argument("--kernel-config", default=None, metavar="RxW",
                   help="blocks per program x warps of adamw_nvfp4's Pallas encode kernel, every row")
   ap.add_argument("--stats-config", default=None, metavar="RxW",

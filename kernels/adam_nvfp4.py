@@ -21,7 +21,8 @@ logic, compare and select instructions: 87% busy under Nsight Compute), not by m
 (benchmarks/RESULTS.md).
 
 Bits: the kernels call the functions of the XLA path (``fp4jax.nvfp4``, ``fp4jax._fp32``,
-``fp4jax.optim._common``): products rounded before each addition (no FMA contraction), the same E4M3
+``fp4jax.optim._common``): products rounded before each addition (no FMA contraction; PTX
+``mul.rn.f32`` on the GPU, ``_common.rounded`` in interpret mode), the same E4M3
 and E2M1 rounding, the same counter hash for the stochastic rounding bits. The two correctly rounded
 operations that the XLA path builds from integers (``_fp32.div_rn`` for ``1 / (dscale * S_dec)``,
 ``_fp32.sqrt_rn`` for √v) are PTX's ``div.rn.f32`` and ``sqrt.rn.f32`` on the GPU (IEEE, the same
@@ -111,8 +112,8 @@ def _recip_rn(x, interpret):
 
 def _mul_rn(interpret):
   """The moments' products (``_common.rounded_ema``'s ``mul``): PTX ``mul.rn.f32`` on the GPU, which
-  ptxas never fuses into an addition (one instruction; ``rounded``'s integer add per product is what
-  made the kernels wait on the integer pipe); None (``rounded``) in interpret mode."""
+  ptxas never fuses into an addition: one instruction, where ``rounded`` adds an integer operation
+  per product on the ALU pipe that bounds ``encode``. None (``rounded``) in interpret mode."""
   return None if interpret else lambda a, b: _ptx("mul.rn.f32", a, b)
 
 

@@ -165,8 +165,7 @@ def adam_moments(m_old, v_old, g32, b1: float, b2: float, zero, mul=None):
   (``rounded_ema``): the same bits on the GPU and the CPU (no FMA contraction or reassociation).
   ``zero``: ``runtime_zero`` of the step count; ``mul``: see ``rounded_ema``."""
   m = rounded_ema(m_old, g32, b1, zero, mul)
-  gg = rounded(g32 * g32, zero) if mul is None else mul(g32, g32)
-  v = rounded_ema(v_old, gg, b2, zero, mul)
+  v = rounded_ema(v_old, (mul or _rounded_mul(zero))(g32, g32), b2, zero, mul)
   return m, v
 
 
@@ -199,9 +198,13 @@ def rounded_ema(old, new, decay: float, zero, mul=None) -> jax.Array:
   one instruction where ``rounded`` adds an integer operation per product); the values are the same.
   """
   if mul is None:
-    return (rounded((1.0 - decay) * new.astype(jnp.float32), zero)
-            + rounded(decay * rounded(old, zero), zero))
+    mul, old = _rounded_mul(zero), rounded(old, zero)
   return mul(1.0 - decay, new.astype(jnp.float32)) + mul(decay, old)
+
+
+def _rounded_mul(zero):
+  """The default ``mul`` of ``rounded_ema``: the product, then ``rounded``."""
+  return lambda a, b: rounded(a * b, zero)
 
 
 def zero_floor(t: NVFP4Tensor) -> jax.Array:

@@ -32,8 +32,8 @@ Two implementations of the NVFP4 leaves' update, with the same state bits (tests
 ``tests/gpu/check_optim.py``): plain jnp, which XLA fuses and partitions (``kernel="xla"``), and two Pallas
 Triton kernels per leaf (``fp4jax.kernels.adam_nvfp4``), the default on a GPU, which read the gradient
 and the packed state twice and write nothing else (on the H200, for a 124M GPT-2 pytree: ~2.0x
-``optax.adamw``'s device time, 1.5–1.9x its wall-clock time, and ~2.5x for the XLA path;
-benchmarks/RESULTS.md).
+``optax.adamw``'s device time; wall-clock ratios of 1.4–2.0x in undisturbed runs, moving with the
+host's load; ~2.5x for the XLA path; benchmarks/RESULTS.md).
 
 Leaves that the storage rule keeps in float32 (``fp4jax.optim._common``) run ``optax.scale_by_adam``'s
 arithmetic unchanged, and with ``quantize=False`` the transform equals optax's bit for bit.

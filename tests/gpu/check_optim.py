@@ -16,7 +16,8 @@ backend in the same process, and compares:
    on the GPU the Pallas kernels by default, and the XLA path once more), against the CPU's XLA
    path: packed codes, E4M3 scales and
    global scales bit for bit (counts reported; at most 1e-5 of the codes may flip), updates to 1e-5
-   of their max. The moments' products are rounded before each sum (``_common.rounded``), so the
+   of their max. The moments' products are rounded before each sum (``_common.rounded``; PTX
+   ``mul.rn.f32`` in the kernels), so the
    GPU's FMA contraction cannot change their bits;
 4. ``muon_nvfp4(quantize_mu=True)`` after 2 updates: momentum and AdamW-side codes as in 3 (they do
    not depend on Newton–Schulz), updates within 0.3 of their max (Newton–Schulz, as in 2).
@@ -170,7 +171,8 @@ def diagnose(name, tx, params, grads, b1=0.9, b2=0.95):
 def main() -> int:
   print(f"device: {DEV.device_kind} ({DEV.platform}) vs {CPU.device_kind}; jax {jax.__version__}")
   rng = np.random.default_rng(1)
-  # "head": 600 blocks of 16, so the Pallas update's last program is ragged (512 blocks per program).
+  # "head": 600 blocks of 16, so the Pallas update's last program is ragged (64 blocks per program
+  # by default).
   shapes = {"embed": (1024, 256), "qkv": (256, 768), "down": (1024, 256), "head": (200, 48),
             "norm": (256,), "b": (768,)}
   params = {k: (rng.standard_normal(s) * 0.02).astype(np.float32) for k, s in shapes.items()}
