@@ -209,6 +209,8 @@ def main(argv=None):
                   help="blocks per program x warps of adamw_nvfp4's Pallas encode kernel, every row")
   ap.add_argument("--stats-config", default=None, metavar="RxW",
                   help="the same for the stats kernel")
+  ap.add_argument("--join-u", action="store_true",
+                  help="adamw_nvfp4's encode kernel stores the update joined (contiguous), every row")
   ap.add_argument("--busy", action="store_true",
                   help="also profile each row: the device's busy time per update (no host time)")
   ap.add_argument("--iters", type=int, default=20)
@@ -252,6 +254,7 @@ def main(argv=None):
   if args.stats_config:
     adam_kernel.STATS_BLOCK_ROWS, adam_kernel.STATS_NUM_WARPS = (
         int(x) for x in args.stats_config.split("x"))
+  adam_kernel.JOIN_U = args.join_u
   if args.profile:
     for name in args.profile.split(","):
       profile(runs[name], params, grads, name)

@@ -161,25 +161,28 @@ def _normalize(shape, block, axis) -> tuple[tuple[int, int], int]:
 
 
 def _e2m1_rne_code(a):
-  """Magnitude a in [0, 6] -> E2M1 code 0..7, round to nearest, ties to the even code."""
-  c = ((a > 0.25).astype(jnp.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
-       + (a >= 3.5) + (a > 5.0))
-  return c.astype(jnp.uint8)
+  """Magnitude a in [0, 6] -> E2M1 code 0..7 (int32), round to nearest, ties to the even code."""
+  return ((a > 0.25).astype(jnp.int32) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
+          + (a >= 3.5) + (a > 5.0))
 
 
 def _e2m1_stochastic_code(a, bits):
-  """Magnitude a in [0, 6] -> code, rounding up with probability (a - lo) / (hi - lo).
+  """Magnitude a in [0, 6] -> code (int32), rounding up with probability (a - lo) / (hi - lo), from the top 22
+  of the uint32 ``bits``.
 
-  The grid's step is 0.5 below 2, 1 below 4 and 2 up to 6, so ``t = a / step`` is exact: its integer
-  part is the lower neighbour within the step's range and its fraction the probability (exact).
+  On float32 bit patterns: each step of the E2M1 grid in [1, 6] lies inside one binade and spans
+  2^22 patterns (1 → 1.5 → 2 → 3 → 4 → 6), so adding 22 random bits ``r`` to the pattern and keeping
+  its top bits rounds up exactly when ``r >= 2^22 - frac`` (``frac``: the pattern mod 2^22), with
+  probability ``frac / 2^22 = (a - lo) / (hi - lo)``. Below 1 the grid (0, 0.5, 1) has the same
+  shape as [1, 2) shifted down by 1, so there the pattern is that of ``a + 1`` (float32, rounded to
+  2^-23). Three integer operations and a select per element: on the GPU this quantizer (the Pallas
+  AdamW kernel's) is bound by instruction issue.
   """
-  lt2, lt4 = a < 2.0, a < 4.0
-  t = a * jnp.where(lt2, 2.0, jnp.where(lt4, 1.0, 0.5)).astype(jnp.float32)
-  k = t.astype(jnp.int32)  # floor: t >= 0
-  p = t - k.astype(jnp.float32)
-  lo = k + jnp.where(lt2, 0, jnp.where(lt4, 2, 4))  # the code of the lower neighbour; 7 at a = 6
-  u = (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24))  # uniform on [0, 1), 24 bits
-  return (lo + (u < p).astype(jnp.int32)).astype(jnp.uint8)
+  small = a < 1.0
+  x = lax.bitcast_convert_type(jnp.where(small, a + 1.0, a), jnp.int32)
+  # The code of 1.0 is 2, its pattern's top bits 254: of 1 + 0 (below 1), 0.
+  top = (x + (bits >> 10).astype(jnp.int32)) >> 22
+  return top - jnp.where(small, 254, 252)
 
 
 def _decode_e2m1(code):
@@ -252,10 +255,10 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
       codes then serve ``x`` and ``x.T``).
     axis: the blocked axis for ``(1, 16)``; ignored for ``(16, 16)``.
     rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased: rounds to one of the two
-      neighbouring E2M1 values with probabilities that make the expectation exact; 24 random bits
+      neighbouring E2M1 values with probabilities that make the expectation exact; 22 random bits
       per element from ``key``).
     key: a ``jax.random`` key for stochastic rounding (``jax.random.bits``). Same key, same bits.
-    bits: instead of ``key``, the uint32 random bits themselves, shaped like ``x`` (the top 24 of
+    bits: instead of ``key``, the uint32 random bits themselves, shaped like ``x`` (the top 22 of
       each are used), e.g. from a cheaper generator that XLA fuses into the quantizer.
 
   Returns:
@@ -323,14 +326,15 @@ def _scale_codes(block_amax, m):
   return _fp32.round_to_e4m3(jnp.clip(jnp.minimum(block_amax * m, _fp32.F32_MAX), 0.0, E4M3_MAX))
 
 
-def _element_codes(x32, escale, zero_block, rounding, bits):
+def _element_codes(x32, escale, zero_block, rounding, bits, dtype=jnp.uint8):
   """E2M1 codes (sign in bit 3) of ``x32 * escale``, 0 where ``zero_block``: the per-element step of
   ``quantize`` (``escale`` and ``zero_block`` broadcast against ``x32``; ``bits`` for stochastic
-  rounding). The Pallas kernels call it too."""
+  rounding), as ``dtype``. The Pallas kernels call it too (with int32: no byte arithmetic)."""
   y = jnp.clip(x32 * escale, -E2M1_MAX, E2M1_MAX)
   a = jnp.abs(y)
   mag = _e2m1_rne_code(a) if rounding == "nearest" else _e2m1_stochastic_code(a, bits)
-  return jnp.where(zero_block, 0, mag | jnp.where(y < 0, 8, 0).astype(jnp.uint8)).astype(jnp.uint8)
+  code = mag.astype(jnp.int32) | jnp.where(y < 0, 8, 0)
+  return jnp.where(zero_block, 0, code).astype(dtype)
 
 
 def dequantize(t: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:

@@ -6,19 +6,23 @@ new moment's tensor amax before any code is written, so the XLA program makes se
 grouping leaves of one shape under ``vmap``, copies stacks of them. Here each leaf takes two
 kernels that read only the gradient and the packed state, with one small XLA step for all leaves:
 
-1. ``stats``: decode m and √v, compute the new moments and the update ``u`` (written), and fold each
-   program's max of |m| and of √v into the leaf's two slots of one int32 buffer (atomic max of the
-   float bit patterns, which orders non-negative floats).
+1. ``stats``: decode m and √v, compute the new moments, and fold each program's max of |m| and of
+   √v into the leaf's two slots of one int32 buffer (atomic max of the float bit patterns, which
+   orders non-negative floats). It writes nothing else.
 2. XLA, once for all leaves: ``S_enc`` and ``S_dec`` from those amaxes in Transformer Engine's order
    (``fp4jax.nvfp4.global_decode_scale``).
-3. ``encode``: recompute the same moments (same inputs, same code, same bits), then per 16-element
-   block the E4M3 scale and ``1 / (dscale * S_dec)`` once, and the E2M1 codes, written over the old
-   state in place (``input_output_aliases``: a jit that donates the state copies nothing).
+3. ``encode``: recompute the same moments (same inputs, same code, same bits), write the update
+   ``u``, then per 16-element block the E4M3 scale and ``1 / (dscale * S_dec)`` once, and the E2M1
+   codes, written over the old state in place (``input_output_aliases``: a jit that donates the
+   state copies nothing).
 
 Per parameter that is about 4 + 1.1 bytes read twice and 4 + 1.1 written (float32 gradient), where
-``optax.adamw`` reads 12 and writes 12. On the H200 ``encode`` is bound by the ALU pipe (integer,
-logic, compare and select instructions: 87% busy under Nsight Compute), not by memory
-(benchmarks/RESULTS.md).
+``optax.adamw`` reads 12 and writes 12. On the H200 ``encode`` is bound by instruction issue (the
+ALU pipe: integer, logic, compare and select instructions), not by memory; its code is written for
+few instructions per element: one counter hash per pair of elements serves four roundings
+(``_common.counter_bits``), stochastic rounding adds random bits to the float's pattern
+(``nvfp4._e2m1_stochastic_code``), √v serves both the stored state and the update's denominator,
+and codes are handled as 32-bit integers (benchmarks/RESULTS.md).
 
 Bits: the kernels call the functions of the XLA path (``fp4jax.nvfp4``, ``fp4jax._fp32``,
 ``fp4jax.optim._common``): products rounded before each addition (no FMA contraction; PTX
@@ -28,15 +32,15 @@ operations that the XLA path builds from integers (``_fp32.div_rn`` for ``1 / (d
 ``_fp32.sqrt_rn`` for √v) are PTX's ``div.rn.f32`` and ``sqrt.rn.f32`` on the GPU (IEEE, the same
 values), and in interpret mode the CPU's IEEE division and ``_fp32.sqrt_rn``. The stored state
 therefore equals the XLA path's bit for bit (tests in interpret mode on the CPU;
-``tests/gpu/check_optim.py`` on the H200). ``u`` uses the backend's float32 division and ``sqrt``
-like the XLA path, so it may differ from it in the last bits.
+``tests/gpu/check_optim.py`` on the H200). ``u`` uses the backend's float32 division like the XLA
+path, so it may differ from it in the last bits.
 
 Layout: a leaf of ``n`` elements is viewed as ``(n / 16, 8, 2)``; a program takes ``block_rows``
 16-element blocks and works on the even and odd elements of each block as two (rows, 8) tiles: that
 is how the packed codes hold them (even element in the low nibble), so codes are packed and unpacked
-without shuffles. ``stats`` loads the gradient as one contiguous (rows, 8, 2) tile split in registers
-and joins ``u`` back the same way for one contiguous store; ``encode`` reads the two halves with
-strided loads (see ``_halves``). The last program masks rows past the end.
+without shuffles. ``stats`` loads the gradient as one contiguous (rows, 8, 2) tile split in registers;
+``encode`` reads the two halves with strided loads and stores ``u`` the same way (see ``_halves``;
+``join_u``). The last program masks rows past the end.
 """
 
 from __future__ import annotations
@@ -59,9 +63,10 @@ BLOCK_ROWS = 64  # default 16-element blocks per program of `encode`
 NUM_WARPS = 4  # default Triton warps per program of `encode`
 STATS_BLOCK_ROWS = 64  # the same for `stats`
 STATS_NUM_WARPS = 4
+JOIN_U = False  # default `join_u` of `update_leaves`
 _HALF = BLOCK // 2
-_INT_HEAD = 8  # the int table: [runtime zero, pad...], then 4 key words per leaf
-_F32_HEAD = 8  # the float table: [bc1, bc1 of count + 1, bc2, bound, pad...], then per leaf the
+_INT_HEAD = 8  # the int table: [runtime zero, pad...], then 2 key words per leaf
+_F32_HEAD = 8  # the float table: [the 4 `_common.bias_factors`, bound, pad...], then per leaf the
 # old global scales of m and √v
 
 
@@ -157,7 +162,8 @@ def _f8_bytes(x):
 def _moments(hp, zero, f_ref, leaf, gs, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret):
   """Per half h of the gradient's halves ``gs``: (g, m, v) in float32, (rows, 8) each
   (``_common.adam_moments``)."""
-  mcode, vcode = _load(mc_ref, ok2), _load(vc_ref, ok2)
+  # Codes widened once: 32-bit integer arithmetic from here (bytes cost the GPU byte permutes).
+  mcode, vcode = (_load(r, ok2).astype(jnp.int32) for r in (mc_ref, vc_ref))
   mscale = _fp32.e4m3_to_f32(_f8_bytes(_load(ms_ref, ok1)))[:, None]
   vscale = _fp32.e4m3_to_f32(_f8_bytes(_load(vs_ref, ok1)))[:, None]
   mg, vg = f_ref[_F32_HEAD + 2 * leaf], f_ref[_F32_HEAD + 2 * leaf + 1]
@@ -179,25 +185,19 @@ def _max2d(x):
   return jnp.max(jnp.max(x, axis=1), axis=0)
 
 
-def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref,
-                  u_ref, a_ref, *, hp: AdamHyper, nb: int, leaf: int, interpret: bool):
+def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, a_ref, *,
+                  hp: AdamHyper, nb: int, leaf: int, interpret: bool):
   del a_in  # the same buffer as a_ref (aliased)
   br = g_ref.shape[0]
   ok1, ok2, ok3 = (_rows_ok(nb, br, s) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
-  zero = i_ref[0]
-  bc1, bc1_next, bc2, bound = f_ref[0], f_ref[1], f_ref[2], f_ref[3]
-  abs_m, abs_v, us = [], [], []
-  for g, m, v in _moments(hp, zero, f_ref, leaf, _halves(g_ref, ok2, ok3, split=True), mc_ref,
+  abs_m, abs_v = [], []
+  for _, m, v in _moments(hp, i_ref[0], f_ref, leaf, _halves(g_ref, ok2, ok3, split=True), mc_ref,
                           ms_ref, vc_ref, vs_ref, ok1, ok2, interpret):
-    us.append(_common.adam_direction(m, v, g, bc1, bc1_next, bc2, hp.b1, hp.eps, hp.eps_root,
-                                     hp.nesterov, bound if hp.clip_update else None))
     # The encoder's amax (nvfp4.quantize): subnormals flushed, NaN counted as inf. Rows past the end
     # loaded as zeros, which leave the max alone.
     am = _fp32.flush_subnormals(m)
     abs_m.append(jnp.where(jnp.isnan(am), jnp.inf, jnp.abs(am)))
     abs_v.append(jnp.where(jnp.isnan(v), jnp.inf, jnp.abs(v)))
-  # Joined back in registers: one contiguous store.
-  store(u_ref, jnp.stack(us, axis=-1).astype(u_ref.dtype), ok3)
   # The halves maxed elementwise first: one cross-warp reduction (shared memory and barriers, which
   # stalled the kernel) per moment and program.
   amax_m = _max2d(jnp.maximum(*abs_m))
@@ -211,9 +211,10 @@ def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref,
     plgpu.atomic_max(a_ref, jnp.int32(2 * leaf + j), lax.bitcast_convert_type(amax, jnp.int32))
 
 
-def _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret):
+def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret):
   """NVFP4 codes of one moment given as its two (rows, 8) halves: ``nvfp4.quantize``'s steps with the
-  tensor's ``S_enc / 6`` (``mconst``) and ``S_dec`` known. Returns (packed, scale codes)."""
+  tensor's ``S_enc / 6`` (``mconst``) and ``S_dec`` known; ``bits``: each half's rounding bits (or
+  None for nearest rounding). Returns (packed, scale codes)."""
   xs = [_fp32.flush_subnormals(x) for x in xs]
   # No NaN test (quantize maps NaN to inf here): a NaN makes the tensor non-finite, and then every
   # block is zeroed below whatever its max.
@@ -224,38 +225,50 @@ def _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret)
   escale = jnp.minimum(_recip_rn(_fp32.e4m3_to_f32(dcode) * s_dec, interpret),
                        _fp32.F32_MAX)[:, None]
   zero_block = ((dscale == 0) | ~finite)[:, None]
-  rows = lax.broadcasted_iota(jnp.uint32, xs[0].shape, 0) + row0
-  cols = lax.broadcasted_iota(jnp.uint32, xs[0].shape, 1) * 2
-  codes = []
-  for h, x in enumerate(xs):
-    # _common.counter_bits of the element's flat index
-    bits = None if rounding == "nearest" else _common.counter_hash(rows * BLOCK + cols + h, k1, k2)
-    codes.append(nvfp4._element_codes(x, escale, zero_block, rounding, bits))
-  return codes[0] | (codes[1] << 4), dcode
+  codes = [nvfp4._element_codes(x, escale, zero_block, rounding, b, jnp.int32)
+           for x, b in zip(xs, bits or (None, None))]
+  return (codes[0] | (codes[1] << 4)).astype(jnp.uint8), dcode
 
 
 def _encode_kernel(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, vs_ref, vg_ref,
-                   mc_out, ms_out, mg_out, vc_out, vs_out, vg_out, *, hp: AdamHyper, nb: int,
-                   leaf: int, interpret: bool):
+                   u_out, mc_out, ms_out, mg_out, vc_out, vs_out, vg_out, *, hp: AdamHyper, nb: int,
+                   leaf: int, join_u: bool, interpret: bool):
   br = g_ref.shape[0]
-  ok1, ok2 = _rows_ok(nb, br, (br,)), _rows_ok(nb, br, (br, _HALF))
+  ok1, ok2, ok3 = (_rows_ok(nb, br, s) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
   zero = i_ref[0]
+  factors, bound = tuple(f_ref[k] for k in range(4)), f_ref[4]
   del mg_ref, vg_ref  # the old global scales' buffers, aliased to mg_out and vg_out; read from f_ref
   halves = _moments(hp, zero, f_ref, leaf, _halves(g_ref, ok2, None, split=False), mc_ref, ms_ref,
                     vc_ref, vs_ref, ok1, ok2, interpret)
-  row0 = (pl.program_id(0) * br).astype(jnp.uint32)
+  roots = [_sqrt_rn(v, interpret) for _, _, v in halves]  # √v: stored, and the update's root
+  us = [_common.adam_direction(m, v, s, g, factors, hp.b1, hp.eps, hp.eps_root, hp.nesterov,
+                               bound if hp.clip_update else None).astype(u_out.dtype)
+        for (g, m, v), s in zip(halves, roots)]
+  if join_u:
+    store(u_out, jnp.stack(us, axis=-1), ok3)
+  else:
+    for h, u in enumerate(us):
+      store(u_out.at[:, :, jnp.int32(h)], u, ok2)
+  pair_hash = None
+  if "stochastic" in (hp.mu_rounding, hp.nu_rounding):
+    # _common.counter_bits: one hash per (block row, column), i.e. per pair of neighbouring
+    # elements, whose four bytes round m's and √v's even and odd elements.
+    row0 = (pl.program_id(0) * br).astype(jnp.uint32)
+    pairs = ((lax.broadcasted_iota(jnp.uint32, (br, _HALF), 0) + row0) * _HALF
+             + lax.broadcasted_iota(jnp.uint32, (br, _HALF), 1))
+    k = _INT_HEAD + 2 * leaf
+    pair_hash = _common.counter_hash(pairs, lax.bitcast_convert_type(i_ref[k], jnp.uint32),
+                                     lax.bitcast_convert_type(i_ref[k + 1], jnp.uint32))
   outs = ((mc_out, ms_out, mg_out), (vc_out, vs_out, vg_out))
   for j, (rounding, (c_out, s_out, g_out)) in enumerate(
       zip((hp.mu_rounding, hp.nu_rounding), outs)):
     t = 4 * (2 * leaf + j)  # [S_enc / 6, S_dec, finite, pad] of this moment
     mconst, s_dec, finite = t_ref[t], t_ref[t + 1], t_ref[t + 2] > 0
-    k1 = k2 = None
+    bits = None
     if rounding == "stochastic":
-      k = _INT_HEAD + 4 * leaf + 2 * j
-      k1, k2 = (lax.bitcast_convert_type(i_ref[k], jnp.uint32),
-                lax.bitcast_convert_type(i_ref[k + 1], jnp.uint32))
-    xs = [m for _, m, _ in halves] if j == 0 else [_sqrt_rn(v, interpret) for _, _, v in halves]
-    packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, k1, k2, row0, interpret)
+      bits = [_common.lane_bits(pair_hash, 2 * j + h) for h in range(2)]
+    xs = [m for _, m, _ in halves] if j == 0 else roots
+    packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret)
     store(c_out, packed, ok2)
     store(s_out, lax.bitcast_convert_type(dcode, jnp.float8_e4m3fn), ok1)
     g_out[...] = jnp.full((1,), s_dec, jnp.float32)  # every program writes the same value
@@ -266,19 +279,18 @@ def _encode_kernel(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, v
 
 
 def _key_words(key, leaf_ids):
-  """Per leaf, the ``counter_words`` of its two moments' keys (int32, (L, 4)), as the XLA path keys
-  the leaf (``fold_in(key, leaf)``, then ``_common.moment_keys``)."""
+  """Per leaf, the ``counter_words`` of its key (int32, (L, 2)), as the XLA path keys the leaf
+  (``fold_in(key, leaf)``; m and √v are its lanes 0 and 1)."""
   def words(i):
-    return jnp.stack([w for k in _common.moment_keys(jax.random.fold_in(key, i))
-                      for w in _common.counter_words(k)])
+    return jnp.stack(_common.counter_words(jax.random.fold_in(key, i)))
   w = jax.vmap(words)(jnp.asarray(leaf_ids, jnp.uint32))
   return lax.bitcast_convert_type(w, jnp.int32)
 
 
-def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominators, bound, zero,
+def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, bound, zero,
                   *, block_rows: int | None = None, num_warps: int | None = None,
                   stats_block_rows: int | None = None, stats_num_warps: int | None = None,
-                  interpret: bool = False):
+                  join_u: bool | None = None, interpret: bool = False):
   """The kernels' AdamW update of NVFP4 leaves (``supports(mu)`` true for each).
 
   Args:
@@ -287,7 +299,7 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominato
     leaf_ids: each leaf's index in the tree, which keys its rounding bits as in the XLA path.
     key: the step's key (``_common.step_key``), or None for nearest rounding of both moments.
     hp: constants and roundings.
-    bias_denominators: ``(bc1, bc1 at count + 1, bc2)`` of ``_common.adam_direction``.
+    bias_factors: ``_common.bias_factors`` of the step (``_common.adam_direction``).
     bound: the update clip bound (float32 scalar), or None (``hp.clip_update`` False).
     zero: ``_common.runtime_zero`` of the step count (``_common.adam_moments``).
     block_rows: 16-element blocks per program of ``encode``, a power of two (default
@@ -295,6 +307,8 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominato
     num_warps: Triton warps per program of ``encode`` (default ``NUM_WARPS``).
     stats_block_rows, stats_num_warps: the same for ``stats`` (defaults ``STATS_BLOCK_ROWS``,
       ``STATS_NUM_WARPS``).
+    join_u: ``encode`` joins the update's two halves in registers for one contiguous store, instead
+      of two strided stores (default ``JOIN_U``).
     interpret: Pallas interpret mode (CPU tests).
 
   Returns:
@@ -306,6 +320,7 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominato
   num_warps = NUM_WARPS if num_warps is None else num_warps
   stats_rows = STATS_BLOCK_ROWS if stats_block_rows is None else stats_block_rows
   stats_warps = STATS_NUM_WARPS if stats_num_warps is None else stats_num_warps
+  join_u = JOIN_U if join_u is None else join_u
   for name, rows in (("block_rows", block_rows), ("stats_block_rows", stats_rows)):
     if rows < 1 or rows & (rows - 1):
       raise ValueError(f"{name} must be a power of two, got {rows!r}")
@@ -313,11 +328,11 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominato
   if key is not None:
     ints.append(_key_words(key, leaf_ids).reshape(-1))
   ints = _pad_pow2(jnp.concatenate(ints))
-  floats = jnp.stack([*bias_denominators, jnp.float32(0) if bound is None else bound]
+  floats = jnp.stack([*bias_factors, jnp.float32(0) if bound is None else bound]
                      ).astype(jnp.float32)
   old_scales = jnp.stack([t.global_scale.astype(jnp.float32) for pair in zip(mus, nus)
                           for t in pair])
-  floats = _pad_pow2(jnp.concatenate([floats, jnp.zeros((_F32_HEAD - 4,), jnp.float32),
+  floats = _pad_pow2(jnp.concatenate([floats, jnp.zeros((_F32_HEAD - 5,), jnp.float32),
                                       old_scales]))
 
   def spec(shape, br):
@@ -342,23 +357,20 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominato
   # One buffer for all leaves, so the stats kernels run one after the other (one buffer per leaf,
   # which lets them overlap, measured slower on the H200: benchmarks/RESULTS.md).
   amax_bits = jnp.zeros((next_pow2(2 * len(grads)),), jnp.int32)
-  us = []
   for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
     nb, g2, state = views(g, mu, nu)
     br = min(stats_rows, next_pow2(nb))
-    u2, amax_bits = pl.pallas_call(
+    amax_bits = pl.pallas_call(
         functools.partial(_stats_kernel, hp=hp, nb=nb, leaf=i, interpret=interpret),
         grid=(pl.cdiv(nb, br),),
         in_specs=[whole(ints), whole(floats), whole(amax_bits), spec(g2.shape, br)]
         + [spec_of(x, br) for k, x in enumerate(state) if k % 3 != 2],
-        out_specs=[spec(g2.shape, br), whole(amax_bits)],
-        out_shape=[jax.ShapeDtypeStruct(g2.shape, g.dtype),
-                   jax.ShapeDtypeStruct(amax_bits.shape, jnp.int32)],
-        input_output_aliases={2: 1},
+        out_specs=whole(amax_bits),
+        out_shape=jax.ShapeDtypeStruct(amax_bits.shape, jnp.int32),
+        input_output_aliases={2: 0},
         compiler_params=plgpu.CompilerParams(num_warps=stats_warps), interpret=interpret,
         name="adam_nvfp4_stats",
     )(ints, floats, amax_bits, g2, *(x for k, x in enumerate(state) if k % 3 != 2))
-    us.append(u2.reshape(g.shape))
 
   # S_enc and S_dec of all leaves at once, as nvfp4.quantize computes them.
   amax = lax.bitcast_convert_type(amax_bits[:2 * len(grads)], jnp.float32).reshape(-1, 2)
@@ -369,7 +381,7 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominato
                      jnp.zeros_like(s_enc)], axis=-1)  # (L, 2, 4)
   table = _pad_pow2(table)
 
-  mus_new, nus_new = [], []
+  us, mus_new, nus_new = [], [], []
   for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
     nb, g2, state = views(g, mu, nu)
     br = min(block_rows, next_pow2(nb))
@@ -377,20 +389,22 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_denominato
     codes, scales = (jax.ShapeDtypeStruct((nb, _HALF), jnp.uint8),
                      jax.ShapeDtypeStruct((nb,), jnp.float8_e4m3fn))
     one = jax.ShapeDtypeStruct((1,), jnp.float32)
-    mc, ms, mg, vc, vs, vg = pl.pallas_call(
-        functools.partial(_encode_kernel, hp=hp, nb=nb, leaf=i, interpret=interpret),
+    u2, mc, ms, mg, vc, vs, vg = pl.pallas_call(
+        functools.partial(_encode_kernel, hp=hp, nb=nb, leaf=i, join_u=join_u,
+                          interpret=interpret),
         grid=(n_prog,),
         in_specs=[whole(ints), whole(floats), whole(table), spec(g2.shape, br)]
         + [spec_of(x, br) for x in state],
-        out_specs=[spec(codes.shape, br), spec(scales.shape, br), scalar] * 2,
-        out_shape=[codes, scales, one] * 2,
+        out_specs=[spec(g2.shape, br)] + [spec(codes.shape, br), spec(scales.shape, br), scalar] * 2,
+        out_shape=[jax.ShapeDtypeStruct(g2.shape, g.dtype)] + [codes, scales, one] * 2,
         # The new state overwrites the old in place (each program reads its own blocks before
         # writing them; the old global scales come from `floats`), so a jit that donates the state
         # copies nothing.
-        input_output_aliases={4 + k: k for k in range(6)},
+        input_output_aliases={4 + k: 1 + k for k in range(6)},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps), interpret=interpret,
         name="adam_nvfp4_encode",
     )(ints, floats, table, g2, *state)
+    us.append(u2.reshape(g.shape))
     mus_new.append(_rebuild(mu, mc, ms, mg))
     nus_new.append(_rebuild(nu, vc, vs, vg))
   return us, mus_new, nus_new

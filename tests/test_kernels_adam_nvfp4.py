@@ -82,10 +82,12 @@ def test_interpret_equals_xla_path(rounding, nesterov, dtype, nan):
   assert float(zero.global_scale) == 1.0 and not np.any(np.asarray(zero.codes))
 
 
-@pytest.mark.parametrize("block_rows, stats_block_rows", [(64, 64), (128, 128), (64, 256)])
-def test_many_programs_and_ragged_tail(block_rows, stats_block_rows):
+@pytest.mark.parametrize("block_rows, stats_block_rows, join_u",
+                         [(64, 64, False), (128, 128, True), (64, 256, False)])
+def test_many_programs_and_ragged_tail(block_rows, stats_block_rows, join_u):
   """The kernels called directly with small programs (8 and 6 programs, the last ragged; stats
-  and encode with programs of different sizes) from a non-zero state give the XLA path's state."""
+  and encode with programs of different sizes; the update stored as two strided halves or joined)
+  from a non-zero state give the XLA path's state."""
   tx = optim.scale_by_adam_nvfp4(kernel="xla", min_size=1024)
   params = jax.tree.map(jnp.zeros_like, _tree(0))
   _, state = jax.jit(tx.update)(_tree(1), tx.init(params), params)
@@ -99,13 +101,12 @@ def test_many_programs_and_ragged_tail(block_rows, stats_block_rows):
   def direct(g, mu, nu, count):
     count_inc = count + 1
     bound = optim.adam_update_bound(count_inc, 0.9, 0.95)
-    bcs = (_common.bias_denominator(0.9, count_inc), _common.bias_denominator(0.9, count_inc + 1),
-           _common.bias_denominator(0.95, count_inc))
+    bcs = _common.bias_factors(0.9, 0.95, 0.0, count_inc)
     return kernel.update_leaves([g[n] for n in names], [mu[n] for n in names],
                                 [nu[n] for n in names], ids, _common.step_key(0, count_inc), hp,
                                 bcs, bound, _common.runtime_zero(count_inc),
                                 block_rows=block_rows, stats_block_rows=stats_block_rows,
-                                interpret=True)
+                                join_u=join_u, interpret=True)
 
   us, mus, nus = direct(_tree(2), state.mu, state.nu, state.count)
   for j, n in enumerate(names):

@@ -186,20 +186,31 @@ def test_decode_e2m1_every_code():
 
 
 def test_stochastic_code_is_the_probability_rule():
-  """The E2M1 stochastic code of a magnitude a in [0, 6] with 24-bit uniform u: the lower grid
-  neighbour lo, plus 1 iff u < (a - lo) / (hi - lo), computed here in float64 from the grid itself,
-  on every multiple of 2^-12 in [0, 6] (all boundaries and midpoints) and on random magnitudes."""
+  """The E2M1 stochastic code of a magnitude a in [0, 6] with 22-bit uniform r (top bits): the lower
+  grid neighbour lo, plus 1 iff r / 2^22 >= 1 - (a - lo) / (hi - lo), computed here in float64 from
+  the grid itself (below 1 on float32(a + 1) - 1, the documented rounding), on every multiple of
+  2^-12 in [0, 6] (all boundaries and midpoints), on random magnitudes and on the extreme bits."""
   grid = np.asarray(nvfp4.E2M1_VALUES)
   rng = np.random.default_rng(0)
-  a = np.concatenate([np.arange(6 * 4096 + 1) / 4096.0, rng.uniform(0, 6, 20000)]).astype(np.float32)
+  a = np.concatenate([np.arange(6 * 4096 + 1) / 4096.0, rng.uniform(0, 6, 20000),
+                      rng.uniform(0, 1, 20000), [1 - 2.0**-24, 2.0**-30, 0.25, 0.75]]
+                     ).astype(np.float32)
   bits = rng.integers(0, 2**32, a.shape, dtype=np.uint64).astype(np.uint32)
-  lo = np.searchsorted(grid, a.astype(np.float64), side="right") - 1
+  bits[:50] = 0xFFFFFFFF
+  bits[50:100] = 0
+  a64 = np.where(a < 1, (a + np.float32(1)).astype(np.float64) - 1, a.astype(np.float64))
+  lo = np.searchsorted(grid, a64, side="right") - 1
   hi = np.minimum(lo + 1, 7)
-  p = np.where(hi > lo, (a - grid[lo]) / (grid[hi] - grid[lo] + (hi == lo)), 0.0)
-  u = (bits >> 8).astype(np.float64) / 2.0**24
-  want = lo + (u < p)
+  p = np.where(hi > lo, (a64 - grid[lo]) / (grid[hi] - grid[lo] + (hi == lo)), 0.0)
+  r = (bits >> 10).astype(np.float64) / 2.0**22
+  want = lo + ((p > 0) & (r >= 1 - p))
   got = np.asarray(jax.jit(nvfp4._e2m1_stochastic_code)(a, bits))
   np.testing.assert_array_equal(got, want)
+  # Unbiased: over all 2^22 values of r, the mean rounded value is a (exact in [1, 6]).
+  r_all = (np.arange(2**22, dtype=np.uint32) << 10)
+  for x in (1.3, 2.71, 4.5, 5.999):
+    codes = np.asarray(jax.jit(nvfp4._e2m1_stochastic_code)(np.full(r_all.shape, x, np.float32), r_all))
+    assert abs(grid[codes].mean() - np.float32(x)) < 1e-12, x
 
 
 def test_stochastic_rounding_of_grid_values_is_exact():

@@ -209,16 +209,32 @@ def test_counter_bits_are_uniform_keyed_and_unbiased_for_rounding():
   shape = (128, 1024)
   b1 = np.asarray(_common.counter_bits(jax.random.fold_in(key, 1), shape))
   b2 = np.asarray(_common.counter_bits(jax.random.fold_in(key, 2), shape))
+  b1v = np.asarray(_common.counter_bits(jax.random.fold_in(key, 1), shape, lane=1))
   np.testing.assert_array_equal(b1, np.asarray(_common.counter_bits(jax.random.fold_in(key, 1), shape)))
+  # 8 random bits on top, then the half step (lane_bits).
+  assert np.all(b1 & 0xFFFFFF == 1 << 23) and np.all(b1v & 0xFFFFFF == 1 << 23)
   n = b1.size
-  u1, u2 = (b1 >> 8).astype(np.float64) / 2**24, (b2 >> 8).astype(np.float64) / 2**24
+  u1, u2, u1v = ((b >> 8).astype(np.float64) / 2**24 for b in (b1, b2, b1v))
   assert abs(u1.mean() - 0.5) < 4 * 0.2887 / np.sqrt(n)
-  counts = np.bincount((b1 >> 28).ravel(), minlength=16)  # top 4 bits: chi-square, 15 dof
-  chi2 = np.sum((counts - n / 16) ** 2 / (n / 16))
-  assert chi2 < 50, chi2  # p ~ 1e-5 for a uniform source
-  assert abs(np.corrcoef(u1.ravel(), u2.ravel())[0, 1]) < 4 / np.sqrt(n)
-  # Neighbouring elements are unrelated too.
-  assert abs(np.corrcoef(u1.ravel()[:-1], u1.ravel()[1:])[0, 1]) < 4 / np.sqrt(n)
+  for b in (b1, b1v):  # top 4 bits and all 8: chi-square, 15 and 255 dof
+    for top, bins, limit in ((4, 16, 50), (8, 256, 380)):
+      counts = np.bincount((b >> (32 - top)).ravel(), minlength=bins)
+      chi2 = np.sum((counts - n / bins) ** 2 / (n / bins))
+      assert chi2 < limit, (top, chi2)  # p ~ 1e-5 for a uniform source
+  # Unrelated across keys, across the two lanes of one key, and between neighbouring elements (the
+  # two bytes of one hash, and the last byte of one hash and the first of the next).
+  for a, b in ((u1, u2), (u1, u1v), (u1.ravel()[:-1], u1.ravel()[1:]),
+               (u1.ravel()[0::2], u1.ravel()[1::2]), (u1.ravel()[1:-1:2], u1.ravel()[2::2])):
+    assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 4 / np.sqrt(a.size)
+  # The lanes' bytes of one pair of elements are the four bytes of one hash.
+  h = np.asarray(_common.counter_hash(jnp.arange(4, dtype=jnp.uint32),
+                                      *_common.counter_words(jax.random.fold_in(key, 1))))
+  flat, flat_v = b1.ravel()[:8] >> 24, b1v.ravel()[:8] >> 24
+  for i in range(4):
+    assert [flat[2 * i], flat[2 * i + 1], flat_v[2 * i], flat_v[2 * i + 1]] == [
+        (h[i] >> s) & 0xFF for s in (0, 8, 16, 24)]
+  with pytest.raises(ValueError, match="lane"):
+    _common.counter_bits(key, shape, lane=2)
   # Stochastic rounding with these bits is unbiased: the mean over 64 keys approaches x.
   x = jax.random.normal(jax.random.key(0), (64, 256))
   deq = jnp.stack([nvfp4.quantize(x, rounding="stochastic", bits=_common.counter_bits(
@@ -231,6 +247,18 @@ def test_counter_bits_are_uniform_keyed_and_unbiased_for_rounding():
     nvfp4.quantize(x, rounding="stochastic", bits=jnp.zeros((4,), jnp.uint32))
   with pytest.raises(ValueError, match="not both"):
     nvfp4.quantize(x, rounding="stochastic", key=key, bits=jnp.zeros(x.shape, jnp.uint32))
+
+
+def test_lane_bits_round_up_with_the_probability_to_within_one_512th():
+  """Over the 256 values of a byte, the share of E2M1 roundings that go up is p to within 1/512."""
+  from fp4jax import nvfp4
+  bits = _common.lane_bits(jnp.arange(256, dtype=jnp.uint32), 0)
+  for lo, hi in ((0.0, 0.5), (1.0, 1.5), (2.0, 3.0), (4.0, 6.0)):
+    for p in (0.0, 1 / 512, 0.3, 0.5, 0.77, 1 - 1 / 1024):
+      a = jnp.full((256,), lo + p * (hi - lo), jnp.float32)
+      up = np.mean(np.asarray(nvfp4._e2m1_stochastic_code(a, bits))
+                   != np.asarray(nvfp4._e2m1_stochastic_code(a, jnp.zeros_like(bits))))
+      assert abs(up - p) <= 1 / 512 + 1e-6, (lo, p, up)
 
 
 def test_grouped_leaves_equal_ungrouped_bit_for_bit():

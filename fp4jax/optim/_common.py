@@ -89,10 +89,10 @@ def map_params(fn, params):
   return jax.tree.map(fn, params, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
-def encode(x, rounding: str, key) -> NVFP4Tensor:
+def encode(x, rounding: str, key, lane: int = 0) -> NVFP4Tensor:
   """float32 ``x`` -> NVFP4, 1×16 blocks along ``block_axis(x.shape)``; stochastic rounding takes its
-  bits from ``counter_bits(key, x.shape)``."""
-  bits = counter_bits(key, x.shape) if rounding == "stochastic" else None
+  bits from ``counter_bits(key, x.shape, lane)``."""
+  bits = counter_bits(key, x.shape, lane) if rounding == "stochastic" else None
   return nvfp4.quantize(x.astype(jnp.float32), block=(1, BLOCK), axis=block_axis(x.shape),
                         rounding=rounding, bits=bits)
 
@@ -106,21 +106,46 @@ def _mix32(x):
   return x ^ (x >> 16)
 
 
-def counter_bits(key, shape) -> jax.Array:
-  """uint32 rounding bits: a keyed hash of each element's flat index.
+LANES = 2  # tensors that one key's hash serves (Adam's m and sqrt(v))
+SR_BITS = 8  # random bits per stochastic rounding
 
-  ``jax.random.bits`` (threefry: 20 rounds per pair of words) ran as a separate kernel whose output
-  went through memory; this is ~17 integer operations that XLA fuses into the quantizer. Two rounds of
-  a bijective mix keyed by the two ends of ``key``'s data: distinct keys (steps, leaves, moments,
-  via ``fold_in``) give unrelated streams; the same key gives the same bits on every backend and
-  sharding (integer arithmetic on the global index). Stochastic rounding uses the top 24 bits.
+
+def counter_bits(key, shape, lane: int = 0) -> jax.Array:
+  """uint32 stochastic-rounding bits: 8 random bits per element from a keyed hash of element pairs.
+
+  One 32-bit hash of each pair of neighbouring elements (flat indices ``2i`` and ``2i + 1``) gives
+  the bits of two tensors of that shape, ``lane`` 0 and 1 (Adam's m and √v under one key): element
+  ``2i + h`` of lane ``j`` takes byte ``2j + h`` (``lane_bits``). Four roundings per hash: in the
+  Pallas AdamW kernel, whose instructions bound its time, the hash per rounding cost more than a
+  tenth of them. Eight bits per rounding, as Blackwell's ``cvt.rs`` takes one 32-bit random operand
+  per four FP4 values: a probability is rounded to a multiple of 1/256 (within 1/512 of exact, see
+  ``lane_bits``), far below the format's own step.
+
+  The hash: two rounds of a bijective mix keyed by the two ends of ``key``'s data (~17 integer
+  operations, fused into the quantizer; ``jax.random.bits`` ran as a separate kernel through
+  memory). Distinct keys (steps, leaves, via ``fold_in``) give unrelated streams; the same key gives
+  the same bits on every backend and sharding (integer arithmetic on the global index).
   """
+  if lane not in range(LANES):
+    raise ValueError(f"counter_bits: lane must be 0 or 1, got {lane!r}")
   k1, k2 = counter_words(key)
   size = math.prod(shape)
   if size >= 2**32:
     raise ValueError(f"counter_bits: {size} elements, more than 2^32 counters")
   idx = jnp.arange(size, dtype=jnp.uint32).reshape(shape)
-  return counter_hash(idx, k1, k2)
+  return lane_bits(counter_hash(idx >> 1, k1, k2), 2 * lane + (idx & 1))
+
+
+def lane_bits(h, byte):
+  """Byte ``byte`` (0..3, array or int) of hashes ``h`` as ``nvfp4.quantize``'s uint32 rounding bits.
+
+  The byte ``b`` goes to the top of the word with a half step below it, ``b << 24 | 1 << 23``: the
+  quantizer adds the top 22 bits, ``(b + 0.5) * 2^14``, to a value's pattern, so a value is rounded
+  up when ``(b + 0.5) / 256 >= 1 - p``: with probability ``p`` rounded to a multiple of 1/256 (off
+  by at most 1/512, either way), where a bare ``b << 24`` would round every probability down.
+  """
+  shift = jnp.uint32(24) - jnp.uint32(8) * jnp.asarray(byte, jnp.uint32)
+  return ((h << shift) & jnp.uint32(0xFF000000)) | jnp.uint32(1 << 23)
 
 
 def counter_words(key):
@@ -130,13 +155,8 @@ def counter_words(key):
 
 
 def counter_hash(idx, k1, k2):
-  """``counter_bits`` of uint32 flat indices ``idx`` given the key's ``counter_words``."""
+  """The hash of ``counter_bits`` for uint32 pair indices ``idx``, given the key's ``counter_words``."""
   return _mix32(_mix32(idx ^ k1) + k2)
-
-
-def moment_keys(key):
-  """The keys of an Adam leaf's two moments (m, v) from the leaf's key."""
-  return jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
 
 
 def decode(t: NVFP4Tensor) -> jax.Array:
@@ -175,16 +195,33 @@ def bias_denominator(decay, count):
   return 1 - decay**count
 
 
-def adam_direction(m, v, g32, bc1, bc1_next, bc2, b1: float, eps: float, eps_root: float,
-                   nesterov: bool, bound=None):
-  """Adam's update ``m_hat / (sqrt(v_hat + eps_root) + eps)`` from the new moments, with optax's
-  bias corrections (``bc*``: ``bias_denominator`` of b1 at count and count + 1, of b2 at count;
-  Nesterov as ``optax.scale_by_adam(nesterov=True)``), clipped to ``±bound`` when one is given."""
+def bias_factors(b1: float, b2: float, eps_root: float, count):
+  """The scalars of ``adam_direction`` at step ``count`` (>= 1), float32: ``1 / bc1``, ``1 / bc1`` at
+  ``count + 1``, ``1 / sqrt(bc2)`` and ``eps_root * bc2`` (``bc``: ``bias_denominator``)."""
+  bc1, bc1_next, bc2 = (bias_denominator(b1, count),
+                        bias_denominator(b1, optax.safe_increment(count)), bias_denominator(b2, count))
+  return tuple(jnp.asarray(x, jnp.float32)
+               for x in (1 / bc1, 1 / bc1_next, 1 / jnp.sqrt(bc2), eps_root * bc2))
+
+
+def adam_direction(m, v, s, g32, factors, b1: float, eps: float, eps_root: float, nesterov: bool,
+                   bound=None):
+  """Adam's update ``m_hat / (sqrt(v_hat + eps_root) + eps)`` from the new moments, with optax's bias
+  corrections (``factors``: ``bias_factors``; Nesterov as ``optax.scale_by_adam(nesterov=True)``),
+  clipped to ``±bound`` when one is given.
+
+  Computed as ``m * (1 / bc1) / (sqrt(v + eps_root * bc2) * (1 / sqrt(bc2)) + eps)``: with
+  ``eps_root = 0`` the root is ``s = sqrt(v)``, which the NVFP4 optimizers compute anyway to store it
+  (one product per element instead of two divisions and a square root; float32 rounding away from
+  optax's order, which the float32 leaves keep).
+  """
+  c1, c1_next, c2, eps_root_bc2 = factors
   if nesterov:
-    m_hat = b1 * (m / bc1_next) + (1 - b1) * (g32 / bc1)
+    m_hat = b1 * (m * c1_next) + (1 - b1) * (g32 * c1)
   else:
-    m_hat = m / bc1
-  u = m_hat / (jnp.sqrt(v / bc2 + eps_root) + eps)
+    m_hat = m * c1
+  root = s if eps_root == 0 else jnp.sqrt(v + eps_root_bc2)
+  u = m_hat / (root * c2 + eps)
   return u if bound is None else jnp.clip(u, -bound, bound)
 
 

@@ -25,7 +25,8 @@ Design, chosen by measurement (``benchmarks/optim_states.py``, tiny byte LM; ben
 - **Stochastic rounding** keeps slowly decaying entries decaying (with round-to-nearest an entry
   whose block max holds still re-rounds to the same code forever; see the staleness test);
   nearest rounding trained as well at this scale (``rounding="nearest"``). The rounding bits are a
-  keyed hash of the element index that XLA fuses into the quantizer (``_common.counter_bits``), so
+  keyed hash of the element index that XLA fuses into the quantizer (``_common.counter_bits``: one
+  32-bit hash per pair of elements gives 8 bits to each of m's and √v's two roundings), so
   stochastic rounding adds no kernel and no memory traffic (benchmarks/RESULTS.md).
 
 Two implementations of the NVFP4 leaves' update, with the same state bits (tests; on the H200,
@@ -199,7 +200,8 @@ def scale_by_adam_nvfp4(
     if fused:
       outs = adam_kernel.update_leaves(
           [g_leaves[i] for i in fused], [mu_leaves[i] for i in fused],
-          [nu_leaves[i] for i in fused], fused, key, hyper, _bias_denominators(count_inc),
+          [nu_leaves[i] for i in fused], fused, key, hyper,
+          _common.bias_factors(b1, b2, eps_root, count_inc),
           _clip_bound(count_inc), _common.runtime_zero(count_inc),
           interpret=impl == "pallas_interpret")
       for j, i in enumerate(fused):
@@ -222,27 +224,22 @@ def scale_by_adam_nvfp4(
 
   def _leaf_update(g, mu_q, nu_q, key, count_inc):
     g32 = g.astype(jnp.float32)
-    k_m, k_v = (None, None) if key is None else _common.moment_keys(key)
     read_nu = _common.decode_guarded if zero_guard else _common.decode
     v_old = from_stored(read_nu(nu_q))
     m_old = _common.decode(mu_q)
     if normalized_mu:  # mu holds m / sqrt(v) of the stored v
       m_old = m_old * jnp.sqrt(v_old)
     m, v = _common.adam_moments(m_old, v_old, g32, b1, b2, _common.runtime_zero(count_inc))
-    u = _common.adam_direction(m, v, g32, *_bias_denominators(count_inc), b1, eps, eps_root,
-                               nesterov, _clip_bound(count_inc))
-    nu_new = _common.encode(to_stored(v), nu_rounding, k_v)
+    stored_v = to_stored(v)
+    s = stored_v if nu_transform == "sqrt" else _fp32.sqrt_rn(v)
+    u = _common.adam_direction(m, v, s, g32, _common.bias_factors(b1, b2, eps_root, count_inc), b1,
+                               eps, eps_root, nesterov, _clip_bound(count_inc))
+    nu_new = _common.encode(stored_v, nu_rounding, key, lane=1)
     if normalized_mu:
       s_new = jnp.sqrt(from_stored(read_nu(nu_new)))
       m = jnp.where(s_new > 0, m / jnp.where(s_new > 0, s_new, 1.0), 0.0)
-    mu_new = _common.encode(m, mu_rounding, k_m)
+    mu_new = _common.encode(m, mu_rounding, key, lane=0)
     return u.astype(g.dtype), mu_new, nu_new
-
-  def _bias_denominators(count_inc):
-    """bc1, bc1 at count + 1, bc2 (``_common.adam_direction``)."""
-    return (_common.bias_denominator(b1, count_inc),
-            _common.bias_denominator(b1, optax.safe_increment(count_inc)),
-            _common.bias_denominator(b2, count_inc))
 
   def _clip_bound(count_inc):
     return adam_update_bound(count_inc, b1, b2, nesterov=nesterov) if clip_update else None
