@@ -30,6 +30,7 @@ sys.path.insert(0, __import__("os").path.dirname(__file__))
 from optim_lm import batches, init_params, loss_fn, stdlib_bytes, train  # noqa: E402
 
 from fp4jax import optim  # noqa: E402
+from fp4jax.optim import _common  # noqa: E402
 
 _LOG_SCALE = 2.0**-40  # log-companded candidate: store log2(1 + v / c)
 LOG_MAP = (lambda v: jnp.log2(1.0 + v / _LOG_SCALE), lambda y: (jnp.exp2(y) - 1.0) * _LOG_SCALE)
@@ -45,6 +46,7 @@ CANDIDATES = {
     "sqrt v, stochastic": dict(**_NO_GUARDS),
     "sqrt v, stochastic, zero guard": dict(**_GUARD),
     "sqrt v, stochastic, clip (default)": dict(**_CLIP),
+    "sqrt v, stochastic, clip, exact amax": dict(amax="exact", **_CLIP),
     "sqrt v, nearest, clip": dict(rounding="nearest", **_CLIP),
     "sqrt v nearest, m stochastic, clip": dict(rounding=("stochastic", "nearest"), **_CLIP),
     "sqrt v, nearest, guard+clip": dict(rounding="nearest", **_BOTH),
@@ -92,7 +94,7 @@ def shadow(steps: int, seed: int = 0):
   st, core_st = ref.init(params), core_ref.init(params)
   cst = {k: t.init(params) for k, t in cands.items()}
   rec = {k: [] for k in cands}
-  ref_max, it = 0.0, batches(data, 16, 64, seed + 1)
+  ref_max, it, slack = 0.0, batches(data, 16, 64, seed + 1), []
   for i in range(steps):
     x, y = next(it)
     params, st, core_st, grads, u_ref = ref_step(params, st, core_st, x, y)
@@ -103,7 +105,23 @@ def shadow(steps: int, seed: int = 0):
     if (i + 1) % 50 == 0 or i + 1 == steps:
       print(f"  shadow step {i + 1}/{steps}", flush=True)
       _print_shadow(_rows(rec, i + 1), ref_max, i + 1)
+      slack.append(_scale_ratios(cst[_DEFAULT], cst[_EXACT]))
+  if slack:
+    r = np.concatenate(slack)
+    print(f"\nGlobal scales of the default (amax='bound') over amax='exact', every NVFP4 leaf of m "
+          f"and sqrt v at steps 50, 100, ...: median {np.median(r):.3f}, min {r.min():.3f}, "
+          f"max {r.max():.3f} ({r.size} values)", flush=True)
   return _rows(rec, steps), ref_max
+
+
+_DEFAULT, _EXACT = "sqrt v, stochastic, clip (default)", "sqrt v, stochastic, clip, exact amax"
+
+
+def _scale_ratios(a, b):
+  """S_dec of state ``a`` over that of ``b``, per NVFP4 leaf of m and of the stored second moment."""
+  leaves = lambda s: [t for t in jax.tree.leaves((s.mu, s.nu), is_leaf=_common.is_nvfp4)  # noqa: E731
+                      if _common.is_nvfp4(t)]
+  return np.asarray([float(x.global_scale / y.global_scale) for x, y in zip(leaves(a), leaves(b))])
 
 
 def _rows(rec, steps):

@@ -245,7 +245,8 @@ def global_decode_scale(amax):
   return s_enc, _fp32.div_rn(jnp.float32(1.0), s_enc)
 
 
-def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits=None) -> NVFP4Tensor:
+def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits=None,
+             amax=None) -> NVFP4Tensor:
   """Quantizes ``x`` to NVFP4, bit-exact to Transformer Engine's algorithm (DESIGN.md §3).
 
   Args:
@@ -260,6 +261,9 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
     key: a ``jax.random`` key for stochastic rounding (``jax.random.bits``). Same key, same bits.
     bits: instead of ``key``, the uint32 random bits themselves, shaped like ``x`` (the top 22 of
       each are used), e.g. from a cheaper generator that XLA fuses into the quantizer.
+    amax: the tensor amax that sets the global scale, in place of ``max|x|`` (TE's rule, default):
+      an upper bound of ``max|x|`` known without a pass over ``x`` (a float32 scalar; a smaller one
+      saturates the values above it). Then a non-finite ``amax`` stands for non-finite ``x``.
 
   Returns:
     An ``NVFP4Tensor``. Non-finite ``x`` gives a NaN global scale (see the module docstring).
@@ -289,7 +293,9 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
   # The tensor's amax is the max of the block amaxes (the same value): one pass over the elements
   # gives both, where max(ax) beside the block maxima was a second full pass on the GPU.
   block_amax = _block_amax(ax, block, axis)
-  amax = jnp.max(block_amax) if x.size else jnp.float32(0)
+  if amax is None:
+    amax = jnp.max(block_amax) if x.size else jnp.float32(0)
+  amax = jnp.asarray(amax, jnp.float32)
   finite = amax <= _fp32.F32_MAX  # false for NaN and inf
   s_enc, s_dec = global_decode_scale(jnp.where(finite, amax, 0.0))
   s_dec = jnp.where(finite, s_dec, jnp.nan)
@@ -330,10 +336,10 @@ def _element_codes(x32, escale, zero_block, rounding, bits, dtype=jnp.uint8):
   """E2M1 codes (sign in bit 3) of ``x32 * escale``, 0 where ``zero_block``: the per-element step of
   ``quantize`` (``escale`` and ``zero_block`` broadcast against ``x32``; ``bits`` for stochastic
   rounding), as ``dtype``. The Pallas kernels call it too (with int32: no byte arithmetic)."""
-  y = jnp.clip(x32 * escale, -E2M1_MAX, E2M1_MAX)
-  a = jnp.abs(y)
+  # |clip(x * escale, -6, 6)|, and the sign of x (escale > 0): one min instead of a clip.
+  a = jnp.minimum(jnp.abs(x32 * escale), E2M1_MAX)
   mag = _e2m1_rne_code(a) if rounding == "nearest" else _e2m1_stochastic_code(a, bits)
-  code = mag.astype(jnp.int32) | jnp.where(y < 0, 8, 0)
+  code = mag.astype(jnp.int32) | jnp.where(x32 < 0, 8, 0)
   return jnp.where(zero_block, 0, code).astype(dtype)
 
 

@@ -2,24 +2,29 @@
 
 ``fp4jax.optim.scale_by_adam_nvfp4`` updates a leaf by decoding its moments, running Adam's float32
 arithmetic and re-encoding m and √v as NVFP4 (1×16 blocks along the last axis). Encoding needs each
-new moment's tensor amax before any code is written, so the XLA program makes several passes and,
-grouping leaves of one shape under ``vmap``, copies stacks of them. Here each leaf takes two
-kernels that read only the gradient and the packed state, with one small XLA step for all leaves:
+new moment's tensor amax (or a bound of it) before any code is written, so the XLA program makes
+several passes and, grouping leaves of one shape under ``vmap``, copies stacks of them. Here each
+leaf takes two kernels, with one small XLA step for all leaves:
 
-1. ``stats``: decode m and √v, compute the new moments, and fold each program's max of |m| and of
-   √v into the leaf's two slots of one int32 buffer (atomic max of the float bit patterns, which
-   orders non-negative floats). It writes nothing else.
+1. A first pass, by the ``amax`` rule:
+   - ``"bound"`` (default), ``gmax``: reads the gradient and the two moments' E4M3 scales only, and
+     folds each program's max of |g| and of the scale bytes into the leaf's slots of one int32
+     buffer (atomic max; bit patterns of non-negative floats and E4M3 bytes are ordered as their
+     values). XLA then forms ``_common.amax_bounds`` from them and the old global scales.
+   - ``"exact"``, ``stats``: decodes m and √v, computes the new moments, and folds each program's max
+     of |m| and of √v into the buffer the same way.
 2. XLA, once for all leaves: ``S_enc`` and ``S_dec`` from those amaxes in Transformer Engine's order
    (``fp4jax.nvfp4.global_decode_scale``).
-3. ``encode``: recompute the same moments (same inputs, same code, same bits), write the update
+3. ``encode``: compute the new moments (the same code and bits as ``stats``), write the update
    ``u``, then per 16-element block the E4M3 scale and ``1 / (dscale * S_dec)`` once, and the E2M1
    codes, written over the old state in place (``input_output_aliases``: a jit that donates the
    state copies nothing).
 
-Per parameter that is about 4 + 1.1 bytes read twice and 4 + 1.1 written (float32 gradient), where
-``optax.adamw`` reads 12 and writes 12. On the H200 ``encode`` is bound by instruction issue (the
-ALU pipe: integer, logic, compare and select instructions), not by memory; its code is written for
-few instructions per element: one counter hash per pair of elements serves four roundings
+Per parameter (float32 gradient) that is about 4.1 bytes read by ``gmax`` (5.1 by ``stats``), then
+5.1 read and 5.1 written by ``encode``, where ``optax.adamw`` reads 12 and writes 12 (plus the weight
+decay and ``apply_updates`` that both leave to XLA). On the H200 ``encode`` is bound by instruction
+issue (the ALU pipe: integer, logic, compare and select instructions), not by memory; its code is
+written for few instructions per element: one counter hash per pair of elements serves four roundings
 (``_common.counter_bits``), stochastic rounding adds random bits to the float's pattern
 (``nvfp4._e2m1_stochastic_code``), √v serves both the stored state and the update's denominator,
 and codes are handled as 32-bit integers (benchmarks/RESULTS.md).
@@ -82,6 +87,7 @@ class AdamHyper:
   clip_update: bool
   mu_rounding: str
   nu_rounding: str
+  amax: str = "exact"  # the global scales' rule (scale_by_adam_nvfp4's `amax`)
 
 
 def supports(mu) -> bool:
@@ -209,6 +215,22 @@ def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, a_r
   # Scalar values: for a (1,)-shaped int32 value the atomic's Triton lowering takes its float path.
   for j, amax in enumerate((amax_m, jnp.max(amax_s))):
     plgpu.atomic_max(a_ref, jnp.int32(2 * leaf + j), lax.bitcast_convert_type(amax, jnp.int32))
+
+
+def _gmax_kernel(g_ref, ms_ref, vs_ref, a_in, a_ref, *, nb: int, leaf: int):
+  """``amax="bound"``'s pass: the program's max of |g| (``_common.max_abs``: the integer max of the
+  magnitudes' bit patterns) and of m's and √v's E4M3 scale bytes, atomically maxed into the leaf's
+  slots 0, 1, 2 of the int32 buffer (which starts at 0)."""
+  del a_in  # the same buffer as a_ref (aliased)
+  br = g_ref.shape[0]
+  ok1, ok2, ok3 = (_rows_ok(nb, br, s) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
+  halves = [lax.bitcast_convert_type(h.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
+            for h in _halves(g_ref, ok2, ok3, split=True)]
+  maxes = [_max2d(jnp.maximum(*halves))]
+  for r in (ms_ref, vs_ref):
+    maxes.append(jnp.max(_f8_bytes(_load(r, ok1)).astype(jnp.int32)))
+  for j, x in enumerate(maxes):
+    plgpu.atomic_max(a_ref, jnp.int32(4 * leaf + j), x)
 
 
 def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret):
@@ -353,27 +375,13 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
   def spec_of(x, br):
     return spec(x.shape, br) if x.shape != (1,) else scalar
 
-  # Each leaf's amax of m and of √v, as float32 bit patterns, maxed in by the stats programs.
-  # One buffer for all leaves, so the stats kernels run one after the other (one buffer per leaf,
-  # which lets them overlap, measured slower on the H200: benchmarks/RESULTS.md).
-  amax_bits = jnp.zeros((next_pow2(2 * len(grads)),), jnp.int32)
-  for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
-    nb, g2, state = views(g, mu, nu)
-    br = min(stats_rows, next_pow2(nb))
-    amax_bits = pl.pallas_call(
-        functools.partial(_stats_kernel, hp=hp, nb=nb, leaf=i, interpret=interpret),
-        grid=(pl.cdiv(nb, br),),
-        in_specs=[whole(ints), whole(floats), whole(amax_bits), spec(g2.shape, br)]
-        + [spec_of(x, br) for k, x in enumerate(state) if k % 3 != 2],
-        out_specs=whole(amax_bits),
-        out_shape=jax.ShapeDtypeStruct(amax_bits.shape, jnp.int32),
-        input_output_aliases={2: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=stats_warps), interpret=interpret,
-        name="adam_nvfp4_stats",
-    )(ints, floats, amax_bits, g2, *(x for k, x in enumerate(state) if k % 3 != 2))
-
+  if hp.amax == "bound":
+    amax = _bound_amaxes(grads, mus, nus, hp, zero, stats_rows, stats_warps, interpret, views, spec,
+                         whole)
+  else:
+    amax = _exact_amaxes(grads, mus, nus, hp, ints, floats, stats_rows, stats_warps, interpret,
+                         views, spec, spec_of, whole)
   # S_enc and S_dec of all leaves at once, as nvfp4.quantize computes them.
-  amax = lax.bitcast_convert_type(amax_bits[:2 * len(grads)], jnp.float32).reshape(-1, 2)
   finite = amax <= _fp32.F32_MAX
   s_enc, s_dec = nvfp4.global_decode_scale(jnp.where(finite, amax, 0.0))
   s_dec = jnp.where(finite, s_dec, jnp.nan)
@@ -408,6 +416,57 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
     mus_new.append(_rebuild(mu, mc, ms, mg))
     nus_new.append(_rebuild(nu, vc, vs, vg))
   return us, mus_new, nus_new
+
+
+def _exact_amaxes(grads, mus, nus, hp, ints, floats, rows, warps, interpret, views, spec, spec_of,
+                  whole):
+  """(L, 2) float32: each leaf's amax of the new m and √v, from the ``stats`` kernels."""
+  # As float32 bit patterns, maxed in by the stats programs. One buffer for all leaves, so the
+  # stats kernels run one after the other (one buffer per leaf, which lets them overlap, measured
+  # slower on the H200: benchmarks/RESULTS.md).
+  amax_bits = jnp.zeros((next_pow2(2 * len(grads)),), jnp.int32)
+  for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
+    nb, g2, state = views(g, mu, nu)
+    br = min(rows, next_pow2(nb))
+    amax_bits = pl.pallas_call(
+        functools.partial(_stats_kernel, hp=hp, nb=nb, leaf=i, interpret=interpret),
+        grid=(pl.cdiv(nb, br),),
+        in_specs=[whole(ints), whole(floats), whole(amax_bits), spec(g2.shape, br)]
+        + [spec_of(x, br) for k, x in enumerate(state) if k % 3 != 2],
+        out_specs=whole(amax_bits),
+        out_shape=jax.ShapeDtypeStruct(amax_bits.shape, jnp.int32),
+        input_output_aliases={2: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=warps), interpret=interpret,
+        name="adam_nvfp4_stats",
+    )(ints, floats, amax_bits, g2, *(x for k, x in enumerate(state) if k % 3 != 2))
+  return lax.bitcast_convert_type(amax_bits[:2 * len(grads)], jnp.float32).reshape(-1, 2)
+
+
+def _bound_amaxes(grads, mus, nus, hp, zero, rows, warps, interpret, views, spec, whole):
+  """(L, 2) float32: each leaf's ``_common.amax_bounds`` of m and √v, from the ``gmax`` kernels and
+  the old global scales: the XLA path's values (``_common.largest_stored``, ``max_abs``)."""
+  maxes = jnp.zeros((next_pow2(4 * len(grads)),), jnp.int32)
+  for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
+    nb, g2, _ = views(g, mu, nu)
+    br = min(rows, next_pow2(nb))
+    scales = [t.scales.reshape(nb) for t in (mu, nu)]
+    maxes = pl.pallas_call(
+        functools.partial(_gmax_kernel, nb=nb, leaf=i),
+        grid=(pl.cdiv(nb, br),),
+        in_specs=[spec(g2.shape, br), spec((nb,), br), spec((nb,), br), whole(maxes)],
+        out_specs=whole(maxes),
+        out_shape=jax.ShapeDtypeStruct(maxes.shape, jnp.int32),
+        input_output_aliases={3: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=warps), interpret=interpret,
+        name="adam_nvfp4_gmax",
+    )(g2, *scales, maxes)
+  maxes = maxes[:4 * len(grads)].reshape(-1, 4)
+  g_max = lax.bitcast_convert_type(maxes[:, 0], jnp.float32)
+  old = jnp.stack([t.global_scale.astype(jnp.float32) for pair in zip(mus, nus) for t in pair]
+                  ).reshape(-1, 2)
+  m_max, s_max = ((6.0 * _fp32.e4m3_to_f32(maxes[:, 1 + j])) * old[:, j] for j in range(2))
+  m_amax, v_amax = _common.amax_bounds(g_max, m_max, s_max * s_max, hp.b1, hp.b2, zero)
+  return jnp.stack([m_amax, _fp32.sqrt_rn(v_amax)], axis=-1)
 
 
 def _rebuild(t: NVFP4Tensor, codes, scales, global_scale) -> NVFP4Tensor:

@@ -59,14 +59,16 @@ def _run(tx, steps, **tree_kw):
   return us, state
 
 
-@pytest.mark.parametrize("rounding,nesterov,dtype,nan", [
-    ("stochastic", False, jnp.float32, False),
-    ("nearest", False, jnp.float32, False),
-    (("nearest", "stochastic"), True, jnp.bfloat16, False),
-    ("stochastic", False, jnp.float32, True),
+@pytest.mark.parametrize("rounding,nesterov,dtype,nan,amax", [
+    ("stochastic", False, jnp.float32, False, "bound"),
+    ("nearest", False, jnp.float32, False, "bound"),
+    (("nearest", "stochastic"), True, jnp.bfloat16, False, "bound"),
+    ("stochastic", False, jnp.float32, True, "bound"),
+    ("stochastic", False, jnp.float32, False, "exact"),
+    ("stochastic", False, jnp.float32, True, "exact"),
 ])
-def test_interpret_equals_xla_path(rounding, nesterov, dtype, nan):
-  kw = dict(rounding=rounding, nesterov=nesterov, min_size=1024)
+def test_interpret_equals_xla_path(rounding, nesterov, dtype, nan, amax):
+  kw = dict(rounding=rounding, nesterov=nesterov, min_size=1024, amax=amax)
   u_x, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2, dtype=dtype, nan=nan)
   u_k, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 2, dtype=dtype, nan=nan)
   assert isinstance(s_k.mu["w"], NVFP4Tensor) and not isinstance(s_k.mu["bias"], NVFP4Tensor)
@@ -82,20 +84,21 @@ def test_interpret_equals_xla_path(rounding, nesterov, dtype, nan):
   assert float(zero.global_scale) == 1.0 and not np.any(np.asarray(zero.codes))
 
 
-@pytest.mark.parametrize("block_rows, stats_block_rows, join_u",
-                         [(64, 64, False), (128, 128, True), (64, 256, False)])
-def test_many_programs_and_ragged_tail(block_rows, stats_block_rows, join_u):
-  """The kernels called directly with small programs (8 and 6 programs, the last ragged; stats
-  and encode with programs of different sizes; the update stored as two strided halves or joined)
-  from a non-zero state give the XLA path's state."""
-  tx = optim.scale_by_adam_nvfp4(kernel="xla", min_size=1024)
+@pytest.mark.parametrize("block_rows, stats_block_rows, join_u, amax",
+                         [(64, 64, False, "bound"), (128, 128, True, "exact"),
+                          (64, 256, False, "bound"), (64, 256, False, "exact")])
+def test_many_programs_and_ragged_tail(block_rows, stats_block_rows, join_u, amax):
+  """The kernels called directly with small programs (8 and 6 programs, the last ragged; the first
+  pass and encode with programs of different sizes; the update stored as two strided halves or
+  joined; both amax rules) from a non-zero state give the XLA path's state."""
+  tx = optim.scale_by_adam_nvfp4(kernel="xla", min_size=1024, amax=amax)
   params = jax.tree.map(jnp.zeros_like, _tree(0))
   _, state = jax.jit(tx.update)(_tree(1), tx.init(params), params)
   u_x, s_x = jax.jit(tx.update)(_tree(2), state, params)
 
   names = ["odd", "w", "zero"]  # the tree's leaf order (sorted keys); bias is float32
   ids = [sorted(SHAPES).index(n) for n in names]
-  hp = kernel.AdamHyper(0.9, 0.95, 1e-8, 0.0, False, True, "stochastic", "stochastic")
+  hp = kernel.AdamHyper(0.9, 0.95, 1e-8, 0.0, False, True, "stochastic", "stochastic", amax)
 
   @jax.jit
   def direct(g, mu, nu, count):
@@ -146,11 +149,13 @@ def test_auto_follows_the_default_device():
     assert _common.default_platform() == "cpu"
 
 
-@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
-def test_lowers_to_triton_for_h200(triton_modules, rounding):
-  """Two Triton kernels per NVFP4 leaf and nothing per element left to XLA; the encoder divides and
-  takes square roots with PTX's correctly rounded instructions; ragged leaves load with masks."""
-  tx = optim.scale_by_adam_nvfp4(kernel="pallas", rounding=rounding, min_size=1024)
+@pytest.mark.parametrize("rounding,amax", [("stochastic", "bound"), ("nearest", "bound"),
+                                           ("stochastic", "exact")])
+def test_lowers_to_triton_for_h200(triton_modules, rounding, amax):
+  """Two Triton kernels per NVFP4 leaf (a first pass, ``gmax`` or ``stats``, and ``encode``) and
+  nothing per element left to XLA; the encoder divides and takes square roots with PTX's correctly
+  rounded instructions; ragged leaves load with masks."""
+  tx = optim.scale_by_adam_nvfp4(kernel="pallas", rounding=rounding, min_size=1024, amax=amax)
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   state = jax.eval_shape(tx.init, params)
   with jax.sharding.use_abstract_mesh(H200):
@@ -158,7 +163,8 @@ def test_lowers_to_triton_for_h200(triton_modules, rounding):
   n_leaves = 3
   assert hlo.count("__gpu$xla.gpu.triton") == 2 * n_leaves, hlo
   assert len(triton_modules) == 2 * n_leaves
-  stats = [m for m in triton_modules if "@adam_nvfp4_stats" in m]
+  first = "@adam_nvfp4_gmax" if amax == "bound" else "@adam_nvfp4_stats"
+  stats = [m for m in triton_modules if first in m]
   encode = [m for m in triton_modules if "@adam_nvfp4_encode" in m]
   assert len(stats) == len(encode) == n_leaves
   for m in encode:

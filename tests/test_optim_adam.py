@@ -295,3 +295,56 @@ def test_moments_mul_hook_gives_the_rounded_products():
       m_old, v_old, g)
   for w, o in zip(want, got):
     np.testing.assert_array_equal(np.asarray(o).view(np.uint32), np.asarray(w).view(np.uint32))
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_amax_bounds_bound_the_new_moments(aligned):
+  """``amax="bound"``: ``_common.amax_bounds`` of the gradient's amax and the old state's largest
+  stored values is never below the new moments' amaxes (the encoder's: subnormals flushed), also
+  when the largest gradient meets the largest old moment with the same sign (``aligned``, where the
+  bound is reached), and within 3x of them for these tensors (independent heavy-tailed m, v and g at
+  unrelated scales: the bound adds the largest gradient to the largest old moment wherever they are)."""
+  from fp4jax import _fp32
+  rng = np.random.default_rng(1 + aligned)
+  zero = _common.runtime_zero(1)
+  for step in range(4):
+    m_prev = jnp.asarray(rng.standard_t(3, (64, 256)) * 10.0 ** rng.uniform(-3, 1), jnp.float32)
+    v_prev = jnp.asarray(rng.standard_t(2, (64, 256)) ** 2 * 10.0 ** rng.uniform(-6, 0), jnp.float32)
+    mu = _common.encode(m_prev, "stochastic", jax.random.key(step), 0)
+    nu = _common.encode(_fp32.sqrt_rn(v_prev), "stochastic", jax.random.key(step), 1)
+    g = jnp.asarray(rng.standard_t(3, (64, 256)), jnp.float32) * 10.0 ** rng.uniform(-2, 1)
+    m_old, s_old = _common.decode(mu), _common.decode(nu)
+    if aligned:  # the largest |g| where the largest |m_old| and the largest stored sqrt(v) are
+      i = int(jnp.argmax(jnp.abs(m_old)))
+      g = g.ravel().at[i].set(jnp.sign(m_old.ravel()[i]) * 4 * jnp.max(jnp.abs(g))).reshape(g.shape)
+    m, v = _common.adam_moments(m_old, s_old * s_old, g, 0.9, 0.95, zero)
+    exact_m = float(jnp.max(jnp.abs(_fp32.flush_subnormals(m))))
+    exact_s = float(jnp.max(_fp32.sqrt_rn(v)))
+    s_max = _common.largest_stored(nu)
+    bound_m, bound_v = _common.amax_bounds(_common.max_abs(g), _common.largest_stored(mu),
+                                           s_max * s_max, 0.9, 0.95, zero)
+    bound_s = float(_fp32.sqrt_rn(bound_v))
+    assert exact_m <= float(bound_m) <= 3 * exact_m, (step, exact_m, float(bound_m))
+    assert exact_s <= bound_s <= 3 * exact_s, (step, exact_s, bound_s)
+  # The bound's inputs: max|x| as an integer max (NaN above inf), the stored maxima.
+  assert float(_common.max_abs(jnp.asarray([-3.0, 2.0, 1e-40]))) == 3.0
+  assert np.isnan(float(_common.max_abs(jnp.asarray([1.0, -jnp.nan, jnp.inf]))))
+  assert float(_common.largest_stored(_common.zeros_nvfp4((4, 16)))) == 0.0
+  assert float(jnp.max(jnp.abs(_common.decode(mu)))) <= float(_common.largest_stored(mu))
+
+
+def test_quantize_with_a_given_amax():
+  """``nvfp4.quantize(amax=)``: max|x| gives the default's bits; a larger bound keeps every value
+  (no saturation) at a coarser global scale; a non-finite amax zeroes the tensor like non-finite x."""
+  from fp4jax import nvfp4
+  x = jax.random.normal(jax.random.key(0), (32, 64)) * 3
+  ref = nvfp4.quantize(x)
+  same = nvfp4.quantize(x, amax=jnp.max(jnp.abs(x)))
+  for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(same)):
+    np.testing.assert_array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
+  loose = nvfp4.quantize(x, amax=1.5 * jnp.max(jnp.abs(x)))
+  assert float(loose.global_scale) == pytest.approx(1.5 * float(ref.global_scale), rel=1e-6)
+  err = lambda t: float(jnp.linalg.norm(t.dequantize() - x) / jnp.linalg.norm(x))  # noqa: E731
+  assert err(loose) < 1.3 * err(ref) and err(loose) < 0.15
+  bad = nvfp4.quantize(x, amax=jnp.float32(jnp.inf))
+  assert np.isnan(float(bad.global_scale)) and not np.any(np.asarray(bad.codes))

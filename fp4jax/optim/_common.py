@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from fp4jax import nvfp4
+from fp4jax import _fp32, nvfp4
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
 
 DEFAULT_MIN_SIZE = 4096
@@ -89,12 +89,38 @@ def map_params(fn, params):
   return jax.tree.map(fn, params, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
-def encode(x, rounding: str, key, lane: int = 0) -> NVFP4Tensor:
+def encode(x, rounding: str, key, lane: int = 0, amax=None) -> NVFP4Tensor:
   """float32 ``x`` -> NVFP4, 1×16 blocks along ``block_axis(x.shape)``; stochastic rounding takes its
-  bits from ``counter_bits(key, x.shape, lane)``."""
+  bits from ``counter_bits(key, x.shape, lane)``; ``amax``: ``nvfp4.quantize``'s (None: max|x|)."""
   bits = counter_bits(key, x.shape, lane) if rounding == "stochastic" else None
   return nvfp4.quantize(x.astype(jnp.float32), block=(1, BLOCK), axis=block_axis(x.shape),
-                        rounding=rounding, bits=bits)
+                        rounding=rounding, bits=bits, amax=amax)
+
+
+AMAX_RULES = ("bound", "exact")
+
+
+def max_abs(x) -> jax.Array:
+  """``max|x|`` (float32 scalar) as the integer max of the magnitudes' bit patterns: the same value
+  on every backend (subnormals kept, NaN above inf); 0 for an empty ``x``."""
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32) & 0x7FFFFFFF
+  return jax.lax.bitcast_convert_type(jnp.max(bits, initial=0), jnp.float32)
+
+
+def largest_stored(t: NVFP4Tensor, floor: float = 0.0) -> jax.Array:
+  """``(6 * max(dscale, floor)) * S_dec``: no value of ``t`` is larger in magnitude (an E2M1 code is
+  at most 6, and ``dequantize`` multiplies in this order). The largest scale byte is the largest
+  scale (E4M3 bytes of non-negative values are ordered)."""
+  d = _fp32.e4m3_to_f32(jnp.max(jax.lax.bitcast_convert_type(t.scales, jnp.uint8), initial=0))
+  return (6.0 * jnp.maximum(d, floor)) * t.global_scale
+
+
+def amax_bounds(g_max, m_max, v_max, b1: float, b2: float, zero):
+  """Upper bounds of the new moments' amaxes, ``max|m|`` and ``max v``, from ``max|g|`` and bounds of
+  the old moments' magnitudes: ``adam_moments`` itself applied to them. Rounding to nearest is
+  monotone, so the EMA of the largest inputs, computed with the same operations in the same order,
+  is never below the EMA of any element."""
+  return adam_moments(m_max, v_max, g_max, b1, b2, zero)
 
 
 def _mix32(x):

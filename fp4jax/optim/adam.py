@@ -32,9 +32,10 @@ Design, chosen by measurement (``benchmarks/optim_states.py``, tiny byte LM; ben
 Two implementations of the NVFP4 leaves' update, with the same state bits (tests; on the H200,
 ``tests/gpu/check_optim.py``): plain jnp, which XLA fuses and partitions (``kernel="xla"``), and two Pallas
 Triton kernels per leaf (``fp4jax.kernels.adam_nvfp4``), the default on a GPU, which read the gradient
-and the packed state twice and write nothing else (on the H200, for a 124M GPT-2 pytree: ~2.0x
-``optax.adamw``'s device time; wall-clock ratios of 1.4–2.0x in undisturbed runs, moving with the
-host's load; ~2.5x for the XLA path; benchmarks/RESULTS.md).
+and the packed state twice and write the update and the new state (on the H200, for a 124M GPT-2
+pytree: 1.69x ``optax.adamw``'s device time, 1.83 against 1.08 ms; wall-clock ratios of 1.5–1.9x,
+moving with the host's load; the XLA path ~2.5x when last measured, in session 5;
+benchmarks/RESULTS.md).
 
 Leaves that the storage rule keeps in float32 (``fp4jax.optim._common``) run ``optax.scale_by_adam``'s
 arithmetic unchanged, and with ``quantize=False`` the transform equals optax's bit for bit.
@@ -99,6 +100,7 @@ def scale_by_adam_nvfp4(
     zero_guard: bool = False,
     clip_update: bool = True,
     mu_storage: str = "direct",
+    amax: str | None = None,
     group_leaves: bool | None = None,
     seed: int = 0,
     prng_impl: str | None = None,
@@ -127,6 +129,14 @@ def scale_by_adam_nvfp4(
     mu_storage: ``"direct"`` stores m; ``"normalized"`` stores m / sqrt(v) of the just-stored v
       (bounded by Adam's bound, so its 1×16 blocks are well conditioned) and reads m back as
       ``stored * sqrt(v_stored)``.
+    amax: how each new moment's tensor scale (NVFP4's global scale) is set. ``"exact"``: from its
+      amax, as ``nvfp4.quantize`` does (Transformer Engine's rule), which needs a pass over the new
+      moments before any is encoded. ``"bound"``: from an upper bound of that amax computed from the
+      gradient's amax and the old state's largest block scales (``_common.amax_bounds``): every
+      value still fits (no saturation), the scale is looser by the bound's slack (measured small,
+      benchmarks/RESULTS.md), and the GPU kernels replace the moments' pass with one over the
+      gradient alone. None (default): ``"bound"``, except ``"exact"`` with
+      ``mu_storage="normalized"`` (whose stored m has no such bound).
     group_leaves: update leaves of one shape together under ``jax.vmap`` (fewer programs, but
       stacking copies); False updates each leaf on its own; None (default): grouped except when
       JAX's default backend is the CPU (``_common.group_by_default``: same bits, XLA:CPU compiles
@@ -158,12 +168,17 @@ def scale_by_adam_nvfp4(
   if mu_storage not in ("direct", "normalized"):
     raise ValueError(f"mu_storage must be 'direct' or 'normalized', got {mu_storage!r}")
   normalized_mu = mu_storage == "normalized"
+  amax_rule = amax if amax is not None else ("exact" if normalized_mu else "bound")
+  if amax_rule not in _common.AMAX_RULES:
+    raise ValueError(f"amax must be one of {_common.AMAX_RULES} or None, got {amax!r}")
+  if amax_rule == "bound" and normalized_mu:
+    raise ValueError("amax='bound' needs mu_storage='direct' (a normalized m has no bound here)")
   if kernel not in KERNELS:
     raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
   kernel_ok = (nu_transform == "sqrt" and not normalized_mu and not zero_guard)
   hyper = adam_kernel.AdamHyper(b1=b1, b2=b2, eps=eps, eps_root=eps_root, nesterov=nesterov,
                                 clip_update=clip_update, mu_rounding=mu_rounding,
-                                nu_rounding=nu_rounding)
+                                nu_rounding=nu_rounding, amax=amax_rule)
 
   def init_fn(params):
     zeros = lambda p: _common.zeros_state(p.shape, min_size, quantize)  # noqa: E731
@@ -229,16 +244,24 @@ def scale_by_adam_nvfp4(
     m_old = _common.decode(mu_q)
     if normalized_mu:  # mu holds m / sqrt(v) of the stored v
       m_old = m_old * jnp.sqrt(v_old)
-    m, v = _common.adam_moments(m_old, v_old, g32, b1, b2, _common.runtime_zero(count_inc))
+    zero = _common.runtime_zero(count_inc)
+    m, v = _common.adam_moments(m_old, v_old, g32, b1, b2, zero)
+    m_amax = s_amax = None  # "exact": the quantizer's max|x|
+    if amax_rule == "bound":
+      floor = _common._ZERO_BLOCK_BOUND if zero_guard else 0.0  # decode_guarded's largest lift
+      m_amax, v_amax = _common.amax_bounds(
+          _common.max_abs(g32), _common.largest_stored(mu_q),
+          from_stored(_common.largest_stored(nu_q, floor)), b1, b2, zero)
+      s_amax = to_stored(v_amax)
     stored_v = to_stored(v)
     s = stored_v if nu_transform == "sqrt" else _fp32.sqrt_rn(v)
     u = _common.adam_direction(m, v, s, g32, _common.bias_factors(b1, b2, eps_root, count_inc), b1,
                                eps, eps_root, nesterov, _clip_bound(count_inc))
-    nu_new = _common.encode(stored_v, nu_rounding, key, lane=1)
+    nu_new = _common.encode(stored_v, nu_rounding, key, lane=1, amax=s_amax)
     if normalized_mu:
       s_new = jnp.sqrt(from_stored(read_nu(nu_new)))
       m = jnp.where(s_new > 0, m / jnp.where(s_new > 0, s_new, 1.0), 0.0)
-    mu_new = _common.encode(m, mu_rounding, key, lane=0)
+    mu_new = _common.encode(m, mu_rounding, key, lane=0, amax=m_amax)
     return u.astype(g.dtype), mu_new, nu_new
 
   def _clip_bound(count_inc):
@@ -298,7 +321,8 @@ def adamw_nvfp4(
     weight_decay: decoupled weight decay, multiplied by the learning rate.
     mask: which leaves get weight decay (pytree of bools or callable), as ``optax.adamw``.
     **nvfp4_options: ``quantize``, ``min_size``, ``rounding``, ``nu_transform``, ``zero_guard``,
-      ``group_leaves``, ``clip_update``, ``seed``, ``prng_impl`` of ``scale_by_adam_nvfp4``.
+      ``mu_storage``, ``amax``, ``group_leaves``, ``clip_update``, ``seed``, ``prng_impl``,
+      ``kernel`` of ``scale_by_adam_nvfp4``.
 
   Returns:
     An optax transformation; with ``quantize=False`` it equals ``optax.adamw`` bit for bit.

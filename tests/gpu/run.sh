@@ -17,6 +17,7 @@ declare -A CMD=(
   [optim_adamw]="python3 benchmarks/optim_update.py"
   [optim_timing]="python3 benchmarks/optim_update.py --skip-equality"
   [optim_busy]="python3 benchmarks/optim_update.py --skip-equality --busy --runs=optax.adamw,adamw_nvfp4"
+  [optim_busy_amax]="python3 benchmarks/optim_update.py --skip-equality --busy --runs='optax.adamw,adamw_nvfp4,adamw_nvfp4 (exact amax)'"
   [optim_timing_stacked]="python3 benchmarks/optim_update.py --skip-equality --stacked"
   [optim_profile]="python3 benchmarks/optim_update.py --profile=adamw_nvfp4"
   [optim_variants]="python3 benchmarks/optim_update.py --variants"
@@ -36,7 +37,8 @@ for name in "$@"; do
   start=$(date +%s)
   # Each run gets at most $RUN_TIMEOUT seconds (rc 124 past it), so one slow run cannot use up a
   # device call's limit before the others and the summary are printed.
-  timeout "${RUN_TIMEOUT:-300}" ${CMD[$name]} > "$OUT/$name.log" 2>&1
+  # eval: a command may quote an argument with spaces (a row name).
+  eval timeout "${RUN_TIMEOUT:-300}" "${CMD[$name]}" > "$OUT/$name.log" 2>&1
   rc=$?
   summary+="| $name | $rc | $(( $(date +%s) - start )) s |\n"
   echo "===== $name (rc=$rc)"; tail -n 25 "$OUT/$name.log"
