@@ -229,7 +229,7 @@ def main(argv=None):
   runs = {"optax.adamw": optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1),
           "adamw_nvfp4": optim.adamw_nvfp4(1e-3),
           "adamw_nvfp4 (nearest rounding)": optim.adamw_nvfp4(1e-3, rounding="nearest"),
-          "adamw_nvfp4 (exact amax)": optim.adamw_nvfp4(1e-3, amax="exact"),
+          "adamw_nvfp4 (bound amax)": optim.adamw_nvfp4(1e-3, amax="bound"),
           "adamw_nvfp4 (xla)": optim.adamw_nvfp4(1e-3, kernel="xla")}
   if args.muon:
     dims = lambda p: jax.tree.map(  # noqa: E731

@@ -7,12 +7,13 @@ several passes and, grouping leaves of one shape under ``vmap``, copies stacks o
 leaf takes two kernels, with one small XLA step for all leaves:
 
 1. A first pass, by the ``amax`` rule:
-   - ``"bound"`` (default), ``gmax``: reads the gradient and the two moments' E4M3 scales only, and
-     folds each program's max of |g| and of the scale bytes into the leaf's slots of one int32
-     buffer (atomic max; bit patterns of non-negative floats and E4M3 bytes are ordered as their
-     values). XLA then forms ``_common.amax_bounds`` from them and the old global scales.
-   - ``"exact"``, ``stats``: decodes m and √v, computes the new moments, and folds each program's max
-     of |m| and of √v into the buffer the same way.
+   - ``"exact"`` (default), ``stats``: decodes m and √v, computes the new moments, and folds each
+     program's max of |m| and of √v into the leaf's slots of one int32 buffer (atomic max; bit
+     patterns of non-negative floats are ordered as their values).
+   - ``"bound"``, ``gmax``: reads the gradient and the two moments' E4M3 scales only, and folds each
+     program's max of |g| and of the scale bytes into the buffer the same way (E4M3 bytes of
+     non-negative values are ordered too). XLA then forms ``_common.amax_bounds`` from them and the
+     old global scales. On the H200 it was no faster than ``stats`` (benchmarks/RESULTS.md).
 2. XLA, once for all leaves: ``S_enc`` and ``S_dec`` from those amaxes in Transformer Engine's order
    (``fp4jax.nvfp4.global_decode_scale``).
 3. ``encode``: compute the new moments (the same code and bits as ``stats``), write the update
@@ -20,7 +21,7 @@ leaf takes two kernels, with one small XLA step for all leaves:
    codes, written over the old state in place (``input_output_aliases``: a jit that donates the
    state copies nothing).
 
-Per parameter (float32 gradient) that is about 4.1 bytes read by ``gmax`` (5.1 by ``stats``), then
+Per parameter (float32 gradient) that is about 5.1 bytes read by ``stats`` (4.1 by ``gmax``), then
 5.1 read and 5.1 written by ``encode``, where ``optax.adamw`` reads 12 and writes 12 (plus the weight
 decay and ``apply_updates`` that both leave to XLA). On the H200 ``encode`` is bound by instruction
 issue (the ALU pipe: integer, logic, compare and select instructions), not by memory; its code is

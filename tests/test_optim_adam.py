@@ -198,7 +198,8 @@ def test_stochastic_rounding_is_reproducible_from_seed():
 
 @pytest.mark.parametrize("kwargs", [dict(rounding="up"), dict(nu_transform="cube"),
                                     dict(min_size=-1), dict(mu_storage="packed"),
-                                    dict(nu_transform=(jnp.sqrt,))])
+                                    dict(nu_transform=(jnp.sqrt,)), dict(amax="tight"),
+                                    dict(amax="bound", mu_storage="normalized")])
 def test_bad_arguments_raise(kwargs):
   with pytest.raises(ValueError):
     optim.scale_by_adam_nvfp4(**kwargs)

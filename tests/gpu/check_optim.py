@@ -14,7 +14,7 @@ backend in the same process, and compares:
    two equally valid roundings (~7% apart, measured on the H200);
 3. ``adamw_nvfp4`` after 3 updates, one jitted update per step (stochastic and nearest rounding;
    on the GPU the Pallas kernels by default, the XLA path once more, and the kernels with
-   ``amax="exact"``), against the CPU's XLA
+   ``amax="bound"``), against the CPU's XLA
    path: packed codes, E4M3 scales and
    global scales bit for bit (counts reported; at most 1e-5 of the codes may flip), updates to 1e-5
    of their max. The moments' products are rounded before each sum (``_common.rounded``; PTX
@@ -185,7 +185,7 @@ def main() -> int:
       ("adamw_nvfp4 stochastic", optim.adamw_nvfp4(1e-3), 1e-5, 3),
       ("adamw_nvfp4 nearest", optim.adamw_nvfp4(1e-3, rounding="nearest"), 1e-5, 3),
       ("adamw_nvfp4 stochastic, XLA on the GPU too", optim.adamw_nvfp4(1e-3, kernel="xla"), 1e-5, 3),
-      ("adamw_nvfp4 stochastic, amax='exact'", optim.adamw_nvfp4(1e-3, amax="exact"), 1e-5, 3),
+      ("adamw_nvfp4 stochastic, amax='bound'", optim.adamw_nvfp4(1e-3, amax="bound"), 1e-5, 3),
       ("muon_nvfp4 (NVFP4 momentum)", optim.muon_nvfp4(0.02, min_size=0, quantize_mu=True), 0.3, 2)):
     r, o = state_rows(name, tx, params, grads[:n], tol)
     rows, ok = rows + r, ok and o
