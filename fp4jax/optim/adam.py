@@ -33,7 +33,7 @@ Two implementations of the NVFP4 leaves' update, with the same state bits (tests
 ``tests/gpu/check_optim.py``): plain jnp, which XLA fuses and partitions (``kernel="xla"``), and two Pallas
 Triton kernels per leaf (``fp4jax.kernels.adam_nvfp4``), the default on a GPU, which read the gradient
 and the packed state twice and write the update and the new state (on the H200, for a 124M GPT-2
-pytree: 1.69x ``optax.adamw``'s device time, 1.83 against 1.08 ms; wall-clock ratios of 1.5–1.9x,
+pytree: 1.68x ``optax.adamw``'s device time, 1.83 against 1.09 ms; wall-clock ratios of 1.5–2.0x,
 moving with the host's load; the XLA path ~2.5x when last measured, in session 5;
 benchmarks/RESULTS.md).
 
