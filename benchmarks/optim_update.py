@@ -209,6 +209,8 @@ def main(argv=None):
                   help="blocks per program x warps of adamw_nvfp4's Pallas encode kernel, every row")
   ap.add_argument("--stats-config", default=None, metavar="RxW",
                   help="the same for the stats kernel")
+  ap.add_argument("--atomic-slots", type=int, default=None, metavar="K",
+                  help="adamw_nvfp4's first pass folds its maxima into K copies (kernel ATOMIC_SLOTS)")
   ap.add_argument("--join-u", action="store_true",
                   help="adamw_nvfp4's encode kernel stores the update joined (contiguous), every row")
   ap.add_argument("--busy", action="store_true",
@@ -256,6 +258,8 @@ def main(argv=None):
     adam_kernel.STATS_BLOCK_ROWS, adam_kernel.STATS_NUM_WARPS = (
         int(x) for x in args.stats_config.split("x"))
   adam_kernel.JOIN_U = args.join_u
+  if args.atomic_slots is not None:
+    adam_kernel.ATOMIC_SLOTS = args.atomic_slots
   if args.profile:
     for name in args.profile.split(","):
       profile(runs[name], params, grads, name)

@@ -70,6 +70,12 @@ NUM_WARPS = 4  # default Triton warps per program of `encode`
 STATS_BLOCK_ROWS = 64  # the same for `stats`
 STATS_NUM_WARPS = 4
 JOIN_U = False  # default `join_u` of `update_leaves`
+# Copies of each max that the first pass's programs fold into (program i into copy i % ATOMIC_SLOTS),
+# reduced by XLA afterwards. Atomics on one address are serialized, and the H200's first pass over
+# the embedding (37,728 programs, 2-3 atomics each) took longer than reading its bytes
+# (benchmarks/RESULTS.md, session 7). 1 (one address per max) is the configuration checked on the
+# H200; more is an experiment (`benchmarks/optim_update.py --atomic-slots`), checked on the CPU only.
+ATOMIC_SLOTS = 1
 _HALF = BLOCK // 2
 _INT_HEAD = 8  # the int table: [runtime zero, pad...], then 2 key words per leaf
 _F32_HEAD = 8  # the float table: [the 4 `_common.bias_factors`, bound, pad...], then per leaf the
@@ -215,7 +221,21 @@ def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, a_r
   # float max for values >= 0 (+inf included), and the buffer starts at 0.
   # Scalar values: for a (1,)-shaped int32 value the atomic's Triton lowering takes its float path.
   for j, amax in enumerate((amax_m, jnp.max(amax_s))):
-    plgpu.atomic_max(a_ref, jnp.int32(2 * leaf + j), lax.bitcast_convert_type(amax, jnp.int32))
+    plgpu.atomic_max(a_ref, _slot(2 * leaf + j), lax.bitcast_convert_type(amax, jnp.int32))
+
+
+def _slot(k):
+  """This program's entry of the first pass's buffer for max number ``k`` (``ATOMIC_SLOTS`` copies)."""
+  if ATOMIC_SLOTS == 1:
+    return jnp.int32(k)
+  return jnp.int32(k * ATOMIC_SLOTS) + pl.program_id(0) % ATOMIC_SLOTS
+
+
+def _slot_max(buf, n):
+  """The first ``n`` maxes of a first-pass buffer: each the max of its ``ATOMIC_SLOTS`` copies."""
+  if ATOMIC_SLOTS == 1:
+    return buf[:n]
+  return jnp.max(buf[:n * ATOMIC_SLOTS].reshape(n, ATOMIC_SLOTS), axis=1)
 
 
 def _gmax_kernel(g_ref, ms_ref, vs_ref, a_in, a_ref, *, nb: int, leaf: int):
@@ -231,7 +251,7 @@ def _gmax_kernel(g_ref, ms_ref, vs_ref, a_in, a_ref, *, nb: int, leaf: int):
   for r in (ms_ref, vs_ref):
     maxes.append(jnp.max(_f8_bytes(_load(r, ok1)).astype(jnp.int32)))
   for j, x in enumerate(maxes):
-    plgpu.atomic_max(a_ref, jnp.int32(4 * leaf + j), x)
+    plgpu.atomic_max(a_ref, _slot(4 * leaf + j), x)
 
 
 def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret):
@@ -425,7 +445,7 @@ def _exact_amaxes(grads, mus, nus, hp, ints, floats, rows, warps, interpret, vie
   # As float32 bit patterns, maxed in by the stats programs. One buffer for all leaves, so the
   # stats kernels run one after the other (one buffer per leaf, which lets them overlap, measured
   # slower on the H200: benchmarks/RESULTS.md).
-  amax_bits = jnp.zeros((next_pow2(2 * len(grads)),), jnp.int32)
+  amax_bits = jnp.zeros((next_pow2(2 * len(grads) * ATOMIC_SLOTS),), jnp.int32)
   for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
     nb, g2, state = views(g, mu, nu)
     br = min(rows, next_pow2(nb))
@@ -440,13 +460,13 @@ def _exact_amaxes(grads, mus, nus, hp, ints, floats, rows, warps, interpret, vie
         compiler_params=plgpu.CompilerParams(num_warps=warps), interpret=interpret,
         name="adam_nvfp4_stats",
     )(ints, floats, amax_bits, g2, *(x for k, x in enumerate(state) if k % 3 != 2))
-  return lax.bitcast_convert_type(amax_bits[:2 * len(grads)], jnp.float32).reshape(-1, 2)
+  return lax.bitcast_convert_type(_slot_max(amax_bits, 2 * len(grads)), jnp.float32).reshape(-1, 2)
 
 
 def _bound_amaxes(grads, mus, nus, hp, zero, rows, warps, interpret, views, spec, whole):
   """(L, 2) float32: each leaf's ``_common.amax_bounds`` of m and √v, from the ``gmax`` kernels and
   the old global scales: the XLA path's values (``_common.largest_stored``, ``max_abs``)."""
-  maxes = jnp.zeros((next_pow2(4 * len(grads)),), jnp.int32)
+  maxes = jnp.zeros((next_pow2(4 * len(grads) * ATOMIC_SLOTS),), jnp.int32)
   for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
     nb, g2, _ = views(g, mu, nu)
     br = min(rows, next_pow2(nb))
@@ -461,7 +481,7 @@ def _bound_amaxes(grads, mus, nus, hp, zero, rows, warps, interpret, views, spec
         compiler_params=plgpu.CompilerParams(num_warps=warps), interpret=interpret,
         name="adam_nvfp4_gmax",
     )(g2, *scales, maxes)
-  maxes = maxes[:4 * len(grads)].reshape(-1, 4)
+  maxes = _slot_max(maxes, 4 * len(grads)).reshape(-1, 4)
   g_max = lax.bitcast_convert_type(maxes[:, 0], jnp.float32)
   old = jnp.stack([t.global_scale.astype(jnp.float32) for pair in zip(mus, nus) for t in pair]
                   ).reshape(-1, 2)

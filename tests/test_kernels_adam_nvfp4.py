@@ -206,3 +206,22 @@ def test_train_uses_xla_when_the_state_is_sharded(monkeypatch):
     assert _uses_pallas(make_optimizer(cfg, recipe, 10), monkeypatch, "cuda", shapes)
     tx = make_optimizer(cfg, recipe, 10, sharded_state=True)
     assert not _uses_pallas(tx, monkeypatch, "cuda", shapes)
+
+
+@pytest.mark.parametrize("amax", ["exact", "bound"])
+def test_first_pass_with_spread_atomics(monkeypatch, triton_modules, amax):
+  """``ATOMIC_SLOTS`` > 1 (an experiment: each max folded into several copies, reduced by XLA) gives
+  the XLA path's state in interpret mode, with more programs than copies and the reverse, and lowers
+  to Triton for an H200."""
+  for slots in (4, 64):
+    monkeypatch.setattr(kernel, "ATOMIC_SLOTS", slots)
+    kw = dict(min_size=1024, amax=amax)
+    _, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2)
+    _, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 2)
+    _assert_state_equal(s_k, s_x)
+  tx = optim.scale_by_adam_nvfp4(kernel="pallas", **kw)
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+  with jax.sharding.use_abstract_mesh(H200):
+    jax.jit(tx.update).trace(params, jax.eval_shape(tx.init, params)).lower(
+        lowering_platforms=("cuda",))
+  assert len(triton_modules) == 6

@@ -18,6 +18,7 @@ declare -A CMD=(
   [optim_timing]="python3 benchmarks/optim_update.py --skip-equality"
   [optim_busy]="python3 benchmarks/optim_update.py --skip-equality --busy --runs=optax.adamw,adamw_nvfp4"
   [optim_busy_amax]="python3 benchmarks/optim_update.py --skip-equality --busy --runs='optax.adamw,adamw_nvfp4,adamw_nvfp4 (bound amax)'"
+  [optim_busy_slots]="python3 benchmarks/optim_update.py --skip-equality --busy --atomic-slots=64 --runs='optax.adamw,adamw_nvfp4,adamw_nvfp4 (bound amax)'"
   [optim_timing_stacked]="python3 benchmarks/optim_update.py --skip-equality --stacked"
   [optim_profile]="python3 benchmarks/optim_update.py --profile=adamw_nvfp4"
   [optim_variants]="python3 benchmarks/optim_update.py --variants"
