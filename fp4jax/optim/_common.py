@@ -133,7 +133,6 @@ def _mix32(x):
 
 
 LANES = 2  # tensors that one key's hash serves (Adam's m and sqrt(v))
-SR_BITS = 8  # random bits per stochastic rounding
 
 
 def counter_bits(key, shape, lane: int = 0) -> jax.Array:
@@ -141,9 +140,9 @@ def counter_bits(key, shape, lane: int = 0) -> jax.Array:
 
   One 32-bit hash of each pair of neighbouring elements (flat indices ``2i`` and ``2i + 1``) gives
   the bits of two tensors of that shape, ``lane`` 0 and 1 (Adam's m and √v under one key): element
-  ``2i + h`` of lane ``j`` takes byte ``2j + h`` (``lane_bits``). Four roundings per hash: in the
-  Pallas AdamW kernel, whose instructions bound its time, the hash per rounding cost more than a
-  tenth of them. Eight bits per rounding, as Blackwell's ``cvt.rs`` takes one 32-bit random operand
+  ``2i + h`` of lane ``j`` takes byte ``2j + h`` (``lane_bits``). Four roundings per hash: the
+  Pallas AdamW kernel is bound by instruction issue, and a hash is ~17 integer operations. Eight
+  bits per rounding, as Blackwell's ``cvt.rs`` takes one 32-bit random operand
   per four FP4 values: a probability is rounded to a multiple of 1/256 (within 1/512 of exact, see
   ``lane_bits``), far below the format's own step.
 
