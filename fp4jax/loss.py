@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp4jax import _platform
 from fp4jax.kernels.cross_entropy import softmax_xent_rows, softmax_xent_rows_reference
 from fp4jax.ops.dense import mixed_matmul
 
@@ -56,11 +57,13 @@ LOSS_ROWS = ("auto", "pallas", "xla", "pallas_interpret")
 def rows_impl(rows: str) -> str:
   """The forward rule's pass over each chunk's logits: ``"pallas"`` (``fp4jax.kernels.cross_entropy``,
   one read of the logits), ``"xla"``, or ``"pallas_interpret"`` (the kernel in Pallas interpret
-  mode: CPU tests). ``"auto"``: the kernel when JAX's default backend is a GPU, else XLA."""
+  mode: CPU tests). ``"auto"``: the kernel when computations go to a CUDA GPU by default
+  (``fp4jax._platform.default_platform``: not under ``jax.default_device(cpu)``, nor on ROCm), else
+  XLA."""
   if rows not in LOSS_ROWS:
     raise ValueError(f"cross-entropy rows={rows!r}: expected one of {LOSS_ROWS}")
   if rows == "auto":
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return "pallas" if _platform.default_platform() == "cuda" else "xla"
   return rows
 
 

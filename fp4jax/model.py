@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fp4jax import _platform
 from fp4jax.loss import LOSS_ROWS
 from fp4jax.ops.dense import mixed_matmul, mixed_matmul_split
 from fp4jax.recipe import Recipe
@@ -148,12 +149,13 @@ def _cudnn_shapes_ok(cfg: ModelConfig) -> bool:
 def attention_impl(cfg: ModelConfig) -> str:
   """The ``implementation`` passed to ``jax.nn.dot_product_attention`` ("cudnn" or "xla").
 
-  "auto" resolves at trace time: cuDNN when ``jax.default_backend()`` is "gpu" and the shapes
-  allow it, else XLA (CPU tests; float32 models).
+  "auto" resolves at trace time: cuDNN when computations go to a CUDA GPU by default
+  (``fp4jax._platform.default_platform``) and the shapes allow it, else XLA (CPU tests, a
+  ``jax.default_device(cpu)`` scope, float32 models).
   """
   if cfg.attention != "auto":
     return cfg.attention
-  return "cudnn" if jax.default_backend() == "gpu" and _cudnn_shapes_ok(cfg) else "xla"
+  return "cudnn" if _platform.default_platform() == "cuda" and _cudnn_shapes_ok(cfg) else "xla"
 
 
 def projection_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -194,3 +194,15 @@ def test_lowers_to_triton_for_h200(triton_modules, impl, c, v, kw, loads):
   warps = kw.get("num_warps", 16 if want == "row" and v == 32768 and "rows_per_program" not in kw else None)
   if warps:
     assert re.search(rf"num_warps = {warps} : i32", hlo)
+
+
+def test_auto_rows_follow_the_default_platform(monkeypatch):
+  """``rows="auto"`` takes the kernel only where computations go to a CUDA GPU."""
+  from fp4jax import _platform
+  from fp4jax.loss import rows_impl
+  for platform, want in (("cuda", "pallas"), ("rocm", "xla"), ("cpu", "xla")):
+    monkeypatch.setattr(_platform, "default_platform", lambda p=platform: p)
+    assert rows_impl("auto") == want
+  assert rows_impl("xla") == "xla"
+  with pytest.raises(ValueError, match="rows"):
+    rows_impl("cuda")

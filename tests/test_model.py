@@ -12,6 +12,7 @@ from fp4jax import sharding as shd
 from fp4jax.layers import Fp4Dense, LoraSvdDense
 from fp4jax.ops import MatmulConfig
 from fp4jax.loss import chunked_cross_entropy, cross_entropy
+from fp4jax import _platform
 from fp4jax.model import Dense, ModelConfig, Transformer, attention_impl, projection_dims, rope
 from fp4jax.ops import mixed_matmul
 from fp4jax.recipe import Recipe, RecipeNotAvailableError, get_recipe
@@ -357,7 +358,19 @@ def test_attention_option_validated_and_xla_on_cpu():
                 dtype="float32")
   assert attention_impl(CFG) == "xla"  # float32 model
   bf16 = ModelConfig(vocab_size=8, d_model=64, n_layers=1, n_heads=4)
-  assert attention_impl(bf16) == ("cudnn" if jax.default_backend() == "gpu" else "xla")
+  assert attention_impl(bf16) == ("cudnn" if _platform.default_platform() == "cuda" else "xla")
+
+
+def test_attention_auto_follows_the_default_platform(monkeypatch):
+  """"auto" takes cuDNN only where computations go to a CUDA GPU: not on ROCm or the CPU, and not
+  inside ``jax.default_device(cpu)`` on a GPU machine."""
+  bf16 = ModelConfig(vocab_size=8, d_model=64, n_layers=1, n_heads=4)
+  for platform, want in (("cuda", "cudnn"), ("rocm", "xla"), ("cpu", "xla")):
+    monkeypatch.setattr(_platform, "default_platform", lambda p=platform: p)
+    assert attention_impl(bf16) == want
+  monkeypatch.undo()
+  with jax.default_device(jax.devices("cpu")[0]):
+    assert _platform.default_platform() == "cpu" and attention_impl(bf16) == "xla"
 
 
 _LOWER_FOR_H200 = r"""
@@ -419,7 +432,7 @@ def test_attention_lowers_to_cudnn_for_h200_without_scores_or_full_logits():
 def test_auto_attention_falls_back_to_xla_when_cudnn_refuses(monkeypatch):
   """On a 'GPU' without cuDNN (here: the CPU pretending), attention='auto' warns and uses XLA;
   attention='cudnn' raises."""
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(_platform, "default_platform", lambda: "cuda")
   cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4)
   assert attention_impl(cfg) == "cudnn"
   tokens = jnp.zeros((2, 16), jnp.int32)

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from fp4jax import _fp32, nvfp4
+from fp4jax import _fp32, _platform, nvfp4
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
 
 DEFAULT_MIN_SIZE = 4096
@@ -300,16 +300,9 @@ def group_by_default() -> bool:
 
 
 def default_platform() -> str:
-  """The platform computations go to by default: that of ``jax.default_device`` when one is set
-  (``with jax.default_device(cpu):`` on a GPU machine gives "cpu"), else of JAX's default backend;
-  GPUs are told apart as "cuda" or "rocm" (the Pallas kernels lower PTX: CUDA only)."""
-  device = jax.config.jax_default_device
-  if device is None or isinstance(device, str):
-    device = jax.devices(device)[0]
-  if device.platform != "gpu":
-    return device.platform
-  version = str(getattr(device.client, "platform_version", "")).lower()
-  return "rocm" if "rocm" in version else "cuda"
+  """``fp4jax._platform.default_platform``: "cpu", "cuda", "rocm", ... (a name here so tests can
+  patch the optimizers' choice alone)."""
+  return _platform.default_platform()
 
 
 def grouped_map(fn, indices, *leaf_lists, group: bool | None = None):

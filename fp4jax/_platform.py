@@ -1,0 +1,18 @@
+"""Where computations go by default, for the "auto" choices between Pallas/cuDNN and XLA paths."""
+
+from __future__ import annotations
+
+import jax
+
+
+def default_platform() -> str:
+  """The platform computations go to by default: that of ``jax.default_device`` when one is set
+  (``with jax.default_device(cpu):`` on a GPU machine gives "cpu"), else of JAX's default backend;
+  GPUs are told apart as "cuda" or "rocm" (the Pallas kernels lower PTX: CUDA only)."""
+  device = jax.config.jax_default_device
+  if device is None or isinstance(device, str):
+    device = jax.devices(device)[0]
+  if device.platform != "gpu":
+    return device.platform
+  version = str(getattr(device.client, "platform_version", "")).lower()
+  return "rocm" if "rocm" in version else "cuda"
