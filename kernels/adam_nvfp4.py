@@ -378,30 +378,10 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
   floats = _pad_pow2(jnp.concatenate([floats, jnp.zeros((_F32_HEAD - 5,), jnp.float32),
                                       old_scales]))
 
-  def spec(shape, br):
-    if len(shape) == 1:
-      return pl.BlockSpec((br,), lambda i: (i,))
-    return pl.BlockSpec((br, *shape[1:]), lambda i: (i,) + (0,) * (len(shape) - 1))
-
-  whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,))  # noqa: E731
-  scalar = pl.BlockSpec((1,), lambda i: (0,))
-
-  def views(g, mu, nu):
-    nb = g.size // BLOCK
-    state = []
-    for t in (mu, nu):
-      state += [t.codes.reshape(nb, _HALF), t.scales.reshape(nb), t.global_scale.reshape(1)]
-    return nb, g.reshape(nb, _HALF, 2), state
-
-  def spec_of(x, br):
-    return spec(x.shape, br) if x.shape != (1,) else scalar
-
   if hp.amax == "bound":
-    amax = _bound_amaxes(grads, mus, nus, hp, zero, stats_rows, stats_warps, interpret, views, spec,
-                         whole)
+    amax = _bound_amaxes(grads, mus, nus, hp, zero, stats_rows, stats_warps, interpret)
   else:
-    amax = _exact_amaxes(grads, mus, nus, hp, ints, floats, stats_rows, stats_warps, interpret,
-                         views, spec, spec_of, whole)
+    amax = _exact_amaxes(grads, mus, nus, hp, ints, floats, stats_rows, stats_warps, interpret)
   # S_enc and S_dec of all leaves at once, as nvfp4.quantize computes them.
   finite = amax <= _fp32.F32_MAX
   s_enc, s_dec = nvfp4.global_decode_scale(jnp.where(finite, amax, 0.0))
@@ -412,7 +392,7 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
 
   us, mus_new, nus_new = [], [], []
   for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
-    nb, g2, state = views(g, mu, nu)
+    nb, g2, state = _views(g, mu, nu)
     br = min(block_rows, next_pow2(nb))
     n_prog = pl.cdiv(nb, br)
     codes, scales = (jax.ShapeDtypeStruct((nb, _HALF), jnp.uint8),
@@ -422,9 +402,10 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
         functools.partial(_encode_kernel, hp=hp, nb=nb, leaf=i, join_u=join_u,
                           interpret=interpret),
         grid=(n_prog,),
-        in_specs=[whole(ints), whole(floats), whole(table), spec(g2.shape, br)]
-        + [spec_of(x, br) for x in state],
-        out_specs=[spec(g2.shape, br)] + [spec(codes.shape, br), spec(scales.shape, br), scalar] * 2,
+        in_specs=[_whole(ints), _whole(floats), _whole(table), _spec(g2.shape, br)]
+        + [_spec_of(x, br) for x in state],
+        out_specs=[_spec(g2.shape, br)]
+        + [_spec(codes.shape, br), _spec(scales.shape, br), _SCALAR] * 2,
         out_shape=[jax.ShapeDtypeStruct(g2.shape, g.dtype)] + [codes, scales, one] * 2,
         # The new state overwrites the old in place (each program reads its own blocks before
         # writing them; the old global scales come from `floats`), so a jit that donates the state
@@ -439,22 +420,21 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
   return us, mus_new, nus_new
 
 
-def _exact_amaxes(grads, mus, nus, hp, ints, floats, rows, warps, interpret, views, spec, spec_of,
-                  whole):
+def _exact_amaxes(grads, mus, nus, hp, ints, floats, rows, warps, interpret):
   """(L, 2) float32: each leaf's amax of the new m and √v, from the ``stats`` kernels."""
   # As float32 bit patterns, maxed in by the stats programs. One buffer for all leaves, so the
   # stats kernels run one after the other (one buffer per leaf, which lets them overlap, measured
   # slower on the H200: benchmarks/RESULTS.md).
   amax_bits = jnp.zeros((next_pow2(2 * len(grads) * ATOMIC_SLOTS),), jnp.int32)
   for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
-    nb, g2, state = views(g, mu, nu)
+    nb, g2, state = _views(g, mu, nu)
     br = min(rows, next_pow2(nb))
     amax_bits = pl.pallas_call(
         functools.partial(_stats_kernel, hp=hp, nb=nb, leaf=i, interpret=interpret),
         grid=(pl.cdiv(nb, br),),
-        in_specs=[whole(ints), whole(floats), whole(amax_bits), spec(g2.shape, br)]
-        + [spec_of(x, br) for k, x in enumerate(state) if k % 3 != 2],
-        out_specs=whole(amax_bits),
+        in_specs=[_whole(ints), _whole(floats), _whole(amax_bits), _spec(g2.shape, br)]
+        + [_spec_of(x, br) for k, x in enumerate(state) if k % 3 != 2],
+        out_specs=_whole(amax_bits),
         out_shape=jax.ShapeDtypeStruct(amax_bits.shape, jnp.int32),
         input_output_aliases={2: 0},
         compiler_params=plgpu.CompilerParams(num_warps=warps), interpret=interpret,
@@ -463,19 +443,19 @@ def _exact_amaxes(grads, mus, nus, hp, ints, floats, rows, warps, interpret, vie
   return lax.bitcast_convert_type(_slot_max(amax_bits, 2 * len(grads)), jnp.float32).reshape(-1, 2)
 
 
-def _bound_amaxes(grads, mus, nus, hp, zero, rows, warps, interpret, views, spec, whole):
+def _bound_amaxes(grads, mus, nus, hp, zero, rows, warps, interpret):
   """(L, 2) float32: each leaf's ``_common.amax_bounds`` of m and √v, from the ``gmax`` kernels and
   the old global scales: the XLA path's values (``_common.largest_stored``, ``max_abs``)."""
   maxes = jnp.zeros((next_pow2(4 * len(grads) * ATOMIC_SLOTS),), jnp.int32)
   for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
-    nb, g2, _ = views(g, mu, nu)
+    nb, g2, _ = _views(g, mu, nu)
     br = min(rows, next_pow2(nb))
     scales = [t.scales.reshape(nb) for t in (mu, nu)]
     maxes = pl.pallas_call(
         functools.partial(_gmax_kernel, nb=nb, leaf=i),
         grid=(pl.cdiv(nb, br),),
-        in_specs=[spec(g2.shape, br), spec((nb,), br), spec((nb,), br), whole(maxes)],
-        out_specs=whole(maxes),
+        in_specs=[_spec(g2.shape, br), _spec((nb,), br), _spec((nb,), br), _whole(maxes)],
+        out_specs=_whole(maxes),
         out_shape=jax.ShapeDtypeStruct(maxes.shape, jnp.int32),
         input_output_aliases={3: 0},
         compiler_params=plgpu.CompilerParams(num_warps=warps), interpret=interpret,
@@ -488,6 +468,35 @@ def _bound_amaxes(grads, mus, nus, hp, zero, rows, warps, interpret, views, spec
   m_max, s_max = ((6.0 * _fp32.e4m3_to_f32(maxes[:, 1 + j])) * old[:, j] for j in range(2))
   m_amax, v_amax = _common.amax_bounds(g_max, m_max, s_max * s_max, hp.b1, hp.b2, zero)
   return jnp.stack([m_amax, _fp32.sqrt_rn(v_amax)], axis=-1)
+
+
+def _spec(shape, br):
+  """Blocks of ``br`` rows of an array of ``shape``, program i taking block i."""
+  if len(shape) == 1:
+    return pl.BlockSpec((br,), lambda i: (i,))
+  return pl.BlockSpec((br, *shape[1:]), lambda i: (i,) + (0,) * (len(shape) - 1))
+
+
+def _whole(x):
+  """All of a 1-D ``x`` in every program."""
+  return pl.BlockSpec(x.shape, lambda i: (0,))
+
+
+_SCALAR = pl.BlockSpec((1,), lambda i: (0,))
+
+
+def _spec_of(x, br):
+  return _spec(x.shape, br) if x.shape != (1,) else _SCALAR
+
+
+def _views(g, mu, nu):
+  """A leaf as the kernels see it: blocks ``nb``, the gradient (nb, 8, 2), and per moment its codes
+  (nb, 8), scales (nb,) and global scale (1,)."""
+  nb = g.size // BLOCK
+  state = []
+  for t in (mu, nu):
+    state += [t.codes.reshape(nb, _HALF), t.scales.reshape(nb), t.global_scale.reshape(1)]
+  return nb, g.reshape(nb, _HALF, 2), state
 
 
 def _rebuild(t: NVFP4Tensor, codes, scales, global_scale) -> NVFP4Tensor:

@@ -168,17 +168,16 @@ def scale_by_adam_nvfp4(
   if mu_storage not in ("direct", "normalized"):
     raise ValueError(f"mu_storage must be 'direct' or 'normalized', got {mu_storage!r}")
   normalized_mu = mu_storage == "normalized"
-  amax_rule = amax
-  if amax_rule not in _common.AMAX_RULES:
+  if amax not in _common.AMAX_RULES:
     raise ValueError(f"amax must be one of {_common.AMAX_RULES}, got {amax!r}")
-  if amax_rule == "bound" and normalized_mu:
+  if amax == "bound" and normalized_mu:
     raise ValueError("amax='bound' needs mu_storage='direct' (a normalized m has no bound here)")
   if kernel not in KERNELS:
     raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
   kernel_ok = (nu_transform == "sqrt" and not normalized_mu and not zero_guard)
   hyper = adam_kernel.AdamHyper(b1=b1, b2=b2, eps=eps, eps_root=eps_root, nesterov=nesterov,
                                 clip_update=clip_update, mu_rounding=mu_rounding,
-                                nu_rounding=nu_rounding, amax=amax_rule)
+                                nu_rounding=nu_rounding, amax=amax)
 
   def init_fn(params):
     zeros = lambda p: _common.zeros_state(p.shape, min_size, quantize)  # noqa: E731
@@ -247,7 +246,7 @@ def scale_by_adam_nvfp4(
     zero = _common.runtime_zero(count_inc)
     m, v = _common.adam_moments(m_old, v_old, g32, b1, b2, zero)
     m_amax = s_amax = None  # "exact": the quantizer's max|x|
-    if amax_rule == "bound":
+    if amax == "bound":
       floor = _common._ZERO_BLOCK_BOUND if zero_guard else 0.0  # decode_guarded's largest lift
       m_amax, v_amax = _common.amax_bounds(
           _common.max_abs(g32), _common.largest_stored(mu_q),
