@@ -379,7 +379,7 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
                                       old_scales]))
 
   if hp.amax == "bound":
-    amax = _bound_amaxes(grads, mus, nus, hp, zero, stats_rows, stats_warps, interpret)
+    amax = _bound_amaxes(grads, mus, nus, old_scales, hp, zero, stats_rows, stats_warps, interpret)
   else:
     amax = _exact_amaxes(grads, mus, nus, hp, ints, floats, stats_rows, stats_warps, interpret)
   # S_enc and S_dec of all leaves at once, as nvfp4.quantize computes them.
@@ -443,9 +443,10 @@ def _exact_amaxes(grads, mus, nus, hp, ints, floats, rows, warps, interpret):
   return lax.bitcast_convert_type(_slot_max(amax_bits, 2 * len(grads)), jnp.float32).reshape(-1, 2)
 
 
-def _bound_amaxes(grads, mus, nus, hp, zero, rows, warps, interpret):
+def _bound_amaxes(grads, mus, nus, old_scales, hp, zero, rows, warps, interpret):
   """(L, 2) float32: each leaf's ``_common.amax_bounds`` of m and √v, from the ``gmax`` kernels and
-  the old global scales: the XLA path's values (``_common.largest_stored``, ``max_abs``)."""
+  the old global scales ``old_scales`` ((2L,): m, √v per leaf): the XLA path's values
+  (``_common.largest_stored``, ``max_abs``)."""
   maxes = jnp.zeros((next_pow2(4 * len(grads) * ATOMIC_SLOTS),), jnp.int32)
   for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
     nb, g2, _ = _views(g, mu, nu)
@@ -463,9 +464,8 @@ def _bound_amaxes(grads, mus, nus, hp, zero, rows, warps, interpret):
     )(g2, *scales, maxes)
   maxes = _slot_max(maxes, 4 * len(grads)).reshape(-1, 4)
   g_max = lax.bitcast_convert_type(maxes[:, 0], jnp.float32)
-  old = jnp.stack([t.global_scale.astype(jnp.float32) for pair in zip(mus, nus) for t in pair]
-                  ).reshape(-1, 2)
-  m_max, s_max = ((6.0 * _fp32.e4m3_to_f32(maxes[:, 1 + j])) * old[:, j] for j in range(2))
+  old = old_scales.reshape(-1, 2)
+  m_max, s_max = (_common.largest_from_scale(maxes[:, 1 + j], old[:, j]) for j in range(2))
   m_amax, v_amax = _common.amax_bounds(g_max, m_max, s_max * s_max, hp.b1, hp.b2, zero)
   return jnp.stack([m_amax, _fp32.sqrt_rn(v_amax)], axis=-1)
 

@@ -25,7 +25,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from fp4jax import _fp32, _platform, nvfp4
+from fp4jax import _fp32, nvfp4
+from fp4jax._platform import default_platform
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
 
 DEFAULT_MIN_SIZE = 4096
@@ -108,11 +109,21 @@ def max_abs(x) -> jax.Array:
 
 
 def largest_stored(t: NVFP4Tensor, floor: float = 0.0) -> jax.Array:
-  """``(6 * max(dscale, floor)) * S_dec``: no value of ``t`` is larger in magnitude (an E2M1 code is
-  at most 6, and ``dequantize`` multiplies in this order). The largest scale byte is the largest
-  scale (E4M3 bytes of non-negative values are ordered)."""
-  d = _fp32.e4m3_to_f32(jnp.max(jax.lax.bitcast_convert_type(t.scales, jnp.uint8), initial=0))
-  return (6.0 * jnp.maximum(d, floor)) * t.global_scale
+  """No value of ``t`` is larger in magnitude (``floor``: a least block scale, for readers that lift
+  zeros); ``largest_from_scale`` of its largest scale byte (E4M3 bytes of non-negative values are
+  ordered as their values)."""
+  top = jnp.max(jax.lax.bitcast_convert_type(t.scales, jnp.uint8), initial=0)
+  return largest_from_scale(top, t.global_scale, floor)
+
+
+def largest_from_scale(scale_byte, global_scale, floor: float = 0.0) -> jax.Array:
+  """``(6 * max(dscale, floor)) * S_dec`` for an E4M3 scale byte: an E2M1 code is at most 6, and
+  ``dequantize`` multiplies in this order. The Pallas kernels' ``amax="bound"`` calls it with the
+  largest byte their first pass found."""
+  d = _fp32.e4m3_to_f32(scale_byte)
+  if floor:
+    d = jnp.maximum(d, floor)
+  return (6.0 * d) * global_scale
 
 
 def amax_bounds(g_max, m_max, v_max, b1: float, b2: float, zero):
@@ -140,9 +151,8 @@ def counter_bits(key, shape, lane: int = 0) -> jax.Array:
 
   One 32-bit hash of each pair of neighbouring elements (flat indices ``2i`` and ``2i + 1``) gives
   the bits of two tensors of that shape, ``lane`` 0 and 1 (Adam's m and √v under one key): element
-  ``2i + h`` of lane ``j`` takes byte ``2j + h`` (``lane_bits``). Four roundings per hash: the
-  Pallas AdamW kernel is bound by instruction issue, and a hash is ~17 integer operations. Eight
-  bits per rounding, as Blackwell's ``cvt.rs`` takes one 32-bit random operand
+  ``2i + h`` of lane ``j`` takes byte ``2j + h`` (``lane_bits``). Four roundings per hash, because
+  the Pallas AdamW kernel is bound by instruction issue. Eight bits per rounding, as Blackwell's ``cvt.rs`` takes one 32-bit random operand
   per four FP4 values: a probability is rounded to a multiple of 1/256 (within 1/512 of exact, see
   ``lane_bits``), far below the format's own step.
 
@@ -297,12 +307,6 @@ def group_by_default() -> bool:
   about a second each. On the GPU, grouping launches fewer kernels.
   """
   return default_platform() != "cpu"
-
-
-def default_platform() -> str:
-  """``fp4jax._platform.default_platform``: "cpu", "cuda", "rocm", ... (a name here so tests can
-  patch the optimizers' choice alone)."""
-  return _platform.default_platform()
 
 
 def grouped_map(fn, indices, *leaf_lists, group: bool | None = None):
