@@ -153,7 +153,7 @@ def profile(tx, params, grads, name, steps=5, report=True):
   when ``report``). Returns the device's busy milliseconds per update."""
   import tempfile
 
-  from benchmarks.profile_step import busy_ms, read_trace, summarize
+  from benchmarks.profile_step import busy_by_prefix, busy_ms, read_trace, summarize
 
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
@@ -174,7 +174,11 @@ def profile(tx, params, grads, name, steps=5, report=True):
   if report:
     print(f"profile of {name}: {steps} updates")
     summarize(*trace, steps, 30)
-  return busy_ms(*trace, steps)
+  return busy_ms(*trace, steps), busy_by_prefix(*trace, steps, KERNEL_GROUPS)
+
+
+# Kernel name prefixes of the split of device time printed with --busy; the rest is "xla".
+KERNEL_GROUPS = ("adam_nvfp4_stats", "adam_nvfp4_gmax", "adam_nvfp4_encode")
 
 
 def _print_timings(rows, n, accel, stacked=False):
@@ -209,6 +213,11 @@ def main(argv=None):
                   help="blocks per program x warps of adamw_nvfp4's Pallas encode kernel, every row")
   ap.add_argument("--stats-config", default=None, metavar="RxW",
                   help="the same for the stats kernel")
+  ap.add_argument("--stats-sweep", default=None, metavar="RxW[:K:S:L:C],...",
+                  help="also time adamw_nvfp4 with its first pass at R blocks x W warps per program, "
+                       "folding into K copies (ATOMIC_SLOTS) S int32 apart (SLOT_STRIDE), the gradient "
+                       "read as 16-element rows if L is 1 (STATS_ROWS16), in chunks of C rows "
+                       "(STATS_CHUNK_ROWS)")
   ap.add_argument("--atomic-slots", type=int, default=None, metavar="K",
                   help="adamw_nvfp4's first pass folds its maxima into K copies (kernel ATOMIC_SLOTS)")
   ap.add_argument("--join-u", action="store_true",
@@ -264,23 +273,47 @@ def main(argv=None):
     for name in args.profile.split(","):
       profile(runs[name], params, grads, name)
     return 0
+  # Per row, the kernels' module settings it runs with (the kernels read them when traced, and
+  # time_update and profile trace their own jits).
+  settings = ("BLOCK_ROWS", "NUM_WARPS", "STATS_BLOCK_ROWS", "STATS_NUM_WARPS", "ATOMIC_SLOTS",
+              "SLOT_STRIDE", "STATS_ROWS16", "STATS_CHUNK_ROWS")
+  default = {k: getattr(adam_kernel, k) for k in settings}
   configs = {}
+  sweep_kernel = "pallas" if accel.platform == "gpu" else "pallas_interpret"  # (a CPU smoke run)
   for cfg in (args.sweep.split(",") if args.sweep else []):
     br, nw = (int(x) for x in cfg.split("x"))
     name = f"adamw_nvfp4 (pallas {cfg})"
-    runs[name], configs[name] = optim.adamw_nvfp4(1e-3, kernel="pallas"), (br, nw)
-  rows, ok = [], True
-  default_config = (adam_kernel.BLOCK_ROWS, adam_kernel.NUM_WARPS)
+    runs[name] = optim.adamw_nvfp4(1e-3, kernel=sweep_kernel)
+    configs[name] = {**default, "BLOCK_ROWS": br, "NUM_WARPS": nw}
+  for cfg in (args.stats_sweep.split(",") if args.stats_sweep else []):
+    size, *rest = cfg.split(":")
+    br, nw = (int(x) for x in size.split("x"))
+    fields = ("ATOMIC_SLOTS", "SLOT_STRIDE", "STATS_ROWS16", "STATS_CHUNK_ROWS")
+    extra = {k: int(v) for k, v in zip(fields, rest)}
+    name = f"adamw_nvfp4 (stats {cfg})"
+    runs[name] = optim.adamw_nvfp4(1e-3, kernel=sweep_kernel)
+    configs[name] = {**default, "STATS_BLOCK_ROWS": br, "STATS_NUM_WARPS": nw, **extra}
+  rows, splits, ok = [], {}, True
   for name, tx in runs.items():
-    # The kernels read their launch sizes when traced; time_update traces its own jit.
-    adam_kernel.BLOCK_ROWS, adam_kernel.NUM_WARPS = configs.get(name, default_config)
+    for k, v in configs.get(name, default).items():
+      setattr(adam_kernel, k, v)
     ms, piped, comp, nbytes, finite = time_update(tx, params, grads, iters)
-    busy = profile(tx, params, grads, name, report=False) if args.busy else None
+    busy = None
+    if args.busy:
+      busy, splits[name] = profile(tx, params, grads, name, report=False)
     ok &= finite
     rows.append((name, ms, piped, comp, nbytes, finite, busy))
     print(f"  {name}: {ms:.3f} ms, back to back {piped:.3f} ms (compile {comp:.1f} s), "
           f"{nbytes / n:.3f} B/param, finite={finite}"
           + (f", device busy {busy:.3f} ms" if busy is not None else ""), flush=True)
+  for k, v in default.items():
+    setattr(adam_kernel, k, v)
+  if splits:
+    groups = (*KERNEL_GROUPS, "xla")
+    print("\n| optimizer | " + " | ".join(f"{g} ms" for g in groups) + " |")
+    print("|---|" + "---:|" * len(groups))
+    for name, split in splits.items():
+      print(f"| {name} | " + " | ".join(f"{split.get(g, 0.0):.3f}" for g in groups) + " |")
 
   if args.skip_equality:
     return _print_timings(rows, n, accel, args.stacked) or (0 if ok else 1)

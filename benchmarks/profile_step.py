@@ -90,6 +90,16 @@ def busy_ms(events, names, steps: int) -> float:
   return sum(e["dur"] for e in lines[_op_line(lines, names)]) / 1e3 / steps
 
 
+def busy_by_prefix(events, names, steps: int, prefixes) -> dict:
+  """Busy milliseconds per step of the op timeline's kernels, summed per name prefix of ``prefixes``
+  (the first that matches); the rest under ``"xla"``."""
+  lines = _device_lines(events, names)
+  out = collections.Counter()
+  for e in lines[_op_line(lines, names)]:
+    out[next((p for p in prefixes if e["name"].startswith(p)), "xla")] += e["dur"] / 1e3 / steps
+  return dict(out)
+
+
 def summarize(events, names, steps: int, top: int, hlo: dict | None = None) -> None:
   lines = _device_lines(events, names)
   print("\n| timeline | events | busy ms / step |\n|---|---:|---:|")

@@ -67,7 +67,7 @@ from fp4jax.optim import _common
 
 BLOCK_ROWS = 64  # default 16-element blocks per program of `encode`
 NUM_WARPS = 4  # default Triton warps per program of `encode`
-STATS_BLOCK_ROWS = 64  # the same for `stats`
+STATS_BLOCK_ROWS = 64
 STATS_NUM_WARPS = 4
 JOIN_U = False  # default `join_u` of `update_leaves`
 # Copies of each max that the first pass's programs fold into (program i into copy i % ATOMIC_SLOTS),
@@ -76,6 +76,11 @@ JOIN_U = False  # default `join_u` of `update_leaves`
 # (benchmarks/RESULTS.md, session 7). 1 (one address per max) is the configuration checked on the
 # H200; more is an experiment (`benchmarks/optim_update.py --atomic-slots`), checked on the CPU only.
 ATOMIC_SLOTS = 1
+# Int32 entries between neighbouring copies (32: one 128-byte cache line per copy, so copies do not
+# share an L2 line).
+SLOT_STRIDE = 1
+STATS_ROWS16 = True
+STATS_CHUNK_ROWS = 64
 _HALF = BLOCK // 2
 _INT_HEAD = 8  # the int table: [runtime zero, pad...], then 2 key words per leaf
 _F32_HEAD = 8  # the float table: [the 4 `_common.bias_factors`, bound, pad...], then per leaf the
@@ -174,9 +179,13 @@ def _f8_bytes(x):
 
 def _moments(hp, zero, f_ref, leaf, gs, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret):
   """Per half h of the gradient's halves ``gs``: (g, m, v) in float32, (rows, 8) each
-  (``_common.adam_moments``)."""
+  (``_common.adam_moments``). With one ``gs`` of (rows, 16), the whole rows: (g, m, v) of (rows,
+  16)."""
   # Codes widened once: 32-bit integer arithmetic from here (bytes cost the GPU byte permutes).
   mcode, vcode = (_load(r, ok2).astype(jnp.int32) for r in (mc_ref, vc_ref))
+  if len(gs) == 1:  # each byte's two nibbles side by side: element order
+    mcode, vcode = (jnp.stack([c, c >> 4], axis=-1).reshape(c.shape[0], BLOCK)
+                    for c in (mcode, vcode))
   mscale = _fp32.e4m3_to_f32(_f8_bytes(_load(ms_ref, ok1)))[:, None]
   vscale = _fp32.e4m3_to_f32(_f8_bytes(_load(vs_ref, ok1)))[:, None]
   mg, vg = f_ref[_F32_HEAD + 2 * leaf], f_ref[_F32_HEAD + 2 * leaf + 1]
@@ -199,22 +208,45 @@ def _max2d(x):
 
 
 def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, a_ref, *,
-                  hp: AdamHyper, nb: int, leaf: int, interpret: bool):
+                  hp: AdamHyper, nb: int, leaf: int, chunk: int, interpret: bool):
   del a_in  # the same buffer as a_ref (aliased)
   br = g_ref.shape[0]
-  ok1, ok2, ok3 = (_rows_ok(nb, br, s) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
-  abs_m, abs_v = [], []
-  for _, m, v in _moments(hp, i_ref[0], f_ref, leaf, _halves(g_ref, ok2, ok3, split=True), mc_ref,
-                          ms_ref, vc_ref, vs_ref, ok1, ok2, interpret):
-    # The encoder's amax (nvfp4.quantize): subnormals flushed, NaN counted as inf. Rows past the end
-    # loaded as zeros, which leave the max alone.
-    am = _fp32.flush_subnormals(m)
-    abs_m.append(jnp.where(jnp.isnan(am), jnp.inf, jnp.abs(am)))
-    abs_v.append(jnp.where(jnp.isnan(v), jnp.inf, jnp.abs(v)))
-  # The halves maxed elementwise first: one cross-warp reduction (shared memory and barriers, which
-  # stalled the kernel) per moment and program.
-  amax_m = _max2d(jnp.maximum(*abs_m))
-  amax_v = _max2d(jnp.maximum(*abs_v))
+
+  def abs_moments(rows, ok1, ok2, ok3):
+    """|m| and v of the new moments on ``rows`` of this program's blocks: the elementwise max of the
+    halves, or the (rows, 16) tiles."""
+    ref = lambda r: r if rows is None else r.at[rows]  # noqa: E731
+    g = ref(g_ref)
+    gs = [_load(g, ok3)] if len(g.shape) == 2 else _halves(g, ok2, ok3, split=True)
+    abs_m, abs_v = [], []
+    for _, m, v in _moments(hp, i_ref[0], f_ref, leaf, gs, ref(mc_ref), ref(ms_ref), ref(vc_ref),
+                            ref(vs_ref), ok1, ok2, interpret):
+      # The encoder's amax (nvfp4.quantize): subnormals flushed, NaN counted as inf. Rows past the
+      # end loaded as zeros, which leave the max alone.
+      am = _fp32.flush_subnormals(m)
+      abs_m.append(jnp.where(jnp.isnan(am), jnp.inf, jnp.abs(am)))
+      abs_v.append(jnp.where(jnp.isnan(v), jnp.inf, jnp.abs(v)))
+    return functools.reduce(jnp.maximum, abs_m), functools.reduce(jnp.maximum, abs_v)
+
+  g_shape = (g_ref.shape[1:])
+  if chunk >= br:
+    am, av = abs_moments(None, *(_rows_ok(nb, br, (br, *s)) for s in ((), (_HALF,), g_shape)))
+  else:
+    # Chunks of `chunk` rows, the maxes carried elementwise: one cross-warp reduction per program.
+    first_row = pl.program_id(0) * br  # (outside the loop: interpret mode needs it there)
+
+    def body(k, carry):
+      row0 = first_row + k * chunk
+      oks = [None if nb % br == 0 else
+             row0 + lax.broadcasted_iota(jnp.int32, (chunk, *s), 0) < nb
+             for s in ((), (_HALF,), g_shape)]
+      am, av = abs_moments(pl.ds(k * chunk, chunk), *oks)
+      return jnp.maximum(carry[0], am), jnp.maximum(carry[1], av)
+    zeros = jnp.zeros((chunk, *g_shape[:1]), jnp.float32)
+    am, av = lax.fori_loop(0, br // chunk, body, (zeros, zeros))
+  # One cross-warp reduction (shared memory and barriers, which stalled the kernel) per moment and
+  # program.
+  amax_m, amax_v = _max2d(am), _max2d(av)
   # max(sqrt_rn(v)) = sqrt_rn(max(v)): sqrt_rn is monotone, and its results are never subnormal.
   amax_s = _sqrt_rn(jnp.full((1,), amax_v, jnp.float32), interpret)
   # Into the leaf's two entries of the amax buffer: the int32 max of the bit patterns is the
@@ -227,15 +259,14 @@ def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, a_r
 def _slot(k):
   """This program's entry of the first pass's buffer for max number ``k`` (``ATOMIC_SLOTS`` copies)."""
   if ATOMIC_SLOTS == 1:
-    return jnp.int32(k)
-  return jnp.int32(k * ATOMIC_SLOTS) + pl.program_id(0) % ATOMIC_SLOTS
+    return jnp.int32(k * SLOT_STRIDE)
+  return (jnp.int32(k * ATOMIC_SLOTS) + pl.program_id(0) % ATOMIC_SLOTS) * SLOT_STRIDE
 
 
 def _slot_max(buf, n):
   """The first ``n`` maxes of a first-pass buffer: each the max of its ``ATOMIC_SLOTS`` copies."""
-  if ATOMIC_SLOTS == 1:
-    return buf[:n]
-  return jnp.max(buf[:n * ATOMIC_SLOTS].reshape(n, ATOMIC_SLOTS), axis=1)
+  copies = buf[:n * ATOMIC_SLOTS * SLOT_STRIDE].reshape(n, ATOMIC_SLOTS, SLOT_STRIDE)[:, :, 0]
+  return copies[:, 0] if ATOMIC_SLOTS == 1 else jnp.max(copies, axis=1)
 
 
 def _gmax_kernel(g_ref, ms_ref, vs_ref, a_in, a_ref, *, nb: int, leaf: int):
@@ -425,12 +456,15 @@ def _exact_amaxes(grads, mus, nus, hp, ints, floats, rows, warps, interpret):
   # As float32 bit patterns, maxed in by the stats programs. One buffer for all leaves, so the
   # stats kernels run one after the other (one buffer per leaf, which lets them overlap, measured
   # slower on the H200: benchmarks/RESULTS.md).
-  amax_bits = jnp.zeros((next_pow2(2 * len(grads) * ATOMIC_SLOTS),), jnp.int32)
+  amax_bits = jnp.zeros((next_pow2(2 * len(grads) * ATOMIC_SLOTS * SLOT_STRIDE),), jnp.int32)
   for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
     nb, g2, state = _views(g, mu, nu)
+    if STATS_ROWS16:
+      g2 = g2.reshape(nb, BLOCK)
     br = min(rows, next_pow2(nb))
     amax_bits = pl.pallas_call(
-        functools.partial(_stats_kernel, hp=hp, nb=nb, leaf=i, interpret=interpret),
+        functools.partial(_stats_kernel, hp=hp, nb=nb, leaf=i, chunk=min(STATS_CHUNK_ROWS, br),
+                          interpret=interpret),
         grid=(pl.cdiv(nb, br),),
         in_specs=[_whole(ints), _whole(floats), _whole(amax_bits), _spec(g2.shape, br)]
         + [_spec_of(x, br) for k, x in enumerate(state) if k % 3 != 2],
@@ -447,7 +481,7 @@ def _bound_amaxes(grads, mus, nus, old_scales, hp, zero, rows, warps, interpret)
   """(L, 2) float32: each leaf's ``_common.amax_bounds`` of m and √v, from the ``gmax`` kernels and
   the old global scales ``old_scales`` ((2L,): m, √v per leaf): the XLA path's values
   (``_common.largest_stored``, ``max_abs``)."""
-  maxes = jnp.zeros((next_pow2(4 * len(grads) * ATOMIC_SLOTS),), jnp.int32)
+  maxes = jnp.zeros((next_pow2(4 * len(grads) * ATOMIC_SLOTS * SLOT_STRIDE),), jnp.int32)
   for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
     nb, g2, _ = _views(g, mu, nu)
     br = min(rows, next_pow2(nb))

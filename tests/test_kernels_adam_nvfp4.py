@@ -210,11 +210,12 @@ def test_train_uses_xla_when_the_state_is_sharded(monkeypatch):
 
 @pytest.mark.parametrize("amax", ["exact", "bound"])
 def test_first_pass_with_spread_atomics(monkeypatch, triton_modules, amax):
-  """``ATOMIC_SLOTS`` > 1 (an experiment: each max folded into several copies, reduced by XLA) gives
-  the XLA path's state in interpret mode, with more programs than copies and the reverse, and lowers
-  to Triton for an H200."""
-  for slots in (4, 64):
+  """``ATOMIC_SLOTS`` > 1 (an experiment: each max folded into several copies, reduced by XLA), with
+  copies side by side or a cache line apart (``SLOT_STRIDE``), gives the XLA path's state in interpret
+  mode, with more programs than copies and the reverse, and lowers to Triton for an H200."""
+  for slots, stride in ((4, 1), (64, 32)):
     monkeypatch.setattr(kernel, "ATOMIC_SLOTS", slots)
+    monkeypatch.setattr(kernel, "SLOT_STRIDE", stride)
     kw = dict(min_size=1024, amax=amax)
     _, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2)
     _, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 2)

@@ -19,6 +19,7 @@ declare -A CMD=(
   [optim_busy]="python3 benchmarks/optim_update.py --skip-equality --busy --runs=optax.adamw,adamw_nvfp4"
   [optim_busy_amax]="python3 benchmarks/optim_update.py --skip-equality --busy --runs='optax.adamw,adamw_nvfp4,adamw_nvfp4 (bound amax)'"
   [optim_busy_slots]="python3 benchmarks/optim_update.py --skip-equality --busy --atomic-slots=64 --runs='optax.adamw,adamw_nvfp4,adamw_nvfp4 (bound amax)'"
+  [optim_busy_stats]="python3 benchmarks/optim_update.py --skip-equality --busy --iters=10 --runs=optax.adamw,adamw_nvfp4 --stats-sweep=64x4:1:1:0:64,64x8:1:1:1:64,256x8:1:1:1:64,512x8:1:1:1:64,1024x8:1:1:1:64,128x4:1:1:1:32,256x4:1:1:1:32"
   [optim_timing_stacked]="python3 benchmarks/optim_update.py --skip-equality --stacked"
   [optim_profile]="python3 benchmarks/optim_update.py --profile=adamw_nvfp4"
   [optim_variants]="python3 benchmarks/optim_update.py --variants"
