@@ -148,7 +148,7 @@ def equality(tx, params, grads_list, accel):
   return worst
 
 
-def profile(tx, params, grads, name, steps=5, report=True):
+def profile(tx, params, grads, name, steps=5, report=True, top=30):
   """Device-side profile of ``steps`` updates (benchmarks/profile_step.py's trace summary, printed
   when ``report``). Returns the device's busy milliseconds per update."""
   import tempfile
@@ -173,7 +173,7 @@ def profile(tx, params, grads, name, steps=5, report=True):
   trace = read_trace(trace_dir)
   if report:
     print(f"profile of {name}: {steps} updates")
-    summarize(*trace, steps, 30)
+    summarize(*trace, steps, top)
   return busy_ms(*trace, steps), busy_by_prefix(*trace, steps, KERNEL_GROUPS)
 
 
@@ -205,6 +205,7 @@ def main(argv=None):
   ap.add_argument("--variants", action="store_true", help="diagnostic rows (see the docstring)")
   ap.add_argument("--profile", default=None, metavar="NAME",
                   help="only profile these optimizers' updates (comma-separated row names), print top ops")
+  ap.add_argument("--top", type=int, default=30, help="ops listed by --profile")
   ap.add_argument("--runs", default=None, metavar="NAMES",
                   help="comma-separated names of the rows to time (default: all that the flags add)")
   ap.add_argument("--sweep", default=None, metavar="RxW,...",
@@ -213,11 +214,9 @@ def main(argv=None):
                   help="blocks per program x warps of adamw_nvfp4's Pallas encode kernel, every row")
   ap.add_argument("--stats-config", default=None, metavar="RxW",
                   help="the same for the stats kernel")
-  ap.add_argument("--stats-sweep", default=None, metavar="RxW[:K:S:L:C],...",
-                  help="also time adamw_nvfp4 with its first pass at R blocks x W warps per program, "
-                       "folding into K copies (ATOMIC_SLOTS) S int32 apart (SLOT_STRIDE), the gradient "
-                       "read as 16-element rows if L is 1 (STATS_ROWS16), in chunks of C rows "
-                       "(STATS_CHUNK_ROWS)")
+  ap.add_argument("--kernel-sweep", default=None, metavar="NAME=V[+NAME=V],...",
+                  help="also time adamw_nvfp4 with these settings of fp4jax.kernels.adam_nvfp4 (one row "
+                       "per comma-separated set), e.g. LAUNCH_GROUP=1,STATS_NUM_WARPS=8+ATOMIC_SLOTS=64")
   ap.add_argument("--atomic-slots", type=int, default=None, metavar="K",
                   help="adamw_nvfp4's first pass folds its maxima into K copies (kernel ATOMIC_SLOTS)")
   ap.add_argument("--join-u", action="store_true",
@@ -271,12 +270,12 @@ def main(argv=None):
     adam_kernel.ATOMIC_SLOTS = args.atomic_slots
   if args.profile:
     for name in args.profile.split(","):
-      profile(runs[name], params, grads, name)
+      profile(runs[name], params, grads, name, top=args.top)
     return 0
   # Per row, the kernels' module settings it runs with (the kernels read them when traced, and
   # time_update and profile trace their own jits).
   settings = ("BLOCK_ROWS", "NUM_WARPS", "STATS_BLOCK_ROWS", "STATS_NUM_WARPS", "ATOMIC_SLOTS",
-              "SLOT_STRIDE", "STATS_ROWS16", "STATS_CHUNK_ROWS")
+              "LAUNCH_GROUP")
   default = {k: getattr(adam_kernel, k) for k in settings}
   configs = {}
   sweep_kernel = "pallas" if accel.platform == "gpu" else "pallas_interpret"  # (a CPU smoke run)
@@ -285,14 +284,15 @@ def main(argv=None):
     name = f"adamw_nvfp4 (pallas {cfg})"
     runs[name] = optim.adamw_nvfp4(1e-3, kernel=sweep_kernel)
     configs[name] = {**default, "BLOCK_ROWS": br, "NUM_WARPS": nw}
-  for cfg in (args.stats_sweep.split(",") if args.stats_sweep else []):
-    size, *rest = cfg.split(":")
-    br, nw = (int(x) for x in size.split("x"))
-    fields = ("ATOMIC_SLOTS", "SLOT_STRIDE", "STATS_ROWS16", "STATS_CHUNK_ROWS")
-    extra = {k: int(v) for k, v in zip(fields, rest)}
-    name = f"adamw_nvfp4 (stats {cfg})"
-    runs[name] = optim.adamw_nvfp4(1e-3, kernel=sweep_kernel)
-    configs[name] = {**default, "STATS_BLOCK_ROWS": br, "STATS_NUM_WARPS": nw, **extra}
+  for cfg in (args.kernel_sweep.split(",") if args.kernel_sweep else []):
+    setting = {}
+    for item in cfg.split("+"):
+      key, _, value = item.partition("=")
+      if key not in settings or not value.isdigit():
+        ap.error(f"--kernel-sweep: {item!r} is not NAME=INT with NAME one of {settings}")
+      setting[key] = int(value)
+    name = f"adamw_nvfp4 ({cfg})"
+    runs[name], configs[name] = optim.adamw_nvfp4(1e-3, kernel=sweep_kernel), {**default, **setting}
   rows, splits, ok = [], {}, True
   for name, tx in runs.items():
     for k, v in configs.get(name, default).items():

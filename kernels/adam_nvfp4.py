@@ -1,10 +1,11 @@
-"""The AdamW update of NVFP4 moments in two Pallas (Triton) kernels per leaf.
+"""The AdamW update of NVFP4 moments in two Pallas (Triton) kernels.
 
 ``fp4jax.optim.scale_by_adam_nvfp4`` updates a leaf by decoding its moments, running Adam's float32
 arithmetic and re-encoding m and √v as NVFP4 (1×16 blocks along the last axis). Encoding needs each
 new moment's tensor amax (or a bound of it) before any code is written, so the XLA program makes
 several passes and, grouping leaves of one shape under ``vmap``, copies stacks of them. Here each
-leaf takes two kernels, with one small XLA step for all leaves:
+leaf takes two kernels, with one small XLA step for all leaves (leaves of one size share each
+kernel's launches, ``LAUNCH_GROUP`` at a time, see below):
 
 1. A first pass, by the ``amax`` rule:
    - ``"exact"`` (default), ``stats``: decodes m and √v, computes the new moments, and folds each
@@ -41,6 +42,14 @@ therefore equals the XLA path's bit for bit (tests in interpret mode on the CPU;
 ``tests/gpu/check_optim.py`` on the H200). ``u`` uses the backend's float32 division like the XLA
 path, so it may differ from it in the last bits.
 
+Shared launches: the leaves of one size and dtype (a Transformer's layers) go to each kernel
+``LAUNCH_GROUP`` at a time, in one grid whose programs ``[j * n_prog, (j + 1) * n_prog)`` run the
+kernel's body on leaf j's operands (a ``pl.when`` branch per leaf; other leaves' block specs clamp to
+a block they never touch). A launch cost ~3 us of ramp-up and tail on the H200 whatever its size, ~0.3
+ms over the ~100 launches of a 124M GPT-2 update; sharing them four at a time took the update from
+1.82 to 1.64 ms (benchmarks/RESULTS.md, session 8). Larger groups were no faster (their updates are
+evicted from L2 before XLA's apply reads them) and compile longer (a copy of the body per leaf).
+
 Layout: a leaf of ``n`` elements is viewed as ``(n / 16, 8, 2)``; a program takes ``block_rows``
 16-element blocks and works on the even and odd elements of each block as two (rows, 8) tiles: that
 is how the packed codes hold them (even element in the low nibble), so codes are packed and unpacked
@@ -67,7 +76,7 @@ from fp4jax.optim import _common
 
 BLOCK_ROWS = 64  # default 16-element blocks per program of `encode`
 NUM_WARPS = 4  # default Triton warps per program of `encode`
-STATS_BLOCK_ROWS = 64
+STATS_BLOCK_ROWS = 64  # the same for `stats`
 STATS_NUM_WARPS = 4
 JOIN_U = False  # default `join_u` of `update_leaves`
 # Copies of each max that the first pass's programs fold into (program i into copy i % ATOMIC_SLOTS),
@@ -76,11 +85,10 @@ JOIN_U = False  # default `join_u` of `update_leaves`
 # (benchmarks/RESULTS.md, session 7). 1 (one address per max) is the configuration checked on the
 # H200; more is an experiment (`benchmarks/optim_update.py --atomic-slots`), checked on the CPU only.
 ATOMIC_SLOTS = 1
-# Int32 entries between neighbouring copies (32: one 128-byte cache line per copy, so copies do not
-# share an L2 line).
-SLOT_STRIDE = 1
-STATS_ROWS16 = True
-STATS_CHUNK_ROWS = 64
+# Leaves of one size that share a launch of each kernel (see the module docstring); 1: a launch per
+# leaf. On the H200 (124M GPT-2 tree, device busy per update): 1: 1.823 ms, 2: 1.677, 3: 1.653,
+# 4: 1.643-1.646, 12: 1.651, 24: 1.687 (and 124 s to compile).
+LAUNCH_GROUP = 4
 _HALF = BLOCK // 2
 _INT_HEAD = 8  # the int table: [runtime zero, pad...], then 2 key words per leaf
 _F32_HEAD = 8  # the float table: [the 4 `_common.bias_factors`, bound, pad...], then per leaf the
@@ -146,11 +154,22 @@ def _sqrt_rn(x, interpret):
   return _fp32.sqrt_rn(x) if interpret else _ptx("sqrt.rn.f32", x)
 
 
-def _rows_ok(nb, br, shape):
-  """Rows of this program inside the leaf, or None when every program is full."""
+def _rows_ok(nb, br, shape, pid):
+  """Rows of program ``pid`` (of its leaf) inside the leaf, or None when every program is full."""
   if nb % br == 0:
     return None
-  return pl.program_id(0) * br + lax.broadcasted_iota(jnp.int32, shape, 0) < nb
+  return pid * br + lax.broadcasted_iota(jnp.int32, shape, 0) < nb
+
+
+def _each_leaf(n_prog, n_leaves, body):
+  """Runs ``body(j, pid)`` for the leaf j whose programs contain this one (leaf j owns the programs
+  ``[j * n_prog, (j + 1) * n_prog)``; ``pid`` counts from the first)."""
+  pid = pl.program_id(0)
+  if n_leaves == 1:
+    return body(0, pid)
+  j_of, pid_in = pid // n_prog, pid % n_prog
+  for j in range(n_leaves):
+    pl.when(j_of == j)(functools.partial(body, j, pid_in))
 
 
 def _load(ref, ok):
@@ -179,13 +198,9 @@ def _f8_bytes(x):
 
 def _moments(hp, zero, f_ref, leaf, gs, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret):
   """Per half h of the gradient's halves ``gs``: (g, m, v) in float32, (rows, 8) each
-  (``_common.adam_moments``). With one ``gs`` of (rows, 16), the whole rows: (g, m, v) of (rows,
-  16)."""
+  (``_common.adam_moments``)."""
   # Codes widened once: 32-bit integer arithmetic from here (bytes cost the GPU byte permutes).
   mcode, vcode = (_load(r, ok2).astype(jnp.int32) for r in (mc_ref, vc_ref))
-  if len(gs) == 1:  # each byte's two nibbles side by side: element order
-    mcode, vcode = (jnp.stack([c, c >> 4], axis=-1).reshape(c.shape[0], BLOCK)
-                    for c in (mcode, vcode))
   mscale = _fp32.e4m3_to_f32(_f8_bytes(_load(ms_ref, ok1)))[:, None]
   vscale = _fp32.e4m3_to_f32(_f8_bytes(_load(vs_ref, ok1)))[:, None]
   mg, vg = f_ref[_F32_HEAD + 2 * leaf], f_ref[_F32_HEAD + 2 * leaf + 1]
@@ -207,82 +222,75 @@ def _max2d(x):
   return jnp.max(jnp.max(x, axis=1), axis=0)
 
 
-def _stats_kernel(i_ref, f_ref, a_in, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, a_ref, *,
-                  hp: AdamHyper, nb: int, leaf: int, chunk: int, interpret: bool):
+def _stats_kernel(i_ref, f_ref, a_in, *refs, hp: AdamHyper, nb: int, n_prog: int,
+                  leaves: tuple[int, ...], interpret: bool):
   del a_in  # the same buffer as a_ref (aliased)
+  *per_leaf, a_ref = refs
+  _each_leaf(n_prog, len(leaves), lambda j, pid: _stats_leaf(
+      i_ref, f_ref, *per_leaf[5 * j:5 * j + 5], a_ref, hp=hp, nb=nb, leaf=leaves[j], pid=pid,
+      interpret=interpret))
+
+
+def _stats_leaf(i_ref, f_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, a_ref, *, hp: AdamHyper,
+                nb: int, leaf: int, pid, interpret: bool):
   br = g_ref.shape[0]
-
-  def abs_moments(rows, ok1, ok2, ok3):
-    """|m| and v of the new moments on ``rows`` of this program's blocks: the elementwise max of the
-    halves, or the (rows, 16) tiles."""
-    ref = lambda r: r if rows is None else r.at[rows]  # noqa: E731
-    g = ref(g_ref)
-    gs = [_load(g, ok3)] if len(g.shape) == 2 else _halves(g, ok2, ok3, split=True)
-    abs_m, abs_v = [], []
-    for _, m, v in _moments(hp, i_ref[0], f_ref, leaf, gs, ref(mc_ref), ref(ms_ref), ref(vc_ref),
-                            ref(vs_ref), ok1, ok2, interpret):
-      # The encoder's amax (nvfp4.quantize): subnormals flushed, NaN counted as inf. Rows past the
-      # end loaded as zeros, which leave the max alone.
-      am = _fp32.flush_subnormals(m)
-      abs_m.append(jnp.where(jnp.isnan(am), jnp.inf, jnp.abs(am)))
-      abs_v.append(jnp.where(jnp.isnan(v), jnp.inf, jnp.abs(v)))
-    return functools.reduce(jnp.maximum, abs_m), functools.reduce(jnp.maximum, abs_v)
-
-  g_shape = (g_ref.shape[1:])
-  if chunk >= br:
-    am, av = abs_moments(None, *(_rows_ok(nb, br, (br, *s)) for s in ((), (_HALF,), g_shape)))
-  else:
-    # Chunks of `chunk` rows, the maxes carried elementwise: one cross-warp reduction per program.
-    first_row = pl.program_id(0) * br  # (outside the loop: interpret mode needs it there)
-
-    def body(k, carry):
-      row0 = first_row + k * chunk
-      oks = [None if nb % br == 0 else
-             row0 + lax.broadcasted_iota(jnp.int32, (chunk, *s), 0) < nb
-             for s in ((), (_HALF,), g_shape)]
-      am, av = abs_moments(pl.ds(k * chunk, chunk), *oks)
-      return jnp.maximum(carry[0], am), jnp.maximum(carry[1], av)
-    zeros = jnp.zeros((chunk, *g_shape[:1]), jnp.float32)
-    am, av = lax.fori_loop(0, br // chunk, body, (zeros, zeros))
-  # One cross-warp reduction (shared memory and barriers, which stalled the kernel) per moment and
-  # program.
-  amax_m, amax_v = _max2d(am), _max2d(av)
+  ok1, ok2, ok3 = (_rows_ok(nb, br, s, pid) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
+  abs_m, abs_v = [], []
+  for _, m, v in _moments(hp, i_ref[0], f_ref, leaf, _halves(g_ref, ok2, ok3, split=True), mc_ref,
+                          ms_ref, vc_ref, vs_ref, ok1, ok2, interpret):
+    # The encoder's amax (nvfp4.quantize): subnormals flushed, NaN counted as inf. Rows past the end
+    # loaded as zeros, which leave the max alone.
+    am = _fp32.flush_subnormals(m)
+    abs_m.append(jnp.where(jnp.isnan(am), jnp.inf, jnp.abs(am)))
+    abs_v.append(jnp.where(jnp.isnan(v), jnp.inf, jnp.abs(v)))
+  # The halves maxed elementwise first: one cross-warp reduction (shared memory and barriers, which
+  # stalled the kernel) per moment and program.
+  amax_m = _max2d(jnp.maximum(*abs_m))
+  amax_v = _max2d(jnp.maximum(*abs_v))
   # max(sqrt_rn(v)) = sqrt_rn(max(v)): sqrt_rn is monotone, and its results are never subnormal.
   amax_s = _sqrt_rn(jnp.full((1,), amax_v, jnp.float32), interpret)
   # Into the leaf's two entries of the amax buffer: the int32 max of the bit patterns is the
   # float max for values >= 0 (+inf included), and the buffer starts at 0.
   # Scalar values: for a (1,)-shaped int32 value the atomic's Triton lowering takes its float path.
   for j, amax in enumerate((amax_m, jnp.max(amax_s))):
-    plgpu.atomic_max(a_ref, _slot(2 * leaf + j), lax.bitcast_convert_type(amax, jnp.int32))
+    plgpu.atomic_max(a_ref, _slot(2 * leaf + j, pid), lax.bitcast_convert_type(amax, jnp.int32))
 
 
-def _slot(k):
-  """This program's entry of the first pass's buffer for max number ``k`` (``ATOMIC_SLOTS`` copies)."""
+def _slot(k, pid):
+  """Program ``pid``'s entry of the first pass's buffer for max number ``k`` (``ATOMIC_SLOTS``
+  copies)."""
   if ATOMIC_SLOTS == 1:
-    return jnp.int32(k * SLOT_STRIDE)
-  return (jnp.int32(k * ATOMIC_SLOTS) + pl.program_id(0) % ATOMIC_SLOTS) * SLOT_STRIDE
+    return jnp.int32(k)
+  return jnp.int32(k * ATOMIC_SLOTS) + pid % ATOMIC_SLOTS
 
 
 def _slot_max(buf, n):
   """The first ``n`` maxes of a first-pass buffer: each the max of its ``ATOMIC_SLOTS`` copies."""
-  copies = buf[:n * ATOMIC_SLOTS * SLOT_STRIDE].reshape(n, ATOMIC_SLOTS, SLOT_STRIDE)[:, :, 0]
-  return copies[:, 0] if ATOMIC_SLOTS == 1 else jnp.max(copies, axis=1)
+  if ATOMIC_SLOTS == 1:
+    return buf[:n]
+  return jnp.max(buf[:n * ATOMIC_SLOTS].reshape(n, ATOMIC_SLOTS), axis=1)
 
 
-def _gmax_kernel(g_ref, ms_ref, vs_ref, a_in, a_ref, *, nb: int, leaf: int):
+def _gmax_kernel(a_in, *refs, nb: int, n_prog: int, leaves: tuple[int, ...]):
   """``amax="bound"``'s pass: the program's max of |g| (``_common.max_abs``: the integer max of the
   magnitudes' bit patterns) and of m's and √v's E4M3 scale bytes, atomically maxed into the leaf's
   slots 0, 1, 2 of the int32 buffer (which starts at 0)."""
   del a_in  # the same buffer as a_ref (aliased)
+  *per_leaf, a_ref = refs
+  _each_leaf(n_prog, len(leaves), lambda j, pid: _gmax_leaf(
+      *per_leaf[3 * j:3 * j + 3], a_ref, nb=nb, leaf=leaves[j], pid=pid))
+
+
+def _gmax_leaf(g_ref, ms_ref, vs_ref, a_ref, *, nb: int, leaf: int, pid):
   br = g_ref.shape[0]
-  ok1, ok2, ok3 = (_rows_ok(nb, br, s) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
+  ok1, ok2, ok3 = (_rows_ok(nb, br, s, pid) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
   halves = [lax.bitcast_convert_type(h.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
             for h in _halves(g_ref, ok2, ok3, split=True)]
   maxes = [_max2d(jnp.maximum(*halves))]
   for r in (ms_ref, vs_ref):
     maxes.append(jnp.max(_f8_bytes(_load(r, ok1)).astype(jnp.int32)))
   for j, x in enumerate(maxes):
-    plgpu.atomic_max(a_ref, _slot(4 * leaf + j), x)
+    plgpu.atomic_max(a_ref, _slot(4 * leaf + j, pid), x)
 
 
 def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret):
@@ -304,11 +312,20 @@ def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret):
   return (codes[0] | (codes[1] << 4)).astype(jnp.uint8), dcode
 
 
-def _encode_kernel(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, vs_ref, vg_ref,
-                   u_out, mc_out, ms_out, mg_out, vc_out, vs_out, vg_out, *, hp: AdamHyper, nb: int,
-                   leaf: int, join_u: bool, interpret: bool):
+def _encode_kernel(i_ref, f_ref, t_ref, *refs, hp: AdamHyper, nb: int, n_prog: int,
+                   leaves: tuple[int, ...], join_u: bool, interpret: bool):
+  n = len(leaves)
+  ins, outs = refs[:7 * n], refs[7 * n:]
+  _each_leaf(n_prog, n, lambda j, pid: _encode_leaf(
+      i_ref, f_ref, t_ref, *ins[7 * j:7 * j + 7], *outs[7 * j:7 * j + 7], hp=hp, nb=nb,
+      leaf=leaves[j], pid=pid, join_u=join_u, interpret=interpret))
+
+
+def _encode_leaf(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, vs_ref, vg_ref,
+                 u_out, mc_out, ms_out, mg_out, vc_out, vs_out, vg_out, *, hp: AdamHyper, nb: int,
+                 leaf: int, pid, join_u: bool, interpret: bool):
   br = g_ref.shape[0]
-  ok1, ok2, ok3 = (_rows_ok(nb, br, s) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
+  ok1, ok2, ok3 = (_rows_ok(nb, br, s, pid) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
   zero = i_ref[0]
   factors, bound = tuple(f_ref[k] for k in range(4)), f_ref[4]
   del mg_ref, vg_ref  # the old global scales' buffers, aliased to mg_out and vg_out; read from f_ref
@@ -327,7 +344,7 @@ def _encode_kernel(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, v
   if "stochastic" in (hp.mu_rounding, hp.nu_rounding):
     # _common.counter_bits: one hash per (block row, column), i.e. per pair of neighbouring
     # elements, whose four bytes round m's and √v's even and odd elements.
-    row0 = (pl.program_id(0) * br).astype(jnp.uint32)
+    row0 = (pid * br).astype(jnp.uint32)
     pairs = ((lax.broadcasted_iota(jnp.uint32, (br, _HALF), 0) + row0) * _HALF
              + lax.broadcasted_iota(jnp.uint32, (br, _HALF), 1))
     k = _INT_HEAD + 2 * leaf
@@ -421,34 +438,52 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
                      jnp.zeros_like(s_enc)], axis=-1)  # (L, 2, 4)
   table = _pad_pow2(table)
 
-  us, mus_new, nus_new = [], [], []
-  for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
-    nb, g2, state = _views(g, mu, nu)
+  us, mus_new, nus_new = [None] * len(grads), [None] * len(grads), [None] * len(grads)
+  for group in _launch_groups(grads):
+    nb = grads[group[0]].size // BLOCK
     br = min(block_rows, next_pow2(nb))
     n_prog = pl.cdiv(nb, br)
+    shared = n_prog if len(group) > 1 else None  # (a launch of its own: plain block specs)
     codes, scales = (jax.ShapeDtypeStruct((nb, _HALF), jnp.uint8),
                      jax.ShapeDtypeStruct((nb,), jnp.float8_e4m3fn))
     one = jax.ShapeDtypeStruct((1,), jnp.float32)
-    u2, mc, ms, mg, vc, vs, vg = pl.pallas_call(
-        functools.partial(_encode_kernel, hp=hp, nb=nb, leaf=i, join_u=join_u,
-                          interpret=interpret),
-        grid=(n_prog,),
-        in_specs=[_whole(ints), _whole(floats), _whole(table), _spec(g2.shape, br)]
-        + [_spec_of(x, br) for x in state],
-        out_specs=[_spec(g2.shape, br)]
-        + [_spec(codes.shape, br), _spec(scales.shape, br), _SCALAR] * 2,
-        out_shape=[jax.ShapeDtypeStruct(g2.shape, g.dtype)] + [codes, scales, one] * 2,
+    operands, in_specs, out_specs, out_shape = [], [], [], []
+    for j, i in enumerate(group):
+      _, g2, state = _views(grads[i], mus[i], nus[i])
+      operands += [g2, *state]
+      in_specs += [_spec_of(x, br, j, shared) for x in (g2, *state)]
+      out_specs += [_spec_of(x, br, j, shared) for x in (g2, *(codes, scales, one) * 2)]
+      out_shape += [jax.ShapeDtypeStruct(g2.shape, grads[i].dtype)] + [codes, scales, one] * 2
+    outs = pl.pallas_call(
+        functools.partial(_encode_kernel, hp=hp, nb=nb, n_prog=n_prog, leaves=tuple(group),
+                          join_u=join_u, interpret=interpret),
+        grid=(n_prog * len(group),),
+        in_specs=[_whole(ints), _whole(floats), _whole(table)] + in_specs,
+        out_specs=out_specs, out_shape=out_shape,
         # The new state overwrites the old in place (each program reads its own blocks before
         # writing them; the old global scales come from `floats`), so a jit that donates the state
         # copies nothing.
-        input_output_aliases={4 + k: 1 + k for k in range(6)},
+        input_output_aliases={3 + 7 * j + 1 + k: 7 * j + 1 + k
+                              for j in range(len(group)) for k in range(6)},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps), interpret=interpret,
         name="adam_nvfp4_encode",
-    )(ints, floats, table, g2, *state)
-    us.append(u2.reshape(g.shape))
-    mus_new.append(_rebuild(mu, mc, ms, mg))
-    nus_new.append(_rebuild(nu, vc, vs, vg))
+    )(ints, floats, table, *operands)
+    for j, i in enumerate(group):
+      u2, mc, ms, mg, vc, vs, vg = outs[7 * j:7 * j + 7]
+      us[i] = u2.reshape(grads[i].shape)
+      mus_new[i] = _rebuild(mus[i], mc, ms, mg)
+      nus_new[i] = _rebuild(nus[i], vc, vs, vg)
   return us, mus_new, nus_new
+
+
+def _launch_groups(grads):
+  """The leaves (indices) that share each kernel launch: the leaves of one size and dtype, in runs of
+  at most ``LAUNCH_GROUP``."""
+  by_kind = {}
+  for i, g in enumerate(grads):
+    by_kind.setdefault((g.size, jnp.dtype(g.dtype)), []).append(i)
+  return [idx[k:k + LAUNCH_GROUP] for idx in by_kind.values()
+          for k in range(0, len(idx), LAUNCH_GROUP)]
 
 
 def _exact_amaxes(grads, mus, nus, hp, ints, floats, rows, warps, interpret):
@@ -456,24 +491,28 @@ def _exact_amaxes(grads, mus, nus, hp, ints, floats, rows, warps, interpret):
   # As float32 bit patterns, maxed in by the stats programs. One buffer for all leaves, so the
   # stats kernels run one after the other (one buffer per leaf, which lets them overlap, measured
   # slower on the H200: benchmarks/RESULTS.md).
-  amax_bits = jnp.zeros((next_pow2(2 * len(grads) * ATOMIC_SLOTS * SLOT_STRIDE),), jnp.int32)
-  for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
-    nb, g2, state = _views(g, mu, nu)
-    if STATS_ROWS16:
-      g2 = g2.reshape(nb, BLOCK)
+  amax_bits = jnp.zeros((next_pow2(2 * len(grads) * ATOMIC_SLOTS),), jnp.int32)
+  for group in _launch_groups(grads):
+    nb = grads[group[0]].size // BLOCK
     br = min(rows, next_pow2(nb))
+    n_prog = pl.cdiv(nb, br)
+    shared = n_prog if len(group) > 1 else None
+    operands = []
+    for i in group:
+      _, g2, state = _views(grads[i], mus[i], nus[i])
+      operands += [g2, *(x for k, x in enumerate(state) if k % 3 != 2)]
     amax_bits = pl.pallas_call(
-        functools.partial(_stats_kernel, hp=hp, nb=nb, leaf=i, chunk=min(STATS_CHUNK_ROWS, br),
+        functools.partial(_stats_kernel, hp=hp, nb=nb, n_prog=n_prog, leaves=tuple(group),
                           interpret=interpret),
-        grid=(pl.cdiv(nb, br),),
-        in_specs=[_whole(ints), _whole(floats), _whole(amax_bits), _spec(g2.shape, br)]
-        + [_spec_of(x, br) for k, x in enumerate(state) if k % 3 != 2],
+        grid=(n_prog * len(group),),
+        in_specs=[_whole(ints), _whole(floats), _whole(amax_bits)]
+        + [_spec_of(x, br, k // 5, shared) for k, x in enumerate(operands)],
         out_specs=_whole(amax_bits),
         out_shape=jax.ShapeDtypeStruct(amax_bits.shape, jnp.int32),
         input_output_aliases={2: 0},
         compiler_params=plgpu.CompilerParams(num_warps=warps), interpret=interpret,
         name="adam_nvfp4_stats",
-    )(ints, floats, amax_bits, g2, *(x for k, x in enumerate(state) if k % 3 != 2))
+    )(ints, floats, amax_bits, *operands)
   return lax.bitcast_convert_type(_slot_max(amax_bits, 2 * len(grads)), jnp.float32).reshape(-1, 2)
 
 
@@ -481,21 +520,26 @@ def _bound_amaxes(grads, mus, nus, old_scales, hp, zero, rows, warps, interpret)
   """(L, 2) float32: each leaf's ``_common.amax_bounds`` of m and √v, from the ``gmax`` kernels and
   the old global scales ``old_scales`` ((2L,): m, √v per leaf): the XLA path's values
   (``_common.largest_stored``, ``max_abs``)."""
-  maxes = jnp.zeros((next_pow2(4 * len(grads) * ATOMIC_SLOTS * SLOT_STRIDE),), jnp.int32)
-  for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
-    nb, g2, _ = _views(g, mu, nu)
+  maxes = jnp.zeros((next_pow2(4 * len(grads) * ATOMIC_SLOTS),), jnp.int32)
+  for group in _launch_groups(grads):
+    nb = grads[group[0]].size // BLOCK
     br = min(rows, next_pow2(nb))
-    scales = [t.scales.reshape(nb) for t in (mu, nu)]
+    n_prog = pl.cdiv(nb, br)
+    shared = n_prog if len(group) > 1 else None
+    operands = []
+    for i in group:
+      _, g2, _ = _views(grads[i], mus[i], nus[i])
+      operands += [g2, mus[i].scales.reshape(nb), nus[i].scales.reshape(nb)]
     maxes = pl.pallas_call(
-        functools.partial(_gmax_kernel, nb=nb, leaf=i),
-        grid=(pl.cdiv(nb, br),),
-        in_specs=[_spec(g2.shape, br), _spec((nb,), br), _spec((nb,), br), _whole(maxes)],
+        functools.partial(_gmax_kernel, nb=nb, n_prog=n_prog, leaves=tuple(group)),
+        grid=(n_prog * len(group),),
+        in_specs=[_whole(maxes)] + [_spec(x.shape, br, k // 3, shared) for k, x in enumerate(operands)],
         out_specs=_whole(maxes),
         out_shape=jax.ShapeDtypeStruct(maxes.shape, jnp.int32),
-        input_output_aliases={3: 0},
+        input_output_aliases={0: 0},
         compiler_params=plgpu.CompilerParams(num_warps=warps), interpret=interpret,
         name="adam_nvfp4_gmax",
-    )(g2, *scales, maxes)
+    )(maxes, *operands)
   maxes = _slot_max(maxes, 4 * len(grads)).reshape(-1, 4)
   g_max = lax.bitcast_convert_type(maxes[:, 0], jnp.float32)
   old = old_scales.reshape(-1, 2)
@@ -504,11 +548,13 @@ def _bound_amaxes(grads, mus, nus, old_scales, hp, zero, rows, warps, interpret)
   return jnp.stack([m_amax, _fp32.sqrt_rn(v_amax)], axis=-1)
 
 
-def _spec(shape, br):
-  """Blocks of ``br`` rows of an array of ``shape``, program i taking block i."""
-  if len(shape) == 1:
-    return pl.BlockSpec((br,), lambda i: (i,))
-  return pl.BlockSpec((br, *shape[1:]), lambda i: (i,) + (0,) * (len(shape) - 1))
+def _spec(shape, br, j=0, n_prog=None):
+  """Blocks of ``br`` rows of an array of ``shape``. Program i takes block i; with ``n_prog``, the
+  array is leaf ``j`` of a shared launch and program i takes block ``i - j * n_prog`` (clamped into
+  the array: the other leaves' programs do not touch it)."""
+  def block(i):
+    return i if n_prog is None else jnp.clip(i - j * n_prog, 0, n_prog - 1)
+  return pl.BlockSpec((br, *shape[1:]), lambda i: (block(i),) + (0,) * (len(shape) - 1))
 
 
 def _whole(x):
@@ -519,8 +565,8 @@ def _whole(x):
 _SCALAR = pl.BlockSpec((1,), lambda i: (0,))
 
 
-def _spec_of(x, br):
-  return _spec(x.shape, br) if x.shape != (1,) else _SCALAR
+def _spec_of(x, br, j=0, n_prog=None):
+  return _spec(x.shape, br, j, n_prog) if x.shape != (1,) else _SCALAR
 
 
 def _views(g, mu, nu):

@@ -19,10 +19,10 @@ from fp4jax.optim import _common
 SHAPES = {"w": (64, 128), "odd": (33, 160), "zero": (16, 256), "bias": (128,)}
 
 
-def _tree(seed, dtype=jnp.float32, nan=False):
-  keys = jax.random.split(jax.random.key(seed), len(SHAPES))
+def _tree(seed, dtype=jnp.float32, nan=False, shapes=SHAPES):
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
   out = {}
-  for i, (k, (name, shape)) in enumerate(zip(keys, SHAPES.items())):
+  for i, (k, (name, shape)) in enumerate(zip(keys, shapes.items())):
     x = jax.random.normal(k, shape) * 10.0 ** -i
     out[name] = jnp.zeros(shape) if name == "zero" else x
   if nan:
@@ -51,7 +51,7 @@ def _assert_updates_close(a, b):
 
 
 def _run(tx, steps, **tree_kw):
-  params = jax.tree.map(jnp.zeros_like, _tree(0))
+  params = jax.tree.map(jnp.zeros_like, _tree(0, shapes=tree_kw.get("shapes", SHAPES)))
   state, f, us = tx.init(params), jax.jit(tx.update), []
   for t in range(steps):
     u, state = f(_tree(t + 1, **tree_kw), state, params)
@@ -152,7 +152,7 @@ def test_auto_follows_the_default_device():
 @pytest.mark.parametrize("rounding,amax", [("stochastic", "bound"), ("nearest", "bound"),
                                            ("stochastic", "exact")])
 def test_lowers_to_triton_for_h200(triton_modules, rounding, amax):
-  """Two Triton kernels per NVFP4 leaf (a first pass, ``gmax`` or ``stats``, and ``encode``) and
+  """Two Triton kernels per NVFP4 leaf of its own size (a first pass, ``gmax`` or ``stats``, and ``encode``) and
   nothing per element left to XLA; the encoder divides and takes square roots with PTX's correctly
   rounded instructions; ragged leaves load with masks."""
   tx = optim.scale_by_adam_nvfp4(kernel="pallas", rounding=rounding, min_size=1024, amax=amax)
@@ -210,12 +210,11 @@ def test_train_uses_xla_when_the_state_is_sharded(monkeypatch):
 
 @pytest.mark.parametrize("amax", ["exact", "bound"])
 def test_first_pass_with_spread_atomics(monkeypatch, triton_modules, amax):
-  """``ATOMIC_SLOTS`` > 1 (an experiment: each max folded into several copies, reduced by XLA), with
-  copies side by side or a cache line apart (``SLOT_STRIDE``), gives the XLA path's state in interpret
-  mode, with more programs than copies and the reverse, and lowers to Triton for an H200."""
-  for slots, stride in ((4, 1), (64, 32)):
+  """``ATOMIC_SLOTS`` > 1 (an experiment: each max folded into several copies, reduced by XLA) gives
+  the XLA path's state in interpret mode, with more programs than copies and the reverse, and lowers
+  to Triton for an H200."""
+  for slots in (4, 64):
     monkeypatch.setattr(kernel, "ATOMIC_SLOTS", slots)
-    monkeypatch.setattr(kernel, "SLOT_STRIDE", stride)
     kw = dict(min_size=1024, amax=amax)
     _, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2)
     _, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 2)
@@ -226,3 +225,31 @@ def test_first_pass_with_spread_atomics(monkeypatch, triton_modules, amax):
     jax.jit(tx.update).trace(params, jax.eval_shape(tx.init, params)).lower(
         lowering_platforms=("cuda",))
   assert len(triton_modules) == 6
+
+
+# Leaves of three sizes that repeat: 8192 elements (a, b, w; b of another shape), 5280 (odd, odd2:
+# ragged programs), and 4096 (zero) alone.
+GROUPED = {"a": (64, 128), "b": (128, 64), "odd": (33, 160), "odd2": (33, 160), "w": (64, 128),
+           "zero": (16, 256), "bias": (128,)}
+
+
+@pytest.mark.parametrize("amax,group,launches", [("exact", 12, 3), ("exact", 2, 4), ("bound", 12, 3)])
+def test_leaves_of_one_size_share_launches(monkeypatch, triton_modules, amax, group, launches):
+  """Leaves of one size and dtype share each kernel's launch, at most ``LAUNCH_GROUP`` at a time (their
+  programs side by side, a branch per leaf): the XLA path's state in interpret mode, a NaN leaf
+  included, and fewer Triton calls for an H200 (6 NVFP4 leaves: 6 launches per kernel unshared)."""
+  monkeypatch.setattr(kernel, "LAUNCH_GROUP", group)
+  kw = dict(min_size=1024, amax=amax)
+  u_x, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2, nan=True, shapes=GROUPED)
+  u_k, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 2, nan=True,
+                  shapes=GROUPED)
+  _assert_state_equal(s_k, s_x)
+  for a, b in zip(u_k, u_x):
+    _assert_updates_close(a, b)
+  tx = optim.scale_by_adam_nvfp4(kernel="pallas", **kw)
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in GROUPED.items()}
+  with jax.sharding.use_abstract_mesh(H200):
+    hlo = jax.jit(tx.update).trace(params, jax.eval_shape(tx.init, params)).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert hlo.count("__gpu$xla.gpu.triton") == 2 * launches, hlo
+  assert len(triton_modules) == 2 * launches

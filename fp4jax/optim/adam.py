@@ -31,10 +31,10 @@ Design, chosen by measurement (``benchmarks/optim_states.py``, tiny byte LM; ben
 
 Two implementations of the NVFP4 leaves' update, with the same state bits (tests; on the H200,
 ``tests/gpu/check_optim.py``): plain jnp, which XLA fuses and partitions (``kernel="xla"``), and two Pallas
-Triton kernels per leaf (``fp4jax.kernels.adam_nvfp4``), the default on a GPU, which read the gradient
-and the packed state twice and write the update and the new state (on the H200, for a 124M GPT-2
-pytree: 1.68x ``optax.adamw``'s device time, 1.83 against 1.09 ms; wall-clock ratios of 1.5–2.0x,
-moving with the host's load; the XLA path ~2.5x when last measured, in session 5;
+Triton kernels (``fp4jax.kernels.adam_nvfp4``; leaves of one size share their launches), the default on
+a GPU, which read the gradient and the packed state twice and write the update and the new state (on the
+H200, for a 124M GPT-2 pytree: 1.52x ``optax.adamw``'s device time, 1.64 against 1.08 ms; wall-clock
+ratios of 1.1–2.6x, moving with the host's load; the XLA path ~2.5x when last measured, in session 5;
 benchmarks/RESULTS.md).
 
 Leaves that the storage rule keeps in float32 (``fp4jax.optim._common``) run ``optax.scale_by_adam``'s
@@ -144,7 +144,7 @@ def scale_by_adam_nvfp4(
     seed: stochastic rounding uses ``fold_in(key(seed), count)``: deterministic, nothing to store.
     prng_impl: generator of the per-step key (``jax.random.key``'s ``impl``; default threefry); the
       rounding bits are ``_common.counter_bits`` of that key.
-    kernel: how NVFP4 leaves are updated: ``"pallas"`` (two fused Pallas Triton kernels per leaf,
+    kernel: how NVFP4 leaves are updated: ``"pallas"`` (two fused Pallas Triton kernels,
       ``fp4jax.kernels.adam_nvfp4``; GPU only), ``"xla"`` (plain jnp), ``"pallas_interpret"``
       (the kernels in interpret mode, for CPU tests), or ``"auto"`` (default): ``"pallas"`` when
       the default platform (``_common.default_platform``) is a CUDA GPU, else ``"xla"``. Both give the same state bits. The kernels
