@@ -275,7 +275,7 @@ def main(argv=None):
   # Per row, the kernels' module settings it runs with (the kernels read them when traced, and
   # time_update and profile trace their own jits).
   settings = ("BLOCK_ROWS", "NUM_WARPS", "STATS_BLOCK_ROWS", "STATS_NUM_WARPS", "ATOMIC_SLOTS",
-              "LAUNCH_GROUP")
+              "LAUNCH_GROUP", "EVICT_HINTS")
   default = {k: getattr(adam_kernel, k) for k in settings}
   configs = {}
   sweep_kernel = "pallas" if accel.platform == "gpu" else "pallas_interpret"  # (a CPU smoke run)

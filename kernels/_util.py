@@ -8,9 +8,10 @@ def next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
 
-def store(ref, val, mask):
-  """``ref[...] = val``, masked where ``mask`` is not None (a block hanging over the array's end)."""
-  if mask is None:
+def store(ref, val, mask, eviction_policy=None):
+  """``ref[...] = val``, masked where ``mask`` is not None (a block hanging over the array's end);
+  ``eviction_policy``: Triton's L2 hint."""
+  if mask is None and eviction_policy is None:
     ref[...] = val
   else:
-    plgpu.store(ref, val, mask=mask)
+    plgpu.store(ref, val, mask=mask, eviction_policy=eviction_policy)

@@ -89,6 +89,9 @@ ATOMIC_SLOTS = 1
 # leaf. On the H200 (124M GPT-2 tree, device busy per update): 1: 1.823 ms, 2: 1.677, 3: 1.653,
 # 4: 1.643-1.646, 12: 1.651, 24: 1.687 (and 124 s to compile).
 LAUNCH_GROUP = 4
+# L2 eviction hints in `encode`: its loads evict first, its update's stores last (XLA's apply reads
+# the update next). An experiment (benchmarks/optim_update.py --kernel-sweep=EVICT_HINTS=1).
+EVICT_HINTS = 0
 _HALF = BLOCK // 2
 _INT_HEAD = 8  # the int table: [runtime zero, pad...], then 2 key words per leaf
 _F32_HEAD = 8  # the float table: [the 4 `_common.bias_factors`, bound, pad...], then per leaf the
@@ -172,37 +175,40 @@ def _each_leaf(n_prog, n_leaves, body):
     pl.when(j_of == j)(functools.partial(body, j, pid_in))
 
 
-def _load(ref, ok):
+def _load(ref, ok, evict=None):
+  """``ref``'s block, zeros where ``ok`` (if not None) is False; ``evict``: an L2 eviction hint."""
   if ok is None:
-    return ref[...]
+    return ref[...] if evict is None else plgpu.load(ref, eviction_policy=evict)
   if ref.dtype == jnp.float8_e4m3fn:  # Triton cannot cast an `other` to f8: zero the bytes after
     return lax.bitcast_convert_type(
-        jnp.where(ok, _f8_bytes(plgpu.load(ref, mask=ok)), jnp.uint8(0)), jnp.float8_e4m3fn)
-  return plgpu.load(ref, mask=ok, other=0)
+        jnp.where(ok, _f8_bytes(plgpu.load(ref, mask=ok, eviction_policy=evict)), jnp.uint8(0)),
+        jnp.float8_e4m3fn)
+  return plgpu.load(ref, mask=ok, other=0, eviction_policy=evict)
 
 
-def _halves(ref, ok2, ok3, split):
+def _halves(ref, ok2, ok3, split, evict=None):
   """The even and odd elements of each 16-element block row of ``ref`` (rows, 8, 2).
 
   ``split``: one contiguous load split in registers (Triton's ``split``; ``stats`` ran 13% faster on
   the H200), else two strided loads (``encode``, whose other tiles have a layout that made the split
   cost more than it saved: +33%)."""
   if split:
-    return jnp.unstack(_load(ref, ok3), axis=-1)
-  return [_load(ref.at[:, :, jnp.int32(h)], ok2) for h in range(2)]
+    return jnp.unstack(_load(ref, ok3, evict), axis=-1)
+  return [_load(ref.at[:, :, jnp.int32(h)], ok2, evict) for h in range(2)]
 
 
 def _f8_bytes(x):
   return lax.bitcast_convert_type(x, jnp.uint8)
 
 
-def _moments(hp, zero, f_ref, leaf, gs, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret):
+def _moments(hp, zero, f_ref, leaf, gs, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret,
+             evict=None):
   """Per half h of the gradient's halves ``gs``: (g, m, v) in float32, (rows, 8) each
   (``_common.adam_moments``)."""
   # Codes widened once: 32-bit integer arithmetic from here (bytes cost the GPU byte permutes).
-  mcode, vcode = (_load(r, ok2).astype(jnp.int32) for r in (mc_ref, vc_ref))
-  mscale = _fp32.e4m3_to_f32(_f8_bytes(_load(ms_ref, ok1)))[:, None]
-  vscale = _fp32.e4m3_to_f32(_f8_bytes(_load(vs_ref, ok1)))[:, None]
+  mcode, vcode = (_load(r, ok2, evict).astype(jnp.int32) for r in (mc_ref, vc_ref))
+  mscale = _fp32.e4m3_to_f32(_f8_bytes(_load(ms_ref, ok1, evict)))[:, None]
+  vscale = _fp32.e4m3_to_f32(_f8_bytes(_load(vs_ref, ok1, evict)))[:, None]
   mg, vg = f_ref[_F32_HEAD + 2 * leaf], f_ref[_F32_HEAD + 2 * leaf + 1]
   out = []
   for h, g in enumerate(gs):
@@ -329,17 +335,19 @@ def _encode_leaf(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, vs_
   zero = i_ref[0]
   factors, bound = tuple(f_ref[k] for k in range(4)), f_ref[4]
   del mg_ref, vg_ref  # the old global scales' buffers, aliased to mg_out and vg_out; read from f_ref
-  halves = _moments(hp, zero, f_ref, leaf, _halves(g_ref, ok2, None, split=False), mc_ref, ms_ref,
-                    vc_ref, vs_ref, ok1, ok2, interpret)
+  # EVICT_HINTS: the inputs are read for the last time, the update is read next (by XLA's apply).
+  evict_in, evict_u = ("evict_first", "evict_last") if EVICT_HINTS else (None, None)
+  halves = _moments(hp, zero, f_ref, leaf, _halves(g_ref, ok2, None, split=False, evict=evict_in),
+                    mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret, evict_in)
   roots = [_sqrt_rn(v, interpret) for _, _, v in halves]  # √v: stored, and the update's root
   us = [_common.adam_direction(m, v, s, g, factors, hp.b1, hp.eps, hp.eps_root, hp.nesterov,
                                bound if hp.clip_update else None).astype(u_out.dtype)
         for (g, m, v), s in zip(halves, roots)]
   if join_u:
-    store(u_out, jnp.stack(us, axis=-1), ok3)
+    store(u_out, jnp.stack(us, axis=-1), ok3, evict_u)
   else:
     for h, u in enumerate(us):
-      store(u_out.at[:, :, jnp.int32(h)], u, ok2)
+      store(u_out.at[:, :, jnp.int32(h)], u, ok2, evict_u)
   pair_hash = None
   if "stochastic" in (hp.mu_rounding, hp.nu_rounding):
     # _common.counter_bits: one hash per (block row, column), i.e. per pair of neighbouring

@@ -253,3 +253,20 @@ def test_leaves_of_one_size_share_launches(monkeypatch, triton_modules, amax, gr
         lowering_platforms=("cuda",)).as_text()
   assert hlo.count("__gpu$xla.gpu.triton") == 2 * launches, hlo
   assert len(triton_modules) == 2 * launches
+
+
+def test_eviction_hints_change_no_values(monkeypatch, triton_modules):
+  """``EVICT_HINTS`` (an experiment): the same state as the XLA path in interpret mode, and ``encode``
+  lowers with the hints on its loads and its update's stores."""
+  monkeypatch.setattr(kernel, "EVICT_HINTS", 1)
+  kw = dict(min_size=1024)
+  _, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2, shapes=GROUPED)
+  _, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 2, shapes=GROUPED)
+  _assert_state_equal(s_k, s_x)
+  tx = optim.scale_by_adam_nvfp4(kernel="pallas", **kw)
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in GROUPED.items()}
+  with jax.sharding.use_abstract_mesh(H200):
+    jax.jit(tx.update).trace(params, jax.eval_shape(tx.init, params)).lower(lowering_platforms=("cuda",))
+  encode = [m for m in triton_modules if "@adam_nvfp4_encode" in m]
+  assert encode and all("evict_first" in m and "evict_last" in m for m in encode)
+  assert not any("evict_" in m for m in triton_modules if "@adam_nvfp4_stats" in m)
