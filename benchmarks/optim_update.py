@@ -219,8 +219,6 @@ def main(argv=None):
                        "per comma-separated set), e.g. LAUNCH_GROUP=1,STATS_NUM_WARPS=8+ATOMIC_SLOTS=64")
   ap.add_argument("--atomic-slots", type=int, default=None, metavar="K",
                   help="adamw_nvfp4's first pass folds its maxima into K copies (kernel ATOMIC_SLOTS)")
-  ap.add_argument("--join-u", action="store_true",
-                  help="adamw_nvfp4's encode kernel stores the update joined (contiguous), every row")
   ap.add_argument("--busy", action="store_true",
                   help="also profile each row: the device's busy time per update (no host time)")
   ap.add_argument("--iters", type=int, default=20)
@@ -265,7 +263,6 @@ def main(argv=None):
   if args.stats_config:
     adam_kernel.STATS_BLOCK_ROWS, adam_kernel.STATS_NUM_WARPS = (
         int(x) for x in args.stats_config.split("x"))
-  adam_kernel.JOIN_U = args.join_u
   if args.atomic_slots is not None:
     adam_kernel.ATOMIC_SLOTS = args.atomic_slots
   if args.profile:

@@ -47,15 +47,17 @@ Shared launches: the leaves of one size and dtype (a Transformer's layers) go to
 kernel's body on leaf j's operands (a ``pl.when`` branch per leaf; other leaves' block specs clamp to
 a block they never touch). A launch cost ~3 us of ramp-up and tail on the H200 whatever its size, ~0.3
 ms over the ~100 launches of a 124M GPT-2 update; sharing them four at a time took the update from
-1.82 to 1.64 ms (benchmarks/RESULTS.md, session 8). Larger groups were no faster (their updates are
-evicted from L2 before XLA's apply reads them) and compile longer (a copy of the body per leaf).
+1.82 to 1.64 ms (benchmarks/RESULTS.md, session 8). Larger groups were no faster (XLA's apply of the
+updates got slower, likely because they leave L2 before it reads them) and compile longer (a copy of
+the body per leaf).
 
 Layout: a leaf of ``n`` elements is viewed as ``(n / 16, 8, 2)``; a program takes ``block_rows``
 16-element blocks and works on the even and odd elements of each block as two (rows, 8) tiles: that
 is how the packed codes hold them (even element in the low nibble), so codes are packed and unpacked
 without shuffles. ``stats`` loads the gradient as one contiguous (rows, 8, 2) tile split in registers;
-``encode`` reads the two halves with strided loads and stores ``u`` the same way (see ``_halves``;
-``join_u``). The last program masks rows past the end.
+``encode`` reads the two halves with strided loads and stores ``u`` the same way (see ``_halves``; a
+joined contiguous store of ``u`` measured the same on the H200, session 7). The last program masks
+rows past the end.
 """
 
 from __future__ import annotations
@@ -78,12 +80,10 @@ BLOCK_ROWS = 64  # default 16-element blocks per program of `encode`
 NUM_WARPS = 4  # default Triton warps per program of `encode`
 STATS_BLOCK_ROWS = 64  # the same for `stats`
 STATS_NUM_WARPS = 4
-JOIN_U = False  # default `join_u` of `update_leaves`
 # Copies of each max that the first pass's programs fold into (program i into copy i % ATOMIC_SLOTS),
-# reduced by XLA afterwards. Atomics on one address are serialized, and the H200's first pass over
-# the embedding (37,728 programs, 2-3 atomics each) took longer than reading its bytes
-# (benchmarks/RESULTS.md, session 7). 1 (one address per max) is the configuration checked on the
-# H200; more is an experiment (`benchmarks/optim_update.py --atomic-slots`), checked on the CPU only.
+# reduced by XLA afterwards, against atomics serialized on one address. An experiment, checked on the
+# CPU only: on the H200, 64 copies took `stats` from 0.480 to 0.466 ms (one launch per leaf; session 8),
+# so atomics are not what bounds it. 1 (one address per max) is the configuration checked on the H200.
 ATOMIC_SLOTS = 1
 # Leaves of one size that share a launch of each kernel (see the module docstring); 1: a launch per
 # leaf. On the H200 (124M GPT-2 tree, device busy per update): 1: 1.823 ms, 2: 1.677, 3: 1.653,
@@ -319,19 +319,19 @@ def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret):
 
 
 def _encode_kernel(i_ref, f_ref, t_ref, *refs, hp: AdamHyper, nb: int, n_prog: int,
-                   leaves: tuple[int, ...], join_u: bool, interpret: bool):
+                   leaves: tuple[int, ...], interpret: bool):
   n = len(leaves)
   ins, outs = refs[:7 * n], refs[7 * n:]
   _each_leaf(n_prog, n, lambda j, pid: _encode_leaf(
       i_ref, f_ref, t_ref, *ins[7 * j:7 * j + 7], *outs[7 * j:7 * j + 7], hp=hp, nb=nb,
-      leaf=leaves[j], pid=pid, join_u=join_u, interpret=interpret))
+      leaf=leaves[j], pid=pid, interpret=interpret))
 
 
 def _encode_leaf(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, vs_ref, vg_ref,
                  u_out, mc_out, ms_out, mg_out, vc_out, vs_out, vg_out, *, hp: AdamHyper, nb: int,
-                 leaf: int, pid, join_u: bool, interpret: bool):
+                 leaf: int, pid, interpret: bool):
   br = g_ref.shape[0]
-  ok1, ok2, ok3 = (_rows_ok(nb, br, s, pid) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
+  ok1, ok2 = (_rows_ok(nb, br, s, pid) for s in ((br,), (br, _HALF)))
   zero = i_ref[0]
   factors, bound = tuple(f_ref[k] for k in range(4)), f_ref[4]
   del mg_ref, vg_ref  # the old global scales' buffers, aliased to mg_out and vg_out; read from f_ref
@@ -343,11 +343,8 @@ def _encode_leaf(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, vs_
   us = [_common.adam_direction(m, v, s, g, factors, hp.b1, hp.eps, hp.eps_root, hp.nesterov,
                                bound if hp.clip_update else None).astype(u_out.dtype)
         for (g, m, v), s in zip(halves, roots)]
-  if join_u:
-    store(u_out, jnp.stack(us, axis=-1), ok3, evict_u)
-  else:
-    for h, u in enumerate(us):
-      store(u_out.at[:, :, jnp.int32(h)], u, ok2, evict_u)
+  for h, u in enumerate(us):
+    store(u_out.at[:, :, jnp.int32(h)], u, ok2, evict_u)
   pair_hash = None
   if "stochastic" in (hp.mu_rounding, hp.nu_rounding):
     # _common.counter_bits: one hash per (block row, column), i.e. per pair of neighbouring
@@ -389,7 +386,7 @@ def _key_words(key, leaf_ids):
 def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, bound, zero,
                   *, block_rows: int | None = None, num_warps: int | None = None,
                   stats_block_rows: int | None = None, stats_num_warps: int | None = None,
-                  join_u: bool | None = None, interpret: bool = False):
+                  interpret: bool = False):
   """The kernels' AdamW update of NVFP4 leaves (``supports(mu)`` true for each).
 
   Args:
@@ -406,8 +403,6 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
     num_warps: Triton warps per program of ``encode`` (default ``NUM_WARPS``).
     stats_block_rows, stats_num_warps: the same for ``stats`` (defaults ``STATS_BLOCK_ROWS``,
       ``STATS_NUM_WARPS``).
-    join_u: ``encode`` joins the update's two halves in registers for one contiguous store, instead
-      of two strided stores (default ``JOIN_U``).
     interpret: Pallas interpret mode (CPU tests).
 
   Returns:
@@ -419,7 +414,6 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
   num_warps = NUM_WARPS if num_warps is None else num_warps
   stats_rows = STATS_BLOCK_ROWS if stats_block_rows is None else stats_block_rows
   stats_warps = STATS_NUM_WARPS if stats_num_warps is None else stats_num_warps
-  join_u = JOIN_U if join_u is None else join_u
   for name, rows in (("block_rows", block_rows), ("stats_block_rows", stats_rows)):
     if rows < 1 or rows & (rows - 1):
       raise ValueError(f"{name} must be a power of two, got {rows!r}")
@@ -447,11 +441,7 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
   table = _pad_pow2(table)
 
   us, mus_new, nus_new = [None] * len(grads), [None] * len(grads), [None] * len(grads)
-  for group in _launch_groups(grads):
-    nb = grads[group[0]].size // BLOCK
-    br = min(block_rows, next_pow2(nb))
-    n_prog = pl.cdiv(nb, br)
-    shared = n_prog if len(group) > 1 else None  # (a launch of its own: plain block specs)
+  for group, nb, br, n_prog, shared in _launches(grads, block_rows):
     codes, scales = (jax.ShapeDtypeStruct((nb, _HALF), jnp.uint8),
                      jax.ShapeDtypeStruct((nb,), jnp.float8_e4m3fn))
     one = jax.ShapeDtypeStruct((1,), jnp.float32)
@@ -464,7 +454,7 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
       out_shape += [jax.ShapeDtypeStruct(g2.shape, grads[i].dtype)] + [codes, scales, one] * 2
     outs = pl.pallas_call(
         functools.partial(_encode_kernel, hp=hp, nb=nb, n_prog=n_prog, leaves=tuple(group),
-                          join_u=join_u, interpret=interpret),
+                          interpret=interpret),
         grid=(n_prog * len(group),),
         in_specs=[_whole(ints), _whole(floats), _whole(table)] + in_specs,
         out_specs=out_specs, out_shape=out_shape,
@@ -484,14 +474,21 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
   return us, mus_new, nus_new
 
 
-def _launch_groups(grads):
-  """The leaves (indices) that share each kernel launch: the leaves of one size and dtype, in runs of
-  at most ``LAUNCH_GROUP``."""
+def _launches(grads, max_rows):
+  """The launches of a kernel: per launch, its leaves (indices; the leaves of one size and dtype, in
+  runs of at most ``LAUNCH_GROUP``), their 16-element blocks ``nb``, blocks per program ``br`` (at most
+  ``max_rows``), programs per leaf, and the ``n_prog`` of ``_spec`` (None for a leaf alone: plain
+  block specs)."""
   by_kind = {}
   for i, g in enumerate(grads):
     by_kind.setdefault((g.size, jnp.dtype(g.dtype)), []).append(i)
-  return [idx[k:k + LAUNCH_GROUP] for idx in by_kind.values()
-          for k in range(0, len(idx), LAUNCH_GROUP)]
+  for idx in by_kind.values():
+    for k in range(0, len(idx), LAUNCH_GROUP):
+      group = idx[k:k + LAUNCH_GROUP]
+      nb = grads[group[0]].size // BLOCK
+      br = min(max_rows, next_pow2(nb))
+      n_prog = pl.cdiv(nb, br)
+      yield group, nb, br, n_prog, (n_prog if len(group) > 1 else None)
 
 
 def _exact_amaxes(grads, mus, nus, hp, ints, floats, rows, warps, interpret):
@@ -500,11 +497,7 @@ def _exact_amaxes(grads, mus, nus, hp, ints, floats, rows, warps, interpret):
   # stats kernels run one after the other (one buffer per leaf, which lets them overlap, measured
   # slower on the H200: benchmarks/RESULTS.md).
   amax_bits = jnp.zeros((next_pow2(2 * len(grads) * ATOMIC_SLOTS),), jnp.int32)
-  for group in _launch_groups(grads):
-    nb = grads[group[0]].size // BLOCK
-    br = min(rows, next_pow2(nb))
-    n_prog = pl.cdiv(nb, br)
-    shared = n_prog if len(group) > 1 else None
+  for group, nb, br, n_prog, shared in _launches(grads, rows):
     operands = []
     for i in group:
       _, g2, state = _views(grads[i], mus[i], nus[i])
@@ -529,11 +522,7 @@ def _bound_amaxes(grads, mus, nus, old_scales, hp, zero, rows, warps, interpret)
   the old global scales ``old_scales`` ((2L,): m, √v per leaf): the XLA path's values
   (``_common.largest_stored``, ``max_abs``)."""
   maxes = jnp.zeros((next_pow2(4 * len(grads) * ATOMIC_SLOTS),), jnp.int32)
-  for group in _launch_groups(grads):
-    nb = grads[group[0]].size // BLOCK
-    br = min(rows, next_pow2(nb))
-    n_prog = pl.cdiv(nb, br)
-    shared = n_prog if len(group) > 1 else None
+  for group, nb, br, n_prog, shared in _launches(grads, rows):
     operands = []
     for i in group:
       _, g2, _ = _views(grads[i], mus[i], nus[i])

@@ -84,13 +84,13 @@ def test_interpret_equals_xla_path(rounding, nesterov, dtype, nan, amax):
   assert float(zero.global_scale) == 1.0 and not np.any(np.asarray(zero.codes))
 
 
-@pytest.mark.parametrize("block_rows, stats_block_rows, join_u, amax",
-                         [(64, 64, False, "bound"), (128, 128, True, "exact"),
-                          (64, 256, False, "bound"), (64, 256, False, "exact")])
-def test_many_programs_and_ragged_tail(block_rows, stats_block_rows, join_u, amax):
+@pytest.mark.parametrize("block_rows, stats_block_rows, amax",
+                         [(64, 64, "bound"), (128, 128, "exact"), (64, 256, "bound"),
+                          (64, 256, "exact")])
+def test_many_programs_and_ragged_tail(block_rows, stats_block_rows, amax):
   """The kernels called directly with small programs (8 and 6 programs, the last ragged; the first
-  pass and encode with programs of different sizes; the update stored as two strided halves or
-  joined; both amax rules) from a non-zero state give the XLA path's state."""
+  pass and encode with programs of different sizes; both amax rules) from a non-zero state give the
+  XLA path's state."""
   tx = optim.scale_by_adam_nvfp4(kernel="xla", min_size=1024, amax=amax)
   params = jax.tree.map(jnp.zeros_like, _tree(0))
   _, state = jax.jit(tx.update)(_tree(1), tx.init(params), params)
@@ -109,7 +109,7 @@ def test_many_programs_and_ragged_tail(block_rows, stats_block_rows, join_u, ama
                                 [nu[n] for n in names], ids, _common.step_key(0, count_inc), hp,
                                 bcs, bound, _common.runtime_zero(count_inc),
                                 block_rows=block_rows, stats_block_rows=stats_block_rows,
-                                join_u=join_u, interpret=True)
+                                interpret=True)
 
   us, mus, nus = direct(_tree(2), state.mu, state.nu, state.count)
   for j, n in enumerate(names):
