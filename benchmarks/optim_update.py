@@ -148,12 +148,13 @@ def equality(tx, params, grads_list, accel):
   return worst
 
 
-def profile(tx, params, grads, name, steps=5, report=True, top=30):
+def profile(tx, params, grads, name, steps=5, report=True, top=30, sequence=False):
   """Device-side profile of ``steps`` updates (benchmarks/profile_step.py's trace summary, printed
-  when ``report``). Returns the device's busy milliseconds per update."""
+  when ``report``; with ``sequence``, the last update's kernels in order). Returns the device's busy
+  milliseconds per update."""
   import tempfile
 
-  from benchmarks.profile_step import busy_by_prefix, busy_ms, read_trace, summarize
+  from benchmarks.profile_step import busy_by_prefix, busy_ms, kernel_sequence, read_trace, summarize
 
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
@@ -174,6 +175,10 @@ def profile(tx, params, grads, name, steps=5, report=True, top=30):
   if report:
     print(f"profile of {name}: {steps} updates")
     summarize(*trace, steps, top)
+  if sequence:
+    print(f"kernels of {name}'s last update, in order: start us, duration us, name")
+    for kernel, start, dur in kernel_sequence(*trace, steps):
+      print(f"  {start:8.1f} {dur:7.1f}  {kernel}")
   return busy_ms(*trace, steps), busy_by_prefix(*trace, steps, KERNEL_GROUPS)
 
 
@@ -221,6 +226,8 @@ def main(argv=None):
                   help="adamw_nvfp4's first pass folds its maxima into K copies (kernel ATOMIC_SLOTS)")
   ap.add_argument("--busy", action="store_true",
                   help="also profile each row: the device's busy time per update (no host time)")
+  ap.add_argument("--sequence", action="store_true",
+                  help="with --busy: print each row's kernels of one update in the order they ran")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--skip-equality", action="store_true",
                   help="timings only (tests/gpu/check_optim.py checks GPU == CPU too)")
@@ -271,9 +278,7 @@ def main(argv=None):
     return 0
   # Per row, the kernels' module settings it runs with (the kernels read them when traced, and
   # time_update and profile trace their own jits).
-  settings = ("BLOCK_ROWS", "NUM_WARPS", "STATS_BLOCK_ROWS", "STATS_NUM_WARPS", "ATOMIC_SLOTS",
-              "LAUNCH_GROUP", "EVICT_HINTS")
-  default = {k: getattr(adam_kernel, k) for k in settings}
+  default = {k: getattr(adam_kernel, k) for k in adam_kernel.SETTINGS}
   configs = {}
   sweep_kernel = "pallas" if accel.platform == "gpu" else "pallas_interpret"  # (a CPU smoke run)
   for cfg in (args.sweep.split(",") if args.sweep else []):
@@ -282,12 +287,10 @@ def main(argv=None):
     runs[name] = optim.adamw_nvfp4(1e-3, kernel=sweep_kernel)
     configs[name] = {**default, "BLOCK_ROWS": br, "NUM_WARPS": nw}
   for cfg in (args.kernel_sweep.split(",") if args.kernel_sweep else []):
-    setting = {}
-    for item in cfg.split("+"):
-      key, _, value = item.partition("=")
-      if key not in settings or not value.isdigit():
-        ap.error(f"--kernel-sweep: {item!r} is not NAME=INT with NAME one of {settings}")
-      setting[key] = int(value)
+    try:
+      setting = adam_kernel.parse_settings(cfg)
+    except ValueError as e:
+      ap.error(f"--kernel-sweep: {e}")
     name = f"adamw_nvfp4 ({cfg})"
     runs[name], configs[name] = optim.adamw_nvfp4(1e-3, kernel=sweep_kernel), {**default, **setting}
   rows, splits, ok = [], {}, True
@@ -297,7 +300,7 @@ def main(argv=None):
     ms, piped, comp, nbytes, finite = time_update(tx, params, grads, iters)
     busy = None
     if args.busy:
-      busy, splits[name] = profile(tx, params, grads, name, report=False)
+      busy, splits[name] = profile(tx, params, grads, name, report=False, sequence=args.sequence)
     ok &= finite
     rows.append((name, ms, piped, comp, nbytes, finite, busy))
     print(f"  {name}: {ms:.3f} ms, back to back {piped:.3f} ms (compile {comp:.1f} s), "

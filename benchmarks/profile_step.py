@@ -100,6 +100,15 @@ def busy_by_prefix(events, names, steps: int, prefixes) -> dict:
   return dict(out)
 
 
+def kernel_sequence(events, names, steps: int) -> list[tuple[str, float, float]]:
+  """The op timeline's kernels of the last of ``steps`` steps, in start order: (name, start us from the
+  step's first kernel, duration us)."""
+  lines = _device_lines(events, names)
+  evs = sorted(lines[_op_line(lines, names)], key=lambda e: e["ts"])
+  last = evs[len(evs) - len(evs) // steps:]
+  return [(e["name"], e["ts"] - last[0]["ts"], e["dur"]) for e in last]
+
+
 def summarize(events, names, steps: int, top: int, hlo: dict | None = None) -> None:
   lines = _device_lines(events, names)
   print("\n| timeline | events | busy ms / step |\n|---|---:|---:|")

@@ -233,12 +233,17 @@ GROUPED = {"a": (64, 128), "b": (128, 64), "odd": (33, 160), "odd2": (33, 160), 
            "zero": (16, 256), "bias": (128,)}
 
 
-@pytest.mark.parametrize("amax,group,launches", [("exact", 12, 3), ("exact", 2, 4), ("bound", 12, 3)])
-def test_leaves_of_one_size_share_launches(monkeypatch, triton_modules, amax, group, launches):
+@pytest.mark.parametrize("amax,group,launches,reverse",
+                         [("exact", 12, 3, 0), ("exact", 2, 4, 0), ("bound", 12, 3, 0), ("exact", 2, 4, 1)])
+def test_leaves_of_one_size_share_launches(monkeypatch, triton_modules, amax, group, launches, reverse):
   """Leaves of one size and dtype share each kernel's launch, at most ``LAUNCH_GROUP`` at a time (their
-  programs side by side, a branch per leaf): the XLA path's state in interpret mode, a NaN leaf
-  included, and fewer Triton calls for an H200 (6 NVFP4 leaves: 6 launches per kernel unshared)."""
+  programs side by side, a branch per leaf; with ``reverse``, ``encode``'s leaves in reverse order
+  (``ENCODE_REVERSED``) and ``stats`` walking its launches and programs backwards (``STATS_REVERSED``)):
+  the XLA path's state in interpret mode, a NaN leaf and ragged programs included, and fewer Triton
+  calls for an H200 (6 NVFP4 leaves: 6 launches per kernel unshared)."""
   monkeypatch.setattr(kernel, "LAUNCH_GROUP", group)
+  monkeypatch.setattr(kernel, "ENCODE_REVERSED", reverse)
+  monkeypatch.setattr(kernel, "STATS_REVERSED", reverse)
   kw = dict(min_size=1024, amax=amax)
   u_x, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2, nan=True, shapes=GROUPED)
   u_k, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 2, nan=True,
@@ -270,3 +275,19 @@ def test_eviction_hints_change_no_values(monkeypatch, triton_modules):
   encode = [m for m in triton_modules if "@adam_nvfp4_encode" in m]
   assert encode and all("evict_first" in m and "evict_last" in m for m in encode)
   assert not any("evict_" in m for m in triton_modules if "@adam_nvfp4_stats" in m)
+
+
+def test_launch_settings_parse_and_restore():
+  """``parse_settings`` reads ``NAME=V[+NAME=V]`` and names a bad item; ``settings`` sets the module's
+  launch settings inside its block only, and refuses unknown names."""
+  assert kernel.parse_settings("EVICT_HINTS=1+LAUNCH_GROUP=6") == {"EVICT_HINTS": 1, "LAUNCH_GROUP": 6}
+  for bad in ("EVICT_HINT=1", "LAUNCH_GROUP=x", "LAUNCH_GROUP"):
+    with pytest.raises(ValueError, match=bad.split("=")[0]):
+      kernel.parse_settings(bad)
+  before = kernel.LAUNCH_GROUP
+  with kernel.settings(LAUNCH_GROUP=before + 3, EVICT_HINTS=1):
+    assert (kernel.LAUNCH_GROUP, kernel.EVICT_HINTS) == (before + 3, 1)
+  assert (kernel.LAUNCH_GROUP, kernel.EVICT_HINTS) == (before, 0)
+  with pytest.raises(ValueError, match="NOPE"):
+    with kernel.settings(NOPE=1):
+      pass

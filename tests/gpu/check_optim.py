@@ -26,8 +26,10 @@ backend in the same process, and compares:
 On a CPU-only machine it compares CPU with CPU (checks the script itself). Exit code 1 on failure.
 
   python tests/gpu/check_optim.py        (from the repository root, with PYTHONPATH=.)
+  python tests/gpu/check_optim.py --kernel-set EVICT_HINTS=1   (the kernels with other launch settings)
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -40,6 +42,7 @@ import optax  # noqa: E402
 
 from _check import CPU, DEV, on, rel, report  # noqa: E402
 from fp4jax import _fp32, nvfp4, optim  # noqa: E402
+from fp4jax.kernels import adam_nvfp4 as adam_kernel  # noqa: E402
 from fp4jax.optim import _common, adam, ns  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -169,8 +172,23 @@ def diagnose(name, tx, params, grads, b1=0.9, b2=0.95):
     state = sc
 
 
-def main() -> int:
-  print(f"device: {DEV.device_kind} ({DEV.platform}) vs {CPU.device_kind}; jax {jax.__version__}")
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--kernel-set", default=None, metavar="NAME=V[+NAME=V]",
+                  help="run the kernels with these launch settings of fp4jax.kernels.adam_nvfp4 "
+                       "(its SETTINGS), e.g. EVICT_HINTS=1+ATOMIC_SLOTS=64")
+  args = ap.parse_args(argv)
+  try:
+    setting = adam_kernel.parse_settings(args.kernel_set) if args.kernel_set else {}
+  except ValueError as e:
+    ap.error(f"--kernel-set: {e}")
+  with adam_kernel.settings(**setting):
+    return _check(setting)
+
+
+def _check(setting) -> int:
+  print(f"device: {DEV.device_kind} ({DEV.platform}) vs {CPU.device_kind}; jax {jax.__version__}; "
+        f"kernel settings {setting or 'default'}")
   rng = np.random.default_rng(1)
   # "head": 600 blocks of 16, so the Pallas update's last program is ragged (64 blocks per program
   # by default).
