@@ -81,18 +81,19 @@ BLOCK_ROWS = 64  # default 16-element blocks per program of `encode`
 NUM_WARPS = 4  # default Triton warps per program of `encode`
 STATS_BLOCK_ROWS = 64  # the same for `stats`
 STATS_NUM_WARPS = 4
-# Copies of each max that the first pass's programs fold into (program i into copy i % ATOMIC_SLOTS),
-# reduced by XLA afterwards, against atomics serialized on one address. An experiment, checked on the
-# CPU only: on the H200, 64 copies took `stats` from 0.480 to 0.466 ms (one launch per leaf; session 8),
-# so atomics are not what bounds it. 1 (one address per max) is the configuration checked on the H200.
-ATOMIC_SLOTS = 1
+# Copies of each max that the first pass's programs fold into (program i of a leaf into copy
+# i % ATOMIC_SLOTS), reduced by XLA afterwards, against atomics serialized on one address. On the H200
+# (124M GPT-2 tree) 64 copies took `stats` from 0.382 to 0.347 ms with shared launches (session 9;
+# from 0.480 to 0.466 with a launch per leaf, session 8). 1: one address per max.
+ATOMIC_SLOTS = 64
 # Leaves of one size that share a launch of each kernel (see the module docstring); 1: a launch per
 # leaf. On the H200 (124M GPT-2 tree, device busy per update): 1: 1.823 ms, 2: 1.677, 3: 1.653,
 # 4: 1.643-1.646, 12: 1.651, 24: 1.687 (and 124 s to compile).
 LAUNCH_GROUP = 4
 # L2 eviction hints in `encode`: its loads evict first, its update's stores last (XLA's apply reads
-# the update next). An experiment (benchmarks/optim_update.py --kernel-sweep=EVICT_HINTS=1).
-EVICT_HINTS = 0
+# the update next; in the profile each launch's apply fusions run right after it). On the H200 XLA's
+# apply took 0.555 against 0.571 ms, the update 1.626 against 1.640 ms (session 9). 0: no hints.
+EVICT_HINTS = 1
 # `encode` runs a shared launch's leaves in reverse order (the last leaf's programs first), so the
 # update written last is the first leaf's. An experiment (whether XLA's apply, reading the first leaf
 # first, finds it in L2).

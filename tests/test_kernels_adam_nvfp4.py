@@ -210,10 +210,10 @@ def test_train_uses_xla_when_the_state_is_sharded(monkeypatch):
 
 @pytest.mark.parametrize("amax", ["exact", "bound"])
 def test_first_pass_with_spread_atomics(monkeypatch, triton_modules, amax):
-  """``ATOMIC_SLOTS`` > 1 (an experiment: each max folded into several copies, reduced by XLA) gives
-  the XLA path's state in interpret mode, with more programs than copies and the reverse, and lowers
-  to Triton for an H200."""
-  for slots in (4, 64):
+  """``ATOMIC_SLOTS`` (each max folded into several copies, reduced by XLA; 1: one address) gives the
+  XLA path's state in interpret mode, with more programs than copies and the reverse, and lowers to
+  Triton for an H200."""
+  for slots in (1, 4, 64):
     monkeypatch.setattr(kernel, "ATOMIC_SLOTS", slots)
     kw = dict(min_size=1024, amax=amax)
     _, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2)
@@ -260,10 +260,11 @@ def test_leaves_of_one_size_share_launches(monkeypatch, triton_modules, amax, gr
   assert len(triton_modules) == 2 * launches
 
 
-def test_eviction_hints_change_no_values(monkeypatch, triton_modules):
-  """``EVICT_HINTS`` (an experiment): the same state as the XLA path in interpret mode, and ``encode``
-  lowers with the hints on its loads and its update's stores."""
-  monkeypatch.setattr(kernel, "EVICT_HINTS", 1)
+@pytest.mark.parametrize("hints", [0, 1])
+def test_eviction_hints_change_no_values(monkeypatch, triton_modules, hints):
+  """``EVICT_HINTS``: on or off, the same state as the XLA path in interpret mode; ``encode`` lowers
+  with the hints on its loads and its update's stores when on, and no kernel has hints when off."""
+  monkeypatch.setattr(kernel, "EVICT_HINTS", hints)
   kw = dict(min_size=1024)
   _, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2, shapes=GROUPED)
   _, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 2, shapes=GROUPED)
@@ -273,7 +274,7 @@ def test_eviction_hints_change_no_values(monkeypatch, triton_modules):
   with jax.sharding.use_abstract_mesh(H200):
     jax.jit(tx.update).trace(params, jax.eval_shape(tx.init, params)).lower(lowering_platforms=("cuda",))
   encode = [m for m in triton_modules if "@adam_nvfp4_encode" in m]
-  assert encode and all("evict_first" in m and "evict_last" in m for m in encode)
+  assert encode and all(("evict_first" in m and "evict_last" in m) == bool(hints) for m in encode)
   assert not any("evict_" in m for m in triton_modules if "@adam_nvfp4_stats" in m)
 
 
@@ -284,10 +285,10 @@ def test_launch_settings_parse_and_restore():
   for bad in ("EVICT_HINT=1", "LAUNCH_GROUP=x", "LAUNCH_GROUP"):
     with pytest.raises(ValueError, match=bad.split("=")[0]):
       kernel.parse_settings(bad)
-  before = kernel.LAUNCH_GROUP
-  with kernel.settings(LAUNCH_GROUP=before + 3, EVICT_HINTS=1):
-    assert (kernel.LAUNCH_GROUP, kernel.EVICT_HINTS) == (before + 3, 1)
-  assert (kernel.LAUNCH_GROUP, kernel.EVICT_HINTS) == (before, 0)
+  before = (kernel.LAUNCH_GROUP, kernel.EVICT_HINTS)
+  with kernel.settings(LAUNCH_GROUP=before[0] + 3, EVICT_HINTS=1 - before[1]):
+    assert (kernel.LAUNCH_GROUP, kernel.EVICT_HINTS) == (before[0] + 3, 1 - before[1])
+  assert (kernel.LAUNCH_GROUP, kernel.EVICT_HINTS) == before
   with pytest.raises(ValueError, match="NOPE"):
     with kernel.settings(NOPE=1):
       pass
