@@ -96,17 +96,9 @@ LAUNCH_GROUP = 4
 # the update next; in the profile each launch's apply fusions run right after it). On the H200 XLA's
 # apply took 0.555 against 0.571 ms, the update 1.626 against 1.640 ms (session 9). 0: no hints.
 EVICT_HINTS = 1
-# `encode` runs a shared launch's leaves in reverse order (the last leaf's programs first), so the
-# update written last is the first leaf's. An experiment (whether XLA's apply, reading the first leaf
-# first, finds it in L2).
-ENCODE_REVERSED = 0
-# `stats` walks the leaves backwards: its launches in reverse order, each launch's programs from its
-# last block to its first, so what it reads last is what `encode` (in forward order) reads first. An
-# experiment (whether `encode` finds those bytes in L2).
-STATS_REVERSED = 0
 # The launch settings above, which benchmarks and GPU checks set per run (`parse_settings`).
 SETTINGS = ("BLOCK_ROWS", "NUM_WARPS", "STATS_BLOCK_ROWS", "STATS_NUM_WARPS", "ATOMIC_SLOTS",
-            "LAUNCH_GROUP", "EVICT_HINTS", "ENCODE_REVERSED", "STATS_REVERSED")
+            "LAUNCH_GROUP", "EVICT_HINTS")
 _HALF = BLOCK // 2
 _INT_HEAD = 8  # the int table: [runtime zero, pad...], then 2 key words per leaf
 _F32_HEAD = 8  # the float table: [the 4 `_common.bias_factors`, bound, pad...], then per leaf the
@@ -205,14 +197,10 @@ def _rows_ok(nb, br, shape, pid):
   return pid * br + lax.broadcasted_iota(jnp.int32, shape, 0) < nb
 
 
-def _each_leaf(n_prog, n_leaves, body, reverse=False):
+def _each_leaf(n_prog, n_leaves, body):
   """Runs ``body(j, pid)`` for the leaf j whose programs contain this one (leaf j owns the programs
-  ``[j * n_prog, (j + 1) * n_prog)``; ``pid`` counts from the first). ``reverse``: the grid's
-  programs are taken from the last (program 0 runs the last leaf's last block; ``_spec``'s
-  ``reverse``)."""
+  ``[j * n_prog, (j + 1) * n_prog)``; ``pid`` counts from the first)."""
   pid = pl.program_id(0)
-  if reverse:
-    pid = n_prog * n_leaves - 1 - pid
   if n_leaves == 1:
     return body(0, pid)
   j_of, pid_in = pid // n_prog, pid % n_prog
@@ -274,12 +262,12 @@ def _max2d(x):
 
 
 def _stats_kernel(i_ref, f_ref, a_in, *refs, hp: AdamHyper, nb: int, n_prog: int,
-                  leaves: tuple[int, ...], interpret: bool, reverse: bool = False):
+                  leaves: tuple[int, ...], interpret: bool):
   del a_in  # the same buffer as a_ref (aliased)
   *per_leaf, a_ref = refs
   _each_leaf(n_prog, len(leaves), lambda j, pid: _stats_leaf(
       i_ref, f_ref, *per_leaf[5 * j:5 * j + 5], a_ref, hp=hp, nb=nb, leaf=leaves[j], pid=pid,
-      interpret=interpret), reverse)
+      interpret=interpret))
 
 
 def _stats_leaf(i_ref, f_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, a_ref, *, hp: AdamHyper,
@@ -487,8 +475,6 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
 
   us, mus_new, nus_new = [None] * len(grads), [None] * len(grads), [None] * len(grads)
   for group, nb, br, n_prog, shared in _launches(grads, block_rows):
-    if ENCODE_REVERSED:
-      group = group[::-1]
     codes, scales = (jax.ShapeDtypeStruct((nb, _HALF), jnp.uint8),
                      jax.ShapeDtypeStruct((nb,), jnp.float8_e4m3fn))
     one = jax.ShapeDtypeStruct((1,), jnp.float32)
@@ -544,19 +530,17 @@ def _exact_amaxes(grads, mus, nus, hp, ints, floats, rows, warps, interpret):
   # stats kernels run one after the other (one buffer per leaf, which lets them overlap, measured
   # slower on the H200: benchmarks/RESULTS.md).
   amax_bits = jnp.zeros((next_pow2(2 * len(grads) * ATOMIC_SLOTS),), jnp.int32)
-  launches = list(_launches(grads, rows))
-  for group, nb, br, n_prog, shared in launches[::-1] if STATS_REVERSED else launches:
-    total = n_prog * len(group) if STATS_REVERSED else None
+  for group, nb, br, n_prog, shared in _launches(grads, rows):
     operands = []
     for i in group:
       _, g2, state = _views(grads[i], mus[i], nus[i])
       operands += [g2, *(x for k, x in enumerate(state) if k % 3 != 2)]
     amax_bits = pl.pallas_call(
         functools.partial(_stats_kernel, hp=hp, nb=nb, n_prog=n_prog, leaves=tuple(group),
-                          interpret=interpret, reverse=bool(STATS_REVERSED)),
+                          interpret=interpret),
         grid=(n_prog * len(group),),
         in_specs=[_whole(ints), _whole(floats), _whole(amax_bits)]
-        + [_spec_of(x, br, k // 5, shared, total) for k, x in enumerate(operands)],
+        + [_spec_of(x, br, k // 5, shared) for k, x in enumerate(operands)],
         out_specs=_whole(amax_bits),
         out_shape=jax.ShapeDtypeStruct(amax_bits.shape, jnp.int32),
         input_output_aliases={2: 0},
@@ -594,14 +578,11 @@ def _bound_amaxes(grads, mus, nus, old_scales, hp, zero, rows, warps, interpret)
   return jnp.stack([m_amax, _fp32.sqrt_rn(v_amax)], axis=-1)
 
 
-def _spec(shape, br, j=0, n_prog=None, reverse=None):
+def _spec(shape, br, j=0, n_prog=None):
   """Blocks of ``br`` rows of an array of ``shape``. Program i takes block i; with ``n_prog``, the
   array is leaf ``j`` of a shared launch and program i takes block ``i - j * n_prog`` (clamped into
-  the array: the other leaves' programs do not touch it). ``reverse``: the launch's number of
-  programs, taken from the last (program i as program ``reverse - 1 - i``)."""
+  the array: the other leaves' programs do not touch it)."""
   def block(i):
-    if reverse is not None:
-      i = reverse - 1 - i
     return i if n_prog is None else jnp.clip(i - j * n_prog, 0, n_prog - 1)
   return pl.BlockSpec((br, *shape[1:]), lambda i: (block(i),) + (0,) * (len(shape) - 1))
 
@@ -614,8 +595,8 @@ def _whole(x):
 _SCALAR = pl.BlockSpec((1,), lambda i: (0,))
 
 
-def _spec_of(x, br, j=0, n_prog=None, reverse=None):
-  return _spec(x.shape, br, j, n_prog, reverse) if x.shape != (1,) else _SCALAR
+def _spec_of(x, br, j=0, n_prog=None):
+  return _spec(x.shape, br, j, n_prog) if x.shape != (1,) else _SCALAR
 
 
 def _views(g, mu, nu):

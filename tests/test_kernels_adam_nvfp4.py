@@ -233,17 +233,13 @@ GROUPED = {"a": (64, 128), "b": (128, 64), "odd": (33, 160), "odd2": (33, 160), 
            "zero": (16, 256), "bias": (128,)}
 
 
-@pytest.mark.parametrize("amax,group,launches,reverse",
-                         [("exact", 12, 3, 0), ("exact", 2, 4, 0), ("bound", 12, 3, 0), ("exact", 2, 4, 1)])
-def test_leaves_of_one_size_share_launches(monkeypatch, triton_modules, amax, group, launches, reverse):
+@pytest.mark.parametrize("amax,group,launches", [("exact", 12, 3), ("exact", 2, 4), ("bound", 12, 3)])
+def test_leaves_of_one_size_share_launches(monkeypatch, triton_modules, amax, group, launches):
   """Leaves of one size and dtype share each kernel's launch, at most ``LAUNCH_GROUP`` at a time (their
-  programs side by side, a branch per leaf; with ``reverse``, ``encode``'s leaves in reverse order
-  (``ENCODE_REVERSED``) and ``stats`` walking its launches and programs backwards (``STATS_REVERSED``)):
-  the XLA path's state in interpret mode, a NaN leaf and ragged programs included, and fewer Triton
-  calls for an H200 (6 NVFP4 leaves: 6 launches per kernel unshared)."""
+  programs side by side, a branch per leaf): the XLA path's state in interpret mode, a NaN leaf and
+  ragged programs included, and fewer Triton calls for an H200 (6 NVFP4 leaves: 6 launches per kernel
+  unshared)."""
   monkeypatch.setattr(kernel, "LAUNCH_GROUP", group)
-  monkeypatch.setattr(kernel, "ENCODE_REVERSED", reverse)
-  monkeypatch.setattr(kernel, "STATS_REVERSED", reverse)
   kw = dict(min_size=1024, amax=amax)
   u_x, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2, nan=True, shapes=GROUPED)
   u_k, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 2, nan=True,

@@ -20,8 +20,6 @@ declare -A CMD=(
   [optim_busy_amax]="python3 benchmarks/optim_update.py --skip-equality --busy --runs='optax.adamw,adamw_nvfp4,adamw_nvfp4 (bound amax)'"
   [optim_busy_slots]="python3 benchmarks/optim_update.py --skip-equality --busy --atomic-slots=64 --runs='optax.adamw,adamw_nvfp4,adamw_nvfp4 (bound amax)'"
   [optim_busy_evict]="python3 benchmarks/optim_update.py --skip-equality --busy --iters=10 --runs=optax.adamw,adamw_nvfp4 --kernel-sweep=EVICT_HINTS=1,EVICT_HINTS=1+LAUNCH_GROUP=6,EVICT_HINTS=1+LAUNCH_GROUP=12"
-  [optim_busy_l2]="python3 benchmarks/optim_update.py --skip-equality --busy --sequence --iters=10 --runs=optax.adamw,adamw_nvfp4 --kernel-sweep=EVICT_HINTS=1,EVICT_HINTS=1+ATOMIC_SLOTS=64,EVICT_HINTS=1+ENCODE_REVERSED=1,EVICT_HINTS=1+STATS_REVERSED=1,EVICT_HINTS=1+ENCODE_REVERSED=1+STATS_REVERSED=1+ATOMIC_SLOTS=64,EVICT_HINTS=1+LAUNCH_GROUP=2"
-  [optim_l2]="python3 tests/gpu/check_optim.py --kernel-set EVICT_HINTS=1+ATOMIC_SLOTS=64+ENCODE_REVERSED=1+STATS_REVERSED=1"
   [optim_busy_slots_s9]="python3 benchmarks/optim_update.py --skip-equality --busy --iters=10 --runs=optax.adamw,adamw_nvfp4 --kernel-sweep=ATOMIC_SLOTS=1+EVICT_HINTS=0,ATOMIC_SLOTS=16,ATOMIC_SLOTS=256,STATS_BLOCK_ROWS=32,STATS_BLOCK_ROWS=128"
   [optim_busy_stats_s9]="python3 benchmarks/optim_update.py --skip-equality --busy --iters=10 --runs=optax.adamw,adamw_nvfp4 --kernel-sweep=STATS_BLOCK_ROWS=64,STATS_BLOCK_ROWS=256,STATS_NUM_WARPS=8,STATS_BLOCK_ROWS=256+STATS_NUM_WARPS=8,ATOMIC_SLOTS=256"
   [optim_profile_top]="python3 benchmarks/optim_update.py --profile=adamw_nvfp4 --top=45"
