@@ -10,7 +10,8 @@ kernel's launches, ``LAUNCH_GROUP`` at a time, see below):
 1. A first pass, by the ``amax`` rule:
    - ``"exact"`` (default), ``stats``: decodes m and √v, computes the new moments, and folds each
      program's max of |m| and of √v into the leaf's slots of one int32 buffer (atomic max; bit
-     patterns of non-negative floats are ordered as their values).
+     patterns of non-negative floats are ordered as their values), spread over ``ATOMIC_SLOTS``
+     copies of each slot that XLA reduces afterwards.
    - ``"bound"``, ``gmax``: reads the gradient and the two moments' E4M3 scales only, and folds each
      program's max of |g| and of the scale bytes into the buffer the same way (E4M3 bytes of
      non-negative values are ordered too). XLA then forms ``_common.amax_bounds`` from them and the
@@ -47,7 +48,9 @@ Shared launches: the leaves of one size and dtype (a Transformer's layers) go to
 kernel's body on leaf j's operands (a ``pl.when`` branch per leaf; other leaves' block specs clamp to
 a block they never touch). A launch cost ~3 us of ramp-up and tail on the H200 whatever its size, ~0.3
 ms over the ~100 launches of a 124M GPT-2 update; sharing them four at a time took the update from
-1.82 to 1.64 ms (benchmarks/RESULTS.md, session 8). Larger groups were no faster (XLA's apply of the
+1.82 to 1.64 ms (benchmarks/RESULTS.md, session 8). With them, the first pass's atomics became a
+cost: spreading them over 64 copies per max, 128-block ``stats`` programs and L2 eviction hints in
+``encode`` took it to 1.56 ms, 1.44× ``optax.adamw`` (session 9). Larger groups were no faster (XLA's apply of the
 updates got slower, likely because they leave L2 before it reads them) and compile longer (a copy of
 the body per leaf).
 
@@ -89,8 +92,9 @@ STATS_NUM_WARPS = 4
 # from 0.480 to 0.466 with a launch per leaf, session 8). 1: one address per max.
 ATOMIC_SLOTS = 64
 # Leaves of one size that share a launch of each kernel (see the module docstring); 1: a launch per
-# leaf. On the H200 (124M GPT-2 tree, device busy per update): 1: 1.823 ms, 2: 1.677, 3: 1.653,
-# 4: 1.643-1.646, 12: 1.651, 24: 1.687 (and 124 s to compile).
+# leaf. On the H200 (124M GPT-2 tree, device busy per update, session 8's other settings): 1: 1.823
+# ms, 2: 1.677, 3: 1.653, 4: 1.643-1.646, 12: 1.651, 24: 1.687 (and 124 s to compile); with eviction
+# hints (session 9), 2: 1.668 against 4: 1.626.
 LAUNCH_GROUP = 4
 # L2 eviction hints in `encode`: its loads evict first, its update's stores last (XLA's apply reads
 # the update next; in the profile each launch's apply fusions run right after it). On the H200 XLA's

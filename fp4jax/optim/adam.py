@@ -33,8 +33,8 @@ Two implementations of the NVFP4 leaves' update, with the same state bits (tests
 ``tests/gpu/check_optim.py``): plain jnp, which XLA fuses and partitions (``kernel="xla"``), and two Pallas
 Triton kernels (``fp4jax.kernels.adam_nvfp4``; leaves of one size share their launches), the default on
 a GPU, which read the gradient and the packed state twice and write the update and the new state (on the
-H200, for a 124M GPT-2 pytree: 1.52x ``optax.adamw``'s device time, 1.64 against 1.08 ms; wall-clock
-ratios of 1.1–2.6x, moving with the host's load; the XLA path ~2.5x when last measured, in session 5;
+H200, for a 124M GPT-2 pytree: 1.44x ``optax.adamw``'s device time, 1.56 against 1.08 ms; wall-clock
+ratios of 1.1–2.0x, moving with the host's load; the XLA path ~2.5x when last measured, in session 5;
 benchmarks/RESULTS.md).
 
 Leaves that the storage rule keeps in float32 (``fp4jax.optim._common``) run ``optax.scale_by_adam``'s
