@@ -12,7 +12,8 @@ jitted with params and state donated, median of ``--iters`` runs after 3 warm-up
 by ``block_until_ready`` (dispatch + device time), and ``--iters`` runs back to back with one block
 at the end (dispatch overlapping the device, as in a training loop); with ``--busy`` also the
 device's busy time per update from a profile (kernels only: no host dispatch, so it does not move
-with the host's load as the wall-clock figures do). Equality: three updates of a smaller pytree with
+with the host's load as the wall-clock figures do); with ``--loop=N`` also the wall clock per update
+of N updates inside one jitted ``fori_loop`` (one dispatch per N updates). Equality: three updates of a smaller pytree with
 fixed gradients on the accelerator and on the CPU; NVFP4 codes, scales and global scales compared bit for bit, updates to
 1e-5 of their max; float32 leaves (optax's arithmetic, which XLA's GPU backend contracts into FMAs)
 are reported, bound 1e-4. Exits 1 if a state differs beyond ``--max-mismatch`` of its codes or a
@@ -148,6 +149,29 @@ def equality(tx, params, grads_list, accel):
   return worst
 
 
+def time_in_loop(tx, params, grads, n, reps=5):
+  """Wall-clock milliseconds per update with ``n`` updates in one jitted ``fori_loop`` (params and
+  state carried, donated; median of ``reps`` calls after a compiling one): one dispatch per ``n``
+  updates, so the host's per-call cost, which the other wall-clock figures include, is amortized."""
+  def many(params, state, grads):
+    def body(_, carry):
+      p, s = carry
+      u, s = tx.update(grads, s, p)
+      return optax.apply_updates(p, u), s
+    return jax.lax.fori_loop(0, n, body, (params, state))
+
+  params = jax.tree.map(jnp.copy, params)
+  state = tx.init(params)
+  fn = jax.jit(many, donate_argnums=(0, 1))
+  params, state = jax.block_until_ready(fn(params, state, grads))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    params, state = jax.block_until_ready(fn(params, state, grads))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times) / n * 1e3
+
+
 def profile(tx, params, grads, name, steps=5, report=True, top=30, sequence=False):
   """Device-side profile of ``steps`` updates (benchmarks/profile_step.py's trace summary, printed
   when ``report``; with ``sequence``, the last update's kernels in order). Returns the device's busy
@@ -228,6 +252,9 @@ def main(argv=None):
                   help="also profile each row: the device's busy time per update (no host time)")
   ap.add_argument("--sequence", action="store_true",
                   help="with --busy: print each row's kernels of one update in the order they ran")
+  ap.add_argument("--loop", type=int, default=0, metavar="N",
+                  help="also time each row with N updates inside one jitted fori_loop (wall clock per "
+                       "update, the host's per-call cost amortized)")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--skip-equality", action="store_true",
                   help="timings only (tests/gpu/check_optim.py checks GPU == CPU too)")
@@ -293,7 +320,7 @@ def main(argv=None):
       ap.error(f"--kernel-sweep: {e}")
     name = f"adamw_nvfp4 ({cfg})"
     runs[name], configs[name] = optim.adamw_nvfp4(1e-3, kernel=sweep_kernel), {**default, **setting}
-  rows, splits, ok = [], {}, True
+  rows, splits, loops, ok = [], {}, {}, True
   for name, tx in runs.items():
     for k, v in configs.get(name, default).items():
       setattr(adam_kernel, k, v)
@@ -301,6 +328,9 @@ def main(argv=None):
     busy = None
     if args.busy:
       busy, splits[name] = profile(tx, params, grads, name, report=False, sequence=args.sequence)
+    if args.loop:
+      loops[name] = time_in_loop(tx, params, grads, args.loop)
+      print(f"  {name}: {loops[name]:.3f} ms per update, {args.loop} updates in one jit", flush=True)
     ok &= finite
     rows.append((name, ms, piped, comp, nbytes, finite, busy))
     print(f"  {name}: {ms:.3f} ms, back to back {piped:.3f} ms (compile {comp:.1f} s), "
@@ -314,6 +344,13 @@ def main(argv=None):
     print("|---|" + "---:|" * len(groups))
     for name, split in splits.items():
       print(f"| {name} | " + " | ".join(f"{split.get(g, 0.0):.3f}" for g in groups) + " |")
+
+  if loops:
+    base = next(iter(loops.values()))
+    print(f"\n| optimizer | ms per update, {args.loop} in one jitted loop (wall clock) | vs {next(iter(loops))} |")
+    print("|---|---:|---:|")
+    for name, ms in loops.items():
+      print(f"| {name} | {ms:.3f} | {ms / base:.2f}x |")
 
   if args.skip_equality:
     return _print_timings(rows, n, accel, args.stacked) or (0 if ok else 1)

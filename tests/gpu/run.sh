@@ -22,6 +22,7 @@ declare -A CMD=(
   [optim_busy_evict]="python3 benchmarks/optim_update.py --skip-equality --busy --iters=10 --runs=optax.adamw,adamw_nvfp4 --kernel-sweep=EVICT_HINTS=1,EVICT_HINTS=1+LAUNCH_GROUP=6,EVICT_HINTS=1+LAUNCH_GROUP=12"
   [optim_busy_slots_s9]="python3 benchmarks/optim_update.py --skip-equality --busy --iters=10 --runs=optax.adamw,adamw_nvfp4 --kernel-sweep=ATOMIC_SLOTS=1+EVICT_HINTS=0,ATOMIC_SLOTS=16,ATOMIC_SLOTS=256,STATS_BLOCK_ROWS=32,STATS_BLOCK_ROWS=128"
   [optim_busy_stats_s9]="python3 benchmarks/optim_update.py --skip-equality --busy --iters=10 --runs=optax.adamw,adamw_nvfp4 --kernel-sweep=STATS_BLOCK_ROWS=64,STATS_BLOCK_ROWS=256,STATS_NUM_WARPS=8,STATS_BLOCK_ROWS=256+STATS_NUM_WARPS=8,ATOMIC_SLOTS=256"
+  [optim_loop]="python3 benchmarks/optim_update.py --skip-equality --busy --loop=20 --iters=10 --runs=optax.adamw,adamw_nvfp4"
   [optim_profile_top]="python3 benchmarks/optim_update.py --profile=adamw_nvfp4 --top=45"
   [optim_busy_group]="python3 benchmarks/optim_update.py --skip-equality --busy --iters=10 --runs=optax.adamw,adamw_nvfp4 --kernel-sweep=LAUNCH_GROUP=1,LAUNCH_GROUP=4,LAUNCH_GROUP=24"
   [optim_timing_stacked]="python3 benchmarks/optim_update.py --skip-equality --stacked"
