@@ -33,9 +33,9 @@ Two implementations of the NVFP4 leaves' update, with the same state bits (tests
 ``tests/gpu/check_optim.py``): plain jnp, which XLA fuses and partitions (``kernel="xla"``), and two Pallas
 Triton kernels (``fp4jax.kernels.adam_nvfp4``; leaves of one size share their launches), the default on
 a GPU, which read the gradient and the packed state twice and write the update and the new state (on the
-H200, for a 124M GPT-2 pytree: 1.44x ``optax.adamw``'s device time, 1.56 against 1.08 ms; wall-clock
-ratios of 1.1–2.0x, moving with the host's load; the XLA path ~2.5x when last measured, in session 5;
-benchmarks/RESULTS.md).
+H200, for a 124M GPT-2 pytree: 1.44x ``optax.adamw``'s device time, 1.56 against 1.08 ms; 1.49x in wall
+clock with 20 updates in one jit; 1.1–2.1x for one jitted update per call, which is host-bound; the XLA
+path ~2.5x when last measured, in session 5; benchmarks/RESULTS.md).
 
 Leaves that the storage rule keeps in float32 (``fp4jax.optim._common``) run ``optax.scale_by_adam``'s
 arithmetic unchanged, and with ``quantize=False`` the transform equals optax's bit for bit.
