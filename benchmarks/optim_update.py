@@ -83,11 +83,16 @@ def make_tree(shapes, seed, scale_spread=3.0):
   return treedef.unflatten(out)
 
 
-def time_update(tx, params, grads, iters):
+def _step(tx):
+  """One update: ``tx.update`` + ``optax.apply_updates``, params and state in, params and state out."""
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
+  return step
 
+
+def time_update(tx, params, grads, iters):
+  step = _step(tx)
   params = jax.tree.map(jnp.copy, params)
   state = tx.init(params)
   fn = jax.jit(step, donate_argnums=(0, 1))
@@ -153,12 +158,10 @@ def time_in_loop(tx, params, grads, n, reps=5):
   """Wall-clock milliseconds per update with ``n`` updates in one jitted ``fori_loop`` (params and
   state carried, donated; median of ``reps`` calls after a compiling one): one dispatch per ``n``
   updates, so the host's per-call cost, which the other wall-clock figures include, is amortized."""
+  step = _step(tx)
+
   def many(params, state, grads):
-    def body(_, carry):
-      p, s = carry
-      u, s = tx.update(grads, s, p)
-      return optax.apply_updates(p, u), s
-    return jax.lax.fori_loop(0, n, body, (params, state))
+    return jax.lax.fori_loop(0, n, lambda _, carry: step(*carry, grads), (params, state))
 
   params = jax.tree.map(jnp.copy, params)
   state = tx.init(params)
@@ -180,10 +183,7 @@ def profile(tx, params, grads, name, steps=5, report=True, top=30, sequence=Fals
 
   from benchmarks.profile_step import busy_by_prefix, busy_ms, kernel_sequence, read_trace, summarize
 
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
+  step = _step(tx)
   params = jax.tree.map(jnp.copy, params)  # donated below; the caller's params stay valid
   state = tx.init(params)
   fn = jax.jit(step, donate_argnums=(0, 1))
@@ -322,22 +322,19 @@ def main(argv=None):
     runs[name], configs[name] = optim.adamw_nvfp4(1e-3, kernel=sweep_kernel), {**default, **setting}
   rows, splits, loops, ok = [], {}, {}, True
   for name, tx in runs.items():
-    for k, v in configs.get(name, default).items():
-      setattr(adam_kernel, k, v)
-    ms, piped, comp, nbytes, finite = time_update(tx, params, grads, iters)
-    busy = None
-    if args.busy:
-      busy, splits[name] = profile(tx, params, grads, name, report=False, sequence=args.sequence)
-    if args.loop:
-      loops[name] = time_in_loop(tx, params, grads, args.loop)
-      print(f"  {name}: {loops[name]:.3f} ms per update, {args.loop} updates in one jit", flush=True)
+    with adam_kernel.settings(**configs.get(name, default)):
+      ms, piped, comp, nbytes, finite = time_update(tx, params, grads, iters)
+      busy = None
+      if args.busy:
+        busy, splits[name] = profile(tx, params, grads, name, report=False, sequence=args.sequence)
+      if args.loop:
+        loops[name] = time_in_loop(tx, params, grads, args.loop)
+        print(f"  {name}: {loops[name]:.3f} ms per update, {args.loop} updates in one jit", flush=True)
     ok &= finite
     rows.append((name, ms, piped, comp, nbytes, finite, busy))
     print(f"  {name}: {ms:.3f} ms, back to back {piped:.3f} ms (compile {comp:.1f} s), "
           f"{nbytes / n:.3f} B/param, finite={finite}"
           + (f", device busy {busy:.3f} ms" if busy is not None else ""), flush=True)
-  for k, v in default.items():
-    setattr(adam_kernel, k, v)
   if splits:
     groups = (*KERNEL_GROUPS, "xla")
     print("\n| optimizer | " + " | ".join(f"{g} ms" for g in groups) + " |")

@@ -50,9 +50,9 @@ a block they never touch). A launch cost ~3 us of ramp-up and tail on the H200 w
 ms over the ~100 launches of a 124M GPT-2 update; sharing them four at a time took the update from
 1.82 to 1.64 ms (benchmarks/RESULTS.md, session 8). With them, the first pass's atomics became a
 cost: spreading them over 64 copies per max, 128-block ``stats`` programs and L2 eviction hints in
-``encode`` took it to 1.56 ms, 1.44× ``optax.adamw`` (session 9). Larger groups were no faster (XLA's apply of the
-updates got slower, likely because they leave L2 before it reads them) and compile longer (a copy of
-the body per leaf).
+``encode`` took it to 1.56 ms, 1.44× ``optax.adamw`` (session 9). Larger groups were no faster
+(XLA's apply of the updates got slower, likely because they leave L2 before it reads them) and
+compile longer (a copy of the body per leaf).
 
 Layout: a leaf of ``n`` elements is viewed as ``(n / 16, 8, 2)``; a program takes ``block_rows``
 16-element blocks and works on the even and odd elements of each block as two (rows, 8) tiles: that
@@ -83,7 +83,7 @@ from fp4jax.optim import _common
 BLOCK_ROWS = 64  # default 16-element blocks per program of `encode`
 NUM_WARPS = 4  # default Triton warps per program of `encode`
 # The same for `stats`: with ATOMIC_SLOTS=64 on the H200, 128 blocks took it from 0.347 to 0.310 ms
-# (32: 0.431; session 9).
+# (32: 0.431, 256: 0.390; session 9).
 STATS_BLOCK_ROWS = 128
 STATS_NUM_WARPS = 4
 # Copies of each max that the first pass's programs fold into (program i of a leaf into copy

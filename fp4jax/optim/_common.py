@@ -152,9 +152,9 @@ def counter_bits(key, shape, lane: int = 0) -> jax.Array:
   One 32-bit hash of each pair of neighbouring elements (flat indices ``2i`` and ``2i + 1``) gives
   the bits of two tensors of that shape, ``lane`` 0 and 1 (Adam's m and √v under one key): element
   ``2i + h`` of lane ``j`` takes byte ``2j + h`` (``lane_bits``). Four roundings per hash, because
-  the Pallas AdamW kernel is bound by instruction issue. Eight bits per rounding, as Blackwell's ``cvt.rs`` takes one 32-bit random operand
-  per four FP4 values: a probability is rounded to a multiple of 1/256 (within 1/512 of exact, see
-  ``lane_bits``), far below the format's own step.
+  the Pallas AdamW kernel is bound by instruction issue. Eight bits per rounding, as Blackwell's
+  ``cvt.rs`` takes one 32-bit random operand per four FP4 values: a probability is rounded to a
+  multiple of 1/256 (within 1/512 of exact, see ``lane_bits``), far below the format's own step.
 
   The hash: two rounds of a bijective mix keyed by the two ends of ``key``'s data (~17 integer
   operations, fused into the quantizer; ``jax.random.bits`` ran as a separate kernel through
