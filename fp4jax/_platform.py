@@ -16,3 +16,12 @@ def default_platform() -> str:
     return device.platform
   version = str(getattr(device.client, "platform_version", "")).lower()
   return "rocm" if "rocm" in version else "cuda"
+
+
+def resolve(impl: str, kernel: str, fallback: str = "xla") -> str:
+  """The one "auto" rule of every op with a GPU kernel: ``impl`` unchanged unless it is ``"auto"``,
+  which becomes ``kernel`` when computations go to a CUDA GPU by default (``default_platform``),
+  else ``fallback``. Ops check their own shape limits on top of this rule."""
+  if impl != "auto":
+    return impl
+  return kernel if default_platform() == "cuda" else fallback

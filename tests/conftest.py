@@ -1,9 +1,11 @@
-"""Test-wide setup: 8 simulated CPU devices (sharding tests), float32 matmuls at full precision."""
+"""Test-wide setup: 8 simulated CPU devices (sharding tests), float32 matmuls at full precision, and
+the ``gpu`` marker (GPU checks: skipped on the CPU; ``FP4JAX_GPU_TESTS=1 pytest -m gpu`` on the GPU)."""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("FP4JAX_GPU_TESTS") != "1":
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
@@ -13,6 +15,21 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402
 from jax.sharding import AbstractDevice, AbstractMesh  # noqa: E402
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the GPU machine with `pytest -m gpu`)")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Tests marked ``gpu`` are skipped unless a CUDA GPU is the default backend. On the GPU machine,
+  run ``FP4JAX_GPU_TESTS=1 pytest -m gpu tests``: the variable keeps JAX off the forced CPU platform."""
+  if os.environ.get("FP4JAX_GPU_TESTS") == "1" and jax.default_backend() == "gpu":
+    return
+  skip = pytest.mark.skip(reason="needs a CUDA GPU (FP4JAX_GPU_TESTS=1 on the GPU machine)")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
 
 # An abstract H200 for CUDA lowering checks on the CPU: trace under
 # ``jax.sharding.use_abstract_mesh(H200)`` and lower with ``lowering_platforms=("cuda",)``.
