@@ -3,63 +3,558 @@
 The kernels compute the numerics of ``fp4jax.ops.attention`` (its reference defines them) on
 operands that the caller has already decoded:
 
-- ``attention_fwd(q, k, v, *, causal, sm_scale, ...) -> (o, lse)``: per (batch, head, query block),
-  a loop over key blocks (stopping at the diagonal when causal) with an online softmax in float32:
+- ``attention_fwd(q, k, v, *, causal, sm_scale) -> (o, lse)``: per (batch, head, query block), a loop
+  over key blocks (stopping at the diagonal when causal) with an online softmax in float32:
   ``S = dot(q, kᵀ) * sm_scale`` (bf16 operands, f32 accumulation), ``O = P·V`` with P in bf16,
   ``lse = m + log(l)``.
-- ``attention_bwd(q, k, v, o, lse, do, *, causal, sm_scale, ds_rounding, key, ...) -> (dq, dk, dv)``:
-  two kernels, one per key block (dK, dV) and one per query block (dQ), each recomputing
-  ``P = exp(S - lse)`` with the forward's dot, ``dP = dO·Vᵀ``, ``δ = rowsum(dO ∘ O)``,
-  ``dS = (P ∘ (dP - δ)) * sm_scale``; with ``ds_rounding`` set, dS is quantized to NVFP4 inside the
-  tile (``quantize_ds``: 16×16 blocks, one float32 scale per ``ds_tile``) and the decoded dS is the
-  bf16 operand of ``dQ = dS·K`` and ``dK = dSᵀ·Q``; ``dV = Pᵀ·dO``.
+- ``attention_bwd(q, k, v, o, lse, do, *, causal, sm_scale, ds_rounding, key) -> (dq, dk, dv)``:
+  ``δ = rowsum(dO ∘ O)`` (one XLA pass), then two kernels, one per key block (dK, dV, looping over
+  the query blocks of every query head of its key/value head) and one per query block (dQ), each
+  recomputing ``P = exp(S - lse)`` with the forward's dot, ``dP = dO·Vᵀ`` and
+  ``dS = (P ∘ (dP - δ)) * sm_scale``. With ``ds_rounding`` set, dS is quantized to NVFP4 inside the
+  tile (``quantize_ds``) and its decoded bf16 values are the operand of ``dQ = dS·K`` and
+  ``dK = dSᵀ·Q``; otherwise dS is cast to bf16. ``dV = Pᵀ·dO`` with P in bf16. Both kernels use the
+  same tiles, so they quantize dS identically.
 
 Layout: q ``[B, T, H, D]``, k and v ``[B, S, Hk, D]`` with ``H % Hk == 0`` (query head ``h`` reads
-key/value head ``h // (H // Hk)``), D in {64, 128}, lse ``[B, H, T]`` float32. q and k are the
-decoded NVFP4 operands ``nvfp4.dequantize(Q(q), bf16)`` (any bf16 array works).
+key/value head ``h // (H // Hk)``; dK and dV sum over a group's query heads), D a multiple of 16 up
+to 256 (64 and 128 are the tested ones), lse ``[B, H, T]`` float32. T and S need not be multiples
+of the blocks (the arrays are padded, padding keys get P = 0, padding rows dS = 0); causal needs
+T == S. q and k are the decoded NVFP4 operands ``nvfp4.dequantize(Q(q), bf16)``; any bf16 (or f16)
+arrays work.
 
 dS quantization (``quantize_ds``): each ``ds_tile`` of the ``[T, S]`` dS matrix of one (b, h) is
-quantized as a tensor of its own by ``nvfp4.quantize(tile, block=(16, 16))`` (TE's order: tile amax,
-``S_enc = 2688 / amax``, E4M3 block scales, E2M1 codes), then decoded to bf16 as
-``nvfp4.dequantize`` does (``code * scale * S_dec`` in float32). Stochastic rounding takes its bits
-from ``ds_rounding_bits`` (a counter hash of (key, b, h, row, col)): the kernels and the reference
-draw the same bits for any blocking.
+quantized as a tensor of its own by ``nvfp4.quantize(tile, block=(16, 16))`` (Transformer Engine's
+order: tile amax, ``S_enc = 2688 / amax``, E4M3 scales of 16×16 blocks, E2M1 codes) and decoded as
+``nvfp4.dequantize(·, bf16)`` does (``code * scale * S_dec`` in float32, then bf16). Stochastic
+rounding takes its bits from ``ds_rounding_bits`` (a counter hash of (key, b, h, row, col)), so the
+kernels and the reference draw the same bits whatever the blocking. Each kernel tile holds whole
+ds tiles: the backward's blocks are multiples of ``ds_tile``.
 
-Everything inside the kernels lowers to Triton for sm_90 (no float4 casts, integer E2M1/E4M3
-encoding, correctly rounded division by PTX ``div.rn.f32``): see tests/test_kernels_attention.py for
-the CPU-side CUDA lowering check.
+Everything inside the kernels lowers to Triton for sm_90: no float4 casts (E2M1 and E4M3 encoded
+with comparisons and integer operations), the divisions of the quantizer correctly rounded (PTX
+``div.rn.f32``; ``numerics.div_rn`` in interpret mode and in ``quantize_ds``), power-of-two blocks; see
+tests/test_kernels_attention.py for the CPU-side CUDA lowering check.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from fp4jax import numerics
+
+ROUNDINGS = ("nearest", "stochastic")
+DS_TILE = (64, 64)
+_B = 16  # dS is quantized in 16x16 blocks
+_E2M1_X_E4M3_MAX = 2688.0  # 6 * 448: S_enc = 2688 / amax
 
 
-def ds_rounding_bits(key, b, h, n_heads, row, col):
-  """uint32 stochastic-rounding bits of dS element (row, col) of batch ``b``, query head ``h``."""
-  raise NotImplementedError
+def _is_pow2(n) -> bool:
+  return isinstance(n, (int, np.integer)) and n >= 1 and (n & (n - 1)) == 0
 
 
-def quantize_ds(ds, *, ds_tile=(64, 64), bits=None) -> jax.Array:
-  """dS ``[..., T, S]`` (float32) quantized per ``ds_tile`` and decoded to bf16 (the kernels' tile code)."""
-  raise NotImplementedError
+# ----------------------------------------------------------------------------------------------
+# dS quantization (shared by the kernels and the jnp path)
+
+
+def _ptx(op, *args):
+  """A correctly rounded float32 PTX instruction, elementwise (Triton's ``/`` is not)."""
+  shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
+  args = [jnp.broadcast_to(jnp.asarray(a, jnp.float32), shape) for a in args]
+  operands = ", ".join(f"${i + 1}" for i in range(len(args)))
+  return plgpu.elementwise_inline_asm(
+      f"{op} $0, {operands};", args=args, constraints=",".join(["=f"] + ["f"] * len(args)),
+      pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]
+
+
+def _div(a, b, on_gpu: bool):
+  """IEEE ``a / b`` (a, b >= 0): PTX ``div.rn.f32`` inside a GPU kernel, else ``numerics.div_rn``."""
+  if on_gpu:
+    return _ptx("div.rn.f32", a, b)
+  return numerics.div_rn(jnp.asarray(a, jnp.float32), b)
+
+
+def _blocks(x, rows: int, cols: int):
+  """(M, N) -> (M / rows, rows, N / cols, cols): a view of x's ``rows x cols`` tiles."""
+  m, n = x.shape
+  return x.reshape(m // rows, rows, n // cols, cols)
+
+
+def _expand(s, rows: int, cols: int):
+  """Per-tile values (m, n) -> (m * rows, n * cols), each repeated over its tile."""
+  m, n = s.shape
+  return jnp.broadcast_to(s[:, None, :, None], (m, rows, n, cols)).reshape(m * rows, n * cols)
+
+
+def _quantize_tile(ds, bits, ds_tile, rounding: str, on_gpu: bool):
+  """A 2-D float32 dS tile (whole ``ds_tile``s) -> its NVFP4 quantization decoded to bf16.
+
+  ``nvfp4.quantize(t, block=(16, 16), rounding=rounding, bits=bits)`` of each ``ds_tile`` ``t`` then
+  ``nvfp4.dequantize(·, bf16)``, step for step (see that function for the order of operations).
+  """
+  tq, tk = ds_tile
+  x32 = numerics.flush_subnormals(ds)
+  ax = jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32))
+  block_amax = jnp.max(_blocks(ax, _B, _B), axis=(1, 3))  # (M/16, N/16)
+  amax = jnp.max(_blocks(block_amax, tq // _B, tk // _B), axis=(1, 3))  # per ds tile
+  finite = amax <= numerics.F32_MAX
+  amax = jnp.where(finite, amax, 0.0)
+  s_enc = jnp.minimum(_div(_E2M1_X_E4M3_MAX, amax, on_gpu), numerics.F32_MAX)
+  s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
+  s_dec = jnp.where(finite, _div(1.0, s_enc, on_gpu), jnp.nan)
+  per_block = functools.partial(_expand, rows=tq // _B, cols=tk // _B)
+  s_enc_b, s_dec_b, finite_b = per_block(s_enc), per_block(s_dec), per_block(finite)
+  block_amax = jnp.where(finite_b, block_amax, 0.0)
+  dscale, dcode = numerics.e4m3_block_scales(block_amax, s_enc_b * jnp.float32(numerics.INV6))
+  dscale = numerics.e4m3_to_f32(dcode)
+  escale = jnp.minimum(_div(1.0, dscale * s_dec_b, on_gpu), numerics.F32_MAX)
+  zero_block = (dscale == 0) | ~finite_b
+  per_elem = functools.partial(_expand, rows=_B, cols=_B)
+  code = numerics.e2m1_codes(x32, per_elem(escale), per_elem(zero_block), rounding, bits,
+                              jnp.int32)
+  decoded = numerics.decode_e2m1(code) * per_elem(dscale) * _expand(s_dec, tq, tk)
+  return decoded.astype(jnp.bfloat16)
+
+
+def _key_words(key):
+  """The two counter-hash words of ``key`` (uint32)."""
+  return numerics.counter_words(key)
+
+
+def _tile_bits(k1, k2, bh, row0, col0, m: int, n: int):
+  """Rounding bits (uint32, (m, n)) of the dS elements in rows ``row0 + [0, m)`` and columns
+  ``col0 + [0, n)`` of head ``bh = b * H + h`` (``col0`` and ``n`` multiples of 4): one hash per row
+  keyed by (key, b, h), then one hash per 4 consecutive columns whose four bytes round those 4
+  elements (``numerics.lane_bits``)."""
+  u32 = jnp.uint32
+  head = numerics.counter_hash(jnp.asarray(bh).astype(u32), k1, k2)
+  rows = jnp.asarray(row0).astype(u32) + lax.broadcasted_iota(u32, (m, 1), 0)
+  row_word = numerics.counter_hash(rows, head, k2)
+  quads = (jnp.asarray(col0).astype(u32) >> 2) + lax.broadcasted_iota(u32, (1, n // 4), 1)
+  h = numerics.counter_hash(quads, row_word, k2)  # (m, n / 4)
+  h = jnp.broadcast_to(h[:, :, None], (m, n // 4, 4))
+  return numerics.lane_bits(h, lax.broadcasted_iota(u32, (m, n // 4, 4), 2)).reshape(m, n)
+
+
+def ds_rounding_bits(key, shape) -> jax.Array:
+  """uint32 stochastic-rounding bits for dS of ``shape = (B, H, T, S)`` (S a multiple of 4).
+
+  Element (b, h, row, col) gets byte ``col % 4`` of ``counter_hash(col // 4, r, k2)`` with
+  ``r = counter_hash(row, counter_hash(b * H + h, k1, k2), k2)`` and ``(k1, k2)`` the key's
+  ``counter_words``, placed by ``lane_bits`` for ``nvfp4.quantize``'s ``bits``: the bits depend on
+  (key, b, h, row, col) only, so any tiling of dS draws the same ones (the kernels draw them tile
+  by tile).
+  """
+  b_, h_, t, s = shape
+  if s % 4:
+    raise ValueError(f"ds_rounding_bits: the key axis ({s}) must be a multiple of 4")
+  k1, k2 = _key_words(key)
+  bh = jnp.arange(b_ * h_, dtype=jnp.uint32)
+  bits = jax.vmap(lambda i: _tile_bits(k1, k2, i, 0, 0, t, s))(bh)
+  return bits.reshape(b_, h_, t, s)
+
+
+def quantize_ds(ds, *, ds_tile=DS_TILE, rounding: str = "stochastic", bits=None) -> jax.Array:
+  """dS ``[..., T, S]`` quantized to NVFP4 per ``ds_tile`` and decoded to bf16: the kernels' code.
+
+  Each ``ds_tile`` of the last two axes is quantized as ``nvfp4.quantize(tile, block=(16, 16),
+  rounding=rounding, bits=bits_of_tile)`` would (its own tile amax and S_enc) and decoded as
+  ``nvfp4.dequantize(·, jnp.bfloat16)``. T and S must be multiples of the tile.
+
+  Args:
+    ds: float32 ``[..., T, S]``.
+    ds_tile: (rows, cols) of the tiles with one float32 scale, multiples of 16.
+    rounding: ``"nearest"`` or ``"stochastic"``.
+    bits: uint32 bits shaped like ``ds`` for stochastic rounding (e.g. ``ds_rounding_bits``).
+
+  Returns:
+    bf16 array shaped like ``ds``.
+  """
+  _check_ds(ds_tile, rounding)
+  ds = jnp.asarray(ds, jnp.float32)
+  t, s = ds.shape[-2:]
+  if t % ds_tile[0] or s % ds_tile[1]:
+    raise ValueError(f"quantize_ds: dS {ds.shape[-2:]} is not a whole number of ds_tile {ds_tile}")
+  if rounding == "stochastic" and (bits is None or bits.shape != ds.shape or bits.dtype != jnp.uint32):
+    raise ValueError("quantize_ds: stochastic rounding needs uint32 `bits` shaped like ds")
+  lead = ds.shape[:-2]
+  flat = ds.reshape(-1, t, s)
+  fbits = None if bits is None else bits.reshape(-1, t, s)
+  fn = lambda x, b: _quantize_tile(x, b, ds_tile, rounding, on_gpu=False)
+  out = jax.vmap(fn)(flat, fbits) if fbits is not None else jax.vmap(lambda x: fn(x, None))(flat)
+  return out.reshape(*lead, t, s)
+
+
+def _check_ds(ds_tile, rounding):
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"dS rounding must be one of {ROUNDINGS}, got {rounding!r}")
+  if (not isinstance(ds_tile, tuple) or len(ds_tile) != 2
+      or any(not _is_pow2(t) or t < _B for t in ds_tile)):
+    raise ValueError(f"ds_tile must be a pair of powers of two >= {_B}, got {ds_tile!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+def _dot(a, b, *, trans_a=False, trans_b=False):
+  """``a @ b`` (with either operand transposed) in float32 accumulation."""
+  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _scores(q, k, sm_scale):
+  """``S = dot(q, kᵀ) * sm_scale``: the one expression of the scores in all three kernels."""
+  return _dot(q, k, trans_b=True) * jnp.float32(sm_scale)
+
+
+def _mask(row0, col0, m: int, n: int, *, causal: bool, n_rows: int | None, n_cols: int | None):
+  """Valid (row, col) of an (m, n) tile at (row0, col0): keys < ``n_cols``, rows < ``n_rows``
+  (None: no bound needed), col <= row when causal. None when nothing is to be masked."""
+  rows = row0 + lax.broadcasted_iota(jnp.int32, (m, n), 0)
+  cols = col0 + lax.broadcasted_iota(jnp.int32, (m, n), 1)
+  mask = None
+  for cond in ((cols <= rows) if causal else None,
+               None if n_cols is None else cols < n_cols,
+               None if n_rows is None else rows < n_rows):
+    if cond is not None:
+      mask = cond if mask is None else mask & cond
+  return mask
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, causal, block_k, n_keys,
+                pad_keys):
+  bq = q_ref.shape[0]
+  qi = pl.program_id(2)
+  q = q_ref[...]
+  row0 = qi * bq
+
+  def body(j, carry, masked):
+    m, l, acc = carry
+    k = k_ref[pl.ds(j * block_k, block_k), :]
+    v = v_ref[pl.ds(j * block_k, block_k), :]
+    s = _scores(q, k, sm_scale)
+    if masked:
+      mask = _mask(row0, j * block_k, bq, block_k, causal=causal, n_rows=None,
+                   n_cols=n_keys if pad_keys else None)
+      if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    return m_new, l, acc
+
+  carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
+           jnp.zeros(o_ref.shape, jnp.float32))
+  # Key blocks [0, n_full) need no mask; [n_full, n_end) cross the diagonal or the end of the keys.
+  # Block 0 always holds a valid key of every row (key 0), so m is finite after it.
+  n_blocks = pl.cdiv(n_keys, block_k)
+  if causal:
+    n_end = jnp.minimum(lax.div(row0 + bq + block_k - 1, block_k), n_blocks)
+    n_full = jnp.minimum(lax.div(row0 + 1, block_k), n_keys // block_k)
+  else:
+    n_end, n_full = n_blocks, n_keys // block_k
+  carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+  if causal or pad_keys:
+    carry = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), carry)
+  m, l, acc = carry
+  o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = m + jnp.log(l)
+
+
+def _ds_tile(q, k, v, do, lse, delta, mask, *, sm_scale, quant, on_gpu):
+  """P (bf16) and the dS operand (bf16) of one (query block, key block) tile of the backward."""
+  s = _scores(q, k, sm_scale)
+  p = jnp.exp(s - lse[:, None])
+  if mask is not None:
+    p = jnp.where(mask, p, 0.0)
+  dp = _dot(do, v, trans_b=True)
+  ds = (p * (dp - delta[:, None])) * jnp.float32(sm_scale)
+  if quant is None:
+    ds_op = ds.astype(q.dtype)
+  else:
+    words, bh, row0, col0, ds_tile, rounding = quant
+    bits = None
+    if rounding == "stochastic":
+      bits = _tile_bits(words[0], words[1], bh, row0, col0, *ds.shape)
+    ds_op = _quantize_tile(ds, bits, ds_tile, rounding, on_gpu).astype(q.dtype)
+  return p.astype(do.dtype), ds_op
+
+
+def _words(w_ref):
+  return tuple(lax.bitcast_convert_type(w_ref[i], jnp.uint32) for i in range(2))
+
+
+def _dkdv_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+                 sm_scale, causal, block_q, group, n_heads, n_rows, n_keys, pad, ds, on_gpu):
+  bk = k_ref.shape[0]
+  b, hk, kj = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  col0 = kj * bk
+  k, v = k_ref[...], v_ref[...]
+  n_blocks = pl.cdiv(n_rows, block_q)
+  # Query blocks [i_start, i_full) cross the diagonal; [i_full, n_blocks) see the whole key block.
+  i_start = lax.div(col0, block_q) if causal else 0
+  i_full = jnp.minimum(lax.div(col0 + bk - 1 + block_q - 1, block_q), n_blocks) if causal else 0
+
+  def body(i, carry, h, masked):
+    dk, dv = carry
+    rows = pl.ds(i * block_q, block_q)
+    q, do = q_ref[rows, h, :], do_ref[rows, h, :]
+    lse, delta = lse_ref[h, rows], delta_ref[h, rows]
+    mask = None
+    if masked:
+      mask = _mask(i * block_q, col0, block_q, bk, causal=causal, n_rows=n_rows if pad else None,
+                   n_cols=n_keys if pad else None)
+    quant = None if ds is None else (_words(w_ref), b * n_heads + h, i * block_q, col0, *ds)
+    p, ds_op = _ds_tile(q, k, v, do, lse, delta, mask, sm_scale=sm_scale, quant=quant,
+                        on_gpu=on_gpu)
+    return dk + _dot(ds_op, q, trans_a=True), dv + _dot(p, do, trans_a=True)
+
+  def head(g, carry):
+    h = hk * group + g
+    if pad:  # every tile may hold padding: one masked loop
+      return lax.fori_loop(i_start, n_blocks, functools.partial(body, h=h, masked=True), carry)
+    carry = lax.fori_loop(i_start, i_full, functools.partial(body, h=h, masked=True), carry)
+    return lax.fori_loop(i_full, n_blocks, functools.partial(body, h=h, masked=False), carry)
+
+  zeros = jnp.zeros(k_ref.shape, jnp.float32)
+  dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, sm_scale, causal,
+               block_k, n_heads, n_rows, n_keys, pad, ds, on_gpu):
+  bq = q_ref.shape[0]
+  b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  row0 = qi * bq
+  q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+  n_blocks = pl.cdiv(n_keys, block_k)
+
+  def body(j, dq, masked):
+    cols = pl.ds(j * block_k, block_k)
+    k, v = k_ref[cols, :], v_ref[cols, :]
+    mask = None
+    if masked:
+      mask = _mask(row0, j * block_k, bq, block_k, causal=causal, n_rows=n_rows if pad else None,
+                   n_cols=n_keys if pad else None)
+    quant = None if ds is None else (_words(w_ref), b * n_heads + h, row0, j * block_k, *ds)
+    _, ds_op = _ds_tile(q, k, v, do, lse, delta, mask, sm_scale=sm_scale, quant=quant,
+                        on_gpu=on_gpu)
+    return dq + _dot(ds_op, k)
+
+  dq = jnp.zeros(q_ref.shape, jnp.float32)
+  if pad:
+    n_end = jnp.minimum(lax.div(row0 + bq + block_k - 1, block_k), n_blocks) if causal else n_blocks
+    dq = lax.fori_loop(0, n_end, functools.partial(body, masked=True), dq)
+  elif causal:
+    n_end = jnp.minimum(lax.div(row0 + bq + block_k - 1, block_k), n_blocks)
+    n_full = jnp.minimum(lax.div(row0 + 1, block_k), n_blocks)
+    dq = lax.fori_loop(0, n_full, functools.partial(body, masked=False), dq)
+    dq = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), dq)
+  else:
+    dq = lax.fori_loop(0, n_blocks, functools.partial(body, masked=False), dq)
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrappers
+
+
+def _check(name, q, k, v, causal, sm_scale):
+  for arg, x in (("q", q), ("k", k), ("v", v)):
+    if x.ndim != 4:
+      raise ValueError(f"{name}: {arg} must be [B, T, H, D], got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{name}: {arg} must be floating, got {x.dtype}")
+  b, t, h, d = q.shape
+  if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+    raise ValueError(f"{name}: k {k.shape} and v {v.shape} must be [B, S, Hk, D] with q's B and D "
+                     f"(q is {q.shape})")
+  hk = k.shape[2]
+  if h % hk:
+    raise ValueError(f"{name}: the query heads ({h}) must be a multiple of the key/value heads "
+                     f"({hk})")
+  if d % _B or d > 256:
+    raise ValueError(f"{name}: head dim D={d} must be a multiple of 16, at most 256")
+  if causal and k.shape[1] != t:
+    raise ValueError(f"{name}: causal attention needs as many keys as queries, got T={t}, "
+                     f"S={k.shape[1]}")
+  if not isinstance(sm_scale, (float, int)) or not sm_scale > 0:
+    raise ValueError(f"{name}: sm_scale must be a positive Python float, got {sm_scale!r}")
+
+
+def _check_blocks(name, **blocks):
+  for arg, value in blocks.items():
+    if value is not None and not _is_pow2(value):
+      raise ValueError(f"{name}: {arg}={value!r} must be a power of two")
+
+
+def _pad_to(x, axis, size):
+  if x.shape[axis] == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+def _params(num_warps, num_stages):
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def attention_fwd(q, k, v, *, causal: bool, sm_scale: float, block_q: int | None = None,
                   block_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, interpret: bool = False):
-  """Flash attention forward: ``(o [B, T, H, D] q.dtype, lse [B, H, T] float32)``."""
-  raise NotImplementedError
+  """Flash attention forward with an online float32 softmax.
+
+  ``S = dot(q, kᵀ) * sm_scale`` (f32 accumulation), ``P = softmax(S)`` (causal: query i sees keys
+  j <= i), ``O = P·V`` with P cast to v's dtype, f32 accumulation.
+
+  Args:
+    q: ``[B, T, H, D]`` (bf16: the decoded NVFP4 queries).
+    k, v: ``[B, S, Hk, D]``, ``H % Hk == 0``.
+    causal: mask keys after the query (needs S == T); key blocks past the diagonal are skipped.
+    sm_scale: the softmax scale (``1 / sqrt(D)``).
+    block_q, block_k: rows and keys per tile, powers of two (default 128 and 64; at most T and S
+      rounded up to a power of two).
+    num_warps, num_stages: Triton launch settings (default 4 warps for D <= 64, else 8; 3 stages).
+    interpret: run in Pallas interpret mode (CPU).
+
+  Returns:
+    ``(o [B, T, H, D] q.dtype, lse [B, H, T] float32)``, ``lse = logsumexp(S)`` per row.
+  """
+  _check("attention_fwd", q, k, v, causal, sm_scale)
+  _check_blocks("attention_fwd", block_q=block_q, block_k=block_k, num_warps=num_warps)
+  b, t, h, d = q.shape
+  s, hk = k.shape[1], k.shape[2]
+  bq = min(block_q or 128, _pow2_at_least(t))
+  bk = min(block_k or 64, _pow2_at_least(s))
+  t_pad, s_pad = _round_up(t, bq), _round_up(s, bk)
+  q, k, v = _pad_to(q, 1, t_pad), _pad_to(k, 1, s_pad), _pad_to(v, 1, s_pad)
+  group = h // hk
+  warps = num_warps or (4 if d <= 64 else 8)
+  kernel = functools.partial(_fwd_kernel, sm_scale=float(sm_scale), causal=causal, block_k=bk,
+                             n_keys=s, pad_keys=s != s_pad)
+  kv_spec = pl.BlockSpec((None, s_pad, None, d), lambda i, j, qi: (i, 0, j // group, 0))
+  o, lse = pl.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((b, t_pad, h, d), q.dtype),
+                 jax.ShapeDtypeStruct((b, h, t_pad), jnp.float32)),
+      grid=(b, h, t_pad // bq),
+      in_specs=[pl.BlockSpec((None, bq, None, d), lambda i, j, qi: (i, qi, j, 0)), kv_spec, kv_spec],
+      out_specs=(pl.BlockSpec((None, bq, None, d), lambda i, j, qi: (i, qi, j, 0)),
+                 pl.BlockSpec((None, None, bq), lambda i, j, qi: (i, j, qi))),
+      compiler_params=_params(warps, num_stages or 3),
+      interpret=interpret,
+      name="nvfp4_attention_fwd",
+  )(q, k, v)
+  return o[:, :t], lse[:, :, :t]
+
+
+def _pow2_at_least(n):
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _round_up(n, m):
+  return -(-n // m) * m
 
 
 def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
-                  ds_rounding: str | None = None, key=None, ds_tile=(64, 64),
+                  ds_rounding: str | None = None, key=None, ds_tile=DS_TILE,
                   block_q: int | None = None, block_k: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   interpret: bool = False):
   """Flash attention backward: ``(dq, dk, dv)`` shaped and typed like q, k, v.
 
-  ``ds_rounding``: None (dS in bf16), ``"nearest"`` or ``"stochastic"`` (NVFP4 dS; stochastic
-  rounding needs ``key``, a jax.random key).
+  ``P = exp(S - lse)`` recomputed with the forward's ``S``, ``dP = dO·Vᵀ``, ``δ = rowsum(dO ∘ O)``,
+  ``dS = (P ∘ (dP - δ)) * sm_scale`` in float32; ``dQ = dS·K``, ``dK = dSᵀ·Q`` with dS cast to
+  bf16, or quantized to NVFP4 per ``ds_tile`` and decoded (``quantize_ds``); ``dV = Pᵀ·dO`` with P
+  in bf16. f32 accumulation; dK and dV sum over the query heads of each key/value head.
+
+  Args:
+    q, k, v: the forward's operands (``attention_fwd``).
+    o: the forward's output ``[B, T, H, D]``; lse: its ``[B, H, T]`` log-sum-exp.
+    do: the cotangent of ``o``.
+    causal, sm_scale: as in the forward.
+    ds_rounding: None (dS in bf16), ``"nearest"`` or ``"stochastic"`` (NVFP4 dS).
+    key: a jax.random key, for stochastic rounding (bits from ``ds_rounding_bits``).
+    ds_tile: (rows, cols) of dS sharing one float32 scale, powers of two >= 16.
+    block_q, block_k: tile rows and keys, powers of two (default ``ds_tile``); with NVFP4 dS,
+      multiples of ``ds_tile``.
+    num_warps, num_stages: Triton launch settings (default 4 warps, 2 stages).
+    interpret: run in Pallas interpret mode (CPU).
   """
-  raise NotImplementedError
+  _check("attention_bwd", q, k, v, causal, sm_scale)
+  _check_blocks("attention_bwd", block_q=block_q, block_k=block_k, num_warps=num_warps)
+  b, t, h, d = q.shape
+  s, hk = k.shape[1], k.shape[2]
+  if o.shape != q.shape or do.shape != q.shape:
+    raise ValueError(f"attention_bwd: o {o.shape} and do {do.shape} must be shaped like q {q.shape}")
+  if lse.shape != (b, h, t):
+    raise ValueError(f"attention_bwd: lse must be [B, H, T] = {(b, h, t)}, got {lse.shape}")
+  ds = None
+  if ds_rounding is not None:
+    _check_ds(ds_tile, ds_rounding)
+    if ds_rounding == "stochastic" and key is None:
+      raise ValueError("attention_bwd: ds_rounding='stochastic' needs a `key`")
+    ds = (tuple(ds_tile), ds_rounding)
+  bq = block_q or (ds_tile[0] if ds else 64)
+  bk = block_k or (ds_tile[1] if ds else 64)
+  if ds and (bq % ds_tile[0] or bk % ds_tile[1]):
+    raise ValueError(f"attention_bwd: blocks ({bq}, {bk}) must be multiples of ds_tile {ds_tile}")
+  if not ds:
+    bq, bk = min(bq, _pow2_at_least(t)), min(bk, _pow2_at_least(s))
+  t_pad = _round_up(t, bq)
+  s_pad = _round_up(s, bk)
+  pad = t_pad != t or s_pad != s
+  group = h // hk
+  delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+  q, o, do = (_pad_to(x, 1, t_pad) for x in (q, o, do))
+  k, v = _pad_to(k, 1, s_pad), _pad_to(v, 1, s_pad)
+  lse, delta = _pad_to(lse, 2, t_pad), _pad_to(delta, 2, t_pad)
+  words = (jnp.stack(_key_words(key)) if ds and ds[1] == "stochastic"
+           else jnp.zeros((2,), jnp.uint32))
+  words = lax.bitcast_convert_type(words, jnp.int32)
+  common = dict(sm_scale=float(sm_scale), causal=causal, n_heads=h, n_rows=t, n_keys=s, pad=pad,
+                ds=ds, on_gpu=not interpret)
+  params = _params(num_warps or 4, num_stages or 2)
+  w_spec = pl.BlockSpec((2,), lambda *_: (0,))
+
+  all_rows = pl.BlockSpec((None, t_pad, h, d), lambda i, j, kj: (i, 0, 0, 0))
+  kv_block = pl.BlockSpec((None, bk, None, d), lambda i, j, kj: (i, kj, j, 0))
+  rows_all_heads = pl.BlockSpec((None, h, t_pad), lambda i, j, kj: (i, 0, 0))
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkdv_kernel, block_q=bq, group=group, **common),
+      out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      grid=(b, hk, s_pad // bk),
+      in_specs=[w_spec, all_rows, kv_block, kv_block, all_rows, rows_all_heads, rows_all_heads],
+      out_specs=(kv_block, kv_block),
+      compiler_params=params,
+      interpret=interpret,
+      name="nvfp4_attention_dkdv",
+  )(words, q, k, v, do, lse, delta)
+
+  q_block = pl.BlockSpec((None, bq, None, d), lambda i, j, qi: (i, qi, j, 0))
+  kv_all = pl.BlockSpec((None, s_pad, None, d), lambda i, j, qi: (i, 0, j // group, 0))
+  row_block = pl.BlockSpec((None, None, bq), lambda i, j, qi: (i, j, qi))
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, block_k=bk, **common),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(b, h, t_pad // bq),
+      in_specs=[w_spec, q_block, kv_all, kv_all, q_block, row_block, row_block],
+      out_specs=q_block,
+      compiler_params=params,
+      interpret=interpret,
+      name="nvfp4_attention_dq",
+  )(words, q, k, v, do, lse, delta)
+  return dq[:, :t], dk[:, :s], dv[:, :s]
+
