@@ -1,0 +1,611 @@
+"""NVFP4 attention with a ``custom_vjp``: QKᵀ and the backward's dS products in NVFP4, with tensor reuse.
+
+Layout: q ``[B, T, H, D]``, k and v ``[B, S, Hk, D]``, ``H % Hk == 0`` (query head ``h`` reads key/value
+head ``h // (H // Hk)``), D in {64, 128}. With ``Q(·)`` NVFP4 quantization (``fp4jax.nvfp4``) and
+``deq(·)`` its ``dequantize`` to the inputs' dtype, the default ``AttentionConfig.nvfp4()`` computes::
+
+  forward   S  = deq(Q(q))·deq(Q(k))ᵀ / √D             1×16 blocks along D, one global scale per tensor
+            L  = logsumexp_rows(S)  (f32);  P = exp(S − L);  O = P·V
+  backward  P  recomputed from the same packed Q(q), Q(k) and L (bit-identical to the forward's)
+            dV = Pᵀ·dO;  dP = dO·Vᵀ;  δ = rowsum(dO∘O);  dS = P∘(dP − δ) / √D
+            dQ = deq(Q(dS))·deq(Q(k));  dK = deq(Q(dS))ᵀ·deq(Q(q))
+
+dS is quantized in 16×16 blocks of each ``[T, S]`` matrix (one packed dS serves both products) with
+stochastic rounding, and its second-level (float32) scale is set per ``ds_tile`` of that matrix
+(``fake_quant_ds``). Every product takes operands in the inputs' dtype with float32 accumulation; the
+softmax is float32. ``AttentionConfig`` switches each operand of the seven products between NVFP4 and
+the plain input, with its rounding. Gradients reach q, k, v straight through their quantizers.
+
+``nvfp4_attention_reference`` / ``nvfp4_attention_vjp_reference`` are the same numerics in plain jnp
+with S, P and dS materialized; they are the op's ``implementation="xla"``. ``"pallas"`` runs the flash
+kernels of ``fp4jax.kernels.attention`` on the same decoded operands. See docs/DESIGN.md, "Attention".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp4jax import _platform, nvfp4
+from fp4jax.kernels import attention as attention_kernels
+
+_F32 = jnp.float32
+_HIGHEST = lax.Precision.HIGHEST
+FORMATS = ("bf16", "nvfp4")
+OPERANDS = ("q", "k", "v", "p", "do", "ds")
+HEAD_DIMS = (64, 128)
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
+SCALE_SCOPES = ("tile", "matrix", "tensor")
+_ROUNDINGS = ("nearest", "stochastic")
+# One key per random choice, in a fixed order so that a config switch never moves another's bits.
+_KEY_NAMES = ("q", "k", "v", "p", "do", "ds", "q_bwd", "k_bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Which operands of ``nvfp4_attention``'s seven products are NVFP4, and how each is rounded.
+
+  Frozen and hashable (a static argument). ``AttentionConfig.nvfp4()`` is the method's default;
+  ``AttentionConfig.bf16()`` quantizes nothing and equals ``jax.nn.dot_product_attention``. Any field
+  can be switched alone, e.g. ``AttentionConfig.nvfp4(v="nvfp4")`` or ``.nvfp4(ds="bf16")``.
+
+  Attributes:
+    q: ``"nvfp4"`` or ``"bf16"`` (the plain input): q in ``S = Q·Kᵀ`` and ``dK = dSᵀ·Q``. 1×16 blocks
+      along D; the same packed Q(q) serves forward and backward (see ``reuse``).
+    k: k in ``S = Q·Kᵀ`` and ``dQ = dS·K``, as ``q``.
+    v: v in ``O = P·V`` and ``dP = dO·Vᵀ``: one Q(v), 1×16 blocks along D.
+    p: P in ``O = P·V`` and ``dV = Pᵀ·dO``: one Q(P), 1×16 blocks along the keys with the fixed
+      global scale of ``amax = 1`` (``P <= 1``). Then δ uses ``O = P·V`` with the unquantized P (a
+      second P·V in the forward), so that ``rowsum(dS) = 0`` as for the exact gradient.
+    do: dO in ``dP = dO·Vᵀ``, ``dV = Pᵀ·dO`` and δ: one Q(dO), 1×16 blocks along D.
+    ds: dS in ``dQ = dS·K`` and ``dK = dSᵀ·Q``: 16×16 blocks, one float32 scale per ``ds_tile``.
+    q_rounding, k_rounding, v_rounding, p_rounding, do_rounding, ds_rounding: ``"nearest"`` or
+      ``"stochastic"`` for that operand when it is ``"nvfp4"``.
+    reuse: tensor reuse. False makes the backward quantize q and k again from the inputs, with fresh
+      stochastic bits (the same values with nearest rounding), and keeps q and k as residuals.
+    ds_tile: ``(rows, cols)`` of the dS tiles that each get their own second-level scale; powers of
+      two >= 16 (the flash kernels' blocks hold whole tiles).
+  """
+
+  q: str = "nvfp4"
+  k: str = "nvfp4"
+  v: str = "bf16"
+  p: str = "bf16"
+  do: str = "bf16"
+  ds: str = "nvfp4"
+  q_rounding: str = "nearest"
+  k_rounding: str = "nearest"
+  v_rounding: str = "nearest"
+  p_rounding: str = "nearest"
+  do_rounding: str = "stochastic"
+  ds_rounding: str = "stochastic"
+  reuse: bool = True
+  ds_tile: tuple[int, int] = (64, 64)
+
+  def __post_init__(self):
+    for name in OPERANDS:
+      if getattr(self, name) not in FORMATS:
+        raise ValueError(f"AttentionConfig.{name} must be one of {FORMATS}, got {getattr(self, name)!r}")
+      rounding = getattr(self, f"{name}_rounding")
+      if rounding not in _ROUNDINGS:
+        raise ValueError(f"AttentionConfig.{name}_rounding must be one of {_ROUNDINGS}, got {rounding!r}")
+    if not isinstance(self.reuse, bool):
+      raise ValueError(f"AttentionConfig.reuse must be a bool, got {self.reuse!r}")
+    tile = _check_tile(self.ds_tile, "AttentionConfig.ds_tile")
+    if any(n & (n - 1) for n in tile):  # the flash kernels' blocks are whole tiles
+      raise ValueError(f"AttentionConfig.ds_tile must be powers of two >= 16, got {self.ds_tile!r}")
+    object.__setattr__(self, "ds_tile", tile)
+
+  @classmethod
+  def nvfp4(cls, **overrides) -> AttentionConfig:
+    """The method: q, k (nearest) and dS (stochastic) in NVFP4; V, P and dO in the input dtype."""
+    return cls(**overrides)
+
+  @classmethod
+  def bf16(cls, **overrides) -> AttentionConfig:
+    """Nothing quantized: ``nvfp4_attention`` is then ``jax.nn.dot_product_attention`` (to rounding)."""
+    return cls(**{**dict.fromkeys(OPERANDS, "bf16"), **overrides})
+
+  def quantizes(self, operand: str) -> bool:
+    """True if ``operand`` (one of ``OPERANDS``) is quantized to NVFP4."""
+    return getattr(self, operand) == "nvfp4"
+
+  def stochastic(self, operand: str) -> bool:
+    """True if ``operand`` is quantized with stochastic rounding."""
+    return self.quantizes(operand) and getattr(self, f"{operand}_rounding") == "stochastic"
+
+  @property
+  def needs_key(self) -> bool:
+    """True if some quantized operand is stochastically rounded (then ``key`` is required)."""
+    return any(self.stochastic(name) for name in OPERANDS)
+
+
+def _check_tile(tile, what) -> tuple[int, int]:
+  try:
+    rows, cols = (int(t) for t in tile)
+  except (TypeError, ValueError):
+    raise ValueError(f"{what} must be (rows, cols), got {tile!r}") from None
+  if rows <= 0 or cols <= 0 or rows % nvfp4.BLOCK or cols % nvfp4.BLOCK:
+    raise ValueError(f"{what} must be positive multiples of 16, got {tile!r}")
+  return rows, cols
+
+
+# ----------------------------------------------------------------------------------------------
+# Random bits and operand quantization (shared by the custom_vjp and the references)
+
+
+def _keys(key, config: AttentionConfig | None = None) -> dict:
+  """One key per random choice (None without ``key``); with ``config``, ``key`` must be given if it needs one."""
+  if key is None:
+    if config is not None and config.needs_key:
+      raise ValueError(
+          "nvfp4_attention: this AttentionConfig rounds an operand stochastically and needs `key` (a "
+          "jax.random key); only a config without stochastic rounding accepts key=None")
+    return dict.fromkeys(_KEY_NAMES)
+  return dict(zip(_KEY_NAMES, jax.random.split(key, len(_KEY_NAMES)), strict=True))
+
+
+def ds_bits(key, shape) -> jax.Array:
+  """uint32 stochastic-rounding bits for a dS array ``[B, H, T, S]``.
+
+  Element ``(b, h, row, col)`` takes the bits of ``fp4jax.kernels.attention.ds_rounding_bits``: a
+  counter hash of (key, b, h, row, col) alone, so the flash kernels, which draw them tile by tile,
+  and this reference round every element alike.
+  """
+  b, h, t, s = shape
+  return attention_kernels.ds_rounding_bits(key, (b, h, t, s + -s % 4))[..., :s]
+
+
+def _quantize(x, config, name, key, **kw) -> nvfp4.NVFP4Tensor:
+  stochastic = config.stochastic(name)
+  return nvfp4.quantize(x, rounding=getattr(config, f"{name}_rounding"),
+                        key=key if stochastic else None, **kw)
+
+
+def _operand(x, config, name, keys, key_name=None):
+  """``x`` quantized (1×16 along the last axis, D) when ``config`` says so, else ``x`` itself."""
+  if not config.quantizes(name):
+    return x
+  return _quantize(x, config, name, keys[key_name or name], block=(1, nvfp4.BLOCK), axis=-1)
+
+
+def _decoded(x, dtype):
+  """An operand as the product sees it: ``deq(Q(x))`` in ``dtype``, or the plain input."""
+  return x.dequantize(dtype) if isinstance(x, nvfp4.NVFP4Tensor) else x.astype(dtype)
+
+
+def _pad_to(x, multiples):
+  """Zero-pads the last ``len(multiples)`` axes of ``x`` up to multiples of ``multiples``."""
+  pad = [(0, 0)] * (x.ndim - len(multiples))
+  pad += [(0, -n % m) for n, m in zip(x.shape[x.ndim - len(multiples):], multiples, strict=True)]
+  return jnp.pad(x, pad)
+
+
+def _crop(x, shape):
+  return x[tuple(slice(0, n) for n in shape)]
+
+
+def _probs_operand(p, config, keys, dtype):
+  """P as the operand of ``P·V`` and ``Pᵀ·dO``: cast to ``dtype``, or ``deq(Q(P))`` with 1×16 blocks
+  along the keys (zero-padded to a multiple of 16) and the global scale of ``amax = 1``."""
+  if not config.quantizes("p"):
+    return p.astype(dtype)
+  padded = _pad_to(p, (nvfp4.BLOCK,))
+  qp = _quantize(padded, config, "p", keys["p"], block=(1, nvfp4.BLOCK), axis=-1, amax=1.0)
+  return _crop(qp.dequantize(dtype), p.shape)
+
+
+def fake_quant_ds(ds, *, scope: str = "tile", ds_tile=(64, 64), rounding: str = "stochastic",
+                  bits=None) -> jax.Array:
+  """``deq(Q(dS))`` in float32 for dS ``[..., T, S]``: 16×16 blocks with the second-level scale of ``scope``.
+
+  Two-level NVFP4 quantization (``nvfp4.quantize(·, block=(16, 16))``, Transformer Engine's order)
+  of each part of dS that ``scope`` names, as a tensor of its own::
+
+    "tile"    each ds_tile of each [T, S] matrix: amax_tile, S_enc = 2688 / amax_tile (the method;
+              a flash backward holds the tile, so its amax costs nothing)
+    "matrix"  each [T, S] matrix (one (batch, head)): the exact two-level quantization per matrix
+    "tensor"  the whole array: the exact two-level quantization with one global scale
+
+  T and S are zero-padded to whole tiles (zeros change no amax and quantize to 0) and cropped back.
+
+  Args:
+    ds: float array ``[..., T, S]``.
+    scope: ``"tile"``, ``"matrix"`` or ``"tensor"``.
+    ds_tile: ``(rows, cols)``, multiples of 16, for ``scope="tile"``.
+    rounding: ``"nearest"`` or ``"stochastic"``.
+    bits: uint32 rounding bits shaped like ``ds`` (``ds_bits``), for stochastic rounding.
+
+  Returns:
+    float32 array shaped like ``ds``.
+  """
+  if scope not in SCALE_SCOPES:
+    raise ValueError(f"fake_quant_ds: scope must be one of {SCALE_SCOPES}, got {scope!r}")
+  if rounding not in _ROUNDINGS:
+    raise ValueError(f"fake_quant_ds: rounding must be one of {_ROUNDINGS}, got {rounding!r}")
+  ds = jnp.asarray(ds, _F32)
+  if ds.ndim < 2:
+    raise ValueError(f"fake_quant_ds: ds must be [..., T, S], got shape {ds.shape}")
+  if (rounding == "stochastic") != (bits is not None):
+    raise ValueError("fake_quant_ds: give `bits` exactly when rounding='stochastic'")
+  *lead, t, s = ds.shape
+  blk = (nvfp4.BLOCK, nvfp4.BLOCK)
+  if scope == "tile":
+    rows, cols = _check_tile(ds_tile, "fake_quant_ds: ds_tile")
+  else:
+    rows, cols = t + -t % nvfp4.BLOCK, s + -s % nvfp4.BLOCK
+  x = _pad_to(ds, (rows, cols))
+  b = None if bits is None else _pad_to(bits, (rows, cols))
+  if scope == "tensor":
+    return _crop(nvfp4.quantize(x, block=blk, rounding=rounding, bits=b).dequantize(_F32), ds.shape)
+
+  def tiles(a):  # [..., nr*rows, nc*cols] -> [N, rows, cols]
+    a = a.reshape(*lead, a.shape[-2] // rows, rows, a.shape[-1] // cols, cols)
+    return jnp.swapaxes(a, -3, -2).reshape(-1, rows, cols)
+
+  def fq(tile, tile_bits):
+    return nvfp4.quantize(tile, block=blk, rounding=rounding, bits=tile_bits).dequantize(_F32)
+
+  y = jax.vmap(fq)(tiles(x), None if b is None else tiles(b))
+  y = y.reshape(*lead, x.shape[-2] // rows, x.shape[-1] // cols, rows, cols)
+  return _crop(jnp.swapaxes(y, -3, -2).reshape(x.shape), ds.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# The reference computation (materializes S, P, dS)
+
+
+class AttentionResiduals(NamedTuple):
+  """What the backward keeps: packed NVFP4 operands (or the plain inputs where not quantized).
+
+  Attributes:
+    q, k: ``NVFP4Tensor`` (packed Q(q), Q(k)) or the inputs (not quantized, or ``reuse=False``).
+    v: packed Q(v) or v.
+    o: ``[B, T, H, D]`` the output ``P·V`` that δ uses (with the unquantized P when P is quantized).
+    lse: ``[B, H, T]`` float32 log-sum-exp of the scores.
+    key: the op's key (None without stochastic rounding).
+  """
+
+  q: Any
+  k: Any
+  v: Any
+  o: jax.Array
+  lse: jax.Array
+  key: Any
+
+
+def _dot(spec, a, b, precision=_HIGHEST):
+  return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=_F32)
+
+
+def _grouped(q_BxTxHxD, n_kv):
+  b, t, h, d = q_BxTxHxD.shape
+  return q_BxTxHxD.reshape(b, t, n_kv, h // n_kv, d)
+
+
+def _scores(qd, kd, causal):
+  """Masked scores ``[B, Hk, G, T, S]`` (f32, -inf where masked) of decoded q ``[B, T, Hk, G, D]``, k."""
+  t, s, d = qd.shape[1], kd.shape[1], qd.shape[-1]
+  scores = _dot("btkgd,bskd->bkgts", qd, kd) * _F32(1.0 / math.sqrt(d))
+  if causal:
+    visible = lax.broadcasted_iota(jnp.int32, (t, s), 1) <= lax.broadcasted_iota(jnp.int32, (t, s), 0)
+    scores = jnp.where(visible[None, None, None], scores, -jnp.inf)
+  return scores
+
+
+def _probs(scores, lse):
+  """``P = exp(S − L)``: the one formula of both the forward and the backward's recompute."""
+  return jnp.exp(scores - lse[..., None])
+
+
+def _forward(q, k, v, keys, causal, config):
+  """The reference forward: ``(o, residuals without key, P)``; o and residual o in q's dtype."""
+  dtype, n_kv = q.dtype, k.shape[2]
+  qt, kt, vt = (_operand(x, config, name, keys) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+  qd, kd, vd = _grouped(_decoded(qt, dtype), n_kv), _decoded(kt, dtype), _decoded(vt, dtype)
+  scores = _scores(qd, kd, causal)
+  m = jnp.max(scores, axis=-1)
+  lse = m + jnp.log(jnp.sum(jnp.exp(scores - m[..., None]), axis=-1))
+  p = _probs(scores, lse)
+  o = _dot("bkgts,bskd->btkgd", _probs_operand(p, config, keys, dtype), vd).reshape(q.shape)
+  o_delta = o
+  if config.quantizes("p"):
+    o_delta = _dot("bkgts,bskd->btkgd", p.astype(dtype), vd).reshape(q.shape)
+  lse = lse.reshape(q.shape[0], q.shape[2], q.shape[1])
+  if not config.reuse:
+    qt, kt = q, k
+  return o.astype(dtype), AttentionResiduals(qt, kt, vt, o_delta.astype(dtype), lse, None), p
+
+
+def _bwd_operands(res: AttentionResiduals, keys, config):
+  """The decoded q, k, v of the backward: the forward's packed tensors, or re-quantized without reuse."""
+  qt, kt = res.q, res.k
+  if not config.reuse:
+    qt, kt = _operand(qt, config, "q", keys, "q_bwd"), _operand(kt, config, "k", keys, "k_bwd")
+  dtype = res.o.dtype
+  return _decoded(qt, dtype), _decoded(kt, dtype), _decoded(res.v, dtype)
+
+
+def _backward(res: AttentionResiduals, do, keys, causal, config):
+  """The reference backward: ``(dq, dk, dv)`` in f32 and the intermediates ``{"p", "ds"}``."""
+  qd, kd, vd = _bwd_operands(res, keys, config)
+  b, t, h, d = qd.shape
+  n_kv = kd.shape[2]
+  qd = _grouped(qd, n_kv)
+  scores = _scores(qd, kd, causal)
+  p = _probs(scores, res.lse.reshape(b, n_kv, h // n_kv, t))
+  dod = _grouped(_decoded(_operand(do.astype(qd.dtype), config, "do", keys), qd.dtype), n_kv)
+  o = _grouped(res.o, n_kv)
+  delta = jnp.einsum("btkgd,btkgd->bkgt", dod.astype(_F32), o.astype(_F32), precision=_HIGHEST)
+  dp = _dot("btkgd,bskd->bkgts", dod, vd)
+  ds = (p * (dp - delta[..., None])) * _F32(1.0 / math.sqrt(d))
+  dv = _dot("bkgts,btkgd->bskd", _probs_operand(p, config, keys, qd.dtype), dod)
+  if config.quantizes("ds"):
+    bits = None
+    if config.stochastic("ds"):
+      bits = ds_bits(keys["ds"], (b, h, t, kd.shape[1])).reshape(ds.shape)
+    ds_op = fake_quant_ds(ds, ds_tile=config.ds_tile, rounding=config.ds_rounding, bits=bits)
+  else:
+    ds_op = ds
+  ds_op = ds_op.astype(qd.dtype)
+  dq = _dot("bkgts,bskd->btkgd", ds_op, kd).reshape(b, t, h, d)
+  dk = _dot("bkgts,btkgd->bskd", ds_op, qd)
+  return (dq, dk, dv), {"p": p.reshape(b, h, t, -1), "ds": ds.reshape(b, h, t, -1)}
+
+
+# ----------------------------------------------------------------------------------------------
+# The custom_vjp
+
+
+def _kernel_supports(config: AttentionConfig) -> bool:
+  """The flash kernels take every config but a quantized P (its δ needs a second P·V)."""
+  return not config.quantizes("p")
+
+
+def _attention_fwd(q, k, v, key, causal, config, impl):
+  keys = _keys(key, config)
+  if impl == "xla":
+    o, res, _ = _forward(q, k, v, keys, causal, config)
+    return o, res._replace(key=key)
+  dtype = q.dtype
+  qt, kt, vt = (_operand(x, config, name, keys) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+  o, lse = attention_kernels.attention_fwd(
+      _decoded(qt, dtype), _decoded(kt, dtype), _decoded(vt, dtype), causal=causal,
+      sm_scale=1.0 / math.sqrt(q.shape[-1]), interpret=impl == "pallas_interpret")
+  if not config.reuse:
+    qt, kt = q, k
+  return o, AttentionResiduals(qt, kt, vt, o, lse, key)
+
+
+def _attention_bwd(causal, config, impl, res: AttentionResiduals, do):
+  keys = _keys(res.key, config)
+  dtypes = tuple(x.dtype for x in (res.q, res.k, res.v))
+  if impl == "xla":
+    (dq, dk, dv), _ = _backward(res, do, keys, causal, config)
+  else:
+    qd, kd, vd = _bwd_operands(res, keys, config)
+    dod = _decoded(_operand(do.astype(qd.dtype), config, "do", keys), qd.dtype)
+    dq, dk, dv = attention_kernels.attention_bwd(
+        qd, kd, vd, res.o, res.lse, dod, causal=causal, sm_scale=1.0 / math.sqrt(qd.shape[-1]),
+        ds_rounding=config.ds_rounding if config.quantizes("ds") else None, key=keys["ds"],
+        ds_tile=config.ds_tile, interpret=impl == "pallas_interpret")
+  return (*(g.astype(dt) for g, dt in zip((dq, dk, dv), dtypes, strict=True)), None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, key, causal, config, impl):
+  return _attention_fwd(q, k, v, key, causal, config, impl)[0]
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+
+
+def _check(q, k, v, key, causal, config) -> None:
+  if not isinstance(config, AttentionConfig):
+    raise ValueError(f"nvfp4_attention: config must be an AttentionConfig, got {type(config).__name__}")
+  if not isinstance(causal, bool):
+    raise ValueError(f"nvfp4_attention: causal must be a bool, got {causal!r}")
+  shapes = f"q {q.shape}, k {k.shape}, v {v.shape}"
+  if not (q.ndim == k.ndim == v.ndim == 4):
+    raise ValueError(f"nvfp4_attention: q, k, v must be 4-D, q [B, T, H, D] and k, v [B, S, Hk, D]; "
+                     f"got {shapes}")
+  if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"nvfp4_attention: q, k, v must share one floating-point dtype, got "
+                     f"{q.dtype}, {k.dtype}, {v.dtype}")
+  (b, t, h, d), (bk, s, hk, dk) = q.shape, k.shape
+  if k.shape != v.shape:
+    raise ValueError(f"nvfp4_attention: k and v must have the same shape; got {shapes}")
+  if b != bk:
+    raise ValueError(f"nvfp4_attention: q and k have different batch sizes; got {shapes}")
+  if d != dk:
+    raise ValueError(f"nvfp4_attention: q and k have different head dims; got {shapes}")
+  if d not in HEAD_DIMS:
+    raise ValueError(f"nvfp4_attention: head dim D = {d} is not supported, expected one of {HEAD_DIMS}")
+  if hk == 0 or h % hk:
+    raise ValueError(f"nvfp4_attention: the {h} query heads are not a multiple of the {hk} key/value "
+                     f"heads; got {shapes}")
+  if t == 0 or s == 0:
+    raise ValueError(f"nvfp4_attention: empty sequence; got {shapes}")
+  if causal and t != s:
+    raise ValueError(f"nvfp4_attention: causal attention needs as many keys as queries (T == S); got "
+                     f"{shapes}")
+  if config.needs_key and key is None:
+    _keys(None, config)  # raises the key error
+
+
+def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
+                    config: AttentionConfig = AttentionConfig(), implementation: str = "auto"
+                    ) -> jax.Array:
+  """Scaled dot-product attention with NVFP4 operands where ``config`` says so (differentiable).
+
+  With ``deq(Q(·))`` the quantize-dequantize of the operands that ``config`` quantizes (the identity
+  for the others), per batch and query head::
+
+    S = deq(Q(q))·deq(Q(k))ᵀ / √D,   P = softmax(S) (causal mask: key j visible to query i iff j <= i),
+    O = deq(Q(P))·deq(Q(v))
+
+  The backward recomputes P from the same packed Q(q), Q(k) and the saved log-sum-exp, and forms
+  ``dQ = deq(Q(dS))·deq(Q(k))`` and ``dK = deq(Q(dS))ᵀ·deq(Q(q))`` with dS quantized per
+  ``config.ds_tile`` (see the module docstring and ``fake_quant_ds``); q, k, v get those gradients
+  straight through their quantizers.
+
+  Args:
+    q: ``[B, T, H, D]`` queries (bf16 in a model; any float dtype shared with k and v).
+    k: ``[B, S, Hk, D]`` keys, ``H % Hk == 0`` (grouped-query attention).
+    v: ``[B, S, Hk, D]`` values.
+    causal: causal mask (needs ``T == S``); False attends to every key.
+    key: a ``jax.random`` key for stochastic rounding (the default config rounds dS stochastically);
+      None only when ``config.needs_key`` is False. Same key, same bits; use a fresh key per step.
+    config: an ``AttentionConfig``: ``.nvfp4()`` (the default) or ``.bf16()``.
+    implementation: ``"xla"`` (the jnp reference, ``nvfp4_attention_reference``), ``"pallas"`` (the
+      flash kernels of ``fp4jax.kernels.attention``, CUDA), ``"pallas_interpret"`` (the kernels in
+      interpret mode, for tests) or ``"auto"``: ``"pallas"`` when computations go to a CUDA GPU and
+      the kernels take ``config`` (all but a quantized P), else ``"xla"``.
+
+  Returns:
+    ``[B, T, H, D]`` in q's dtype; gradients in the dtypes of q, k and v.
+
+  Raises:
+    ValueError: inputs that are not 4-D or disagree (batch, head dim, k vs v), D not in {64, 128},
+      H not a multiple of Hk, causal with T != S, a missing key, or an implementation that does not
+      take the config.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from fp4jax.ops.attention import AttentionConfig, nvfp4_attention
+    >>> q, k, v = (jax.random.normal(jax.random.key(i), (1, 32, 4, 64), jnp.bfloat16) for i in range(3))
+    >>> nvfp4_attention(q, k, v, key=jax.random.key(0), config=AttentionConfig.nvfp4()).shape
+    (1, 32, 4, 64)
+
+  References:
+    Zhang et al., *Attn-QAT: 4-bit attention with quantization-aware training*, arXiv:2603.00040
+      (recomputed scores from the same quantized Q, K; δ from the unquantized P).
+    Zhang et al., *SageBwd: trainable low-bit attention*, arXiv:2603.02170 (dS as the main error
+      source of a low-bit backward).
+    Dao, *FlashAttention-2: faster attention with better parallelism and work partitioning*, 2023
+      (the backward's δ = rowsum(dO∘O) and the recompute from the log-sum-exp).
+    NVIDIA, *Pretraining large language models with NVFP4*, arXiv:2509.25149 (the format, 16×16
+      blocks, stochastic rounding of gradients).
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  _check(q, k, v, key, causal, config)
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"nvfp4_attention: implementation must be one of {IMPLEMENTATIONS}, got "
+                     f"{implementation!r}")
+  impl = implementation
+  if impl == "auto":
+    impl = _platform.resolve(impl, "pallas", "xla") if _kernel_supports(config) else "xla"
+  elif impl != "xla" and not _kernel_supports(config):
+    raise ValueError(f"nvfp4_attention: implementation={impl!r} does not take config.p='nvfp4' (δ "
+                     "needs the unquantized P·V); use implementation='xla'")
+  return _attention(q, k, v, key, causal, config, impl)
+
+
+def nvfp4_attention_reference(q, k, v, *, causal: bool = True, key=None,
+                              config: AttentionConfig = AttentionConfig(), return_stats: bool = False):
+  """The forward of ``nvfp4_attention`` in plain jnp, with the ``[T, S]`` matrices materialized.
+
+  Args:
+    q, k, v, causal, key, config: as ``nvfp4_attention`` (same key, same quantized operands).
+    return_stats: also return ``P`` (``[B, H, T, S]`` float32) and the log-sum-exp ``[B, H, T]``.
+
+  Returns:
+    ``o`` (``[B, T, H, D]``, q's dtype), or ``(o, p, lse)`` with ``return_stats``. No custom gradient:
+    see ``nvfp4_attention_vjp_reference``.
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  _check(q, k, v, key, causal, config)
+  o, res, p = _forward(q, k, v, _keys(key, config), causal, config)
+  if not return_stats:
+    return o
+  b, t, h, _ = q.shape
+  return o, p.reshape(b, h, t, -1), res.lse
+
+
+def nvfp4_attention_vjp_reference(q, k, v, do, *, causal: bool = True, key=None,
+                                  config: AttentionConfig = AttentionConfig(),
+                                  return_intermediates: bool = False):
+  """The backward of ``nvfp4_attention`` for cotangent ``do``, in plain jnp (S, P, dS materialized).
+
+  Runs the reference forward for its residuals (the packed operands and the log-sum-exp), then the
+  backward from them alone, as the op does.
+
+  Args:
+    q, k, v, causal, key, config: as ``nvfp4_attention``.
+    do: ``[B, T, H, D]`` the cotangent of the output.
+    return_intermediates: also return ``{"p": P, "ds": dS}``, both ``[B, H, T, S]`` float32: the
+      backward's recomputed P and the unquantized dS (``1/√D`` folded in) before ``fake_quant_ds``.
+
+  Returns:
+    ``(dq, dk, dv)`` in the dtypes of q, k, v; with ``return_intermediates``, ``((dq, dk, dv), dict)``.
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  _check(q, k, v, key, causal, config)
+  keys = _keys(key, config)
+  _, res, _ = _forward(q, k, v, keys, causal, config)
+  grads, intermediates = _backward(res, jnp.asarray(do), keys, causal, config)
+  grads = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
+  return (grads, intermediates) if return_intermediates else grads
+
+
+def _rel(err, ref):
+  return jnp.linalg.norm(err) / jnp.linalg.norm(ref)
+
+
+def ds_scale_error(q, k, v, do, *, causal: bool = True, key=None,
+                   config: AttentionConfig = AttentionConfig()) -> dict[str, dict[str, jax.Array]]:
+  """The error of dS's NVFP4 quantization for each second-level scale scope, on one attention backward.
+
+  Materializes the backward's dS (``nvfp4_attention_vjp_reference``) and quantizes it with
+  ``fake_quant_ds`` for each scope of ``SCALE_SCOPES`` (``"tile"`` with ``config.ds_tile``, the op's;
+  ``"matrix"`` and ``"tensor"``, the exact two-level quantization), with the same rounding bits::
+
+    ds_rel  = ‖Q(dS) − dS‖ / ‖dS‖          ds_snr_db = −20·log10(ds_rel)
+    dq_rel  = ‖Q(dS)·K − dS·K‖ / ‖dS·K‖    dk_rel    = the same for dSᵀ·Q      (f32 products)
+    vs_matrix = ‖Q_scope(dS) − Q_matrix(dS)‖ / ‖dS‖
+
+  Args:
+    q, k, v, do, causal, key, config: as ``nvfp4_attention_vjp_reference`` (``config.ds_rounding``
+      sets the rounding; ``config.ds`` need not be ``"nvfp4"``).
+
+  Returns:
+    ``{scope: {"ds_rel", "ds_snr_db", "dq_rel", "dk_rel", "vs_matrix"}}`` of float32 scalars.
+  """
+  config = dataclasses.replace(config, ds="bf16")
+  (_, _, _), inter = nvfp4_attention_vjp_reference(q, k, v, do, causal=causal, key=key, config=config,
+                                                     return_intermediates=True)
+  ds = inter["ds"]
+  stochastic = config.ds_rounding == "stochastic"
+  if stochastic and key is None:
+    raise ValueError("ds_scale_error: stochastic ds_rounding needs `key`")
+  keys = _keys(key)
+  bits = ds_bits(keys["ds"], ds.shape) if stochastic else None
+  # dK per query head (before GQA's sum over a group): the error of each head's contribution.
+  kd = jnp.repeat(_decoded(_operand(k, config, "k", keys), _F32), q.shape[2] // k.shape[2], axis=2)
+  qd = _decoded(_operand(q, config, "q", keys), _F32)
+  dq = _dot("bhts,bshd->bthd", ds, kd)
+  dk = _dot("bhts,bthd->bshd", ds, qd)
+  quantized = {scope: fake_quant_ds(ds, scope=scope, ds_tile=config.ds_tile, rounding=config.ds_rounding,
+                                    bits=bits) for scope in SCALE_SCOPES}
+  out = {}
+  for scope, dsq in quantized.items():
+    ds_rel = _rel(dsq - ds, ds)
+    out[scope] = {
+        "ds_rel": ds_rel,
+        "ds_snr_db": -20.0 * jnp.log10(ds_rel),
+        "dq_rel": _rel(_dot("bhts,bshd->bthd", dsq, kd) - dq, dq),
+        "dk_rel": _rel(_dot("bhts,bthd->bshd", dsq, qd) - dk, dk),
+        "vs_matrix": _rel(dsq - quantized["matrix"], ds),
+    }
+  return out
+
