@@ -1,0 +1,622 @@
+"""NVFP4 quantization in two Pallas (Triton) kernels, bit-exact with ``fp4jax.nvfp4.quantize``.
+
+``quantize`` computes the same ``NVFP4Tensor`` as ``nvfp4.quantize`` (codes, E4M3 scales, global scale)
+in two passes over the tensor: an ``amax`` kernel folds ``max|x|`` per program (on float32 bit
+patterns: NaN and inf order above every finite value), XLA reduces those and forms ``S_enc`` and
+``S_dec`` in Transformer Engine's order, and a ``quantize`` kernel writes the packed codes, the scale
+bytes and, optionally, the decoded operand ``codes × E4M3 scale`` in bfloat16 (exact there; the
+global scale is left to the GEMM's epilogue). Options that ``nvfp4.quantize`` takes from its caller
+are fused: the random bits of stochastic rounding (``jax.random.bits`` of a threefry key, or
+``numerics.counter_bits``), and the 16-point random Hadamard transform of the wgrad operands.
+
+Layouts (every one a free reshape of ``x``; blocks of programs tile the two outer axes, with masked
+edges):
+
+- ``(1, 16)`` along the last axis: ``x`` as ``(R, 1, C, 8, 2)`` (``R`` rows, ``C = K / 16`` blocks).
+  A program loads a contiguous tile and splits each block's even and odd elements in registers: the
+  two nibbles of a code byte.
+- ``(16, 16)``: ``x`` as ``(T, 16, C, 8, 2)``, the same code with a tile's 16 rows in axis 1.
+- ``(1, 16)`` along another axis ``a`` (the wgrad's token axis): ``x`` as ``(P·G, 16, Q)`` (``G`` blocks
+  along ``a``, ``Q`` the elements after it); a program loads the 16 rows of its blocks as 16
+  separate ``(rows, columns)`` slabs, contiguous along ``Q``, so the block reductions and the
+  Hadamard butterfly are elementwise between slabs.
+- ``(1, 16)`` along the last axis with the Hadamard transform: ``x`` as ``(R, C, 16)``, read as 16
+  strided slabs.
+
+Division: ``1 / (dscale · S_dec)`` is PTX ``div.rn.f32`` on the GPU (Triton's ``/`` is not correctly
+rounded) and the CPU's IEEE division in interpret mode: both equal ``numerics.div_rn``. Codes are
+encoded with integer operations (``fp4jax.numerics``): no float4 or float8 casts in the kernels.
+
+Hadamard transform: ``hadamard`` computes ``diag(s)·H16/4`` per block as a butterfly (strides 1, 2, 4,
+8, sum before difference, then the exact ×1/4), an order of float32 additions that every backend
+follows; ``nvfp4.hadamard`` is the same transform as a matrix product, whose summation order is the
+backend's (equal where the sums are exact, e.g. bf16 data of moderate dynamic range).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from fp4jax import numerics, nvfp4
+
+BLOCK = nvfp4.BLOCK
+BIT_SOURCES = ("random", "counter")
+_F32_NORMAL_MIN_BITS = 0x00800000
+_F32_INF_BITS = 0x7F800000
+_TF_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Elements per program of each kernel (powers of two) and Triton warps per program.
+
+  A program of ``quantize`` takes ``quantize_elements`` elements of ``x`` (at most: fewer where an
+  axis is shorter), one of ``amax`` takes ``amax_elements``.
+  """
+
+  quantize_elements: int = 4096
+  amax_elements: int = 16384
+  num_warps: int = 4
+  amax_num_warps: int = 8
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      lo = 1 if "warps" in f.name else BLOCK
+      if not isinstance(v, int) or v < lo or v & (v - 1):
+        raise ValueError(f"BlockSizes.{f.name} must be a power of two >= {lo}, got {v!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# References
+
+
+def hadamard_signs(key) -> jax.Array:
+  """The ±1 float32 sign vector ``s`` of ``nvfp4.hadamard_matrix(key) = diag(s)·H16/4``."""
+  return nvfp4.hadamard_matrix(key)[:, 0] * 4.0
+
+
+def _butterfly(v):
+  """The Walsh–Hadamard butterfly over a list of 16 equally shaped arrays (strides 1, 2, 4, 8)."""
+  v = list(v)
+  for stride in (1, 2, 4, 8):
+    for i in range(BLOCK):
+      if not i & stride:
+        a, b = v[i], v[i + stride]
+        v[i], v[i + stride] = a + b, a - b
+  return v
+
+
+def hadamard(x, key, axis=-1) -> jax.Array:
+  """The random Hadamard transform of ``nvfp4.hadamard`` (per 16-element block along ``axis``), as a
+  butterfly with a fixed order of float32 additions.
+
+  ``y = (H16 · (s ⊙ x)) / 4`` per block, ``s = hadamard_signs(key)``; the butterfly adds with strides
+  1, 2, 4, 8, the sum of each pair before its difference. Float32 subnormal inputs are flushed to
+  zero first.
+
+  Args:
+    x: float array whose ``axis`` is a multiple of 16.
+    key: the ``jax.random`` key of the sign vector (as ``nvfp4.hadamard``).
+    axis: the transformed axis.
+
+  Returns:
+    float32 array shaped like ``x``.
+  """
+  x = numerics.flush_subnormals(jnp.asarray(x).astype(jnp.float32))
+  axis = axis % x.ndim
+  if x.shape[axis] % BLOCK:
+    raise ValueError(f"hadamard along axis {axis}: size {x.shape[axis]} is not a multiple of 16")
+  xm = jnp.moveaxis(x, axis, -1)
+  xb = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)
+  s = hadamard_signs(key)
+  y = _butterfly([xb[..., i] * s[i] for i in range(BLOCK)])
+  yb = jnp.stack(y, axis=-1) * jnp.float32(0.25)
+  return jnp.moveaxis(yb.reshape(xm.shape), -1, axis)
+
+
+def stochastic_bits(key, shape, bit_source="random") -> jax.Array:
+  """The uint32 rounding bits ``quantize`` draws from ``key``: ``jax.random.bits(key, shape, uint32)``
+  (``"random"``, what ``nvfp4.quantize(key=key)`` draws) or ``numerics.counter_bits(key, shape)``
+  (``"counter"``)."""
+  if bit_source == "random":
+    return jax.random.bits(key, shape, jnp.uint32)
+  if bit_source == "counter":
+    return numerics.counter_bits(key, shape)
+  raise ValueError(f"bit_source must be one of {BIT_SOURCES}, got {bit_source!r}")
+
+
+def quantize_reference(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None,
+                       bit_source="random", hadamard_key=None, decoded=False):
+  """``quantize`` in plain jnp: ``nvfp4.quantize`` of ``x`` (or of ``hadamard(x, hadamard_key, axis)``)
+  with ``stochastic_bits(key, x.shape, bit_source)``. Arguments and results as ``quantize``."""
+  x = jnp.asarray(x)
+  if hadamard_key is not None:
+    x = hadamard(x, hadamard_key, axis)
+  bits = None
+  if rounding == "stochastic" and key is not None:
+    bits = stochastic_bits(key, x.shape, bit_source)
+  t = nvfp4.quantize(x, block=block, axis=axis, rounding=rounding, bits=bits)
+  return (t, t.scaled_elements(jnp.bfloat16)) if decoded else t
+
+
+# ----------------------------------------------------------------------------------------------
+# Pieces of the kernels
+
+
+def _div_rn(a, b, interpret):
+  """IEEE ``a / b``: PTX ``div.rn.f32`` on the GPU, the CPU's (IEEE) division in interpret mode."""
+  if interpret:
+    return a / b
+  a = jnp.broadcast_to(jnp.asarray(a, jnp.float32), b.shape)
+  return plgpu.elementwise_inline_asm(
+      "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(b.shape, jnp.float32)])[0]
+
+
+def _rotl(x, r):
+  return (x << jnp.uint32(r)) | (x >> jnp.uint32(32 - r))
+
+
+def _threefry_bits(idx, k1, k2):
+  """``jax.random.bits(key, shape, uint32)`` at flat indices ``idx`` (uint32) of a threefry2x32 key
+  with words ``(k1, k2)``: ``x0 ^ x1`` of Threefry-2x32 (20 rounds) on the counter ``(0, idx)``."""
+  ks = (k1, k2, k1 ^ k2 ^ jnp.uint32(0x1BD11BDA))
+  x0 = jnp.zeros_like(idx) + ks[0]
+  x1 = idx + ks[1]
+  for i in range(5):
+    for r in _TF_ROTATIONS[i % 2]:
+      x0 = x0 + x1
+      x1 = _rotl(x1, r) ^ x0
+    x0 = x0 + ks[(i + 1) % 3]
+    x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+  return x0 ^ x1
+
+
+def _iota_index(shape, starts, strides):
+  """uint32 flat indices of a tile: ``sum_d (starts[d] + iota_d) * strides[d]`` (strides in elements)."""
+  idx = None
+  for d, (start, stride) in enumerate(zip(starts, strides)):
+    if shape[d] == 1 and isinstance(start, int) and start == 0:
+      continue
+    term = lax.broadcasted_iota(jnp.uint32, shape, d)
+    if not (isinstance(start, int) and start == 0):
+      term = term + jnp.asarray(start).astype(jnp.uint32)
+    term = term * jnp.uint32(stride)
+    idx = term if idx is None else idx + term
+  return jnp.zeros(shape, jnp.uint32) if idx is None else idx
+
+
+def _abs_bits(x32):
+  return lax.bitcast_convert_type(x32, jnp.int32) & 0x7FFFFFFF
+
+
+def _max_all(a):
+  """Full max of an int32 tile, one axis at a time (a full reduction does not lower to Triton)."""
+  while a.ndim:
+    a = jnp.max(a, axis=a.ndim - 1)
+  return a
+
+
+def _block_scales(block_amax, consts, interpret):
+  """``nvfp4.quantize``'s per-block step, given the tensor's ``(S_enc / 6, S_dec, finite)``:
+  ``(dscale, its E4M3 byte, escale = 1 / (dscale * S_dec), zero_block)``."""
+  mconst, s_dec, finite = consts
+  block_amax = jnp.where(finite, block_amax, 0.0)
+  dscale, dcode = numerics.e4m3_block_scales(block_amax, mconst)
+  escale = jnp.minimum(_div_rn(1.0, numerics.e4m3_to_f32(dcode) * s_dec, interpret), numerics.F32_MAX)
+  zero_block = (dscale == 0) | ~finite
+  return dscale, dcode, escale, zero_block
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels: (1, 16) along the last axis and (16, 16), as (A, S, B, 8, 2) views ("pairs")
+
+
+def _pair_ok(shape, pid_a, pid_b, n_a, n_b):
+  """Mask of a (BA, S, BB, ...) tile inside the (A, S, B, ...) view, or None when it is inside."""
+  ok = None
+  if n_a % shape[0]:
+    ok = pid_a * shape[0] + lax.broadcasted_iota(jnp.int32, shape, 0) < n_a
+  if n_b % shape[2]:
+    ok_b = pid_b * shape[2] + lax.broadcasted_iota(jnp.int32, shape, 2) < n_b
+    ok = ok_b if ok is None else ok & ok_b
+  return ok
+
+
+def _store(ref, val, ok):
+  if ok is None:
+    ref[...] = val
+  else:
+    plgpu.store(ref, val, mask=ok)
+
+
+def _load(ref, ok):
+  return ref[...] if ok is None else plgpu.load(ref, mask=ok, other=0)
+
+
+def _pair_halves(x_ref, n_a, n_b):
+  """The even and odd elements of each block of the tile, float32 with subnormals flushed."""
+  pid_a, pid_b = pl.program_id(0), pl.program_id(1)
+  x = _load(x_ref, _pair_ok(x_ref.shape, pid_a, pid_b, n_a, n_b))
+  return [numerics.flush_subnormals(h.astype(jnp.float32)) for h in jnp.unstack(x, axis=-1)]
+
+
+def _pair_amax_kernel(x_ref, o_ref, *, n_a, n_b):
+  e, o = _pair_halves(x_ref, n_a, n_b)
+  o_ref[...] = jnp.full((1, 1), _max_all(jnp.maximum(_abs_bits(e), _abs_bits(o))), jnp.int32)
+
+
+def _pair_quantize_kernel(c_ref, k_ref, x_ref, codes_ref, scales_ref, *dec_ref, n_a, n_b, rounding,
+                          bit_source, interpret):
+  ba, s, bb = x_ref.shape[:3]
+  pid_a, pid_b = pl.program_id(0), pl.program_id(1)
+  e, o = _pair_halves(x_ref, n_a, n_b)
+  # Block amax over each block's 8 pairs (axis 3) and, for 16x16 tiles, its 16 rows (axis 1).
+  block_amax = jnp.max(jnp.maximum(jnp.abs(e), jnp.abs(o)), axis=3)
+  block_amax = jnp.max(block_amax, axis=1)  # (BA, BB)
+  consts = (c_ref[0], c_ref[1], c_ref[2] > 0)
+  dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
+  bits = (None, None)
+  if rounding == "stochastic":
+    shape = e.shape
+    # Flat index of each even element: (((a * S + s) * B + b) * 8 + j) * 2.
+    pair = _iota_index(shape, (pid_a * ba, 0, pid_b * bb, 0), (s * n_b * 8, n_b * 8, 8, 1))
+    k1 = lax.bitcast_convert_type(k_ref[0], jnp.uint32)
+    k2 = lax.bitcast_convert_type(k_ref[1], jnp.uint32)
+    if bit_source == "counter":
+      h = numerics.counter_hash(pair, k1, k2)
+      bits = (numerics.lane_bits(h, 0), numerics.lane_bits(h, 1))
+    else:
+      even = pair * jnp.uint32(2)
+      bits = (_threefry_bits(even, k1, k2), _threefry_bits(even + jnp.uint32(1), k1, k2))
+  bc = lambda v: v[:, None, :, None]  # noqa: E731  (BA, BB) -> against (BA, S, BB, 8)
+  codes = [numerics.e2m1_codes(x, bc(escale), bc(zero_block), rounding, b, jnp.int32)
+           for x, b in zip((e, o), bits)]
+  ok = _pair_ok(codes[0].shape, pid_a, pid_b, n_a, n_b)
+  _store(codes_ref, (codes[0] | (codes[1] << 4)).astype(jnp.uint8), ok)
+  ok2 = _pair_ok((ba, 1, bb), pid_a, pid_b, n_a, n_b)
+  _store(scales_ref, dcode[:, None, :], ok2)
+  if dec_ref:
+    dec = [(numerics.decode_e2m1(c) * bc(dscale)).astype(dec_ref[0].dtype) for c in codes]
+    ok = None if ok is None else jnp.stack([ok, ok], axis=-1)
+    _store(dec_ref[0], jnp.stack(dec, axis=-1), ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels: 16 slabs, (A, 16, B) ("mid", blocks along a non-last axis) or (A, B, 16) ("last")
+
+
+def _slab_ref(ref, i, mid):
+  i = jnp.int32(i)
+  return ref.at[:, i, :] if mid else ref.at[:, :, i]
+
+
+def _slab_ok(shape, pid_a, pid_b, n_a, n_b):
+  ok = None
+  if n_a % shape[0]:
+    ok = pid_a * shape[0] + lax.broadcasted_iota(jnp.int32, shape, 0) < n_a
+  if n_b % shape[1]:
+    ok_b = pid_b * shape[1] + lax.broadcasted_iota(jnp.int32, shape, 1) < n_b
+    ok = ok_b if ok is None else ok & ok_b
+  return ok
+
+
+def _slabs(x_ref, s_ref, ok, mid, hadamard_on):
+  """The 16 elements of each block of the tile as 16 float32 (BA, BB) slabs (Hadamard-transformed
+  when ``hadamard_on``), subnormals flushed."""
+  xs = [numerics.flush_subnormals(_load(_slab_ref(x_ref, i, mid), ok).astype(jnp.float32))
+        for i in range(BLOCK)]
+  if hadamard_on:
+    xs = _butterfly([x * s_ref[i] for i, x in enumerate(xs)])
+    xs = [numerics.flush_subnormals(x * jnp.float32(0.25)) for x in xs]
+  return xs
+
+
+def _slab_tile(x_ref, mid):
+  shape = x_ref.shape
+  return (shape[0], shape[2]) if mid else (shape[0], shape[1])
+
+
+def _slab_amax_kernel(s_ref, x_ref, o_ref, *, n_a, n_b, mid, hadamard_on):
+  tile = _slab_tile(x_ref, mid)
+  ok = _slab_ok(tile, pl.program_id(0), pl.program_id(1), n_a, n_b)
+  xs = _slabs(x_ref, s_ref, ok, mid, hadamard_on)
+  m = functools.reduce(jnp.maximum, [_abs_bits(x) for x in xs])
+  o_ref[...] = jnp.full((1, 1), _max_all(m), jnp.int32)
+
+
+def _slab_quantize_kernel(c_ref, k_ref, s_ref, x_ref, codes_ref, scales_ref, *dec_ref, n_a, n_b, mid,
+                          hadamard_on, rounding, bit_source, interpret):
+  tile = _slab_tile(x_ref, mid)
+  pid_a, pid_b = pl.program_id(0), pl.program_id(1)
+  ok = _slab_ok(tile, pid_a, pid_b, n_a, n_b)
+  xs = _slabs(x_ref, s_ref, ok, mid, hadamard_on)
+  block_amax = functools.reduce(jnp.maximum, [jnp.abs(x) for x in xs])
+  consts = (c_ref[0], c_ref[1], c_ref[2] > 0)
+  dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
+  bits = [None] * BLOCK
+  if rounding == "stochastic":
+    # Flat index of element i of each block: (a * 16 + i) * B + b ("mid") or (a * B + b) * 16 + i.
+    base = _iota_index(tile, (pid_a * tile[0], pid_b * tile[1]),
+                       (BLOCK * n_b, 1) if mid else (BLOCK * n_b, BLOCK))
+    step = n_b if mid else 1
+    k1 = lax.bitcast_convert_type(k_ref[0], jnp.uint32)
+    k2 = lax.bitcast_convert_type(k_ref[1], jnp.uint32)
+    for i in range(BLOCK):
+      idx = base + jnp.uint32(i * step)
+      if bit_source == "counter":
+        bits[i] = numerics.lane_bits(numerics.counter_hash(idx >> 1, k1, k2), idx & 1)
+      else:
+        bits[i] = _threefry_bits(idx, k1, k2)
+  codes = [numerics.e2m1_codes(x, escale, zero_block, rounding, b, jnp.int32) for x, b in zip(xs, bits)]
+  for p in range(BLOCK // 2):
+    _store(_slab_ref(codes_ref, p, mid), (codes[2 * p] | (codes[2 * p + 1] << 4)).astype(jnp.uint8), ok)
+  _store(scales_ref, dcode, ok)
+  if dec_ref:
+    for i, c in enumerate(codes):
+      _store(_slab_ref(dec_ref[0], i, mid), (numerics.decode_e2m1(c) * dscale).astype(dec_ref[0].dtype),
+            ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  kind: str  # "pairs" or "slabs"
+  view: tuple[int, ...]  # x as this shape
+  tile: tuple[int, ...]  # a program's block of the view
+  codes_view: tuple[int, ...]
+  codes_tile: tuple[int, ...]
+  mid: bool = False  # slabs: the 16-axis is axis 1 (else the last)
+
+  @property
+  def n_a(self):
+    return self.view[0]
+
+  @property
+  def n_b(self):
+    return self.view[2] if self.kind == "pairs" or self.mid else self.view[1]
+
+
+def _tile_ab(n_a, n_b, per_block, elements):
+  """Power-of-two (BA, BB) for an (n_a, n_b) grid of blocks of ``per_block`` elements: BB covers
+  up to 64 blocks (or 256 slab columns) of the contiguous axis, BA the rest of ``elements``."""
+  bb = min(pl.next_power_of_2(n_b), max(1, elements // per_block), 64 if per_block > 1 else 256)
+  ba = min(pl.next_power_of_2(n_a), max(1, elements // (per_block * bb)))
+  return ba, bb
+
+
+def _layout(shape, block, axis, hadamard_on, elements) -> _Layout:
+  ndim = len(shape)
+  if block == (BLOCK, BLOCK):
+    *lead, m, n = shape
+    a, b = math.prod(lead) * m // BLOCK, n // BLOCK
+    ba, bb = _tile_ab(a, b, BLOCK * BLOCK, elements)
+    return _Layout("pairs", (a, BLOCK, b, 8, 2), (ba, BLOCK, bb, 8, 2), (a, BLOCK, b, 8),
+                   (ba, BLOCK, bb, 8))
+  if axis == ndim - 1:
+    a, b = math.prod(shape[:-1]), shape[-1] // BLOCK
+    if not hadamard_on:
+      ba, bb = _tile_ab(a, b, BLOCK, elements)
+      return _Layout("pairs", (a, 1, b, 8, 2), (ba, 1, bb, 8, 2), (a, 1, b, 8), (ba, 1, bb, 8))
+    ba, bb = _tile_ab(a, b, BLOCK, elements)
+    return _Layout("slabs", (a, b, BLOCK), (ba, bb, BLOCK), (a, b, 8), (ba, bb, 8))
+  a = math.prod(shape[:axis + 1]) // BLOCK
+  b = math.prod(shape[axis + 1:])
+  ba, bb = _tile_ab(a, b, 1, max(1, elements // BLOCK))
+  return _Layout("slabs", (a, BLOCK, b), (ba, BLOCK, bb), (a, 8, b), (ba, 8, bb), mid=True)
+
+
+def _specs(lay: _Layout):
+  """Block specs of x, codes, scales (and the decoded output, x's)."""
+  if lay.kind == "pairs":
+    x = pl.BlockSpec(lay.tile, lambda i, j: (i, 0, j, 0, 0))
+    codes = pl.BlockSpec(lay.codes_tile, lambda i, j: (i, 0, j, 0))
+    scales = pl.BlockSpec((lay.tile[0], 1, lay.tile[2]), lambda i, j: (i, 0, j))
+    return x, codes, scales
+  if lay.mid:
+    x = pl.BlockSpec(lay.tile, lambda i, j: (i, 0, j))
+    codes = pl.BlockSpec(lay.codes_tile, lambda i, j: (i, 0, j))
+    scales = pl.BlockSpec((lay.tile[0], lay.tile[2]), lambda i, j: (i, j))
+  else:
+    x = pl.BlockSpec(lay.tile, lambda i, j: (i, j, 0))
+    codes = pl.BlockSpec(lay.codes_tile, lambda i, j: (i, j, 0))
+    scales = pl.BlockSpec((lay.tile[0], lay.tile[1]), lambda i, j: (i, j))
+  return x, codes, scales
+
+
+def _grid(lay: _Layout):
+  tb = lay.tile[2] if lay.kind == "pairs" or lay.mid else lay.tile[1]
+  return pl.cdiv(lay.n_a, lay.tile[0]), pl.cdiv(lay.n_b, tb)
+
+
+def _scales_shape(lay: _Layout):
+  return (lay.n_a, 1, lay.n_b) if lay.kind == "pairs" else (lay.n_a, lay.n_b)
+
+
+def _amax_layout(lay: _Layout, elements: int) -> _Layout:
+  """The same view with larger tiles for the amax pass."""
+  if lay.kind == "pairs":
+    per_block = lay.view[1] * BLOCK
+    ba, bb = _tile_ab(lay.n_a, lay.n_b, per_block, elements)
+    return dataclasses.replace(lay, tile=(ba, lay.view[1], bb, 8, 2))
+  if lay.mid:
+    ba, bb = _tile_ab(lay.n_a, lay.n_b, 1, max(1, elements // BLOCK))
+    return dataclasses.replace(lay, tile=(ba, BLOCK, bb))
+  ba, bb = _tile_ab(lay.n_a, lay.n_b, BLOCK, elements)
+  return dataclasses.replace(lay, tile=(ba, bb, BLOCK))
+
+
+def _check(x, block, axis, rounding, key, bit_source, hadamard_key):
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"quantize needs a floating-point array, got dtype {x.dtype}")
+  block, axis = _normalize(x.shape, block, axis)
+  if rounding not in nvfp4.ROUNDINGS:
+    raise ValueError(f"rounding must be one of {nvfp4.ROUNDINGS}, got {rounding!r}")
+  if bit_source not in BIT_SOURCES:
+    raise ValueError(f"bit_source must be one of {BIT_SOURCES}, got {bit_source!r}")
+  if rounding == "stochastic":
+    if key is None:
+      raise ValueError("rounding='stochastic' needs a `key` (a jax.random key)")
+    if x.size >= 2**32:
+      raise ValueError(f"stochastic rounding counts elements in uint32: {x.size} elements is too many")
+    if bit_source == "random" and not _threefry_key(key):
+      raise ValueError(
+          "bit_source='random' reproduces jax.random.bits of threefry2x32 keys with "
+          "jax_threefry_partitionable (JAX's defaults); got a key of "
+          f"{jax.random.key_impl(key)}: use bit_source='counter', or fp4jax.nvfp4.quantize")
+  if hadamard_key is not None and block != (1, BLOCK):
+    raise ValueError("hadamard_key: the Hadamard transform runs along the blocked axis of block=(1, 16)")
+  if x.size >= 2**31:
+    raise ValueError(f"quantize: {x.size} elements; the kernels address at most 2**31 - 1")
+  return block, axis
+
+
+def _normalize(shape, block, axis):
+  """``nvfp4.quantize``'s checks of ``block`` and ``axis`` (the same errors)."""
+  x = jax.ShapeDtypeStruct(shape, jnp.float32)
+  t = jax.eval_shape(functools.partial(nvfp4.quantize, block=block, axis=axis), x)
+  return t.block, t.axis
+
+
+def _threefry_key(key) -> bool:
+  return str(jax.random.key_impl(key)) == "threefry2x32" and jax.config.jax_threefry_partitionable
+
+
+def _key_words(key, bit_source):
+  if bit_source == "counter":
+    k1, k2 = numerics.counter_words(key)
+  else:
+    k1, k2 = jax.random.key_data(key).reshape(-1)[:2].astype(jnp.uint32)
+  words = jnp.stack([k1, k2]).astype(jnp.uint32)
+  return jnp.pad(lax.bitcast_convert_type(words, jnp.int32), (0, 6))
+
+
+def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_source="random",
+             hadamard_key=None, decoded=False, block_sizes: BlockSizes = BlockSizes(),
+             interpret=False):
+  """Quantizes ``x`` to NVFP4 in two Pallas kernels: ``nvfp4.quantize``'s tensor, bit for bit.
+
+  ``quantize(x, block=b, axis=a, rounding=r, key=k)`` equals ``nvfp4.quantize(x, block=b, axis=a,
+  rounding=r, key=k)``; with ``bit_source="counter"`` it equals ``nvfp4.quantize(x, ...,
+  bits=numerics.counter_bits(k, x.shape))``, and with ``hadamard_key=h`` it quantizes
+  ``hadamard(x, h, axis)`` (float32) instead of ``x`` (``quantize_reference`` spells this out).
+
+  Not differentiable (its codes are integers): ``x`` is taken under ``stop_gradient``, which gives
+  ``nvfp4.quantize``'s zero derivative.
+
+  Args:
+    x: float32, bfloat16 or float16 array, fewer than 2**31 elements.
+    block: ``(1, 16)`` (16 consecutive elements along ``axis``) or ``(16, 16)`` (tiles of the last
+      two axes), as ``nvfp4.quantize``.
+    axis: the blocked axis of ``(1, 16)``, any axis.
+    rounding: ``"nearest"`` or ``"stochastic"``.
+    key: the ``jax.random`` key of stochastic rounding.
+    bit_source: ``"random"``: ``jax.random.bits(key, x.shape, uint32)``, computed in the kernel
+      (threefry2x32 keys, JAX's default); ``"counter"``: ``numerics.counter_bits(key, x.shape)``,
+      one hash per pair of elements (fewer instructions).
+    hadamard_key: if given, quantize ``hadamard(x, hadamard_key, axis)`` (``block=(1, 16)`` only):
+      the random Hadamard transform along the blocked axis, fused into both kernels.
+    decoded: also return the decoded operand ``elements × block scales`` (``NVFP4Tensor.
+      scaled_elements(bfloat16)``: exact; the global scale is not applied).
+    block_sizes: kernel tiling (``BlockSizes``).
+    interpret: run the kernels in Pallas interpret mode (CPU).
+
+  Returns:
+    An ``NVFP4Tensor`` (dtype ``x.dtype``, or float32 with the Hadamard transform); with
+    ``decoded=True``, ``(tensor, decoded)``, ``decoded`` bfloat16 shaped like ``x``.
+
+  Raises:
+    ValueError: what ``nvfp4.quantize`` rejects; ``hadamard_key`` with ``block=(16, 16)``;
+      ``bit_source="random"`` with a key that is not threefry2x32; 2**31 elements or more.
+  """
+  x = lax.stop_gradient(jnp.asarray(x))
+  block, axis = _check(x, block, axis, rounding, key, bit_source, hadamard_key)
+  hadamard_on = hadamard_key is not None
+  if x.size == 0:
+    return quantize_reference(x, block=block, axis=axis, rounding=rounding, key=key,
+                              bit_source=bit_source, hadamard_key=hadamard_key, decoded=decoded)
+  lay = _layout(x.shape, block, axis, hadamard_on, block_sizes.quantize_elements)
+  xv = x.reshape(lay.view)
+  signs = hadamard_signs(hadamard_key) if hadamard_on else jnp.ones((BLOCK,), jnp.float32)
+  params = dict(compiler_params=plgpu.CompilerParams(num_warps=block_sizes.amax_num_warps),
+                interpret=interpret)
+
+  # Pass 1: max|x| per program, as float32 bit patterns (NaN and inf above every finite value).
+  alay = _amax_layout(lay, block_sizes.amax_elements)
+  grid = _grid(alay)
+  x_spec = _specs(alay)[0]
+  out = jax.ShapeDtypeStruct(grid, jnp.int32)
+  o_spec = pl.BlockSpec((1, 1), lambda i, j: (i, j))
+  if alay.kind == "pairs":
+    partial = pl.pallas_call(
+        functools.partial(_pair_amax_kernel, n_a=alay.n_a, n_b=alay.n_b), out_shape=out, grid=grid,
+        in_specs=[x_spec], out_specs=o_spec, name="nvfp4_amax", **params)(xv)
+  else:
+    whole = pl.BlockSpec((BLOCK,), lambda i, j: (0,))
+    partial = pl.pallas_call(
+        functools.partial(_slab_amax_kernel, n_a=alay.n_a, n_b=alay.n_b, mid=alay.mid,
+                          hadamard_on=hadamard_on),
+        out_shape=out, grid=grid, in_specs=[whole, x_spec], out_specs=o_spec, name="nvfp4_amax",
+        **params)(signs, xv)
+
+  # S_enc and S_dec in XLA (scalars), as nvfp4.quantize forms them.
+  amax_bits = jnp.max(partial)
+  amax_bits = jnp.where(amax_bits < _F32_NORMAL_MIN_BITS, 0, amax_bits)  # flushed subnormals
+  finite = amax_bits < _F32_INF_BITS
+  amax = lax.bitcast_convert_type(jnp.where(finite, amax_bits, 0), jnp.float32)
+  s_enc, s_dec = nvfp4.global_decode_scale(amax)
+  s_dec = jnp.where(finite, s_dec, jnp.nan)
+  consts = jnp.stack([s_enc * jnp.float32(numerics.INV6), s_dec, finite.astype(jnp.float32),
+                      jnp.float32(0)]).astype(jnp.float32)
+  words = _key_words(key, bit_source) if rounding == "stochastic" else jnp.zeros((8,), jnp.int32)
+
+  # Pass 2: codes, scale bytes, and the decoded operand.
+  x_spec, c_spec, s_spec = _specs(lay)
+  grid = _grid(lay)
+  out_shape = [jax.ShapeDtypeStruct(lay.codes_view, jnp.uint8),
+               jax.ShapeDtypeStruct(_scales_shape(lay), jnp.uint8)]
+  out_specs = [c_spec, s_spec]
+  if decoded:
+    out_shape.append(jax.ShapeDtypeStruct(lay.view, jnp.bfloat16))
+    out_specs.append(x_spec)
+  smem4, smem8, smem16 = (pl.BlockSpec((n,), lambda i, j: (0,)) for n in (4, 8, BLOCK))
+  common = dict(n_a=lay.n_a, n_b=lay.n_b, rounding=rounding, bit_source=bit_source,
+                interpret=interpret)
+  params["compiler_params"] = plgpu.CompilerParams(num_warps=block_sizes.num_warps)
+  if lay.kind == "pairs":
+    kernel = functools.partial(_pair_quantize_kernel, **common)
+    in_specs, args = [smem4, smem8, x_spec], (consts, words, xv)
+  else:
+    kernel = functools.partial(_slab_quantize_kernel, mid=lay.mid, hadamard_on=hadamard_on, **common)
+    in_specs, args = [smem4, smem8, smem16, x_spec], (consts, words, signs, xv)
+  outs = pl.pallas_call(kernel, out_shape=tuple(out_shape), grid=grid, in_specs=in_specs,
+                        out_specs=tuple(out_specs), name=f"nvfp4_quantize_{lay.kind}", **params)(*args)
+
+  codes_shape = list(x.shape)
+  codes_shape[axis] //= 2
+  scales_shape = list(x.shape)
+  scales_shape[axis] //= BLOCK
+  if block == (BLOCK, BLOCK):
+    scales_shape[-2] //= BLOCK
+  t = nvfp4.NVFP4Tensor(
+      codes=outs[0].reshape(codes_shape),
+      scales=lax.bitcast_convert_type(outs[1].reshape(scales_shape), jnp.float8_e4m3fn),
+      global_scale=s_dec.astype(jnp.float32),
+      shape=tuple(x.shape),
+      block=block,
+      axis=axis,
+      dtype=jnp.dtype(jnp.float32) if hadamard_on else x.dtype,
+  )
+  return (t, outs[2].reshape(x.shape)) if decoded else t
