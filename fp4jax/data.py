@@ -41,12 +41,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fp4jax import corpus as corpus_lib
 from fp4jax import tokenizer as tokenizer_lib
+from fp4jax.sharding import BATCH_AXES
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "validation")
 META_FILE = "meta.json"
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MB of uint16 per shard
-BATCH_AXES = ("data", "fsdp")
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
@@ -381,7 +381,7 @@ def to_global_batch(batch: Mapping[str, np.ndarray], mesh: Mesh,
   Args:
     batch: host-local arrays, leading axis = global_batch_size // process_count.
     mesh: the device mesh.
-    spec: default ``P(('data', 'fsdp'))`` over those of the two axes the mesh has.
+    spec: default ``P(fp4jax.sharding.BATCH_AXES)``, over those of these axes the mesh has.
 
   Returns:
     The same keys, as jax Arrays of the global batch.

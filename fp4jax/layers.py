@@ -1,20 +1,28 @@
-"""Flax NNX layers on top of the NVFP4 ops.
+"""The projection layer of fp4jax: one flax nnx ``Dense`` whose matmul is injected.
 
-Dense layers (this section is self-contained):
+``Dense(in_features, out_features, matmul=..., rank=r)`` computes ``matmul(x, W) (+ (x·A)·B) (+ b)``,
+as ``flax.nnx.Linear`` takes a ``dot_general``. The matmul is a small frozen callable
+``matmul(x, kernel, *, key) -> y``:
 
-- ``Fp4Dense``: ``y = x @ W (+ b)`` with the three GEMMs in NVFP4 (``fp4jax.ops.nvfp4_matmul``);
-  master weight in float32 (or bf16 by option).
-- ``LoraSvdDense``: ``y = x @ W_res + (x @ A) @ B (+ b)`` with ``W_res`` through ``nvfp4_matmul`` and
-  the rank-r branch in bf16, unquantized. A and B start from the top-r SVD of the initial weight
-  (``A = U√Σ``, ``B = √Σ Vᵀ``) and ``W_res = W − A·B``, so the effective weight starts equal to W while
-  the quantized residual has the dominant directions taken out. ``resplit`` repeats the split on the
-  current ``W_res + A·B`` (call it every k steps from the training loop if wanted).
-- ``lora_svd_split`` and ``randomized_svd``: the pure functions behind it.
+- ``MixedMatmul``: BF16 (``fp4jax.ops.mixed_matmul``: operands in ``x``'s dtype, float32
+  accumulation, a bf16 backward);
+- ``NVFP4Matmul(config)``: the three GEMMs per ``fp4jax.ops.MatmulConfig`` (``nvfp4_matmul``;
+  ``MatmulConfig.nvfp4()`` is NVIDIA's recipe).
+
+``rank > 0`` adds the LoRA-SVD branch ``(x·A)·B`` in bf16, unquantized: A and B start from the top-r
+SVD of the initial weight (``A = U√Σ``, ``B = √Σ Vᵀ``) and the kernel holds ``W_res = W − A·B``, so the
+effective weight starts equal to W while the quantized residual has the dominant directions taken
+out. ``resplit`` repeats the split on the current ``W_res + A·B``.
+
+``Fp4Dense`` and ``LoraSvdDense`` build the two NVFP4 layers; ``lora_svd_split`` and
+``randomized_svd`` are the pure functions behind the split.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -22,16 +30,17 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from fp4jax.ops.dense import mixed_matmul
+from fp4jax.ops.mixed import mixed_matmul, mixed_matmul_split
 from fp4jax.ops.matmul import MatmulConfig, nvfp4_matmul
 
 _HIGHEST = lax.Precision.HIGHEST
 _SVD_METHODS = ("exact", "randomized", "auto")
 # ``svd="auto"`` uses the randomized SVD above this min(K, N): an exact SVD is O(K N min(K, N)).
 AUTO_RANDOMIZED_MIN_DIM = 2048
-# Chosen by measurement (benchmarks/lorasvd_error.md): on trained-like spectra r=16 removes 27-83% of
-# the weight's NVFP4 error at <=3% extra FLOPs for d >= 1024; r=32 gains 3-30% more for twice the cost.
+# The rank whose error reduction per extra FLOP is best on trained-like spectra
+# (benchmarks/lorasvd_error.py).
 DEFAULT_LORA_RANK = 16
+_NO_METADATA: Mapping[str, Any] = MappingProxyType({})
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
@@ -114,7 +123,58 @@ def lora_svd_split(w_KxN, rank: int, *, method: str = "exact", key=None, lora_dt
 
 
 # ----------------------------------------------------------------------------------------------
-# Modules
+# Matmuls
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedMatmul:
+  """The BF16 matmul: ``fp4jax.ops.mixed_matmul`` with operands in ``x``'s dtype, float32
+  accumulation and a backward in ``x``'s dtype.
+
+  Attributes:
+    out_dtype: dtype of the result (default ``x``'s; ``jnp.float32`` for logits).
+  """
+
+  out_dtype: Any = None
+  needs_key = False
+
+  def __call__(self, x, kernel, *, key=None):
+    del key  # deterministic
+    return mixed_matmul(x, kernel, x.dtype, self.out_dtype)
+
+  def split(self, x, kernels: Sequence[jax.Array], *, key=None) -> tuple[jax.Array, ...]:
+    """``tuple(self(x, k) for k in kernels)`` as separate GEMMs (``mixed_matmul_split``): the same
+    forward bits as the columns of one GEMM over the concatenated kernels."""
+    del key
+    if self.out_dtype not in (None, x.dtype):
+      raise ValueError(f"MixedMatmul.split: out_dtype={self.out_dtype} must be x's dtype {x.dtype}")
+    return mixed_matmul_split(x, tuple(kernels), x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Matmul:
+  """The NVFP4 matmul: ``fp4jax.ops.nvfp4_matmul`` with ``config`` (NVIDIA's recipe by default).
+
+  Attributes:
+    config: which GEMMs are quantized and how each operand rounds.
+  """
+
+  config: MatmulConfig = MatmulConfig.nvfp4()
+
+  def __post_init__(self):
+    if not isinstance(self.config, MatmulConfig):
+      raise ValueError(f"NVFP4Matmul: config must be a MatmulConfig, got {type(self.config).__name__}")
+
+  @property
+  def needs_key(self) -> bool:
+    return self.config.needs_key
+
+  def __call__(self, x, kernel, *, key=None):
+    return nvfp4_matmul(x, kernel, key=key, config=self.config)
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer
 
 
 def _init(init, key, shape, dtype):
@@ -126,8 +186,8 @@ def _init(init, key, shape, dtype):
 
 
 def _add_bias(y, b_N):
-  # Added in f32: its gradient is then a float32 sum over tokens. A bf16 add would make it a bf16
-  # reduction, which the H200 accumulated with 1.7e-2 relative error over 512 tokens.
+  # Added in float32, so its gradient is a float32 sum over tokens (a bf16 reduction over many
+  # tokens loses precision).
   b = b_N.astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
   return (y.astype(jnp.float32) + b).astype(y.dtype)
 
@@ -136,101 +196,111 @@ def _param(value, metadata: Mapping[str, Any]):
   return nnx.Param(value, **dict(metadata))
 
 
-class Fp4Dense(nnx.Module):
-  """Dense layer ``x @ kernel (+ bias)`` with NVFP4 GEMMs (forward, dgrad, wgrad) per ``config``.
+class Dense(nnx.Module):
+  """``y = matmul(x, kernel) (+ (x·A)·B) (+ bias)``: a linear layer with an injected matmul.
+
+  Parameters: ``kernel`` (K, N) (``W_res`` when ``rank > 0``), ``lora_a`` (K, r) and ``lora_b``
+  (r, N) when ``rank > 0``, ``bias`` (N,) when ``use_bias``.
 
   Args:
-    in_features, out_features: K and N; multiples of 16 where ``config`` quantizes.
-    config: ``MatmulConfig`` (``MatmulConfig.nvfp4()`` for NVIDIA's recipe, ``.bf16()`` for none).
+    in_features, out_features: K and N; multiples of 16 where the matmul quantizes.
     rngs: ``nnx.Rngs`` for the initializers.
+    matmul: ``MixedMatmul()`` (BF16, the default), ``NVFP4Matmul(config)``, or any callable
+      ``matmul(x, kernel, *, key) -> y``; one with a ``split(x, kernels, *, key)`` method serves
+      ``Dense.split`` with separate GEMMs.
+    rank: r of the bf16 LoRA-SVD branch, ``0 <= r <= min(K, N)``; 0: none.
     param_dtype: master weight dtype (float32; bfloat16 by option).
     kernel_init, bias_init: initializers (``nnx.with_partitioning`` wrappers are fine).
-    use_bias: add a bias (in the compute dtype, after the GEMM).
+    use_bias: add a bias (in float32, after the GEMM).
     dtype: compute dtype; ``x`` is cast to it (default: keep ``x``'s dtype).
-    kernel_metadata, bias_metadata: extra ``nnx.Param`` metadata (e.g. ``out_sharding``).
+    lora_dtype: compute dtype of the low-rank branch (A, B are rounded to it at every split).
+    lora_param_dtype: storage dtype of A and B (default ``param_dtype``: float32 masters cast to
+      ``lora_dtype`` for each use; bfloat16 trains them in bf16).
+    svd: ``"exact"``, ``"randomized"`` or ``"auto"`` (randomized above ``AUTO_RANDOMIZED_MIN_DIM``).
+    svd_oversample, svd_power_iters: randomized SVD settings.
+    kernel_metadata, lora_a_metadata, lora_b_metadata, bias_metadata: extra ``nnx.Param``
+      metadata (e.g. ``out_sharding``).
   """
 
-  def __init__(self, in_features: int, out_features: int, *, config: MatmulConfig, rngs: nnx.Rngs,
-               param_dtype=jnp.float32, kernel_init=default_kernel_init, use_bias: bool = False,
-               bias_init=default_bias_init, dtype=None,
-               kernel_metadata: Mapping[str, Any] = {}, bias_metadata: Mapping[str, Any] = {}):
-    if not isinstance(config, MatmulConfig):
-      raise ValueError(f"Fp4Dense: config must be a MatmulConfig, got {type(config).__name__}")
-    self.in_features, self.out_features = in_features, out_features
-    self.config, self.dtype, self.param_dtype = config, dtype, param_dtype
-    w, meta = _init(kernel_init, rngs.params(), (in_features, out_features), param_dtype)
+  def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs,
+               matmul: Callable = MixedMatmul(), rank: int = 0, param_dtype=jnp.float32,
+               kernel_init=default_kernel_init, use_bias: bool = False,
+               bias_init=default_bias_init, dtype=None, lora_dtype=jnp.bfloat16,
+               lora_param_dtype=None, svd: str = "auto", svd_oversample: int = 8,
+               svd_power_iters: int = 2, kernel_metadata: Mapping[str, Any] = _NO_METADATA,
+               lora_a_metadata: Mapping[str, Any] = _NO_METADATA,
+               lora_b_metadata: Mapping[str, Any] = _NO_METADATA,
+               bias_metadata: Mapping[str, Any] = _NO_METADATA):
+    if not callable(matmul):
+      raise ValueError(f"Dense: matmul must be callable, got {type(matmul).__name__}")
+    if not isinstance(rank, int) or not 0 <= rank <= min(in_features, out_features):
+      raise ValueError(f"Dense: rank must be in [0, min(in_features, out_features)] = "
+                       f"[0, {min(in_features, out_features)}], got {rank}")
+    _svd_method(svd, (in_features, out_features))
+    self.in_features, self.out_features, self.rank = in_features, out_features, rank
+    self.matmul, self.dtype, self.param_dtype = matmul, dtype, param_dtype
+    self.lora_dtype, self.svd = lora_dtype, svd
+    self.svd_oversample, self.svd_power_iters = svd_oversample, svd_power_iters
+    shape = (in_features, out_features)
+    self.lora_a = self.lora_b = nnx.data(None)
+    if rank:
+      w, meta = _init(kernel_init, rngs.params(), shape, jnp.float32)
+      a, b, w = self._split(w, rngs.params())
+      lora_param_dtype = param_dtype if lora_param_dtype is None else lora_param_dtype
+      self.lora_a = _param(a.astype(lora_param_dtype), lora_a_metadata)
+      self.lora_b = _param(b.astype(lora_param_dtype), lora_b_metadata)
+      w = w.astype(param_dtype)
+    else:
+      w, meta = _init(kernel_init, rngs.params(), shape, param_dtype)
     self.kernel = _param(w, {**meta, **kernel_metadata})
     self.bias = nnx.data(None)
     if use_bias:
       b, meta = _init(bias_init, rngs.params(), (out_features,), param_dtype)
       self.bias = _param(b, {**meta, **bias_metadata})
 
-  def __call__(self, x_BxTxK, *, key=None):
-    """Applies the layer. ``key``: fresh per step; None only if ``config.needs_key`` is False."""
-    x = x_BxTxK if self.dtype is None else x_BxTxK.astype(self.dtype)
-    y = nvfp4_matmul(x, self.kernel[...], key=key, config=self.config)
-    if self.bias is not None:
-      y = _add_bias(y, self.bias[...])
-    return y
-
-
-class LoraSvdDense(nnx.Module):
-  """``x @ W_res + (x @ A) @ B (+ bias)``: NVFP4 residual GEMMs plus a bf16 low-rank branch.
-
-  ``W_res`` (param ``kernel``) goes through ``nvfp4_matmul`` with ``config``; ``A`` (``lora_a``,
-  ``[K, r]``) and ``B`` (``lora_b``, ``[r, N]``) are trainable, stored in ``lora_param_dtype`` and
-  used in ``lora_dtype`` (bf16), unquantized. At init, ``A = U√Σ``, ``B = √Σ Vᵀ`` from the top-r SVD of the
-  initial weight and ``W_res = W − A·B``: the effective weight ``W_res + A·B`` equals the initial
-  weight to fp32 rounding.
-
-  Args:
-    in_features, out_features: K and N.
-    rank: r, ``1 <= r <= min(K, N)``.
-    config, rngs, param_dtype, kernel_init, use_bias, bias_init, dtype: as ``Fp4Dense``.
-    lora_dtype: compute dtype of the low-rank branch (A, B are rounded to it at every split).
-    lora_param_dtype: storage dtype of A and B (default: ``param_dtype``, i.e. float32 masters
-      updated by the optimizer and cast to ``lora_dtype`` for each use; pass bfloat16 to train
-      them in bf16).
-    svd: ``"exact"``, ``"randomized"`` or ``"auto"`` (randomized above ``AUTO_RANDOMIZED_MIN_DIM``).
-    svd_oversample, svd_power_iters: randomized SVD settings.
-    kernel_metadata, lora_a_metadata, lora_b_metadata, bias_metadata: extra ``nnx.Param`` metadata.
-  """
-
-  def __init__(self, in_features: int, out_features: int, *, rank: int = DEFAULT_LORA_RANK,
-               config: MatmulConfig, rngs: nnx.Rngs, param_dtype=jnp.float32,
-               kernel_init=default_kernel_init, use_bias: bool = False,
-               bias_init=default_bias_init, dtype=None, lora_dtype=jnp.bfloat16, lora_param_dtype=None,
-               svd: str = "auto", svd_oversample: int = 8, svd_power_iters: int = 2,
-               kernel_metadata: Mapping[str, Any] = {}, lora_a_metadata: Mapping[str, Any] = {},
-               lora_b_metadata: Mapping[str, Any] = {}, bias_metadata: Mapping[str, Any] = {}):
-    if not isinstance(config, MatmulConfig):
-      raise ValueError(f"LoraSvdDense: config must be a MatmulConfig, got {type(config).__name__}")
-    if not 1 <= rank <= min(in_features, out_features):
-      raise ValueError(f"LoraSvdDense: rank must be in [1, min(in_features, out_features)] = "
-                       f"[1, {min(in_features, out_features)}], got {rank}")
-    _svd_method(svd, (in_features, out_features))
-    self.in_features, self.out_features, self.rank = in_features, out_features, rank
-    self.config, self.dtype, self.param_dtype, self.lora_dtype = config, dtype, param_dtype, lora_dtype
-    self.svd, self.svd_oversample, self.svd_power_iters = svd, svd_oversample, svd_power_iters
-    w, meta = _init(kernel_init, rngs.params(), (in_features, out_features), jnp.float32)
-    a, b, w_res = self._split(w, rngs.params())
-    self.kernel = _param(w_res.astype(param_dtype), {**meta, **kernel_metadata})
-    lora_param_dtype = param_dtype if lora_param_dtype is None else lora_param_dtype
-    self.lora_a = _param(a.astype(lora_param_dtype), lora_a_metadata)
-    self.lora_b = _param(b.astype(lora_param_dtype), lora_b_metadata)
-    self.bias = nnx.data(None)
-    if use_bias:
-      bias, meta = _init(bias_init, rngs.params(), (out_features,), param_dtype)
-      self.bias = _param(bias, {**meta, **bias_metadata})
-
   def _split(self, w, key):
     return lora_svd_split(w, self.rank, method=self.svd, key=key, lora_dtype=self.lora_dtype,
                           oversample=self.svd_oversample, power_iters=self.svd_power_iters)
 
+  def _cast(self, x):
+    return x if self.dtype is None else x.astype(self.dtype)
+
+  def __call__(self, x_BxTxK, *, key=None):
+    """Applies the layer. ``key``: fresh per step; None only if the matmul draws no random bits."""
+    x = self._cast(x_BxTxK)
+    y = self.matmul(x, self.kernel[...], key=key)
+    if self.rank:
+      ld = self.lora_dtype
+      xa = mixed_matmul(x, self.lora_a[...], ld)
+      y = y + mixed_matmul(xa, self.lora_b[...], ld).astype(y.dtype)
+    if self.bias is not None:
+      y = _add_bias(y, self.bias[...])
+    return y
+
+  def split(self, x_BxTxK, columns: Sequence[Callable[[jax.Array], jax.Array]], *,
+            key=None) -> tuple[jax.Array, ...]:
+    """``tuple(c(self(x)) for c in columns)``: groups of output columns.
+
+    Each ``c`` takes an array's columns from its last axis (e.g. a reshape and a slice), so it
+    applies to the kernel as well as to the output. Where the matmul has a ``split`` and the layer
+    no low-rank branch or bias, each group is its own GEMM on ``c(kernel)``: the same forward bits,
+    without strided copies of the fused output. Otherwise (an NVFP4 matmul quantizes the whole
+    kernel with one global scale) it is one GEMM whose output is sliced.
+    """
+    split = getattr(self.matmul, "split", None)
+    if split is None or self.rank or self.bias is not None:
+      y = self(x_BxTxK, key=key)
+      return tuple(c(y) for c in columns)
+    kernel = self.kernel[...]
+    return split(self._cast(x_BxTxK), tuple(c(kernel) for c in columns), key=key)
+
   def effective_kernel(self) -> jax.Array:
-    """``W_res + A·B`` in float32 (the weight the layer represents)."""
-    ab = jnp.dot(self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32), precision=_HIGHEST)
-    return self.kernel[...].astype(jnp.float32) + ab
+    """``W_res + A·B`` in float32 (the weight the layer represents; ``kernel`` when rank is 0)."""
+    w = self.kernel[...].astype(jnp.float32)
+    if not self.rank:
+      return w
+    return w + jnp.dot(self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32),
+                       precision=_HIGHEST)
 
   def resplit(self, key=None) -> None:
     """Re-splits the effective weight: new ``A, B`` from its top-r SVD, ``W_res = W_eff − A·B``.
@@ -241,18 +311,48 @@ class LoraSvdDense(nnx.Module):
     Args:
       key: random key; needed when the SVD method is (or ``"auto"`` resolves to) randomized.
     """
+    if not self.rank:
+      raise ValueError("Dense.resplit: the layer has no low-rank branch (rank=0)")
     a, b, w_res = self._split(self.effective_kernel(), key)
     self.kernel[...] = w_res.astype(self.kernel[...].dtype)
     self.lora_a[...] = a.astype(self.lora_a[...].dtype)
     self.lora_b[...] = b.astype(self.lora_b[...].dtype)
 
-  def __call__(self, x_BxTxK, *, key=None):
-    """Applies the layer. ``key``: fresh per step; None only if ``config.needs_key`` is False."""
-    x = x_BxTxK if self.dtype is None else x_BxTxK.astype(self.dtype)
-    y = nvfp4_matmul(x, self.kernel[...], key=key, config=self.config)
-    ld = self.lora_dtype
-    xa = mixed_matmul(x, self.lora_a[...], ld)
-    y = y + mixed_matmul(xa, self.lora_b[...], ld).astype(y.dtype)
-    if self.bias is not None:
-      y = _add_bias(y, self.bias[...])
-    return y
+
+def Fp4Dense(in_features: int, out_features: int, *, config: MatmulConfig, rngs: nnx.Rngs,
+             **kwargs) -> Dense:
+  """``Dense`` whose GEMMs (forward, dgrad, wgrad) follow ``config`` through ``nvfp4_matmul``.
+
+  Args:
+    in_features, out_features: K and N; multiples of 16 where ``config`` quantizes.
+    config: ``MatmulConfig`` (``MatmulConfig.nvfp4()`` for NVIDIA's recipe, ``.bf16()`` for none).
+    rngs: ``nnx.Rngs`` for the initializers.
+    **kwargs: the other arguments of ``Dense`` (``param_dtype``, ``kernel_init``, ``use_bias``,
+      ``dtype``, metadata, ...).
+
+  Returns:
+    ``Dense(in_features, out_features, matmul=NVFP4Matmul(config), ...)``.
+  """
+  return Dense(in_features, out_features, matmul=NVFP4Matmul(config), rngs=rngs, **kwargs)
+
+
+def LoraSvdDense(in_features: int, out_features: int, *, rank: int = DEFAULT_LORA_RANK,
+                 config: MatmulConfig, rngs: nnx.Rngs, **kwargs) -> Dense:
+  """``x @ W_res + (x @ A) @ B (+ bias)``: NVFP4 residual GEMMs per ``config`` plus a bf16 rank-r
+  branch split from the initial weight's SVD (see the module docstring).
+
+  Args:
+    in_features, out_features: K and N.
+    rank: r, ``1 <= r <= min(K, N)``.
+    config: ``MatmulConfig`` of the residual's GEMMs.
+    rngs: ``nnx.Rngs`` for the initializers and the randomized SVD.
+    **kwargs: the other arguments of ``Dense`` (``lora_dtype``, ``lora_param_dtype``, ``svd``, ...).
+
+  Returns:
+    ``Dense(in_features, out_features, matmul=NVFP4Matmul(config), rank=rank, ...)``.
+  """
+  if not isinstance(rank, int) or not 1 <= rank <= min(in_features, out_features):
+    raise ValueError(f"LoraSvdDense: rank must be in [1, min(in_features, out_features)] = "
+                     f"[1, {min(in_features, out_features)}], got {rank}")
+  return Dense(in_features, out_features, matmul=NVFP4Matmul(config), rank=rank, rngs=rngs,
+               **kwargs)

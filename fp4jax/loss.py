@@ -1,14 +1,13 @@
 """Next-token cross-entropy: from full logits, or chunked from the final hidden states and the LM head.
 
 ``chunked_cross_entropy`` is what ``fp4jax.train`` uses: it never materializes the (B, T, V) float32
-logits (8 GiB for the 125m model at 64×1024 tokens), and its LM-head GEMMs take operands in the
-hidden states' dtype with float32 accumulation (``fp4jax.ops.mixed_matmul``'s convention).
+logits (4 bytes × tokens × V), and its LM-head GEMMs take operands in the hidden states' dtype with
+float32 accumulation (``fp4jax.ops.mixed_matmul``'s convention).
 
 Memory trade: by default each chunk's forward also forms the logits' cotangent softmax − onehot in
 ``x``'s dtype and saves it for the backward, so the backward is just the two GEMMs (no recomputed
-logits GEMM, no pass over float32 logits). That residual is 2 bytes × tokens × V for bf16
-(4.3 GB at 64×1024 tokens, V = 32768). ``recompute=True`` saves nothing per chunk and recomputes the
-logits in the backward instead.
+logits GEMM, no pass over float32 logits). That residual is 2 bytes × tokens × V for bf16.
+``recompute=True`` saves nothing per chunk and recomputes the logits in the backward instead.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from jax import lax
 
 from fp4jax import _platform
 from fp4jax.kernels.cross_entropy import softmax_xent_rows, softmax_xent_rows_reference
-from fp4jax.ops.dense import mixed_matmul
+from fp4jax.ops.mixed import mixed_matmul
 
 
 def cross_entropy(logits_BxTxV, targets_BxT, mask_BxT=None):
@@ -56,15 +55,12 @@ LOSS_ROWS = ("auto", "pallas", "xla", "pallas_interpret")
 
 def rows_impl(rows: str) -> str:
   """The forward rule's pass over each chunk's logits: ``"pallas"`` (``fp4jax.kernels.cross_entropy``,
-  one read of the logits), ``"xla"``, or ``"pallas_interpret"`` (the kernel in Pallas interpret
-  mode: CPU tests). ``"auto"``: the kernel when computations go to a CUDA GPU by default
-  (``fp4jax._platform.default_platform``: not under ``jax.default_device(cpu)``, nor on ROCm), else
-  XLA."""
+  one fused kernel), ``"xla"``, or ``"pallas_interpret"`` (the kernel in Pallas interpret mode: CPU
+  tests). ``"auto"``: the kernel when computations go to a CUDA GPU by default, else XLA
+  (``fp4jax._platform.resolve``)."""
   if rows not in LOSS_ROWS:
     raise ValueError(f"cross-entropy rows={rows!r}: expected one of {LOSS_ROWS}")
-  if rows == "auto":
-    return "pallas" if _platform.default_platform() == "cuda" else "xla"
-  return rows
+  return _platform.resolve(rows, "pallas")
 
 
 # The default: its backward needs no logits recomputation (the fwd rule saves the cotangent).
@@ -112,9 +108,9 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
   across chunks.
 
   Memory: by default the forward saves each chunk's logits cotangent (softmax − onehot, in
-  ``x``'s dtype) for the backward: 2 bytes × B·T × V for bf16 ``x`` (4.3 GB at 64×1024 tokens,
-  V = 32768). ``recompute=True`` saves nothing per chunk (only the inputs) but recomputes the
-  logits GEMM, the logsumexp and the cotangent in the backward.
+  ``x``'s dtype) for the backward: 2 bytes × B·T × V for bf16 ``x``. ``recompute=True`` saves
+  nothing per chunk (only the inputs) but recomputes the logits GEMM, the logsumexp and the
+  cotangent in the backward.
 
   Args:
     x_BxTxD: final hidden states (compute dtype).
@@ -124,8 +120,8 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
     recompute: recompute the logits in the backward instead of saving the (B·T, V) cotangent.
     rows: how the default path's forward passes over each chunk's float32 logits (logsumexp,
       target logit, cotangent): ``"pallas"`` (one fused kernel, ``fp4jax.kernels.cross_entropy``),
-      ``"xla"`` (its jnp reference), ``"auto"`` (the kernel on a GPU) or ``"pallas_interpret"`` (CPU tests). Same
-      values up to summation order.
+      ``"xla"`` (its jnp reference), ``"auto"`` (the kernel on a GPU) or ``"pallas_interpret"``
+      (CPU tests). Same values up to summation order.
 
   Returns:
     float32 scalar.
@@ -156,9 +152,9 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
                             (x_NxD.reshape(k, c, d), tgt_N.reshape(k, c), w_N.reshape(k, c)))
     return total / n
-  # Unrolled: each chunk's saved cotangent is its own buffer. Under a scan the residuals were one
-  # stacked (k, C, V) array, which XLA zero-filled and then wrote chunk by chunk (two extra passes
-  # over 4.3 GB per 125m step on the H200).
+  # Unrolled: each chunk's saved cotangent is its own buffer. Under a scan the residuals would be one
+  # stacked (k, C, V) array, which XLA zero-fills and then writes chunk by chunk (two extra passes
+  # over the largest buffer of the step).
   total = jnp.zeros((), jnp.float32)
   for i in range(k):
     sl = slice(i * c, (i + 1) * c)

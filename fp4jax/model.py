@@ -2,16 +2,19 @@
 
 Pre-norm RMSNorm, rotary position embeddings, SwiGLU MLP, untied embedding and LM head, optional
 QK-norm, grouped-query attention. The four projections of each block (qkv, o, gate_up, down: q/k/v
-and gate/up are fused, as Transformer Engine does, so each is one larger GEMM) take their precision
-from ``Recipe.block_linear``; the embedding, the LM head, the norms and the
-softmax stay high precision (float32 master weights, ``ModelConfig.dtype`` compute with float32
-accumulation, float32 logits).
+and gate/up are fused, as Transformer Engine does, so each is one larger GEMM) are
+``fp4jax.layers.Dense`` layers whose matmul comes from ``Recipe.block_linear``; the embedding, the
+LM head, the norms and the softmax stay high precision (float32 master weights,
+``ModelConfig.dtype`` compute with float32 accumulation, float32 logits).
 
 Parameters are named so that ``fp4jax.sharding`` can map them to PartitionSpecs::
 
-  embed/embedding (V, D)             block{i}/attn/{qkv,o}/<leaves>        final_norm/scale (D,)
-  lm_head/kernel (D, V)              block{i}/mlp/{gate_up,down}/<leaves>
-  block{i}/{attn_norm,mlp_norm}/scale, block{i}/attn/{q_norm,k_norm}/scale (head_dim,)
+  embed/embedding (V, D)             blocks/{i}/attn/{qkv,o}/<leaves>        final_norm/scale (D,)
+  lm_head/kernel (D, V)              blocks/{i}/mlp/{gate_up,down}/<leaves>
+  blocks/{i}/{attn_norm,mlp_norm}/scale, blocks/{i}/attn/{q_norm,k_norm}/scale (head_dim,)
+
+With ``scan_layers``, ``blocks/{j}`` is the j-th run of consecutive same-precision blocks, its
+leaves stacked on a leading axis (one ``lax.scan`` applies them).
 
 Use it as an nnx module (``Transformer(cfg, recipe, rngs=nnx.Rngs(0))(tokens_BxT, key=key)``) or
 functionally through ``nnx.split`` / ``nnx.merge`` (``fp4jax.train`` does the latter).
@@ -23,15 +26,17 @@ import dataclasses
 import functools
 import math
 import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from fp4jax import _platform
-from fp4jax.loss import LOSS_ROWS
-from fp4jax.ops.dense import mixed_matmul, mixed_matmul_split
-from fp4jax.recipe import Recipe
+from fp4jax.layers import Dense, MixedMatmul, NVFP4Matmul
+from fp4jax.ops.matmul import MatmulConfig
+from fp4jax.recipe import Recipe, RecipeNotAvailableError
+from fp4jax.sharding import BATCH_AXES
 
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
 
@@ -53,18 +58,16 @@ class ModelConfig:
     norm_eps: RMSNorm epsilon.
     dtype: compute dtype of activations and matmul operands ("bfloat16" or "float32").
     init_std: standard deviation of the projection and embedding initializers.
-    scan_layers: apply each run of consecutive same-precision blocks with one ``lax.scan``
-      (one compiled block instead of L; same parameters and numerics). Off by default: on the
-      CPU, XLA compiles the NVFP4 graph inside a scan ~13x slower than unrolled (412 s vs 31 s for
-      two tiny blocks); on the GPU, measure.
+    scan_layers: apply each run of consecutive same-precision blocks with one ``lax.scan`` (one
+      compiled block instead of L; same initial values and numerics as unrolled). The run's
+      parameters are then stacked leaves (L_run, ...), so optimizer statistics kept per leaf
+      (NVFP4 moments' global scales) cover the run. Off by default: XLA on the CPU compiles the
+      NVFP4 graph inside a scan much more slowly than unrolled.
     remat: rematerialize each block's activations in the backward pass (saves memory).
     attention: "auto" (cuDNN flash attention when the default backend is a GPU and the shapes
       allow it: bfloat16/float16 compute, head_dim a multiple of 8 up to 128; else XLA),
       "cudnn" or "xla". ``jax.nn.dot_product_attention``'s own default is XLA, which
       materializes float32 B×N×T×T scores and probabilities (and a B×N×T×T mask).
-    cross_entropy: the training loss's pass over each chunk's float32 logits (``fp4jax.loss``):
-      "auto" (the fused Pallas kernel ``fp4jax.kernels.cross_entropy`` when the default backend
-      is a GPU, else XLA), "pallas" or "xla". Same loss up to summation order.
   """
 
   vocab_size: int
@@ -82,7 +85,6 @@ class ModelConfig:
   scan_layers: bool = False
   remat: bool = False
   attention: str = "auto"
-  cross_entropy: str = "auto"
 
   def __post_init__(self):
     for f in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -101,9 +103,6 @@ class ModelConfig:
     if self.attention not in ATTENTION_IMPLS:
       raise ValueError(f"ModelConfig.attention={self.attention!r}: expected one of "
                        f"{ATTENTION_IMPLS}")
-    if self.cross_entropy not in LOSS_ROWS:
-      raise ValueError(f"ModelConfig.cross_entropy={self.cross_entropy!r}: expected one of "
-                       f"{LOSS_ROWS}")
     if self.attention == "cudnn" and not _cudnn_shapes_ok(self):
       raise ValueError(f"ModelConfig.attention='cudnn' needs dtype bfloat16 and head_dim a "
                        f"multiple of 8 up to 128 (got dtype={self.dtype}, head_dim={self.hdim})")
@@ -153,9 +152,8 @@ def attention_impl(cfg: ModelConfig) -> str:
   (``fp4jax._platform.default_platform``) and the shapes allow it, else XLA (CPU tests, a
   ``jax.default_device(cpu)`` scope, float32 models).
   """
-  if cfg.attention != "auto":
-    return cfg.attention
-  return "cudnn" if _platform.default_platform() == "cuda" and _cudnn_shapes_ok(cfg) else "xla"
+  impl = _platform.resolve(cfg.attention, "cudnn")
+  return "xla" if cfg.attention == "auto" and not _cudnn_shapes_ok(cfg) else impl
 
 
 def projection_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -163,20 +161,6 @@ def projection_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
   d, nh, kh, f = cfg.d_model, cfg.n_heads * cfg.hdim, cfg.kv_heads * cfg.hdim, cfg.ff
   return {"qkv": (d, nh + 2 * kh), "o": (nh, d), "gate_up": (d, 2 * f), "down": (f, d),
           "embedding": (cfg.vocab_size, d), "lm_head": (d, cfg.vocab_size)}
-
-
-class Dense(nnx.Module):
-  """The BF16 projection: float32 master ``kernel`` (in, out), GEMMs on ``dtype`` operands with
-  float32 accumulation, forward and backward (``fp4jax.ops.mixed_matmul``; the baseline of every
-  comparison)."""
-
-  def __init__(self, in_features: int, out_features: int, *, dtype, std: float, rngs: nnx.Rngs):
-    self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (in_features, out_features)))
-    self.dtype = dtype
-
-  def __call__(self, x, key=None):
-    del key  # deterministic; the argument keeps one call signature for every precision
-    return mixed_matmul(x, self.kernel[...], self.dtype)
 
 
 class Embed(nnx.Module):
@@ -198,11 +182,10 @@ class RMSNorm(nnx.Module):
 
 
 # The elementwise parts of a block (norms, RoPE, SwiGLU gating) keep their (bf16) inputs for the
-# backward instead of their float32 intermediates. Same values; it matters most under
-# ``scan_layers``, where every residual is stacked over the blocks (XLA cannot recompute across the
-# loop): 3.7 -> 1.8 GiB of saved residuals per 125m block at 64x1024 tokens. RMSNorm has its own
-# backward that also keeps the per-row 1/rms (4 bytes a row): recomputing it from x was a separate
-# reduction pass per norm (~3 ms of a 125m step on the H200).
+# backward instead of their float32 intermediates. Same values, half the saved bytes; it matters
+# most under ``scan_layers``, where every residual is stacked over the blocks (XLA cannot recompute
+# across the loop). RMSNorm has its own backward that also keeps the per-row 1/rms (4 bytes a row)
+# instead of a second reduction pass over x.
 def _rms_stats(x, eps):
   """float32 x and the per-row 1/rms."""
   x32 = x.astype(jnp.float32)
@@ -245,7 +228,7 @@ def _swiglu(gu_BxTxFx2):
 
 
 def make_projection(in_features: int, out_features: int, precision: str, recipe: Recipe,
-                    cfg: ModelConfig, std: float, rngs: nnx.Rngs) -> nnx.Module:
+                    cfg: ModelConfig, std: float, rngs: nnx.Rngs) -> Dense:
   """One block projection in the given precision (``bf16``, ``nvfp4`` or ``nvfp4_lorasvd``).
 
   Args:
@@ -258,21 +241,23 @@ def make_projection(in_features: int, out_features: int, precision: str, recipe:
     rngs: parameter RNGs.
 
   Returns:
-    A module called as ``layer(x, key=k)``: ``Dense`` (bf16), ``fp4jax.layers.Fp4Dense`` (nvfp4:
-    NVIDIA's recipe, ``MatmulConfig.nvfp4()``) or ``fp4jax.layers.LoraSvdDense`` (nvfp4_lorasvd:
-    NVFP4 residual + bf16 rank-``recipe.lora_rank`` branch split from the initial weight's SVD).
+    A ``fp4jax.layers.Dense`` called as ``layer(x, key=k)``, whose matmul is ``MixedMatmul`` (bf16),
+    ``NVFP4Matmul(MatmulConfig.nvfp4())`` (nvfp4: NVIDIA's recipe), or the latter with a bf16
+    rank-``recipe.lora_rank`` branch split from the initial weight's SVD (nvfp4_lorasvd).
   """
-  if precision == "bf16":
-    return Dense(in_features, out_features, dtype=cfg.compute_dtype, std=std, rngs=rngs)
-  # Imported here so that the bf16 path never needs the NVFP4 ops.
-  from fp4jax import layers, ops
-  init = nnx.initializers.normal(std)
-  if precision == "nvfp4":
-    return layers.Fp4Dense(in_features, out_features, config=ops.MatmulConfig.nvfp4(), rngs=rngs,
-                           kernel_init=init, dtype=cfg.compute_dtype)
-  return layers.LoraSvdDense(in_features, out_features, rank=recipe.lora_rank,
-                             config=ops.MatmulConfig.nvfp4(), rngs=rngs, kernel_init=init,
-                             dtype=cfg.compute_dtype)
+  matmul = MixedMatmul() if precision == "bf16" else NVFP4Matmul(MatmulConfig.nvfp4())
+  rank = recipe.lora_rank if precision == "nvfp4_lorasvd" else 0
+  return Dense(in_features, out_features, matmul=matmul, rank=rank, rngs=rngs,
+               kernel_init=nnx.initializers.normal(std), dtype=cfg.compute_dtype)
+
+
+def _split_key(key, n: int) -> tuple:
+  """``n`` keys from ``key``, or n Nones (a model without random bits)."""
+  return (None,) * n if key is None else tuple(jax.random.split(key, n))
+
+
+def _fold_key(key, i):
+  return None if key is None else jax.random.fold_in(key, i)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(2,))
@@ -293,13 +278,38 @@ def rope(x_BxTxNxH, positions_T, theta: float):
   return (x * cos + x_rot * sin).astype(x_BxTxNxH.dtype)
 
 
-class Attention(nnx.Module):
-  """Causal grouped-query self-attention with RoPE and optional QK-norm."""
+@dataclasses.dataclass(frozen=True)
+class DotProductAttention:
+  """Causal ``jax.nn.dot_product_attention`` on cuDNN or XLA, per ``attention_impl(cfg)``.
 
-  def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs):
+  The default attention op of ``Attention``: ``op(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, key)`` ->
+  (B, T, N, H) in q's dtype (deterministic: ``key`` is unused).
+  """
+
+  cfg: ModelConfig
+
+  def __call__(self, q, k, v, *, key=None):
+    del key
+    return _attention(q, k, v, attention_impl(self.cfg), fallback=self.cfg.attention == "auto")
+
+
+class Attention(nnx.Module):
+  """Causal grouped-query self-attention with RoPE and optional QK-norm.
+
+  Args:
+    cfg: model hyperparameters.
+    recipe: the precision recipe.
+    precision: the projections' precision (``Recipe.block_linear``).
+    rngs: parameter RNGs.
+    attention_op: ``op(q, k, v, *, key)`` computing causal attention from RoPE'd heads (default
+      ``DotProductAttention(cfg)``).
+  """
+
+  def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs,
+               attention_op: Callable | None = None):
     if recipe.attention != "bf16":
-      recipe.check_available()
-      raise NotImplementedError("attention='nvfp4' is not wired into the model yet")
+      raise RecipeNotAvailableError(f"Recipe attention={recipe.attention!r} is not available yet: "
+                                    "the model's attention has no NVFP4 path")
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.hdim
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     self.qkv = make_projection(d, (n + 2 * k) * h, precision, recipe, cfg, cfg.init_std, rngs)
@@ -308,39 +318,41 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(h, cfg.norm_eps)
       self.k_norm = RMSNorm(h, cfg.norm_eps)
     self.cfg = cfg
+    self.attention_op = DotProductAttention(cfg) if attention_op is None else attention_op
 
   def __call__(self, x_BxTxD, key):
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
-    k_qkv, k_o = jax.random.split(key)
+    k_qkv, k_o = _split_key(key, 2)
     q, k, v = self._qkv(x_BxTxD, k_qkv)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     pos_T = jnp.arange(t)
     q, k = rope(q, pos_T, cfg.rope_theta), rope(k, pos_T, cfg.rope_theta)
-    o_BxTxNxH = _attention(q, k, v, attention_impl(cfg), fallback=cfg.attention == "auto")
+    o_BxTxNxH = self.attention_op(q, k, v, key=_fold_key(key, 2))
     return self.o(o_BxTxNxH.reshape(b, t, cfg.n_heads * cfg.hdim), key=k_o)
 
   def _qkv(self, x_BxTxD, key):
-    """q (B, T, N, H), k and v (B, T, K, H) from the one qkv projection."""
+    """q (B, T, N, H), k and v (B, T, K, H) from the one qkv projection.
+
+    Its columns are grouped per KV head, ``[q_1 .. q_g, k, v]`` for each group, so a
+    tensor-parallel split of the fused output keeps whole groups local (query head i attends with
+    KV head i // g). ``Dense.split`` takes q, k and v as separate GEMMs where that keeps the
+    numerics (bf16), else slices the fused GEMM's output.
+    """
     b, t, _ = x_BxTxD.shape
     n, kv, h = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.hdim
     g = n // kv
-    # Columns grouped per KV head: [q_1 .. q_g, k, v] for each group, so a tensor-parallel split
-    # of the fused output keeps whole groups local (query head i attends with KV head i // g).
-    if isinstance(self.qkv, Dense):
-      # Three GEMMs on column slices of the (small) kernel give q, k, v contiguous: slicing the
-      # fused output cost three strided copies per layer (2.2 ms per step on the H200) and its
-      # backward assembled the fused cotangent (a 6 ms fusion per step). Same forward bits, dx
-      # up to float32 summation order. NVFP4 projections keep the fused GEMM: their quantization
-      # scale is per whole tensor, so splitting it would change the numerics.
-      w = self.qkv.kernel[...].reshape(-1, kv, g + 2, h)
-      wq, wk, wv = (w[:, :, :g].reshape(-1, n * h), w[:, :, g].reshape(-1, kv * h),
-                    w[:, :, g + 1].reshape(-1, kv * h))
-      q, k, v = mixed_matmul_split(x_BxTxD, (wq, wk, wv), self.qkv.dtype)
-      return q.reshape(b, t, n, h), k.reshape(b, t, kv, h), v.reshape(b, t, kv, h)
-    qkv = self.qkv(x_BxTxD, key=key).reshape(b, t, kv, g + 2, h)
-    return qkv[:, :, :, :g].reshape(b, t, n, h), qkv[:, :, :, g], qkv[:, :, :, g + 1]
+
+    def columns(slot, width):
+      def take(a):
+        lead = a.shape[:-1]
+        return a.reshape(*lead, kv, g + 2, h)[..., slot, :].reshape(*lead, width)
+      return take
+
+    q, k, v = self.qkv.split(x_BxTxD, (columns(slice(0, g), n * h), columns(g, kv * h),
+                                       columns(g + 1, kv * h)), key=key)
+    return q.reshape(b, t, n, h), k.reshape(b, t, kv, h), v.reshape(b, t, kv, h)
 
 
 def _attention(q, k, v, impl: str, fallback: bool):
@@ -366,7 +378,7 @@ class Mlp(nnx.Module):
     self.down = make_projection(cfg.ff, cfg.d_model, precision, recipe, cfg, out_std, rngs)
 
   def __call__(self, x_BxTxD, key):
-    k_gu, k_down = jax.random.split(key)
+    k_gu, k_down = _split_key(key, 2)
     # Columns interleaved (gate_j, up_j), so a tensor-parallel split keeps the pairs local.
     gu_BxTxFx2 = self.gate_up(x_BxTxD, key=k_gu).reshape(*x_BxTxD.shape[:-1], -1, 2)
     h_BxTxF = _swiglu(gu_BxTxFx2)
@@ -380,7 +392,7 @@ def constrain_batch(x):
   ("involuntary full rematerialization"). A no-op outside ``jax.set_mesh`` (e.g. on one device).
   """
   mesh = jax.sharding.get_abstract_mesh()
-  axes = tuple(a for a in ("data", "fsdp") if not mesh.empty and a in mesh.axis_names)
+  axes = tuple(a for a in BATCH_AXES if not mesh.empty and a in mesh.axis_names)
   if not axes:
     return x
   return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes))
@@ -389,14 +401,15 @@ def constrain_batch(x):
 class Block(nnx.Module):
   """Pre-norm Transformer block."""
 
-  def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs,
+               attention_op: Callable | None = None):
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-    self.attn = Attention(cfg, recipe, precision, rngs)
+    self.attn = Attention(cfg, recipe, precision, rngs, attention_op)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.mlp = Mlp(cfg, recipe, precision, rngs)
 
   def __call__(self, x_BxTxD, key):
-    k_attn, k_mlp = jax.random.split(key)
+    k_attn, k_mlp = _split_key(key, 2)
     x_BxTxD = constrain_batch(x_BxTxD + self.attn(self.attn_norm(x_BxTxD), k_attn))
     return constrain_batch(x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD), k_mlp))
 
@@ -406,44 +419,40 @@ class Transformer(nnx.Module):
 
   Args:
     cfg: model hyperparameters.
-    recipe: precision recipe (checked for availability here).
+    recipe: precision recipe (``Recipe.block_linear`` gives each block's projections).
     rngs: parameter RNGs.
+    attention_op: the attention op of every block (default ``DotProductAttention(cfg)``; see
+      ``Attention``).
   """
 
-  def __init__(self, cfg: ModelConfig, recipe: Recipe, *, rngs: nnx.Rngs):
-    recipe.check_available()
+  def __init__(self, cfg: ModelConfig, recipe: Recipe, *, rngs: nnx.Rngs,
+               attention_op: Callable | None = None):
     self.cfg, self.recipe = cfg, recipe
+    precisions = [recipe.block_linear(i, cfg.n_layers) for i in range(cfg.n_layers)]
+    self.needs_key = any(p != "bf16" for p in precisions)
+    self.segments = _runs(precisions)
     self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs)
-    self.n_blocks = cfg.n_layers
-    for i in range(cfg.n_layers):
-      setattr(self, f"block{i}", Block(cfg, recipe, recipe.block_linear(i, cfg.n_layers), rngs))
+    blocks = [Block(cfg, recipe, p, rngs, attention_op) for p in precisions]
+    if cfg.scan_layers:  # stacked once here (the same initial values as unrolled)
+      blocks = [_stack(blocks[start:stop]) for start, stop in self.segments]
+    self.blocks = nnx.List(blocks)
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-    self.lm_head = Dense(cfg.d_model, cfg.vocab_size, dtype=cfg.compute_dtype,
-                         std=cfg.init_std, rngs=rngs)
-
-  def _segments(self) -> list[tuple[int, int]]:
-    """Runs ``[start, stop)`` of consecutive blocks with the same projection precision."""
-    kinds = [_block_precision(getattr(self, f"block{i}")) for i in range(self.n_blocks)]
-    runs, start = [], 0
-    for i in range(1, self.n_blocks + 1):
-      if i == self.n_blocks or kinds[i] != kinds[start]:
-        runs.append((start, i))
-        start = i
-    return runs
+    self.lm_head = Dense(cfg.d_model, cfg.vocab_size, matmul=MixedMatmul(out_dtype=jnp.float32),
+                         kernel_init=nnx.initializers.normal(cfg.init_std),
+                         dtype=cfg.compute_dtype, rngs=rngs)
 
   def __call__(self, tokens_BxT, *, key=None):
     """Logits for next-token prediction.
 
     Args:
       tokens_BxT: int token ids.
-      key: PRNG key for stochastic rounding / Hadamard signs of NVFP4 projections; ignored (may
-        be None) when every projection is BF16.
+      key: PRNG key for the stochastic rounding and Hadamard signs of the NVFP4 projections (a
+        fresh one per step); may be None only when every projection is BF16.
 
     Returns:
       float32 logits (B, T, V).
     """
-    x_BxTxD = self.features(tokens_BxT, key=key)
-    return mixed_matmul(x_BxTxD, self.lm_head.kernel[...], self.cfg.compute_dtype, jnp.float32)
+    return self.lm_head(self.features(tokens_BxT, key=key))
 
   def features(self, tokens_BxT, *, key=None):
     """The final-normed hidden states (B, T, D) in the compute dtype, before the LM head.
@@ -455,48 +464,55 @@ class Transformer(nnx.Module):
     Returns:
       (B, T, D) array; ``fp4jax.loss.chunked_cross_entropy`` takes it with ``lm_head.kernel``.
     """
-    if key is None:
-      key = jax.random.key(0)
+    if key is None and self.needs_key:
+      raise ValueError(f"Transformer: the recipe's NVFP4 projections (linear={self.recipe.linear!r}) "
+                       "draw random bits: pass key=, a fresh key per step")
     cfg = self.cfg
     x_BxTxD = jnp.take(self.embed.embedding[...], tokens_BxT, axis=0).astype(cfg.compute_dtype)
     x_BxTxD = constrain_batch(x_BxTxD)
-    for start, stop in self._segments():
-      blocks = [getattr(self, f"block{i}") for i in range(start, stop)]
-      if stop - start == 1 or not cfg.scan_layers:
-        for i, block in zip(range(start, stop), blocks, strict=True):
-          x_BxTxD = _maybe_remat(block, cfg.remat)(x_BxTxD, jax.random.fold_in(key, i))
-        continue
-      x_BxTxD = _scan_blocks(blocks, x_BxTxD, key, start, cfg.remat)
+    if cfg.scan_layers:
+      for (start, stop), stack in zip(self.segments, self.blocks, strict=True):
+        x_BxTxD = _scan_blocks(stack, x_BxTxD, key, start, stop - start, cfg.remat)
+    else:
+      for i, block in enumerate(self.blocks):
+        x_BxTxD = _apply_block(block, x_BxTxD, _fold_key(key, i), cfg.remat)
     return self.final_norm(x_BxTxD)
 
 
-def _block_precision(block: Block) -> str:
-  return type(block.mlp.down).__name__
+def _runs(precisions: list[str]) -> tuple[tuple[int, int], ...]:
+  """Runs ``[start, stop)`` of consecutive blocks with the same projection precision."""
+  runs, start = [], 0
+  for i in range(1, len(precisions) + 1):
+    if i == len(precisions) or precisions[i] != precisions[start]:
+      runs.append((start, i))
+      start = i
+  return tuple(runs)
 
 
-def _maybe_remat(block: Block, remat: bool):
+def _stack(blocks: list[Block]) -> Block:
+  """One ``Block`` whose leaves are those of ``blocks`` stacked on a leading axis."""
+  graphdef, _ = nnx.split(blocks[0])
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.split(b)[1] for b in blocks))
+  return nnx.merge(graphdef, stacked)
+
+
+def _apply_block(block: Block, x_BxTxD, key, remat: bool):
   if not remat:
-    return block
+    return block(x_BxTxD, key)
   graphdef, state = nnx.split(block)
   apply = jax.checkpoint(lambda x, k, st: nnx.merge(graphdef, st)(x, k))
-  return lambda x, k: apply(x, k, state)
+  return apply(x_BxTxD, key, state)
 
 
-def _scan_blocks(blocks: list[Block], x_BxTxD, key, start: int, remat: bool):
-  """Applies identical blocks with one ``lax.scan`` over their stacked parameters.
-
-  The compiled program holds one block instead of L (compile time, especially for the NVFP4
-  ops); parameters keep their per-block names and the stacking is differentiated through.
-  """
-  graphdef, state0 = nnx.split(blocks[0])
-  states = [state0] + [nnx.split(b)[1] for b in blocks[1:]]
-  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+def _scan_blocks(stack: Block, x_BxTxD, key, start: int, n: int, remat: bool):
+  """Applies the ``n`` blocks stacked in ``stack`` (blocks ``start ..``) with one ``lax.scan``."""
+  graphdef, state = nnx.split(stack)
 
   def body(x, inputs):
     st, i = inputs
-    return nnx.merge(graphdef, st)(x, jax.random.fold_in(key, i)), None
+    return nnx.merge(graphdef, st)(x, _fold_key(key, i)), None
 
   if remat:
     body = jax.checkpoint(body)
-  x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, (stacked, start + jnp.arange(len(blocks))))
+  x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, (state, start + jnp.arange(n)))
   return x_BxTxD

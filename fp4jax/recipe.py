@@ -1,6 +1,6 @@
 """The precision recipe: which parts of training run in NVFP4, as one frozen dataclass.
 
-The four modules are pluggable and cumulative (DESIGN.md §1)::
+The four modules are pluggable and cumulative (docs/DESIGN.md, "The linear recipe")::
 
   linear            bf16 | nvfp4 | nvfp4_lorasvd   every projection of every block
   attention         bf16 | nvfp4                   the QKᵀ / dS products of attention
@@ -12,19 +12,24 @@ Embeddings, the LM head, norms and softmax always stay high precision. ``bf16_fi
 keeps ~15% of the linear layers, mostly the last blocks, in BF16).
 
 Named presets: ``bf16``, ``fp4_linear``, ``fp4_linear_lorasvd``, ``fp4_full_stack``
-(``get_recipe(name)``). A choice whose code has not landed in this tree raises
-``RecipeNotAvailableError`` from ``Recipe.check_available()`` — never a silent fallback.
+(``get_recipe(name)``). A choice this version cannot run yet raises ``RecipeNotAvailableError``
+from ``Recipe.check_available()`` (``fp4jax.train.train`` calls it) — never a silent fallback.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 LINEAR_CHOICES = ("bf16", "nvfp4", "nvfp4_lorasvd")
 ATTENTION_CHOICES = ("bf16", "nvfp4")
 OPTIMIZER_STATE_CHOICES = ("fp32", "nvfp4")
 NEWTON_SCHULZ_CHOICES = ("bf16", "nvfp4")
+MODULES = ("linear", "attention", "optimizer_states", "newton_schulz")  # what a preset sets
+
+# Choices that this version cannot train with yet, and why.
+_NOT_AVAILABLE = {
+    ("attention", "nvfp4"): "the model's attention has no NVFP4 path",
+}
 
 
 class RecipeNotAvailableError(NotImplementedError):
@@ -87,27 +92,16 @@ class Recipe:
     return self.linear
 
   def check_available(self) -> Recipe:
-    """Raises ``RecipeNotAvailableError`` if a chosen module's code is not in this tree.
+    """Raises ``RecipeNotAvailableError`` if a chosen module cannot be trained with yet.
 
     Returns:
       ``self``, so that ``get_recipe(name).check_available()`` chains.
     """
-    needs = []
-    if self.linear == "nvfp4":
-      needs.append(("linear='nvfp4'", "fp4jax.layers", "Fp4Dense"))
-    if self.linear == "nvfp4_lorasvd":
-      needs.append(("linear='nvfp4_lorasvd'", "fp4jax.layers", "LoraSvdDense"))
-    if self.attention == "nvfp4":
-      needs.append(("attention='nvfp4'", "fp4jax.ops.attention", "nvfp4_attention"))
-    if self.optimizer_states == "nvfp4":
-      needs.append(("optimizer_states='nvfp4'", "fp4jax.optim", "adamw_nvfp4"))
-    if self.newton_schulz == "nvfp4":
-      needs.append(("newton_schulz='nvfp4'", "fp4jax.optim", "muon_nvfp4"))
-    for what, module, name in needs:
-      if not _has(module, name):
+    for field in MODULES:
+      reason = _NOT_AVAILABLE.get((field, getattr(self, field)))
+      if reason:
         raise RecipeNotAvailableError(
-            f"Recipe {what} is not available yet: it needs {module}.{name}, which this version "
-            "of fp4jax does not have")
+            f"Recipe {field}={getattr(self, field)!r} is not available yet: {reason}")
     return self
 
   def replace(self, **changes) -> Recipe:
@@ -116,13 +110,6 @@ class Recipe:
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
-
-
-def _has(module: str, name: str) -> bool:
-  try:
-    return hasattr(importlib.import_module(module), name)
-  except ImportError:
-    return False
 
 
 PRESETS: dict[str, Recipe] = {

@@ -17,12 +17,13 @@ One explicit table maps each projection to the mesh axes of its input and output
 
 A 2-D leaf of shape (in, out) gets ``P(in_axis, out_axis)``; a low-rank factor (in, r) gets
 ``P(in_axis, None)`` and (r, out) gets ``P(None, out_axis)``; a dimension not divisible by its axis
-size is left unsharded.
+size is left unsharded. Leading axes of stacked leaves (``ModelConfig.scan_layers``: (L, in, out))
+are not sharded. Optimizer states follow their parameters (``fp4jax.optim.state_sharding``).
 
 Multi-host: call ``jax.distributed.initialize()`` (no arguments under SLURM / Open MPI / TPU pods;
 else ``coordinator_address=, num_processes=, process_id=``) before anything touches the devices;
 ``make_mesh`` then spans ``jax.devices()`` of every host and each host feeds its slice of the batch
-(``fp4jax.train`` builds global batch arrays with ``jax.make_array_from_process_local_data``).
+(``fp4jax.data.to_global_batch`` builds the global batch arrays).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp")  # the mesh axes the batch is split over
 
 # role (the name of the module that owns the leaf) -> (axis of the input dim, axis of the output dim)
 SHARDING_TABLE: dict[str, tuple[str | None, str | None]] = {
@@ -92,15 +93,16 @@ def _fit(axis, dim, mesh: Mesh):
 def param_spec(path, shape: tuple[int, ...], in_out: tuple[int, int] | None, mesh: Mesh) -> P:
   """The PartitionSpec of one parameter leaf (see the module docstring)."""
   role = _role(path)
-  if role is None or len(shape) != 2:
+  if role is None or len(shape) < 2:
     return P()
   in_axis, out_axis = SHARDING_TABLE[role]
-  if in_out is not None and (shape[0] != in_out[0]) != (shape[1] != in_out[1]):
+  lead, (rows, cols) = (None,) * (len(shape) - 2), shape[-2:]
+  if in_out is not None and (rows != in_out[0]) != (cols != in_out[1]):
     # A low-rank factor: (in, r) or (r, out).
-    if shape[0] == in_out[0]:
-      return P(_fit(in_axis, shape[0], mesh), None)
-    return P(None, _fit(out_axis, shape[1], mesh))
-  return P(_fit(in_axis, shape[0], mesh), _fit(out_axis, shape[1], mesh))
+    if rows == in_out[0]:
+      return P(*lead, _fit(in_axis, rows, mesh), None)
+    return P(*lead, None, _fit(out_axis, cols, mesh))
+  return P(*lead, _fit(in_axis, rows, mesh), _fit(out_axis, cols, mesh))
 
 
 def param_shardings(params, mesh: Mesh, dims: dict[str, tuple[int, int]] | None = None):
@@ -122,54 +124,6 @@ def param_shardings(params, mesh: Mesh, dims: dict[str, tuple[int, int]] | None 
   return jax.tree_util.tree_map_with_path(one, params)
 
 
-def _dict_keys(path) -> tuple:
-  return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
-
-
-def fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
-  """``spec`` for an array of ``shape``: axes that do not divide their dimension are dropped."""
-  if len(spec) > len(shape):
-    return P()
-  out = []
-  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    size = int(np.prod([mesh.shape[a] for a in names])) if names else 1
-    out.append(axes if names and dim % size == 0 else None)
-  return P(*out)
-
-
-def state_shardings(abstract_state, params_shardings, mesh: Mesh):
-  """Shardings of an optimizer state that follow the parameters' (ZeRO-style).
-
-  A leaf whose dict-key path is a parameter's path (optax moments ``mu`` / ``nu``, and the packed
-  ``codes`` / ``scales`` of an NVFP4 moment) takes that parameter's PartitionSpec, minus the
-  axes its own shape does not divide; every other leaf (counts, global scales) is replicated.
-
-  Args:
-    abstract_state: the state or its ``jax.eval_shape``.
-    params_shardings: pytree of ``NamedSharding`` keyed like the parameters (pure dicts).
-    mesh: the mesh.
-
-  Returns:
-    A pytree of ``NamedSharding`` with the structure of ``abstract_state``.
-  """
-  by_path = {_dict_keys(path): s.spec for path, s in
-             jax.tree_util.tree_flatten_with_path(params_shardings)[0]}
-
-  def one(path, x):
-    spec = by_path.get(_dict_keys(path))
-    shape = tuple(getattr(x, "shape", ()))
-    if spec is None or len(shape) != len(spec) and len(spec) != 0:
-      return NamedSharding(mesh, P())
-    return NamedSharding(mesh, fit_spec(spec, shape, mesh))
-
-  return jax.tree_util.tree_map_with_path(one, abstract_state)
-
-
-def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-  """Sharding of a (B, T, ...) batch: B over (data, fsdp)."""
-  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
-
-
 def replicated(mesh: Mesh) -> NamedSharding:
+  """The fully replicated sharding on ``mesh``."""
   return NamedSharding(mesh, P())

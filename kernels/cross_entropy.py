@@ -7,19 +7,15 @@
 - ``dl_CxV[i]``: ``((exp(logits[i] - lse[i]) - onehot(tgt[i])) * w[i]).astype(dl_dtype)``, the
   cotangent of ``sum(w * (lse - tgt_logit))`` with respect to the logits,
 
-reading the logits once or twice and writing ``dl`` once, where the XLA path (``fp4jax.loss``) makes
-separate passes over the (C, V) float32 array (row max, sum of exp, cotangent).
-``softmax_xent_rows_reference`` is the same in plain jnp.
+where the XLA path (``fp4jax.loss``) makes separate passes over the (C, V) float32 array (row max,
+sum of exp, cotangent). ``softmax_xent_rows_reference`` is the same in plain jnp.
 
-Two kernels: ``"row"`` holds whole rows (padded to a power of two, V_pad) in registers, for
-V_pad <= 65536; ``"tiled"`` takes any V in tiles, with an online max / sum of exp in a first loop
-and the cotangent in a second (so it reads the logits twice; the second read of a program's rows
-may come from L2). On the H200 "tiled" (2048 columns, 4 warps) was the faster at V = 32768 and
-50304 (benchmarks/cross_entropy.py; benchmarks/RESULTS.md), so "auto" takes it.
-
-Everything inside the kernels lowers to Triton (power-of-two blocks, masked loads and stores for the
-ragged column tail and row tail, no gathers or value slicing): see tests/test_kernels_cross_entropy.py
-for the CPU-side CUDA lowering check.
+Layout: each program takes ``rows_per_program`` rows and walks V in tiles of ``tile_v`` columns,
+twice: an online max / sum of exp (and the target logit) in a first loop, the cotangent in a second
+(the second read of a program's rows mostly comes from L2). Any V works; the ragged last tile and
+the ragged last program are masked. Everything lowers to Triton (power-of-two blocks, masked loads
+and stores, no gathers or value slicing): tests/test_kernels_cross_entropy.py checks the CUDA
+lowering on the CPU.
 """
 
 from __future__ import annotations
@@ -33,11 +29,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fp4jax.kernels._util import next_pow2, store
+from fp4jax.kernels._util import store
 
-ROW_MAX_V_PAD = 65536  # the widest rows "row" is meant for (one row fills a register file)
-_TRITON_MAX_NUMEL = 1 << 20  # Triton's limit on the elements of one block
-_IMPLS = ("auto", "row", "tiled", "reference")
+_IMPLS = ("pallas", "reference")
 
 
 def _is_pow2(n) -> bool:
@@ -53,8 +47,8 @@ def softmax_xent_rows_reference(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16):
   tgt_C = tgt_C.astype(jnp.int32)
   m_C = jnp.max(logits, axis=1)
   lse_C = m_C + jnp.log(jnp.sum(jnp.exp(logits - m_C[:, None]), axis=1))
-  # The target logit as a gather, not a one-hot reduction over the row (a separate 3.8 ms pass per
-  # 125m step on the H200); this op is never differentiated, so no (C, V) scatter follows.
+  # The target logit as a gather, not a one-hot reduction over the row (one more pass over the
+  # logits); this op is never differentiated, so no (C, V) scatter follows.
   valid_C = (tgt_C >= 0) & (tgt_C < logits.shape[1])
   picked_C = jnp.take_along_axis(logits, tgt_C[:, None], axis=1, mode="clip")[:, 0]
   tgt_logit_C = jnp.where(valid_C, picked_C, 0.0)
@@ -74,28 +68,7 @@ def _and(a, b):
   return b if a is None else a if b is None else a & b
 
 
-def _row_kernel(x_ref, tgt_ref, w_ref, lse_ref, tl_ref, dl_ref, *, n_rows, n_cols):
-  r, v_pad = x_ref.shape
-  row_ok = None
-  if n_rows % r:  # the last program's block hangs over the end: mask its rows (no padding copy)
-    row_ok = pl.program_id(0) * r + lax.broadcasted_iota(jnp.int32, (r,), 0) < n_rows
-  col = lax.broadcasted_iota(jnp.int32, (r, v_pad), 1)
-  mask = _and(None if n_cols == v_pad else col < n_cols, None if row_ok is None else row_ok[:, None])
-  # -inf in the padding: exp gives 0 there, and the max ignores it.
-  x = x_ref[...] if mask is None else plgpu.load(x_ref, mask=mask, other=-jnp.inf)
-  tgt, w = _load_row_vectors(tgt_ref, w_ref, row_ok)
-  m = jnp.max(x, axis=1)
-  lse = m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), axis=1))
-  hit = col == tgt[:, None]
-  store(lse_ref, lse, row_ok)
-  store(tl_ref, jnp.sum(jnp.where(hit, x, 0.0), axis=1), row_ok)
-  # exp(x - lse) again rather than exp(x - m) / sum: the reference's formula, and the exp is cheap
-  # next to the memory traffic.
-  dl = (jnp.exp(x - lse[:, None]) - jnp.where(hit, 1.0, 0.0)) * w[:, None]
-  store(dl_ref, dl.astype(dl_ref.dtype), mask)
-
-
-def _tiled_kernel(x_ref, tgt_ref, w_ref, lse_ref, tl_ref, dl_ref, *, n_rows, n_cols, tile):
+def _kernel(x_ref, tgt_ref, w_ref, lse_ref, tl_ref, dl_ref, *, n_rows, n_cols, tile):
   r = x_ref.shape[0]
   row_ok = None
   if n_rows % r:
@@ -185,13 +158,13 @@ def _no_derivative(fn):
   return f
 
 
-def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *, impl: str = "auto",
+def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *, impl: str = "pallas",
                       rows_per_program: int | None = None, num_warps: int | None = None,
                       tile_v: int | None = None, num_stages: int | None = None,
                       interpret: bool = False):
   """Row-wise logsumexp, target logit and weighted softmax-minus-onehot of float32 logits, fused.
 
-  One pass over the logits instead of XLA's four: per row ``i``,
+  One kernel instead of XLA's separate passes: per row ``i``,
   ``lse[i] = logsumexp(logits[i])`` (max-stabilised, float32), ``tgt_logit[i] = logits[i, tgt[i]]``
   and ``dl[i] = ((exp(logits[i] - lse[i]) - onehot(tgt[i])) * w[i]).astype(dl_dtype)``. Rows with
   ``w == 0`` still get a valid ``lse`` (and ``dl`` 0). Targets outside ``[0, V)`` match no column.
@@ -208,16 +181,12 @@ def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *, impl: st
     tgt_C: integer target ids, (C,).
     w_C: per-row weights (float), (C,); 0 for padding rows.
     dl_dtype: dtype of ``dl`` (bfloat16: the dtype of the LM-head GEMM operands).
-    impl: ``"row"`` (whole rows of V_pad = next power of two >= V columns per program; needs
-      rows_per_program · V_pad <= 2**20), ``"tiled"`` (any V, ``tile_v`` columns at a time, two
-      reads of the logits), ``"auto"`` (``"tiled"``, the faster on the H200), or
-      ``"reference"`` (``softmax_xent_rows_reference``, plain XLA).
+    impl: ``"pallas"`` (the kernel) or ``"reference"`` (``softmax_xent_rows_reference``, plain XLA).
     rows_per_program: rows per grid program, a power of two (default 1). C need not be a multiple:
       the last program masks its rows.
-    num_warps: Triton warps per program, a power of two <= 32 (default: ``"row"`` about 64 logits
-      per thread, 16 for V = 32768 and one row; ``"tiled"`` 4).
-    tile_v: ``"tiled"`` only: columns per tile, a power of two (default 2048, at most V_pad).
-    num_stages: Triton pipelining stages (default: Triton's, 3 on CUDA); matters for ``"tiled"``.
+    num_warps: Triton warps per program, a power of two <= 32 (default 4).
+    tile_v: columns per tile, a power of two (default 2048, at most V rounded up to a power of two).
+    num_stages: Triton pipelining stages (default: Triton's, 3 on CUDA).
     interpret: run the kernel in Pallas interpret mode (CPU tests).
 
   Returns:
@@ -227,11 +196,7 @@ def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *, impl: st
   if impl not in _IMPLS:
     raise ValueError(f"softmax_xent_rows: impl={impl!r}, expected one of {_IMPLS}")
   c, v = logits_CxV.shape
-  v_pad = next_pow2(v)
-  if impl == "auto":
-    # Measured on the H200 (benchmarks/RESULTS.md): "tiled" beat "row" at V = 32768 (0.91 vs
-    # 1.02 ms per 8192-row chunk at their best settings) and at V = 50304 (1.40 vs 1.67 ms).
-    impl = "tiled"
+  v_pad = pl.next_power_of_2(v)
   w_C = w_C.astype(jnp.float32)
   if impl == "reference":
     return _no_derivative(functools.partial(softmax_xent_rows_reference, dl_dtype=dl_dtype))(
@@ -239,19 +204,11 @@ def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *, impl: st
 
   r = 1 if rows_per_program is None else rows_per_program
   _check_pow2("rows_per_program", r)
-  r = min(r, next_pow2(c))  # no programs wider than all rows
-  if impl == "row":
-    if r * v_pad > _TRITON_MAX_NUMEL:
-      raise ValueError(f"softmax_xent_rows: impl='row' holds rows_per_program x V_pad = {r} x {v_pad} "
-                       f"logits per program, over Triton's {_TRITON_MAX_NUMEL}; use fewer rows or "
-                       "impl='tiled'")
-    warps = int(np.clip(r * v_pad // 2048, 4, 32)) if num_warps is None else num_warps
-    kernel = functools.partial(_row_kernel, n_rows=c, n_cols=v)
-  else:
-    tile = min(2048 if tile_v is None else tile_v, v_pad)
-    _check_pow2("tile_v", tile)
-    warps = 4 if num_warps is None else num_warps
-    kernel = functools.partial(_tiled_kernel, n_rows=c, n_cols=v, tile=tile)
+  r = min(r, pl.next_power_of_2(c))  # no programs wider than all rows
+  tile = min(2048 if tile_v is None else tile_v, v_pad)
+  _check_pow2("tile_v", tile)
+  warps = 4 if num_warps is None else num_warps
+  kernel = functools.partial(_kernel, n_rows=c, n_cols=v, tile=tile)
   _check_pow2("num_warps", warps, 32)
   if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
     raise ValueError(f"softmax_xent_rows: num_stages={num_stages!r} must be a positive int")
@@ -259,8 +216,8 @@ def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *, impl: st
   tgt_C = tgt_C.astype(jnp.int32)
   tgt_C = jnp.where((tgt_C >= 0) & (tgt_C < v), tgt_C, -1)
 
-  # The (r, V_pad) block is never loaded whole by "tiled" (it slices tiles from the ref); its width
-  # is a multiple of the tile so that interpret mode pads the array instead of clamping slices.
+  # The (r, V_pad) block is never loaded whole (the kernel slices tiles from the ref); its width is a
+  # multiple of the tile so that interpret mode pads the array instead of clamping slices.
   rows = pl.BlockSpec((r,), lambda i: (i,))
   block = pl.BlockSpec((r, v_pad), lambda i: (i, 0))
   call = pl.pallas_call(
@@ -272,6 +229,6 @@ def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *, impl: st
       out_specs=(rows, rows, block),
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=num_stages),
       interpret=interpret,
-      name=f"softmax_xent_{impl}",
+      name="softmax_xent",
   )
   return _no_derivative(call)(logits_CxV, tgt_C, w_C)

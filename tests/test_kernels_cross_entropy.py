@@ -61,23 +61,22 @@ def test_reference_matches_float64():
   assert dl.dtype == jnp.bfloat16 and lse.dtype == tl.dtype == jnp.float32
 
 
-# (impl, C, V, rows_per_program, tile_v): V a power of two, ragged (300, 1000), C not a multiple of
-# the rows per program (30 / 4), tiles that divide V and tiles with a ragged tail, one tile > V.
+# (C, V, rows_per_program, tile_v): V a power of two, ragged (300, 1000), C not a multiple of the
+# rows per program (30 / 4), tiles that divide V and tiles with a ragged tail, one tile > V, the
+# default tile.
 CASES = [
-    ("row", 32, 256, 1, None),
-    ("row", 30, 300, 4, None),
-    ("row", 32, 1000, 2, None),
-    ("tiled", 32, 256, 1, 64),
-    ("tiled", 30, 300, 4, 128),
-    ("tiled", 32, 1000, 1, 256),
-    ("tiled", 32, 1000, 2, 4096),
+    (32, 256, 1, 64),
+    (30, 300, 4, 128),
+    (32, 1000, 1, 256),
+    (32, 1000, 2, 4096),
+    (30, 300, 4, None),
 ]
 
 
-@pytest.mark.parametrize("impl,c,v,r,tile", CASES)
-def test_kernel_matches_reference_in_interpret_mode(impl, c, v, r, tile):
+@pytest.mark.parametrize("c,v,r,tile", CASES)
+def test_kernel_matches_reference_in_interpret_mode(c, v, r, tile):
   x, tgt, w = _inputs(c, v, seed=v + c)
-  lse, tl, dl = softmax_xent_rows(x, tgt, w, impl=impl, rows_per_program=r, tile_v=tile, interpret=True)
+  lse, tl, dl = softmax_xent_rows(x, tgt, w, rows_per_program=r, tile_v=tile, interpret=True)
   lse_r, tl_r, dl_r = softmax_xent_rows_reference(x, tgt, w)
   assert lse.shape == tl.shape == (c,) and dl.shape == (c, v) and dl.dtype == jnp.bfloat16
   np.testing.assert_allclose(lse, lse_r, rtol=1e-6, atol=1e-6)
@@ -97,12 +96,11 @@ def test_kernel_matches_reference_in_interpret_mode(impl, c, v, r, tile):
   assert np.all(dl[live, np.asarray(tgt)[live]] <= 0)
 
 
-@pytest.mark.parametrize("impl", ["row", "tiled"])
-def test_float32_dl_and_out_of_range_targets(impl):
+def test_float32_dl_and_out_of_range_targets():
   c, v = 8, 300  # V_pad = 512: target 400 lies in the padding columns
   x, tgt, w = _inputs(c, v, seed=3)
   tgt = tgt.at[5].set(-1).at[6].set(v).at[7].set(400)
-  lse, tl, dl = softmax_xent_rows(x, tgt, w, jnp.float32, impl=impl, tile_v=128, interpret=True)
+  lse, tl, dl = softmax_xent_rows(x, tgt, w, jnp.float32, tile_v=128, interpret=True)
   lse_r, tl_r, dl_r = softmax_xent_rows_reference(x, tgt, w, jnp.float32)
   assert dl.dtype == jnp.float32
   np.testing.assert_allclose(lse, lse_r, rtol=1e-6, atol=1e-6)
@@ -117,7 +115,7 @@ def test_reference_impl_is_the_reference():
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("impl", ["row", "reference"])
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
 def test_grad_raises_a_clear_error(impl):
   x, tgt, w = _inputs(8, 256)
   loss = lambda x: jnp.sum(softmax_xent_rows(x, tgt, w, impl=impl, interpret=True)[0])
@@ -143,39 +141,30 @@ def test_bad_arguments_raise_value_errors():
       ((x[:, :0], tgt, w), {}, "empty"),
       ((x, tgt, w), dict(impl="fused"), "impl"),
       ((x, tgt, w), dict(rows_per_program=3), "rows_per_program"),
-      ((x, tgt, w), dict(impl="tiled", tile_v=100), "tile_v"),
+      ((x, tgt, w), dict(tile_v=100), "tile_v"),
       ((x, tgt, w), dict(num_warps=64), "num_warps"),
       ((x, tgt, w), dict(num_stages=0), "num_stages"),
   ]:
     with pytest.raises(ValueError, match=match):
       call(*args, **kw)
-  big = jax.ShapeDtypeStruct((64, 65536), jnp.float32)  # 32 x 65536 logits per program: too many
-  with pytest.raises(ValueError, match="impl='tiled'"):
-    jax.eval_shape(functools.partial(softmax_xent_rows, impl="row", rows_per_program=32), big,
-                   jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((64,), jnp.float32))
 
 
-# (impl, C, V, kwargs, the kernel's loads of logits): "row" reads each row once, "tiled" twice per
-# tile. Masks only where needed: the ragged column tail (V < V_pad; "tiled": its peeled last tile)
-# and the ragged row tail (C not a multiple of the rows per program; no padding copy in XLA).
+# (C, V, kwargs, the kernel's loads of logits): two reads per tile (statistics, then the cotangent).
+# Masks only where needed: the ragged column tail (V < V_pad: its peeled last tile) and the ragged
+# row tail (C not a multiple of the rows per program; no padding copy in XLA).
 LOWER_CASES = [
-    ("row", 64, 32768, {}, ["1x32768"]),
-    ("tiled", 64, 32768, {}, ["1x2048"] * 2),
-    ("row", 62, 32768, dict(rows_per_program=4), ["4x32768 masked"]),
-    ("row", 64, 50304, {}, ["1x65536 masked"]),
-    ("tiled", 64, 50304, {}, ["1x2048", "1x2048 masked"] * 2),
-    ("row", 64, 50304, dict(rows_per_program=4, num_warps=32), ["4x65536 masked"]),
-    ("tiled", 62, 50304, dict(rows_per_program=4, tile_v=2048), ["4x2048 masked"] * 4),
-    ("auto", 16, 32768, {}, ["1x2048"] * 2),  # "auto" is "tiled" (measured faster on the H200)
-    ("auto", 16, 70000, {}, ["1x2048", "1x2048 masked"] * 2),
+    (64, 32768, {}, ["1x2048"] * 2),
+    (64, 50304, {}, ["1x2048", "1x2048 masked"] * 2),
+    (62, 50304, dict(rows_per_program=4, tile_v=2048), ["4x2048 masked"] * 4),
+    (16, 70000, dict(num_warps=8), ["1x2048", "1x2048 masked"] * 2),
 ]
 
 
-@pytest.mark.parametrize("impl,c,v,kw,loads", LOWER_CASES)
-def test_lowers_to_triton_for_h200(triton_modules, impl, c, v, kw, loads):
+@pytest.mark.parametrize("c,v,kw,loads", LOWER_CASES)
+def test_lowers_to_triton_for_h200(triton_modules, c, v, kw, loads):
   """The CUDA lowering of a jitted call for an abstract H200 (no GPU): one Triton custom call does
   all the work (no exp or reduction left to XLA), and the kernel reads the logits as intended."""
-  f = jax.jit(functools.partial(softmax_xent_rows, impl=impl, **kw))
+  f = jax.jit(functools.partial(softmax_xent_rows, **kw))
   args = (jax.ShapeDtypeStruct((c, v), jnp.float32), jax.ShapeDtypeStruct((c,), jnp.int32),
           jax.ShapeDtypeStruct((c,), jnp.float32))
   with jax.sharding.use_abstract_mesh(H200):  # abstract values only in here
@@ -184,16 +173,13 @@ def test_lowers_to_triton_for_h200(triton_modules, impl, c, v, kw, loads):
   assert "stablehlo.exponential" not in hlo and "stablehlo.reduce" not in hlo, hlo
   assert len(triton_modules) == 1
   ttir = triton_modules[0]
-  want = "row" if len(loads) == 1 else "tiled"
-  assert f"@softmax_xent_{want}" in ttir
+  assert "@softmax_xent" in ttir
   # Loads through f32 pointers of a 2-D block are the logits' (lse's are 1-D); a masked load has
   # mask and other operands.
   found = [block + (" masked" if extra else "") for extra, block in
            re.findall(r"tt\.load %\w+((?:, %\w+)*) : tensor<(\d+x\d+)x!tt\.ptr<f32>>", ttir)]
   assert found == loads, found
-  warps = kw.get("num_warps", 16 if want == "row" and v == 32768 and "rows_per_program" not in kw else None)
-  if warps:
-    assert re.search(rf"num_warps = {warps} : i32", hlo)
+  assert re.search(rf"num_warps = {kw.get('num_warps', 4)} : i32", hlo)
 
 
 def test_auto_rows_follow_the_default_platform(monkeypatch):

@@ -7,14 +7,12 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import fp4jax.model as model_lib
+from fp4jax import _platform, layers
 from fp4jax import sharding as shd
-from fp4jax.layers import Fp4Dense, LoraSvdDense
-from fp4jax.ops import MatmulConfig
+from fp4jax.layers import MixedMatmul, NVFP4Matmul
 from fp4jax.loss import chunked_cross_entropy, cross_entropy
-from fp4jax import _platform
-from fp4jax.model import Dense, ModelConfig, Transformer, attention_impl, projection_dims, rope
-from fp4jax.ops import mixed_matmul
+from fp4jax.model import ModelConfig, Transformer, attention_impl, projection_dims, rope
+from fp4jax.ops import MatmulConfig, mixed_matmul
 from fp4jax.recipe import Recipe, RecipeNotAvailableError, get_recipe
 
 CFG = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -53,8 +51,8 @@ def test_causal_no_gradient_from_the_future():
     model = nnx.merge(graphdef, state)
     model.embed.embedding = nnx.Param(emb)
     x = x_TxD[None]
-    for i in range(CFG.n_layers):
-      x = getattr(model, f"block{i}")(x, jax.random.key(0))
+    for block in model.blocks:
+      x = block(x, None)
     return model.final_norm(x)[0, t].sum()
 
   x_TxD = jnp.take(emb, tokens[0], axis=0)
@@ -72,7 +70,7 @@ def test_gqa_matches_repeated_kv_heads():
   mha = jax.nn.dot_product_attention(q, jnp.repeat(kk, n // k, axis=2),
                                      jnp.repeat(v, n // k, axis=2), is_causal=True)
   np.testing.assert_allclose(gqa, mha, atol=1e-5)
-  assert _model().block0.attn.qkv.kernel.shape == (64, (4 + 2 * 2) * 16)
+  assert _model().blocks[0].attn.qkv.kernel.shape == (64, (4 + 2 * 2) * 16)
 
 
 def test_rope_is_a_rotation_and_relative():
@@ -127,22 +125,32 @@ def test_rms_norm_custom_backward_matches_autodiff(dtype):
 def test_qk_norm_option():
   with_norm = _model()
   without = _model(ModelConfig(**{**CFG.__dict__, "qk_norm": False}))
-  assert hasattr(with_norm.block0.attn, "q_norm") and not hasattr(without.block0.attn, "q_norm")
+  assert hasattr(with_norm.blocks[0].attn, "q_norm") and not hasattr(without.blocks[0].attn, "q_norm")
   assert without(jnp.zeros((1, 16), jnp.int32)).shape == (1, 16, 64)
 
 
 def test_recipe_places_precision_per_block():
   cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=4, n_heads=4)
   m = _model(cfg, Recipe(linear="nvfp4", bf16_first_blocks=1, bf16_last_blocks=1))
-  kinds = [type(getattr(m, f"block{i}").mlp.down) for i in range(4)]
-  assert kinds == [Dense, Fp4Dense, Fp4Dense, Dense]
-  assert m.block1.attn.qkv.config == MatmulConfig.nvfp4() and m.block2.attn.o.config.quantized
-  assert isinstance(m.lm_head, Dense)  # LM head stays high precision
+  kinds = [type(block.mlp.down.matmul) for block in m.blocks]
+  assert kinds == [MixedMatmul, NVFP4Matmul, NVFP4Matmul, MixedMatmul]
+  assert m.blocks[1].attn.qkv.matmul == NVFP4Matmul(MatmulConfig.nvfp4())
+  assert m.blocks[2].attn.o.matmul.config.quantized and m.blocks[2].attn.o.rank == 0
+  assert m.lm_head.matmul == MixedMatmul(out_dtype=jnp.float32)  # LM head stays high precision
   lora = _model(cfg, Recipe(linear="nvfp4_lorasvd", lora_rank=8, bf16_last_blocks=1))
-  assert isinstance(lora.block0.mlp.gate_up, LoraSvdDense) and isinstance(lora.block3.mlp.down,
-                                                                           Dense)
-  assert lora.block0.mlp.gate_up.lora_a.shape == (64, 8)
-  assert lora.block0.mlp.gate_up.lora_b.shape == (8, 2 * cfg.ff)
+  gu, down = lora.blocks[0].mlp.gate_up, lora.blocks[3].mlp.down
+  assert isinstance(gu.matmul, NVFP4Matmul) and gu.rank == 8
+  assert isinstance(down.matmul, MixedMatmul) and down.rank == 0 and down.lora_a is None
+  assert gu.lora_a.shape == (64, 8) and gu.lora_b.shape == (8, 2 * cfg.ff)
+
+
+def test_quantized_model_requires_a_key():
+  cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, dtype="float32")
+  tokens = jnp.zeros((1, 16), jnp.int32)
+  with pytest.raises(ValueError, match="pass key="):
+    _model(cfg, get_recipe("fp4_linear"))(tokens)
+  exempt = _model(cfg, get_recipe("fp4_linear", bf16_first_blocks=1, bf16_last_blocks=1))
+  assert not exempt.needs_key and exempt(tokens).shape == (1, 16, 64)
 
 
 def test_nvfp4_forward_is_close_to_bf16_with_same_weights():
@@ -178,19 +186,27 @@ def test_sharding_table():
   mesh = shd.make_mesh((2, 2, 2))
   params = nnx.to_pure_dict(nnx.state(_model(), nnx.Param))
   sh = shd.param_shardings(params, mesh, projection_dims(CFG))
-  assert sh["block0"]["attn"]["qkv"]["kernel"].spec == P("fsdp", "tensor")
-  assert sh["block0"]["attn"]["o"]["kernel"].spec == P("tensor", "fsdp")
-  assert sh["block1"]["mlp"]["gate_up"]["kernel"].spec == P("fsdp", "tensor")
-  assert sh["block1"]["mlp"]["down"]["kernel"].spec == P("tensor", "fsdp")
+  b0, b1 = sh["blocks"][0], sh["blocks"][1]
+  assert b0["attn"]["qkv"]["kernel"].spec == P("fsdp", "tensor")
+  assert b0["attn"]["o"]["kernel"].spec == P("tensor", "fsdp")
+  assert b1["mlp"]["gate_up"]["kernel"].spec == P("fsdp", "tensor")
+  assert b1["mlp"]["down"]["kernel"].spec == P("tensor", "fsdp")
   assert sh["embed"]["embedding"].spec == P("tensor", "fsdp")
   assert sh["lm_head"]["kernel"].spec == P("fsdp", "tensor")
-  assert sh["block0"]["attn_norm"]["scale"].spec == P()
+  assert b0["attn_norm"]["scale"].spec == P()
+  # scan_layers: leaves stacked on a leading (unsharded) axis.
+  scanned = _model(ModelConfig(**{**CFG.__dict__, "scan_layers": True}))
+  sh = shd.param_shardings(nnx.to_pure_dict(nnx.state(scanned, nnx.Param)), mesh,
+                           projection_dims(CFG))
+  assert sh["blocks"][0]["attn"]["qkv"]["kernel"].spec == P(None, "fsdp", "tensor")
+  assert sh["blocks"][0]["attn_norm"]["scale"].spec == P()
   # Low-rank factors of a projection shard only their full-size dimension.
-  path = (jax.tree_util.DictKey("block0"), jax.tree_util.DictKey("mlp"),
+  path = (jax.tree_util.DictKey("blocks"), jax.tree_util.DictKey(0), jax.tree_util.DictKey("mlp"),
           jax.tree_util.DictKey("down"), jax.tree_util.DictKey("lora_a"))
   dims = projection_dims(CFG)
   assert shd.param_spec(path, (CFG.ff, 16), dims["down"], mesh) == P("tensor", None)
   assert shd.param_spec(path, (16, 64), dims["down"], mesh) == P(None, "fsdp")
+  assert shd.param_spec(path, (3, 16, 64), dims["down"], mesh) == P(None, None, "fsdp")
   # A dimension that does not divide stays unsharded.
   assert shd.param_spec(path[:-1] + (jax.tree_util.DictKey("kernel"),), (5, 64), None,
                         mesh) == P(None, "fsdp")
@@ -213,22 +229,31 @@ def test_scan_layers_equals_unrolled(remat):
   unrolled = ModelConfig(**{**cfg.__dict__, "scan_layers": False})
   scanned = ModelConfig(**{**cfg.__dict__, "scan_layers": True, "remat": remat})
   m1, m2 = _model(unrolled), _model(scanned)
-  assert m2._segments() == [(0, 3)]
+  assert m2.segments == ((0, 3),) and len(m2.blocks) == 1
   tokens = jax.random.randint(jax.random.key(6), (2, 16), 0, 64)
   graphdef1, p1 = nnx.split(m1)
-  graphdef2, _ = nnx.split(m2)
+  graphdef2, p2 = nnx.split(m2)
+  # The scanned model is created with the unrolled one's initial values, stacked.
+  stack = lambda d: {0: jax.tree.map(lambda *xs: jnp.stack(xs), *d["blocks"].values())}  # noqa: E731
+  d1, d2 = nnx.to_pure_dict(p1), nnx.to_pure_dict(p2)
+  jax.tree.map(np.testing.assert_array_equal, {**d1, "blocks": stack(d1)}, d2)
   loss = lambda g, p: cross_entropy(nnx.merge(g, p)(tokens), tokens)  # noqa: E731
   vg = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)
   l1, g1 = vg(graphdef1, p1)
-  l2, g2 = vg(graphdef2, p1)
+  l2, g2 = vg(graphdef2, p2)
   assert float(l1) == pytest.approx(float(l2), rel=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), g1, g2)
+  g1, g2 = nnx.to_pure_dict(g1), nnx.to_pure_dict(g2)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
+               {**g1, "blocks": stack(g1)}, g2)
 
 
 def test_segments_follow_exempt_blocks():
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=5, n_heads=2)
   m = _model(cfg, Recipe(linear="nvfp4", bf16_first_blocks=1, bf16_last_blocks=2))
-  assert m._segments() == [(0, 1), (1, 3), (3, 5)]
+  assert m.segments == ((0, 1), (1, 3), (3, 5))
+  scanned = _model(ModelConfig(**{**cfg.__dict__, "scan_layers": True}),
+                   Recipe(linear="nvfp4", bf16_first_blocks=1, bf16_last_blocks=2))
+  assert [b.mlp.down.kernel.shape[0] for b in scanned.blocks] == [1, 2, 2]
 
 
 def test_lorasvd_model_shards_low_rank_factors_and_runs():
@@ -237,7 +262,7 @@ def test_lorasvd_model_shards_low_rank_factors_and_runs():
   g, p = nnx.split(m)
   params = nnx.to_pure_dict(p)
   sh = shd.param_shardings(params, shd.make_mesh((1, 4, 2)), projection_dims(cfg))
-  gu = sh["block0"]["mlp"]["gate_up"]
+  gu = sh["blocks"][0]["mlp"]["gate_up"]
   assert (gu["kernel"].spec, gu["lora_a"].spec, gu["lora_b"].spec) == (
       P("fsdp", "tensor"), P("fsdp", None), P(None, "tensor"))
   tokens = jax.random.randint(jax.random.key(7), (1, 16), 0, 64)
@@ -460,8 +485,8 @@ def test_bf16_qkv_split_gemms_equal_fused_gemm(monkeypatch, n_kv_heads):
     return uses_split, jax.jit(jax.value_and_grad(loss))(p)
 
   split, (l1, g1) = run()
-  with monkeypatch.context() as mp:  # qkv no longer a `Dense` to Attention: the fused path
-    mp.setattr(model_lib, "Dense", type("NotDense", (), {}))
+  with monkeypatch.context() as mp:  # a bf16 matmul without split: the fused path
+    mp.setattr(layers.MixedMatmul, "split", None)
     fused_split, (l0, g0) = run()
   assert split and not fused_split
   assert float(l1) == float(l0)

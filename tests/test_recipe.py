@@ -65,14 +65,16 @@ def test_attention_nvfp4_is_not_available_yet():
   assert isinstance(RecipeNotAvailableError("x"), NotImplementedError)
 
 
-def test_missing_module_raises_not_available(monkeypatch):
-  monkeypatch.setattr(recipe_lib, "_has", lambda module, name: False)
-  with pytest.raises(RecipeNotAvailableError, match="linear='nvfp4'.*fp4jax.layers.Fp4Dense"):
-    get_recipe("fp4_linear").check_available()
-  assert get_recipe("bf16").check_available() == get_recipe("bf16")  # bf16 needs nothing
-
-
 def test_available_modules_pass():
+  assert get_recipe("bf16").check_available() == get_recipe("bf16")
   assert get_recipe("fp4_linear").check_available().linear == "nvfp4"
   assert get_recipe("fp4_linear_lorasvd").check_available().linear == "nvfp4_lorasvd"
-  assert get_recipe("bf16", optimizer_states="nvfp4").check_available()
+  assert get_recipe("bf16", optimizer_states="nvfp4", newton_schulz="nvfp4").check_available()
+
+
+def test_presets_set_exactly_the_modules():
+  for r in recipe_lib.PRESETS.values():
+    rest = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
+            if f.name not in recipe_lib.MODULES}
+    assert rest == {f.name: getattr(Recipe(), f.name) for f in dataclasses.fields(r)
+                    if f.name not in recipe_lib.MODULES}

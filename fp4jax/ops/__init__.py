@@ -1,6 +1,6 @@
 """Differentiable NVFP4 ops (``custom_vjp``), each beside its pure-jnp reference."""
 
-from fp4jax.ops.dense import mixed_matmul, mixed_matmul_split, mixed_matmul_vjp_reference
+from fp4jax.ops.mixed import mixed_matmul, mixed_matmul_split, mixed_matmul_vjp_reference
 from fp4jax.ops.matmul import (
     MatmulConfig,
     nvfp4_matmul,
@@ -8,4 +8,12 @@ from fp4jax.ops.matmul import (
     nvfp4_matmul_vjp_reference,
 )
 
-__all__ = ["MatmulConfig", "mixed_matmul", "mixed_matmul_split", "mixed_matmul_vjp_reference", "nvfp4_matmul", "nvfp4_matmul_reference", "nvfp4_matmul_vjp_reference"]
+__all__ = [
+    "MatmulConfig",
+    "mixed_matmul",
+    "mixed_matmul_split",
+    "mixed_matmul_vjp_reference",
+    "nvfp4_matmul",
+    "nvfp4_matmul_reference",
+    "nvfp4_matmul_vjp_reference",
+]
