@@ -153,13 +153,30 @@ def quantize_reference(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=
 
 
 def _div_rn(a, b, interpret):
-  """IEEE ``a / b``: PTX ``div.rn.f32`` on the GPU, the CPU's (IEEE) division in interpret mode."""
+  """IEEE ``a / b`` (float32, ``b`` an array): PTX ``div.rn.f32`` on the GPU; in interpret mode the
+  CPU's division, IEEE for the normal operands it gets (``numerics.div_rn`` on vectors compiles
+  slowly on XLA:CPU)."""
   if interpret:
     return a / b
   a = jnp.broadcast_to(jnp.asarray(a, jnp.float32), b.shape)
   return plgpu.elementwise_inline_asm(
       "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(b.shape, jnp.float32)])[0]
+
+
+def _tensor_scales(i_ref, interpret):
+  """``(S_enc / 6, S_dec, finite)`` of the tensor as (1, 1) arrays, from the bit pattern of its
+  ``max|x|`` (``i_ref[0]``), as ``nvfp4.quantize`` forms them (``nvfp4.global_decode_scale``): PTX
+  ``div.rn.f32`` on the GPU, ``numerics.div_rn`` in interpret mode (subnormal quotients included)."""
+  div = (lambda a, b: numerics.div_rn(a, b)) if interpret else (lambda a, b: _div_rn(a, b, False))
+  bits = jnp.full((1, 1), i_ref[0], jnp.int32)
+  bits = jnp.where(bits < _F32_NORMAL_MIN_BITS, 0, bits)  # subnormals flushed, as every element
+  finite = bits < _F32_INF_BITS  # NaN and inf patterns lie above every finite one
+  amax = lax.bitcast_convert_type(jnp.where(finite, bits, 0), jnp.float32)
+  s_enc = jnp.minimum(div(jnp.float32(numerics.E4M3_MAX * numerics.E2M1_MAX), amax), numerics.F32_MAX)
+  s_enc = jnp.where((amax == 0) | (s_enc == 0), jnp.float32(1.0), s_enc)
+  s_dec = jnp.where(finite, div(jnp.float32(1.0), s_enc), jnp.float32(jnp.nan))
+  return s_enc * jnp.float32(numerics.INV6), s_dec, finite
 
 
 def _rotl(x, r):
@@ -255,7 +272,7 @@ def _pair_amax_kernel(x_ref, o_ref, *, n_a, n_b):
   o_ref[...] = jnp.full((1, 1), _max_all(jnp.maximum(_abs_bits(e), _abs_bits(o))), jnp.int32)
 
 
-def _pair_quantize_kernel(c_ref, k_ref, x_ref, codes_ref, scales_ref, *dec_ref, n_a, n_b, rounding,
+def _pair_quantize_kernel(i_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, n_a, n_b, rounding,
                           bit_source, interpret):
   ba, s, bb = x_ref.shape[:3]
   pid_a, pid_b = pl.program_id(0), pl.program_id(1)
@@ -263,15 +280,16 @@ def _pair_quantize_kernel(c_ref, k_ref, x_ref, codes_ref, scales_ref, *dec_ref, 
   # Block amax over each block's 8 pairs (axis 3) and, for 16x16 tiles, its 16 rows (axis 1).
   block_amax = jnp.max(jnp.maximum(jnp.abs(e), jnp.abs(o)), axis=3)
   block_amax = jnp.max(block_amax, axis=1)  # (BA, BB)
-  consts = (c_ref[0], c_ref[1], c_ref[2] > 0)
+  consts = _tensor_scales(i_ref, interpret)
+  g_ref[...] = consts[1].reshape(1)  # every program writes the same value
   dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
   bits = (None, None)
   if rounding == "stochastic":
     shape = e.shape
     # Flat index of each even element: (((a * S + s) * B + b) * 8 + j) * 2.
     pair = _iota_index(shape, (pid_a * ba, 0, pid_b * bb, 0), (s * n_b * 8, n_b * 8, 8, 1))
-    k1 = lax.bitcast_convert_type(k_ref[0], jnp.uint32)
-    k2 = lax.bitcast_convert_type(k_ref[1], jnp.uint32)
+    k1 = lax.bitcast_convert_type(i_ref[1], jnp.uint32)
+    k2 = lax.bitcast_convert_type(i_ref[2], jnp.uint32)
     if bit_source == "counter":
       h = numerics.counter_hash(pair, k1, k2)
       bits = (numerics.lane_bits(h, 0), numerics.lane_bits(h, 1))
@@ -334,14 +352,15 @@ def _slab_amax_kernel(s_ref, x_ref, o_ref, *, n_a, n_b, mid, hadamard_on):
   o_ref[...] = jnp.full((1, 1), _max_all(m), jnp.int32)
 
 
-def _slab_quantize_kernel(c_ref, k_ref, s_ref, x_ref, codes_ref, scales_ref, *dec_ref, n_a, n_b, mid,
+def _slab_quantize_kernel(i_ref, s_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, n_a, n_b, mid,
                           hadamard_on, rounding, bit_source, interpret):
   tile = _slab_tile(x_ref, mid)
   pid_a, pid_b = pl.program_id(0), pl.program_id(1)
   ok = _slab_ok(tile, pid_a, pid_b, n_a, n_b)
   xs = _slabs(x_ref, s_ref, ok, mid, hadamard_on)
   block_amax = functools.reduce(jnp.maximum, [jnp.abs(x) for x in xs])
-  consts = (c_ref[0], c_ref[1], c_ref[2] > 0)
+  consts = _tensor_scales(i_ref, interpret)
+  g_ref[...] = consts[1].reshape(1)  # every program writes the same value
   dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
   bits = [None] * BLOCK
   if rounding == "stochastic":
@@ -349,8 +368,8 @@ def _slab_quantize_kernel(c_ref, k_ref, s_ref, x_ref, codes_ref, scales_ref, *de
     base = _iota_index(tile, (pid_a * tile[0], pid_b * tile[1]),
                        (BLOCK * n_b, 1) if mid else (BLOCK * n_b, BLOCK))
     step = n_b if mid else 1
-    k1 = lax.bitcast_convert_type(k_ref[0], jnp.uint32)
-    k2 = lax.bitcast_convert_type(k_ref[1], jnp.uint32)
+    k1 = lax.bitcast_convert_type(i_ref[1], jnp.uint32)
+    k2 = lax.bitcast_convert_type(i_ref[2], jnp.uint32)
     for i in range(BLOCK):
       idx = base + jnp.uint32(i * step)
       if bit_source == "counter":
@@ -499,8 +518,7 @@ def _key_words(key, bit_source):
     k1, k2 = numerics.counter_words(key)
   else:
     k1, k2 = jax.random.key_data(key).reshape(-1)[:2].astype(jnp.uint32)
-  words = jnp.stack([k1, k2]).astype(jnp.uint32)
-  return jnp.pad(lax.bitcast_convert_type(words, jnp.int32), (0, 6))
+  return lax.bitcast_convert_type(jnp.stack([k1, k2]).astype(jnp.uint32), jnp.int32)
 
 
 def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_source="random",
@@ -571,36 +589,30 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
         out_shape=out, grid=grid, in_specs=[whole, x_spec], out_specs=o_spec, name="nvfp4_amax",
         **params)(signs, xv)
 
-  # S_enc and S_dec in XLA (scalars), as nvfp4.quantize forms them.
-  amax_bits = jnp.max(partial)
-  amax_bits = jnp.where(amax_bits < _F32_NORMAL_MIN_BITS, 0, amax_bits)  # flushed subnormals
-  finite = amax_bits < _F32_INF_BITS
-  amax = lax.bitcast_convert_type(jnp.where(finite, amax_bits, 0), jnp.float32)
-  s_enc, s_dec = nvfp4.global_decode_scale(amax)
-  s_dec = jnp.where(finite, s_dec, jnp.nan)
-  consts = jnp.stack([s_enc * jnp.float32(numerics.INV6), s_dec, finite.astype(jnp.float32),
-                      jnp.float32(0)]).astype(jnp.float32)
-  words = _key_words(key, bit_source) if rounding == "stochastic" else jnp.zeros((8,), jnp.int32)
+  # The tensor's max|x| (its bit pattern) and the key's two words, for the second pass.
+  words = _key_words(key, bit_source) if rounding == "stochastic" else jnp.zeros((2,), jnp.int32)
+  ints = jnp.concatenate([jnp.max(partial)[None], words, jnp.zeros((5,), jnp.int32)])
 
   # Pass 2: codes, scale bytes, and the decoded operand.
   x_spec, c_spec, s_spec = _specs(lay)
   grid = _grid(lay)
   out_shape = [jax.ShapeDtypeStruct(lay.codes_view, jnp.uint8),
-               jax.ShapeDtypeStruct(_scales_shape(lay), jnp.uint8)]
-  out_specs = [c_spec, s_spec]
+               jax.ShapeDtypeStruct(_scales_shape(lay), jnp.uint8),
+               jax.ShapeDtypeStruct((1,), jnp.float32)]
+  out_specs = [c_spec, s_spec, pl.BlockSpec((1,), lambda i, j: (0,))]
   if decoded:
     out_shape.append(jax.ShapeDtypeStruct(lay.view, jnp.bfloat16))
     out_specs.append(x_spec)
-  smem4, smem8, smem16 = (pl.BlockSpec((n,), lambda i, j: (0,)) for n in (4, 8, BLOCK))
+  smem8, smem16 = (pl.BlockSpec((n,), lambda i, j: (0,)) for n in (8, BLOCK))
   common = dict(n_a=lay.n_a, n_b=lay.n_b, rounding=rounding, bit_source=bit_source,
                 interpret=interpret)
   params["compiler_params"] = plgpu.CompilerParams(num_warps=block_sizes.num_warps)
   if lay.kind == "pairs":
     kernel = functools.partial(_pair_quantize_kernel, **common)
-    in_specs, args = [smem4, smem8, x_spec], (consts, words, xv)
+    in_specs, args = [smem8, x_spec], (ints, xv)
   else:
     kernel = functools.partial(_slab_quantize_kernel, mid=lay.mid, hadamard_on=hadamard_on, **common)
-    in_specs, args = [smem4, smem8, smem16, x_spec], (consts, words, signs, xv)
+    in_specs, args = [smem8, smem16, x_spec], (ints, signs, xv)
   outs = pl.pallas_call(kernel, out_shape=tuple(out_shape), grid=grid, in_specs=in_specs,
                         out_specs=tuple(out_specs), name=f"nvfp4_quantize_{lay.kind}", **params)(*args)
 
@@ -613,10 +625,10 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
   t = nvfp4.NVFP4Tensor(
       codes=outs[0].reshape(codes_shape),
       scales=lax.bitcast_convert_type(outs[1].reshape(scales_shape), jnp.float8_e4m3fn),
-      global_scale=s_dec.astype(jnp.float32),
+      global_scale=outs[2].reshape(()),
       shape=tuple(x.shape),
       block=block,
       axis=axis,
       dtype=jnp.dtype(jnp.float32) if hadamard_on else x.dtype,
   )
-  return (t, outs[2].reshape(x.shape)) if decoded else t
+  return (t, outs[3].reshape(x.shape)) if decoded else t

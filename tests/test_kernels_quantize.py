@@ -1,0 +1,157 @@
+"""fp4jax.kernels.nvfp4_quantize: the kernels equal nvfp4.quantize bit for bit (interpret mode on the
+CPU), the decoded operand equals scaled_elements, and every variant lowers to Triton for an H200."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import H200
+
+from fp4jax import numerics, nvfp4
+from fp4jax.kernels import nvfp4_quantize as kq
+
+# Small tiles: several programs per axis and ragged edges on the CPU.
+SMALL = kq.BlockSizes(quantize_elements=256, amax_elements=512)
+KEY, HKEY = jax.random.key(7), jax.random.key(9)
+
+
+def _bits(a):
+  a = np.asarray(a)
+  if a.dtype == ml_dtypes.float8_e4m3fn or a.dtype == ml_dtypes.bfloat16 or a.dtype.kind == "f":
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+  return a
+
+
+def _assert_same(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    gn, wn = np.isnan(np.asarray(g, np.float32)), np.isnan(np.asarray(w, np.float32))
+    np.testing.assert_array_equal(gn, wn)
+    np.testing.assert_array_equal(np.where(gn, 0, _bits(g)), np.where(wn, 0, _bits(w)))
+
+
+def _data(shape, dtype, seed=0):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  x = jax.random.t(k1, 3.0, shape) * jnp.exp(jax.random.normal(k2, shape))  # heavy tails
+  return x.astype(dtype)
+
+
+# (name, shape, dtype, kwargs): each layout of the kernels, each rounding and bit source, the
+# Hadamard transform along the token axis and along the last axis.
+CASES = [
+    ("rows nearest", (3, 5, 64), jnp.bfloat16, dict()),
+    ("rows stochastic", (24, 80), jnp.float32, dict(rounding="stochastic", key=KEY)),
+    ("rows counter", (40, 48), jnp.bfloat16, dict(rounding="stochastic", key=KEY, bit_source="counter")),
+    ("tiles nearest", (2, 32, 48), jnp.float32, dict(block=(16, 16))),
+    ("tiles stochastic", (48, 32), jnp.bfloat16, dict(block=(16, 16), rounding="stochastic", key=KEY)),
+    ("axis0 nearest", (48, 24), jnp.float32, dict(axis=0)),
+    ("axis1 of 3 counter", (3, 32, 20), jnp.bfloat16,
+     dict(axis=1, rounding="stochastic", key=KEY, bit_source="counter")),
+    ("axis0 hadamard stochastic", (48, 40), jnp.bfloat16,
+     dict(axis=0, hadamard_key=HKEY, rounding="stochastic", key=KEY)),
+    ("last hadamard nearest", (20, 48), jnp.float32, dict(hadamard_key=HKEY)),
+]
+
+
+@pytest.mark.parametrize("name,shape,dtype,kw", CASES, ids=[c[0] for c in CASES])
+def test_interpret_equals_nvfp4_quantize(name, shape, dtype, kw):
+  x = _data(shape, dtype)
+  got, dec = kq.quantize(x, decoded=True, block_sizes=SMALL, interpret=True, **kw)
+  want = kq.quantize_reference(x, **kw)
+  _assert_same(got, want)
+  # The decoded operand: scaled_elements in bf16, the global scale not applied.
+  assert dec.dtype == jnp.bfloat16 and dec.shape == x.shape
+  _assert_same(dec, want.scaled_elements(jnp.bfloat16))
+  np.testing.assert_array_equal(np.asarray(dec, np.float32) * np.float32(want.global_scale),
+                                np.asarray(want.dequantize(jnp.float32)))
+  if "hadamard_key" not in kw:  # the reference is nvfp4.quantize itself
+    bits = None
+    if kw.get("bit_source") == "counter":
+      bits, kw = numerics.counter_bits(KEY, shape), {k: v for k, v in kw.items() if k != "bit_source"}
+      kw.pop("key")
+    _assert_same(got, nvfp4.quantize(x, bits=bits, **kw))
+
+
+@pytest.mark.parametrize("fill", ["zeros", "nan", "inf"])
+def test_zeros_and_non_finite_as_nvfp4(fill):
+  x = _data((32, 64), jnp.float32)
+  if fill == "zeros":
+    x = jnp.zeros_like(x)
+  else:
+    x = x.at[5, 17].set(jnp.nan if fill == "nan" else -jnp.inf)
+  got = kq.quantize(x, block_sizes=SMALL, interpret=True)
+  _assert_same(got, nvfp4.quantize(x))
+  if fill == "zeros":
+    assert float(got.global_scale) == 1.0 and not np.asarray(got.codes).any()
+  else:  # non-finite: NaN global scale and every code zero
+    assert np.isnan(float(got.global_scale)) and not np.asarray(got.codes).any()
+
+
+def test_hadamard_is_nvfp4_hadamard_in_a_fixed_order():
+  """The butterfly is nvfp4.hadamard to float32 rounding, and equal where the sums are exact."""
+  x = _data((64, 32), jnp.float32)
+  np.testing.assert_allclose(kq.hadamard(x, HKEY, 0), nvfp4.hadamard(x, HKEY, 0), rtol=1e-5, atol=1e-5)
+  grid = jax.random.randint(jax.random.key(1), (64, 32), -256, 256).astype(jnp.float32) / 128
+  np.testing.assert_array_equal(kq.hadamard(grid, HKEY, 0), nvfp4.hadamard(grid, HKEY, 0))
+
+
+def test_bad_arguments():
+  x = jnp.ones((32, 48), jnp.float32)
+  with pytest.raises(ValueError, match="multiple of 16"):
+    kq.quantize(jnp.ones((32, 40)), interpret=True)
+  with pytest.raises(ValueError, match="multiple of 16"):
+    kq.quantize(jnp.ones((24, 32)), block=(16, 16), interpret=True)
+  with pytest.raises(ValueError, match="needs a `key`"):
+    kq.quantize(x, rounding="stochastic", interpret=True)
+  with pytest.raises(ValueError, match="bit_source"):
+    kq.quantize(x, rounding="stochastic", key=KEY, bit_source="philox", interpret=True)
+  with pytest.raises(ValueError, match="threefry2x32"):
+    kq.quantize(x, rounding="stochastic", key=jax.random.key(0, impl="rbg"), interpret=True)
+  with pytest.raises(ValueError, match="Hadamard"):
+    kq.quantize(x, block=(16, 16), hadamard_key=HKEY, interpret=True)
+  with pytest.raises(ValueError, match="floating-point"):
+    kq.quantize(jnp.ones((4, 16), jnp.int32), interpret=True)
+  with pytest.raises(ValueError, match="power of two"):
+    kq.BlockSizes(quantize_elements=100)
+
+
+def test_gradient_is_zero_as_nvfp4():
+  x = _data((16, 32), jnp.float32)
+  g = jax.grad(lambda a: jnp.sum(kq.quantize(a, decoded=True, interpret=True)[1].astype(jnp.float32)))(x)
+  np.testing.assert_array_equal(g, 0.0)
+
+
+LOWERING = [
+    ((48, 96), dict()),
+    ((2, 32, 64), dict(block=(16, 16), rounding="stochastic")),
+    ((40, 96), dict(rounding="stochastic", bit_source="counter")),
+    ((48, 96), dict(axis=0, hadamard=True, rounding="stochastic")),
+    ((48, 96), dict(axis=0, rounding="stochastic", bit_source="counter")),
+    ((40, 96), dict(hadamard=True)),
+]
+
+
+@pytest.mark.parametrize("shape,kw", LOWERING, ids=[str(i) for i in range(len(LOWERING))])
+def test_lowers_to_triton_for_h200(triton_modules, shape, kw):
+  """Two Triton kernels (amax, quantize) and a handful of XLA ops around them; the quantizer divides
+  with PTX's correctly rounded instruction."""
+  kw = dict(kw)
+  hadamard = kw.pop("hadamard", False)
+
+  def f(x, key, hkey):
+    return kq.quantize(x, key=key if kw.get("rounding") == "stochastic" else None,
+                       hadamard_key=hkey if hadamard else None, decoded=True, **kw)
+
+  x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  with jax.sharding.use_abstract_mesh(H200):
+    hlo = jax.jit(f).trace(x, KEY, HKEY).lower(lowering_platforms=("cuda",)).as_text()
+  assert hlo.count("__gpu$xla.gpu.triton") == 2
+  assert len(triton_modules) == 2
+  amax, quant = sorted(triton_modules, key=lambda m: "nvfp4_quantize" in m)
+  assert "@nvfp4_amax" in amax and "@nvfp4_quantize" in quant
+  assert quant.count("div.rn.f32") >= 2  # the global scales and the block scales
+  # Without the Hadamard signs (a jax.random draw in XLA), the program around the kernels is small.
+  if not hadamard:
+    assert len(hlo.splitlines()) < 200
