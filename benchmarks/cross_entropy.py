@@ -1,21 +1,20 @@
 r"""Fused cross-entropy rows (``fp4jax.kernels.cross_entropy``) against XLA, on one chunk of logits.
 
-  python benchmarks/cross_entropy.py                  # GPU: C=8192 rows, V=32768 (the 125m chunk)
-  python benchmarks/cross_entropy.py --vocab=50304    # GPT-2's padded vocabulary ("row" at V_pad 65536)
-  python benchmarks/cross_entropy.py --tiny           # CPU check of the script (interpret mode, seconds)
+  python -m benchmarks.cross_entropy                  # GPU: C=8192 rows, V=32768 (the 125m chunk)
+  python -m benchmarks.cross_entropy --vocab=50304    # GPT-2's padded vocabulary
+  python -m benchmarks.cross_entropy --tiny           # CPU check of the script (interpret mode, seconds)
 
 Times ``(lse, tgt_logit, dl) = f(logits, tgt, w)`` for float32 logits (normal, std 4), bf16 ``dl``:
-the XLA path (``softmax_xent_rows_reference`` jitted: the peer), the "row" kernel over a sweep of
-(rows per program, warps) and the "tiled" kernel over a few (rows, tile width, warps). Median of
-``--iters`` runs after 3 warm-up runs, each ended by ``block_until_ready``. GB/s counts 4 B/element
-read and 2 B/element written (the "tiled" kernel reads the logits twice; the second read is not
-counted). "floor" is ``logits.astype(bf16)`` in XLA: the same bytes with no arithmetic (a reference
-point, not a bound: DESIGN.md §5 saw XLA's bf16 elementwise passes run at half copy bandwidth).
+the XLA path (``softmax_xent_rows_reference`` jitted: the peer) and the kernel over a few (rows per
+program, tile width, warps), the default first. Median of ``--iters`` runs after 3 warm-up runs,
+each ended by ``block_until_ready``. GB/s counts 4 B/element read and 2 B/element written (the
+kernel reads the logits twice; the second read is not counted). "floor" is
+``logits.astype(bf16)`` in XLA: the same bytes with no arithmetic (a reference point, not a bound).
 
 Each kernel is checked against the XLA path, on the device: max |Δlse|, max |Δtgt_logit|, the dl
 elements that differ and the largest difference in bf16 ulps (magnitudes below 2**-120 taken as 0).
 Exits 1 if a kernel differs beyond 1e-5 relative in lse, at all in tgt_logit, or by more than 1 ulp
-in dl, or if a default configuration fails to compile. Prints one markdown table last.
+in dl, or if the default configuration fails to compile. Prints one markdown table last.
 """
 
 from __future__ import annotations
@@ -23,17 +22,12 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks.timing import environment_line, median_seconds  # noqa: E402
-from fp4jax.kernels.cross_entropy import (ROW_MAX_V_PAD, softmax_xent_rows,  # noqa: E402
-                                          softmax_xent_rows_reference)
+from benchmarks.timing import environment_line, median_seconds
+from fp4jax.kernels.cross_entropy import softmax_xent_rows, softmax_xent_rows_reference
 
 
 def bf16_ulp_distance(a, b):
@@ -57,18 +51,12 @@ def _differences(out, ref):
               finite=jnp.all(jnp.isfinite(lse)))
 
 
-def configs(v_pad, tiny):
-  """(impl, rows_per_program, num_warps, tile_v); the first of each impl is its default."""
+def configs(tiny):
+  """(rows_per_program, num_warps, tile_v); the first is the default."""
   if tiny:
-    return [("row", None, None, None), ("row", 4, 4, None), ("tiled", None, None, None),
-            ("tiled", 2, 4, 256)]
-  rows = [("row", None, None, None)]
-  rows += [("row", r, w, None) for r, w in [(1, 8), (1, 16), (1, 32), (2, 16), (2, 32), (4, 32)]
-           if r * v_pad <= 1 << 20]
-  rows += [("tiled", None, None, None)]
-  rows += [("tiled", r, w, t) for r, w, t in [(1, 4, 2048), (1, 8, 2048), (1, 8, 8192), (1, 16, 8192),
-                                               (2, 8, 4096), (4, 8, 2048)]]
-  return rows
+    return [(None, None, None), (2, 4, 256)]
+  return [(None, None, None)] + [(1, 8, 2048), (1, 8, 8192), (1, 16, 8192), (2, 8, 4096),
+                                 (4, 8, 2048)]
 
 
 def check(out, ref):
@@ -88,10 +76,8 @@ def main(argv=None):
   c, v = (64, 1000) if args.tiny else (args.rows, args.vocab)
   iters = 3 if args.tiny else args.iters
   interpret = args.tiny or jax.default_backend() == "cpu"
-  v_pad = 1 << (v - 1).bit_length()
   print(environment_line(), flush=True)
-  print(f"C={c} V={v} (V_pad {v_pad}, auto -> {'row' if v_pad <= ROW_MAX_V_PAD else 'tiled'}), "
-        f"interpret={interpret}", flush=True)
+  print(f"C={c} V={v}, interpret={interpret}", flush=True)
 
   k1, k2 = jax.random.split(jax.random.key(0))
   logits = jax.random.normal(k1, (c, v), jnp.float32) * 4.0
@@ -105,9 +91,9 @@ def main(argv=None):
   t_floor = median_seconds(jax.jit(lambda x: x.astype(jnp.bfloat16)), logits, iters=iters)
   rows = [("XLA (reference, jitted)", t_xla, None), ("floor: logits.astype(bf16)", t_floor, None)]
   failed = []
-  for impl, r, nw, tile in configs(v_pad, args.tiny):
-    name = f"{impl} R={r or 'def'} warps={nw or 'def'}" + (f" tile={tile or 'def'}" if impl == "tiled" else "")
-    fn = jax.jit(functools.partial(softmax_xent_rows, impl=impl, rows_per_program=r, num_warps=nw,
+  for r, nw, tile in configs(args.tiny):
+    name = f"kernel R={r or 'def'} warps={nw or 'def'} tile={tile or 'def'}"
+    fn = jax.jit(functools.partial(softmax_xent_rows, rows_per_program=r, num_warps=nw,
                                    tile_v=tile, interpret=interpret))
     try:
       out = jax.block_until_ready(fn(logits, tgt, w))

@@ -1,8 +1,8 @@
-r"""Where the time of one train step goes: a device-side profile of ``benchmarks/train_step.py``'s step.
+r"""Where the time of one train step goes: a device-side profile of ``benchmarks.train_step``'s step.
 
-  python benchmarks/profile_step.py --recipe=bf16                 # GPU: 125m, batch 64 x 1024
-  python benchmarks/profile_step.py --tiny                        # CPU check of the script
-  python benchmarks/profile_step.py --recipe=bf16 --trace=$OUT/prof   # keep the trace (Perfetto/TensorBoard)
+  python -m benchmarks.profile_step --recipe=bf16                 # GPU: 125m, batch 64 x 1024
+  python -m benchmarks.profile_step --tiny                        # CPU check of the script
+  python -m benchmarks.profile_step --recipe=bf16 --trace=$OUT/prof   # keep the trace (Perfetto/TensorBoard)
 
 Compiles the step, runs warm-up steps, then records ``--steps`` steps with ``jax.profiler`` and
 reads the trace it writes (``*.trace.json.gz``). Prints, per device timeline (XLA ops, streams),
@@ -23,17 +23,13 @@ import re
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import jax
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks.train_step import batches, model_config  # noqa: E402
-from fp4jax import sharding as shd  # noqa: E402
-from fp4jax.recipe import get_recipe  # noqa: E402
-from fp4jax.train import OptimizerConfig, init_state, jit_steps, make_optimizer, make_schedule  # noqa: E402
+from benchmarks.train_step import batches, model_config
+from fp4jax import sharding as shd
+from fp4jax.recipe import get_recipe
+from fp4jax.train import OptimizerConfig, init_state, jit_steps, make_optimizer, make_schedule
 
 KINDS = (  # first match wins; patterns on the lower-cased op/kernel name
     ("attention (cuDNN)", r"cudnn|fmha|flash"),
@@ -181,13 +177,14 @@ def main(argv=None) -> int:
   args.batch = args.batch or (8 if args.tiny else 64)
   args.seq = args.seq or (64 if args.tiny else 1024)
   args.data = None
-  cfg = model_config(args.tiny, None, args.remat, args.scan, args.attention, args.cross_entropy)
+  cfg = model_config(args.tiny, None, args.remat, args.scan, args.attention)
   mesh = shd.make_mesh((1, -1, 1))
   recipe = get_recipe(args.recipe)
   opt = OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
   tx = make_optimizer(opt, recipe, 1000)
   graphdef, state, shardings = init_state(cfg, recipe, tx, mesh)
-  step, _ = jit_steps(graphdef, tx, make_schedule(opt, 1000), shardings, mesh)
+  step, _ = jit_steps(graphdef, tx, make_schedule(opt, 1000), shardings, mesh,
+                      cross_entropy=args.cross_entropy)
   data = batches(args, cfg.vocab_size, mesh, 2)
   for i in range(1 + args.warmup):
     state, m = step(state, data[i % 2])

@@ -1,13 +1,13 @@
 r"""Train-step throughput of the 125m model: bf16 vs fp4_linear (tokens/s, MFU, step-time ratio).
 
-  python benchmarks/train_step.py                       # GPU: 125m, seq 1024, batch 64, synthetic
-  python benchmarks/train_step.py --tiny                # CPU check of the script (seconds)
-  python benchmarks/train_step.py --data=<data dir>     # real tokens from `fp4jax.data prepare`
-  python benchmarks/train_step.py --batch=32 --seq=2048 --recipes=bf16 --remat --scan
-  python benchmarks/train_step.py --recipes=bf16 --attention=xla   # the pre-fix attention
+  python -m benchmarks.train_step                       # GPU: 125m, seq 1024, batch 64, synthetic
+  python -m benchmarks.train_step --tiny                # CPU check of the script (seconds)
+  python -m benchmarks.train_step --data=<data dir>     # real tokens from `fp4jax.data prepare`
+  python -m benchmarks.train_step --batch=32 --seq=2048 --recipes=bf16 --remat --scan
+  python -m benchmarks.train_step --recipes=bf16 --attention=xla   # XLA attention (B×N×T×T scores)
 
-The model is ``experiments/configs/125m.py`` (d=768, 12 blocks, vocab 32768; ``--tiny``: d=64,
-2 blocks). Each recipe's full jitted train step (forward, backward, AdamW update, donated state)
+The model is ``experiments/configs/125m.py``'s (d=768, 12 blocks, vocab 32768; a test keeps
+``MODEL_125M`` equal to it; ``--tiny``: d=64, 2 blocks). Each recipe's full jitted train step (forward, backward, AdamW update, donated state)
 runs ``--warmup`` untimed steps after compilation, then ``--steps`` timed steps on batches
 already on the device. MFU = (6·N + 12·L·T·D_attn)·tokens/s / (peak · devices), N without the
 embedding table, peak the dense bf16 figure of ``fp4jax.metrics.PEAK_FLOPS`` (H200: 989 TFLOP/s);
@@ -17,59 +17,38 @@ no MFU on CPU. Prints one table last; exits non-zero if a recipe fails or its lo
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from fp4jax import data as data_lib
+from fp4jax import sharding as shd
+from fp4jax.loss import rows_impl
+from fp4jax.metrics import peak_flops
+from fp4jax.model import ModelConfig, attention_impl
+from fp4jax.recipe import get_recipe
+from fp4jax.train import OptimizerConfig, init_state, jit_steps, make_optimizer, make_schedule
 
-from fp4jax import sharding as shd  # noqa: E402
-from fp4jax.loss import rows_impl  # noqa: E402
-from fp4jax.metrics import peak_flops  # noqa: E402
-from fp4jax.model import ModelConfig, attention_impl  # noqa: E402
-from fp4jax.recipe import get_recipe  # noqa: E402
-from fp4jax.train import (OptimizerConfig, global_batch, init_state, jit_steps,  # noqa: E402
-                          make_optimizer, make_schedule)
-
-
-FALLBACK_125M = dict(vocab_size=None, d_model=768, n_layers=12, n_heads=12, n_kv_heads=None,
-                     head_dim=None, d_ff=None, qk_norm=True, rope_theta=10000.0, dtype="bfloat16",
-                     init_std=0.02, scan_layers=False, remat=False, attention="auto",
-                     cross_entropy="auto")
+# The 125m experiment's model (experiments/configs/125m.py, vocab from its BPE-32k data), here so
+# that the benchmark runs without ml_collections.
+MODEL_125M = dict(vocab_size=32768, d_model=768, n_layers=12, n_heads=12)
 
 
-def model_config(tiny: bool, vocab_size: int | None, remat: bool, scan: bool,
-                 attention: str = "auto", cross_entropy: str = "auto") -> ModelConfig:
+def model_config(tiny: bool, vocab_size: int | None = None, remat: bool = False,
+                 scan: bool = False, attention: str = "auto") -> ModelConfig:
   if tiny:
     return ModelConfig(vocab_size=vocab_size or 384, d_model=64, n_layers=2, n_heads=4,
-                       remat=remat, scan_layers=scan, attention=attention,
-                       cross_entropy=cross_entropy)
-  try:  # the experiment config is the source of truth ...
-    path = REPO / "experiments" / "configs" / "125m.py"
-    spec = importlib.util.spec_from_file_location("config_125m", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    m = dict(mod.get_config().model)
-  except ImportError:  # ... but the GPU image may lack ml_collections: the same values
-    m = dict(FALLBACK_125M)
-  m["vocab_size"] = m["vocab_size"] or vocab_size or 32768
-  m["remat"] = remat or m["remat"]
-  m["scan_layers"] = scan or m["scan_layers"]
-  m["attention"] = attention
-  m["cross_entropy"] = cross_entropy
-  return ModelConfig(**m)
+                       remat=remat, scan_layers=scan, attention=attention)
+  return ModelConfig(**{**MODEL_125M, "vocab_size": vocab_size or MODEL_125M["vocab_size"]},
+                     remat=remat, scan_layers=scan, attention=attention)
 
 
 def batches(args, vocab_size: int, mesh, n: int) -> list[dict]:
   if args.data:
-    from fp4jax import data
-    it = data.make_iterator(args.data, "train", args.seq, args.batch, seed=0)
+    it = data_lib.make_iterator(args.data, "train", args.seq, args.batch, seed=0)
     host = [next(it) for _ in range(n)]
   else:
     rng = np.random.default_rng(0)
@@ -77,7 +56,7 @@ def batches(args, vocab_size: int, mesh, n: int) -> list[dict]:
     for _ in range(n):
       toks = rng.integers(0, vocab_size, (args.batch, args.seq + 1), dtype=np.int32)
       host.append({"inputs": toks[:, :-1], "targets": toks[:, 1:]})
-  return [global_batch(b, mesh) for b in host]
+  return [data_lib.to_global_batch(b, mesh) for b in host]
 
 
 def bench(name: str, cfg: ModelConfig, args, mesh, data: list[dict]) -> dict:
@@ -85,7 +64,8 @@ def bench(name: str, cfg: ModelConfig, args, mesh, data: list[dict]) -> dict:
   opt = OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
   tx = make_optimizer(opt, recipe, 1000)
   graphdef, state, shardings = init_state(cfg, recipe, tx, mesh)
-  step, _ = jit_steps(graphdef, tx, make_schedule(opt, 1000), shardings, mesh)
+  step, _ = jit_steps(graphdef, tx, make_schedule(opt, 1000), shardings, mesh,
+                      cross_entropy=args.cross_entropy)
   t0 = time.perf_counter()
   state, m = step(state, data[0])
   loss0 = float(m["loss"])
@@ -128,14 +108,13 @@ def main(argv=None) -> int:
   args.steps = args.steps or (3 if args.tiny else 10)
   vocab = None
   if args.data:
-    from fp4jax import data
-    vocab = -(-data.read_meta(args.data).vocab_size // 128) * 128
-  cfg = model_config(args.tiny, vocab, args.remat, args.scan, args.attention, args.cross_entropy)
+    vocab = -(-data_lib.read_meta(args.data).vocab_size // 128) * 128
+  cfg = model_config(args.tiny, vocab, args.remat, args.scan, args.attention)
   mesh = shd.make_mesh(tuple(int(s) for s in args.mesh.split(",")))
   dev = mesh.devices.flat[0]
   print(f"device: {mesh.devices.size} x {dev.device_kind} ({dev.platform}); model d={cfg.d_model} "
         f"L={cfg.n_layers} V={cfg.vocab_size} N={cfg.num_params() / 1e6:.1f}M; attention "
-        f"{attention_impl(cfg)}; loss rows {rows_impl(cfg.cross_entropy)}; batch {args.batch}"
+        f"{attention_impl(cfg)}; loss rows {rows_impl(args.cross_entropy)}; batch {args.batch}"
         f" x seq {args.seq}; {'data ' + args.data if args.data else 'synthetic tokens'}",
         flush=True)
   data = batches(args, cfg.vocab_size, mesh, max(2, min(args.steps, 4)))

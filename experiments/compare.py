@@ -3,7 +3,9 @@ r"""Train several recipes on identical data, seed and schedule; print the loss-g
   python -m experiments.compare --config=experiments/configs/tiny.py --recipes=bf16,fp4_linear \
       --workdir=runs/compare [--config.steps=N ...]
 
-Each recipe trains in ``<workdir>/<recipe>`` (an existing finished run is reused, an unfinished
+Each recipe (a preset of ``fp4jax.recipe``: it sets the config's ``recipe.linear``,
+``recipe.attention``, ``recipe.optimizer_states`` and ``recipe.newton_schulz``, and keeps the other
+recipe fields) trains in ``<workdir>/<recipe>`` (an existing finished run is reused, an unfinished
 one resumes). The table reports, per recipe, the final eval loss and the mean train loss over the
 last 10% of logged steps, and their gap relative to the first recipe (``bf16`` by default) in
 percent, ``100 · (L − L_ref) / L_ref`` (the paper's metric). It is also written to
@@ -20,7 +22,9 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import train as launcher
-
+from fp4jax.metrics import read_jsonl
+from fp4jax.recipe import MODULES, RecipeNotAvailableError, get_recipe
+from fp4jax.train import NonFiniteLossError
 
 
 def define_flags() -> None:
@@ -32,7 +36,6 @@ def define_flags() -> None:
 
 def run_summary(workdir: str | Path, tail: float = 0.1) -> dict:
   """Final train loss (mean of the last ``tail`` of logged steps) and eval loss of one run."""
-  from fp4jax.metrics import read_jsonl
   path = Path(workdir) / "metrics.jsonl"
   if not path.is_file():
     return {"status": "no metrics"}
@@ -73,14 +76,13 @@ def gap_table(results: dict[str, dict]) -> str:
 
 def compare(cfg, recipes: list[str], workdir: str | Path) -> dict[str, dict]:
   """Trains each recipe (same config otherwise) under ``workdir/<recipe>``; returns summaries."""
-  from fp4jax.recipe import RecipeNotAvailableError
-  from fp4jax.train import NonFiniteLossError
   workdir = Path(workdir)
   results = {}
-  for name in recipes:
+  for i, name in enumerate(recipes, 1):
+    preset = get_recipe(name)
     c = cfg.copy_and_resolve_references()
-    with c.unlocked():
-      c.recipe = name
+    c.recipe.update({k: getattr(preset, k) for k in MODULES})
+    print(f"\n=== recipe {name} ({i}/{len(recipes)}): {workdir / name}", flush=True)
     try:
       launcher.run(c, workdir / name)
       results[name] = run_summary(workdir / name)

@@ -1,12 +1,15 @@
 r"""Launcher: train one experiment config.
 
   python -m experiments.train --config=experiments/configs/tiny.py[:recipe] --workdir=runs/tiny \
-      [--config.steps=N --config.<field>=<value> ...] [--distributed]
+      [--config.steps=N --config.<field>=<value> --config.model.<field>=<value> ...] [--distributed]
 
-Prepares the data (``fp4jax.data.prepare``; reused when already there), writes
+Every field of the config can be set on the command line (``experiments/configs/_base.py`` lists
+the sections: ``recipe``, ``model``, ``optimizer``, ``data``, and the ``TrainConfig`` fields at the
+top level). Prepares the data (``fp4jax.data.prepare``; reused when already there), writes
 ``<workdir>/config.json``, then trains with ``fp4jax.train.train``: metrics in
-``<workdir>/metrics.jsonl`` and ``<workdir>/tb``, checkpoints in ``<workdir>/checkpoints``.
-Running the same command again resumes from the last checkpoint.
+``<workdir>/metrics.jsonl`` and ``<workdir>/tb``, checkpoints in ``<workdir>/checkpoints``, one
+progress line per logged step on stdout when it is not a terminal. Running the same command again
+resumes from the last checkpoint.
 
 Several hosts: start the same command on every host with ``--distributed``; it calls
 ``jax.distributed.initialize()``, which finds the coordinator under SLURM, Open MPI and TPU pods
@@ -16,13 +19,21 @@ workdir and the data folder must be on a shared file system; process 0 prepares 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
+import jax
 from absl import app, flags, logging
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
+from fp4jax import data
+from fp4jax.model import ModelConfig
+from fp4jax.recipe import Recipe
+from fp4jax.train import OptimizerConfig, TrainConfig, train
 
 
 def define_flags() -> None:
@@ -33,8 +44,21 @@ def define_flags() -> None:
   flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() first")
 
 
+def typed(cls, values: Mapping, where: str):
+  """``cls(**values)`` for a config dataclass; a key that is not one of its fields is an error."""
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - names)
+  if unknown:
+    raise ValueError(f"{where}: unknown key(s) {unknown}; the fields of {cls.__name__} are "
+                     f"{sorted(names)}")
+  return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
 def from_config(cfg, vocab_size: int | None = None):
   """Typed arguments of ``fp4jax.train.train`` from an experiment ConfigDict.
+
+  ``cfg.recipe``, ``cfg.model`` and ``cfg.optimizer`` become ``Recipe``, ``ModelConfig`` and
+  ``OptimizerConfig``; the top-level fields other than ``name`` and ``data`` a ``TrainConfig``.
 
   Args:
     cfg: the experiment config.
@@ -43,36 +67,30 @@ def from_config(cfg, vocab_size: int | None = None):
 
   Returns:
     ``(ModelConfig, Recipe, OptimizerConfig, TrainConfig)``.
+
+  Raises:
+    ValueError: a key that no dataclass has, or an invalid value.
   """
-  from fp4jax.model import ModelConfig
-  from fp4jax.recipe import get_recipe
-  from fp4jax.train import OptimizerConfig, TrainConfig
-  model = dict(cfg.model)
-  if model["vocab_size"] is None:
+  c = cfg.to_dict()
+  c.pop("name", None)
+  c.pop("data", None)
+  model = dict(c.pop("model"))
+  if model.get("vocab_size") is None:
     if vocab_size is None:
       raise ValueError("config model.vocab_size is None and no data vocabulary is known")
     model["vocab_size"] = -(-vocab_size // 128) * 128
-  recipe = get_recipe(cfg.recipe, bf16_first_blocks=cfg.bf16_first_blocks,
-                      bf16_last_blocks=cfg.bf16_last_blocks, lora_rank=cfg.lora_rank,
-                      lora_resplit_every=cfg.lora_resplit_every)
-  train_cfg = TrainConfig(
-      steps=cfg.steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
-      seed=cfg.seed, log_every=cfg.log_every, eval_every=cfg.eval_every,
-      eval_batches=cfg.eval_batches, checkpoint_every=cfg.checkpoint_every,
-      keep_checkpoints=cfg.keep_checkpoints, mesh_shape=tuple(cfg.mesh_shape),
-      progress=cfg.progress)
-  return ModelConfig(**model), recipe, OptimizerConfig(**dict(cfg.optimizer)), train_cfg
+  recipe = typed(Recipe, c.pop("recipe"), "config.recipe")
+  optimizer = typed(OptimizerConfig, c.pop("optimizer"), "config.optimizer")
+  return (typed(ModelConfig, model, "config.model"), recipe, optimizer,
+          typed(TrainConfig, c, "config"))
 
 
-def prepare_data(cfg) -> tuple[str, object]:
+def prepare_data(cfg) -> tuple[str, data.DataMeta]:
   """Prepares (or reuses) the token shards of ``cfg.data``; returns ``(data_dir, meta)``."""
-  import jax
-  from jax.experimental import multihost_utils
-
-  from fp4jax import data
   if jax.process_count() > 1 and cfg.data.dir is None:
     raise ValueError("a multi-host run needs --config.data.dir on a shared file system")
   if jax.process_index() == 0:
+    print(f"preparing data: corpus {cfg.data.corpus}, tokenizer {cfg.data.tokenizer}", flush=True)
     meta = data.prepare(cfg.data.corpus, cfg.data.dir, tokenizer=cfg.data.tokenizer,
                         vocab_size=cfg.data.vocab_size)
     out = cfg.data.dir or data.default_out_dir(meta.corpus["name"], cfg.data.tokenizer,
@@ -86,16 +104,10 @@ def prepare_data(cfg) -> tuple[str, object]:
 
 def run(cfg, workdir: str | os.PathLike) -> dict:
   """Trains ``cfg`` in ``workdir`` (resuming if it holds a checkpoint); returns the summary."""
-  import jax
-
-  from fp4jax import data
-  from fp4jax.train import train
-  from fp4jax.recipe import get_recipe
-  get_recipe(cfg.recipe).check_available()  # fail before preparing data
+  typed(Recipe, cfg.recipe.to_dict(), "config.recipe").check_available()  # before the data
   data_dir, meta = prepare_data(cfg)
   model_cfg, recipe, opt_cfg, train_cfg = from_config(cfg, meta.vocab_size)
-  recipe.check_available()
-  data.check_compat(meta, model_cfg.vocab_size, seq_len=cfg.seq_len)
+  data.check_compat(meta, model_cfg.vocab_size, seq_len=train_cfg.seq_len)
   workdir = Path(workdir)
   if jax.process_index() == 0:
     workdir.mkdir(parents=True, exist_ok=True)
@@ -103,9 +115,12 @@ def run(cfg, workdir: str | os.PathLike) -> dict:
         {"config": cfg.to_dict(), "data_dir": data_dir, "vocab_size": model_cfg.vocab_size,
          "num_params": model_cfg.num_params(), "devices": jax.device_count(),
          "platform": jax.default_backend()}, indent=1, default=str))
-  train_iter = data.make_iterator(data_dir, "train", cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+    print(f"training {cfg.name} ({model_cfg.num_params() / 1e6:.2f}M parameters, recipe "
+          f"{recipe.linear} linear / {recipe.optimizer_states} states) in {workdir}", flush=True)
+  tc = train_cfg
+  train_iter = data.make_iterator(data_dir, "train", tc.seq_len, tc.batch_size, seed=tc.seed)
   eval_batches = lambda: data.make_iterator(  # noqa: E731
-      data_dir, "validation", cfg.seq_len, cfg.batch_size, shuffle=False, repeat=False)
+      data_dir, "validation", tc.seq_len, tc.batch_size, shuffle=False, repeat=False)
   return train(model_cfg, recipe, opt_cfg, train_cfg, workdir, train_iter, eval_batches)
 
 
@@ -116,7 +131,6 @@ def main(argv):
   if flags.FLAGS.workdir is None:
     raise app.UsageError("--workdir is required")
   if flags.FLAGS.distributed:
-    import jax
     jax.distributed.initialize()
   summary = run(flags.FLAGS.config, flags.FLAGS.workdir)
   print(json.dumps(summary))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import grain
 import jax
 import orbax.checkpoint as ocp
 
@@ -25,10 +26,6 @@ class IncompatibleCheckpointError(ValueError):
 
 
 def _is_grain(it) -> bool:
-  # grain is imported only when there is a data iterator (the GPU image may lack it).
-  if it is None or not hasattr(it, "get_state"):
-    return False
-  import grain
   return isinstance(it, grain.DatasetIterator)
 
 
@@ -143,7 +140,6 @@ class Checkpointer:
 
 def _data_save(it) -> dict:
   if _is_grain(it):
-    import grain
     return {"data": grain.checkpoint.CheckpointSave(it)}
   if hasattr(it, "get_state"):
     return {"data_json": ocp.args.JsonSave(it.get_state())}
@@ -152,7 +148,6 @@ def _data_save(it) -> dict:
 
 def _data_restore(mgr, step, it, items) -> None:
   if "data" in items and _is_grain(it):
-    import grain
     mgr.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(it)))
   elif "data_json" in items and hasattr(it, "set_state"):
     state = mgr.restore(step, args=ocp.args.Composite(data_json=ocp.args.JsonRestore())).data_json

@@ -2,8 +2,9 @@
 
 ``MetricsWriter(workdir)`` appends one JSON object per logged step to ``<workdir>/metrics.jsonl``
 and, when ``tensorboardX`` is installed, writes the same scalars as TensorBoard event files under
-``<workdir>/tb``. The progress bar is ``rich.progress`` (disabled when stdout is not a terminal,
-or with ``progress=False``). Only process 0 writes, in a multi-host run.
+``<workdir>/tb``. On a terminal it shows a live ``rich`` progress bar; elsewhere (output to a file,
+a cluster job) or with ``progress=False`` it prints one line per logged step instead. Only process
+0 writes, in a multi-host run.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -43,6 +45,29 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def _duration(seconds: float) -> str:
+  seconds = int(round(seconds))
+  h, rem = divmod(seconds, 3600)
+  return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
+
+
+def format_step(step: int, total_steps: int, metrics: dict) -> str:
+  """One log line: step, loss, eval loss, learning rate, tokens/s, step time and ETA (the
+  remaining steps at ``step_time_s``)."""
+  width = len(str(total_steps))
+  parts = [f"step {step:>{width}}/{total_steps}"]
+  parts += [f"{name} {metrics[k]:.4f}" for k, name in (("loss", "loss"), ("eval_loss", "eval"))
+            if k in metrics]
+  if "lr" in metrics:
+    parts.append(f"lr {metrics['lr']:.3g}")
+  if "tokens_per_s" in metrics:
+    parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
+  if "step_time_s" in metrics:
+    parts.append(f"{metrics['step_time_s'] * 1e3:.1f} ms/step")
+    parts.append(f"ETA {_duration((total_steps - step) * metrics['step_time_s'])}")
+  return " | ".join(parts)
+
+
 def _clean(v):
   if isinstance(v, float) and not math.isfinite(v):
     return str(v)  # JSON has no NaN/inf; keep them readable
@@ -56,7 +81,8 @@ class MetricsWriter:
     workdir: run directory (created).
     total_steps: steps of the run, for the progress bar.
     initial_step: step the run starts from (after a resume).
-    progress: show a live progress bar (only if stdout is a terminal).
+    progress: show a live progress bar when stdout is a terminal (else, and with False, one
+      printed line per ``write``).
     tensorboard: also write TensorBoard event files (needs ``tensorboardX``).
   """
 
@@ -64,6 +90,7 @@ class MetricsWriter:
                progress: bool = True, tensorboard: bool = True):
     self.enabled = jax.process_index() == 0
     self.workdir = Path(workdir)
+    self.total_steps = total_steps
     self._tb = None
     self._progress = None
     if not self.enabled:
@@ -76,7 +103,7 @@ class MetricsWriter:
         self._tb = SummaryWriter(str(self.workdir / "tb"))
       except ImportError:
         self._tb = None
-    if progress and os.isatty(1):
+    if progress and sys.stdout.isatty():
       from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                  TimeRemainingColumn)
       self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -86,7 +113,8 @@ class MetricsWriter:
       self._progress.start()
 
   def write(self, step: int, metrics: dict) -> None:
-    """Logs ``metrics`` (str -> number) at ``step``: a JSONL line, TB scalars, bar text."""
+    """Logs ``metrics`` (str -> number) at ``step``: a JSONL line, TB scalars, and the bar's text
+    or a printed line (``format_step``)."""
     if not self.enabled:
       return
     entry = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
@@ -101,6 +129,8 @@ class MetricsWriter:
       if "tokens_per_s" in metrics:
         parts.append(f"{metrics['tokens_per_s']:.3g} tok/s")
       self._progress.update(self._task, info=" ".join(parts))
+    else:
+      print(format_step(step, self.total_steps, metrics), flush=True)
 
   def advance(self, step: int) -> None:
     """Moves the progress bar to ``step`` completed steps."""

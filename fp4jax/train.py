@@ -9,8 +9,9 @@ and exact resume. The same code runs on 1 CPU, simulated CPU devices, 1–8 GPUs
 (see ``fp4jax.sharding`` for ``jax.distributed.initialize``).
 
 Batches are dicts ``{"inputs", "targets"}`` of int32 (B_local, T) host arrays (as
-``fp4jax.data.make_iterator`` yields); with ``grad_accum = A`` each is split into A micro-batches
-of B/A examples whose gradients are averaged.
+``fp4jax.data.make_iterator`` yields; ``fp4jax.data.to_global_batch`` makes them global arrays);
+with ``grad_accum = A`` each is split into A micro-batches of B/A examples whose gradients are
+averaged.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +30,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fp4jax import optim
 from fp4jax import sharding as shd
 from fp4jax.checkpoint import Checkpointer
+from fp4jax.data import to_global_batch
+from fp4jax.layers import Dense
+from fp4jax.loss import LOSS_ROWS, chunked_cross_entropy
 from fp4jax.metrics import MetricsWriter, peak_flops
-from fp4jax.loss import chunked_cross_entropy
 from fp4jax.model import ModelConfig, Transformer, projection_dims
 from fp4jax.recipe import Recipe
 
@@ -133,15 +138,11 @@ def make_optimizer(cfg: OptimizerConfig, recipe: Recipe, total_steps: int,
   if cfg.name == "muon":
     # One Muon implementation for every recipe (so a comparison changes only the precision):
     # NS operands in recipe.newton_schulz, momentum / Adam moments NVFP4 if optimizer_states is.
-    recipe.check_available()
-    from fp4jax import optim
     tx = optim.muon_nvfp4(lr, eps=cfg.eps, weight_decay=cfg.weight_decay,
                           ns_precision=recipe.newton_schulz, quantize=quant, adam_b1=cfg.b1,
                           adam_b2=cfg.b2, adam_weight_decay=cfg.weight_decay,
                           weight_decay_mask=_decay_mask, seed=seed, adam_kernel=kernel)
   elif quant:
-    recipe.check_available()
-    from fp4jax import optim
     tx = optim.adamw_nvfp4(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                            mask=_decay_mask, seed=seed, kernel=kernel)
   else:
@@ -174,7 +175,6 @@ def init_state(model_cfg: ModelConfig, recipe: Recipe, tx: optax.GradientTransfo
     ``(graphdef, state, state_shardings)``: ``nnx.merge(graphdef, state["params"])`` is the
     model; the shardings pytree mirrors ``state``.
   """
-  recipe.check_available()
   graphdef, abstract = abstract_model(model_cfg, recipe)
   p_sh = shd.param_shardings(abstract, mesh, projection_dims(model_cfg))
   rep = shd.replicated(mesh)
@@ -187,7 +187,7 @@ def init_state(model_cfg: ModelConfig, recipe: Recipe, tx: optax.GradientTransfo
   # rbg bits for the initializers only: threefry's normal() compiles slowly on CPU.
   init_key = jax.random.key(seed, impl="unsafe_rbg")
   params = jax.jit(make_params, out_shardings=p_sh)(init_key)
-  o_sh = shd.state_shardings(jax.eval_shape(tx.init, params), p_sh, mesh)
+  o_sh = optim.state_sharding(jax.eval_shape(tx.init, params), p_sh)
   opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
   state = {"step": jax.device_put(jnp.zeros((), jnp.int32), rep), "params": params,
            "opt_state": opt_state,
@@ -196,22 +196,29 @@ def init_state(model_cfg: ModelConfig, recipe: Recipe, tx: optax.GradientTransfo
   return graphdef, state, shardings
 
 
-def loss_fn(graphdef, params, inputs_BxT, targets_BxT, key):
+def loss_fn(graphdef, params, inputs_BxT, targets_BxT, key, *, cross_entropy: str = "auto"):
   """Mean next-token cross-entropy of the model ``nnx.merge(graphdef, params)``.
 
   The LM head and the loss run chunked (``fp4jax.loss.chunked_cross_entropy``): the float32
-  (B, T, V) logits are never materialized (8.6 GB at 64×1024 tokens, vocab 32768). Its backward
-  reuses a saved bf16 logits cotangent (2 bytes × B·T × V), or, with the model's ``remat`` (the
-  memory-saving setting), recomputes the logits instead.
+  (B, T, V) logits are never materialized. Its backward reuses a saved bf16 logits cotangent
+  (2 bytes × B·T × V), or, with the model's ``remat`` (the memory-saving setting), recomputes the
+  logits instead.
+
+  Args:
+    graphdef, params: the model.
+    inputs_BxT, targets_BxT: int token ids.
+    key: the step's PRNG key (the NVFP4 projections' random bits).
+    cross_entropy: the loss's pass over the logits (``chunked_cross_entropy``'s ``rows``:
+      "auto", "pallas", "xla" or "pallas_interpret").
   """
   model = nnx.merge(graphdef, params)
   x_BxTxD = model.features(inputs_BxT, key=key)
   return chunked_cross_entropy(x_BxTxD, model.lm_head.kernel[...], targets_BxT,
-                               recompute=model.cfg.remat, rows=model.cfg.cross_entropy)
+                               recompute=model.cfg.remat, rows=cross_entropy)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callable | None = None,
-                    grad_accum: int = 1):
+                    grad_accum: int = 1, cross_entropy: str = "auto"):
   """The pure train step ``(state, batch) -> (state, metrics)``.
 
   Args:
@@ -219,6 +226,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
     tx: the optimizer.
     schedule: learning-rate schedule, reported as metric ``lr``.
     grad_accum: micro-batches per step (the batch's leading axis is split into this many).
+    cross_entropy: the loss's pass over the logits (see ``loss_fn``).
 
   Returns:
     The step function. ``batch`` is ``{"inputs", "targets"}`` of shape (B, T); metrics are
@@ -226,7 +234,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
   """
 
   def grads_of(params, inputs, targets, key):
-    return jax.value_and_grad(lambda p: loss_fn(graphdef, p, inputs, targets, key))(params)
+    loss = lambda p: loss_fn(graphdef, p, inputs, targets, key, cross_entropy=cross_entropy)  # noqa: E731
+    return jax.value_and_grad(loss)(params)
 
   def step_fn(state, batch):
     params, step = state["params"], state["step"]
@@ -262,17 +271,16 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
 def make_resplit(graphdef, params_shardings, seed: int = 0):
   """A jitted ``(params, step) -> params`` that re-splits every LoRA-SVD projection.
 
-  Each ``fp4jax.layers.LoraSvdDense`` takes a new top-r SVD of its effective weight
-  ``W_res + A·B`` (which is preserved); other parameters pass through. Params are donated.
+  Each ``fp4jax.layers.Dense`` with a low-rank branch takes a new top-r SVD of its effective
+  weight ``W_res + A·B`` (which is preserved); other parameters pass through. Params are donated.
   """
-  from fp4jax.layers import LoraSvdDense
   key = jax.random.fold_in(jax.random.key(seed), 3)
 
   def resplit(params, step):
     model = nnx.merge(graphdef, params)
     k = jax.random.fold_in(key, step)
     for i, (_, module) in enumerate(nnx.iter_modules(model)):
-      if isinstance(module, LoraSvdDense):
+      if isinstance(module, Dense) and module.rank:
         module.resplit(jax.random.fold_in(k, i))
     return nnx.to_pure_dict(nnx.state(model))
 
@@ -282,23 +290,28 @@ def make_resplit(graphdef, params_shardings, seed: int = 0):
                  donate_argnums=0)
 
 
-def make_eval_step(graphdef):
-  """``(params, batch) -> mean loss`` (deterministic key)."""
+def make_eval_step(graphdef, cross_entropy: str = "auto"):
+  """``(params, batch) -> mean loss``, with one fixed key for the NVFP4 projections' random bits
+  (every evaluation sees the same rounding)."""
+  key = jax.random.key(0)
+
   def eval_fn(params, batch):
-    return loss_fn(graphdef, params, batch["inputs"], batch["targets"], jax.random.key(0))
+    return loss_fn(graphdef, params, batch["inputs"], batch["targets"], key,
+                   cross_entropy=cross_entropy)
   return eval_fn
 
 
-def jit_steps(graphdef, tx, schedule, shardings, mesh, grad_accum: int = 1):
+def jit_steps(graphdef, tx, schedule, shardings, mesh, grad_accum: int = 1,
+              cross_entropy: str = "auto"):
   """The train and eval steps, jitted with shardings (state donated to the train step)."""
   bsh = NamedSharding(mesh, P(shd.BATCH_AXES, None))
   batch_sh = {"inputs": bsh, "targets": bsh}
   rep = shd.replicated(mesh)
-  train_jit = jax.jit(make_train_step(graphdef, tx, schedule, grad_accum),
+  train_jit = jax.jit(make_train_step(graphdef, tx, schedule, grad_accum, cross_entropy),
                       in_shardings=(shardings, batch_sh), out_shardings=(shardings, rep),
                       donate_argnums=0)
-  eval_jit = jax.jit(make_eval_step(graphdef), in_shardings=(shardings["params"], batch_sh),
-                     out_shardings=rep)
+  eval_jit = jax.jit(make_eval_step(graphdef, cross_entropy),
+                     in_shardings=(shardings["params"], batch_sh), out_shardings=rep)
 
   # Traced under the mesh, so the model can pin activations to the batch axes.
   def train_step(state, batch):
@@ -312,28 +325,13 @@ def jit_steps(graphdef, tx, schedule, shardings, mesh, grad_accum: int = 1):
   return train_step, eval_step
 
 
-def global_batch(batch: dict, mesh) -> dict:
-  """This host's ``{"inputs", "targets"}`` numpy batch as global arrays sharded on the batch axes."""
-  bsh = NamedSharding(mesh, P(shd.BATCH_AXES, None))
-  out = {}
-  for k in ("inputs", "targets"):
-    x = np.asarray(batch[k], np.int32)
-    gshape = (x.shape[0] * jax.process_count(), *x.shape[1:])
-    n = math.prod(mesh.shape[a] for a in shd.BATCH_AXES)
-    if gshape[0] % n:
-      raise ValueError(f"global batch size {gshape[0]} is not divisible by the {n} devices of "
-                       f"mesh axes {shd.BATCH_AXES}")
-    out[k] = jax.make_array_from_process_local_data(bsh, x, gshape)
-  return out
-
-
 def evaluate(eval_step, params, batches: Iterator, mesh, max_batches: int) -> float:
   """Mean loss over up to ``max_batches`` batches of ``batches`` (NaN if there are none)."""
   losses = []
   for i, batch in enumerate(batches):
     if i >= max_batches:
       break
-    losses.append(eval_step(params, global_batch(batch, mesh)))
+    losses.append(eval_step(params, to_global_batch(batch, mesh)))
   return float(np.mean(jax.device_get(losses))) if losses else float("nan")
 
 
@@ -346,7 +344,7 @@ class NonFiniteLossError(FloatingPointError):
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """Length, batch and bookkeeping of a run.
+  """Length, batch, loss and bookkeeping of a run.
 
   Attributes:
     steps: number of updates.
@@ -354,6 +352,9 @@ class TrainConfig:
     seq_len: tokens per example.
     grad_accum: micro-batches per update.
     seed: parameter init / step RNG seed.
+    cross_entropy: the loss's pass over each chunk's float32 logits (``fp4jax.loss``): "auto"
+      (the fused Pallas kernel ``fp4jax.kernels.cross_entropy`` when computations go to a CUDA GPU,
+      else XLA), "pallas" or "xla". Same loss up to summation order.
     log_every: write metrics every this many steps (also at the first step of a run, at eval
       steps and at the last step).
     eval_every: evaluate on the held-out split every this many steps (0: only at the end).
@@ -361,7 +362,8 @@ class TrainConfig:
     checkpoint_every: save every this many steps (0: only at the end); saves are async.
     keep_checkpoints: checkpoints kept.
     mesh_shape: (data, fsdp, tensor) sizes; -1 fills with the remaining devices.
-    progress: live progress bar (on a terminal).
+    progress: a live progress bar when stdout is a terminal; elsewhere (a log file, a cluster
+      job) one line per logged step.
     tensorboard: TensorBoard event files under ``<workdir>/tb`` (needs tensorboardX).
   """
 
@@ -370,6 +372,7 @@ class TrainConfig:
   seq_len: int
   grad_accum: int = 1
   seed: int = 0
+  cross_entropy: str = "auto"
   log_every: int = 10
   eval_every: int = 0
   eval_batches: int = 8
@@ -389,14 +392,51 @@ class TrainConfig:
                        f"grad_accum={self.grad_accum}")
     if self.eval_every < 0 or self.checkpoint_every < 0:
       raise ValueError("TrainConfig: eval_every and checkpoint_every must be >= 0")
+    if self.cross_entropy not in LOSS_ROWS:
+      raise ValueError(f"TrainConfig.cross_entropy={self.cross_entropy!r}: expected one of "
+                       f"{LOSS_ROWS}")
 
 
 def run_meta(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig) -> dict:
   """What a checkpoint must agree with to be restored into this run."""
   r = {k: v for k, v in recipe.to_dict().items() if k != "lora_resplit_every"}  # a schedule
-  kernels = ("attention", "cross_entropy")  # implementation choices, not the model
-  m = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in kernels}
+  m = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k != "attention"}  # a kernel
   return {"model": m, "recipe": r, "optimizer": {"name": opt_cfg.name}}
+
+
+class StepTimer:
+  """Seconds per step since the last ``reset`` (call it after anything that is not a step:
+  compilation, evaluation, a checkpoint save)."""
+
+  def __init__(self):
+    self.reset()
+
+  def reset(self) -> None:
+    self._start, self._steps = time.perf_counter(), 0
+
+  def tick(self) -> None:
+    """Counts one step."""
+    self._steps += 1
+
+  def elapsed(self) -> float:
+    """Seconds since the last ``reset``."""
+    return time.perf_counter() - self._start
+
+  def seconds_per_step(self) -> float | None:
+    """Mean seconds per step since the last ``reset``; None before the first step."""
+    return self.elapsed() / self._steps if self._steps else None
+
+
+def _finite_metrics(step: int, metrics, writer: MetricsWriter, ckpt: Checkpointer) -> dict:
+  """The step's metrics as floats; a NaN/Inf loss or gradient norm is logged, then raised."""
+  vals = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  if not (math.isfinite(vals["loss"]) and math.isfinite(vals["grad_norm"])):
+    writer.write(step, vals)
+    ckpt.wait()
+    raise NonFiniteLossError(
+        f"non-finite loss {vals['loss']} (grad norm {vals['grad_norm']}) at step {step}; the run "
+        f"stopped there. Last good checkpoint: step {ckpt.latest_step()} in {ckpt.directory}")
+  return vals
 
 
 def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
@@ -404,11 +444,15 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
           eval_batches: Callable[[], Iterator] | None = None, *, mesh=None) -> dict:
   """Trains (or resumes from ``<workdir>/checkpoints``) and logs to ``<workdir>/metrics.jsonl``.
 
+  Progress goes to stdout from process 0: a live bar on a terminal, else one line per logged step
+  (step, loss, eval loss, tokens/s, ETA), plus a line when it compiles, evaluates, saves a
+  checkpoint or resumes.
+
   Args:
     model_cfg: model hyperparameters.
     recipe: the precision recipe.
     opt_cfg: optimizer and schedule.
-    train_cfg: steps, batch, logging, eval and checkpoint cadence.
+    train_cfg: steps, batch, loss, logging, eval and checkpoint cadence.
     workdir: run directory.
     train_iter: this host's training batches ``{"inputs", "targets"}`` (B_local, T); its position
       is checkpointed if it has ``get_state`` / ``set_state`` (grain iterators do).
@@ -419,11 +463,16 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
     Summary: ``step``, ``loss`` (last), ``eval_loss`` (last), ``tokens_per_s``, ``mfu``.
 
   Raises:
+    RecipeNotAvailableError: a recipe choice this version cannot run.
     NonFiniteLossError: NaN/Inf loss or gradient norm (the message names the step; checkpoints
       up to the last finite step stay).
     IncompatibleCheckpointError: ``workdir`` holds a checkpoint of another model/recipe.
   """
-  from pathlib import Path
+  recipe.check_available()
+  if opt_cfg.name == "muon" and model_cfg.scan_layers:
+    raise ValueError("OptimizerConfig.name='muon' needs ModelConfig.scan_layers=False: Muon "
+                     "orthogonalizes 2-D leaves, and scan_layers stacks each run of blocks into "
+                     "(L, in, out) leaves")
   workdir = Path(workdir)
   mesh = mesh if mesh is not None else shd.make_mesh(train_cfg.mesh_shape)
   tc = train_cfg
@@ -431,7 +480,8 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
   tx = make_optimizer(opt_cfg, recipe, tc.steps, seed=tc.seed, sharded_state=sharded)
   schedule = make_schedule(opt_cfg, tc.steps)
   graphdef, state, shardings = init_state(model_cfg, recipe, tx, mesh, tc.seed)
-  train_step, eval_step = jit_steps(graphdef, tx, schedule, shardings, mesh, tc.grad_accum)
+  train_step, eval_step = jit_steps(graphdef, tx, schedule, shardings, mesh, tc.grad_accum,
+                                    tc.cross_entropy)
   every = recipe.lora_resplit_every if recipe.linear == "nvfp4_lorasvd" else 0
   resplit = make_resplit(graphdef, shardings["params"], tc.seed) if every else None
   ckpt = Checkpointer(workdir / "checkpoints", every=tc.checkpoint_every or tc.steps,
@@ -449,64 +499,57 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
              "tokens_per_s": float("nan"), "mfu": None}
   writer = MetricsWriter(workdir, tc.steps, start, progress=tc.progress,
                          tensorboard=tc.tensorboard)
-  timer = {"t": time.perf_counter(), "steps": 0}
+  if start:
+    writer.message(f"resumed from step {start} of {tc.steps} ({ckpt.directory})")
+  timer = StepTimer()
 
-  def is_eval(n):
+  def is_eval(n: int) -> bool:
     return eval_batches is not None and ((tc.eval_every and n % tc.eval_every == 0)
                                          or n == tc.steps)
 
-  def handle(n, m, state):
-    vals = {k: float(v) for k, v in jax.device_get(m).items()}
-    if not (math.isfinite(vals["loss"]) and math.isfinite(vals["grad_norm"])):
-      writer.write(n, vals)
-      ckpt.wait()
-      raise NonFiniteLossError(
-          f"non-finite loss {vals['loss']} (grad norm {vals['grad_norm']}) at step {n}; the "
-          f"run stopped there. Last good checkpoint: step {ckpt.latest_step()} in "
-          f"{ckpt.directory}")
-    summary.update(step=n, loss=vals["loss"])
-    if not (n % tc.log_every == 0 or is_eval(n) or n == tc.steps or n == start + 1):
-      return
-    if timer["steps"] and n > start + 1:
-      dt = (time.perf_counter() - timer["t"]) / timer["steps"]
-      vals.update(step_time_s=dt, tokens_per_s=tokens_per_step / dt)
-      summary["tokens_per_s"] = vals["tokens_per_s"]
-      if peak:
-        vals["mfu"] = flops_per_step / dt / (peak * mesh.devices.size)
-        summary["mfu"] = vals["mfu"]
-    vals["tokens"] = n * tokens_per_step
-    if is_eval(n):
-      vals["eval_loss"] = evaluate(eval_step, state["params"], eval_batches(), mesh,
-                                   tc.eval_batches)
-      summary["eval_loss"] = vals["eval_loss"]
-    writer.write(n, vals)
+  def should_log(n: int) -> bool:
+    return n == start + 1 or n % tc.log_every == 0 or is_eval(n) or n == tc.steps
 
   try:
-    pending = None
-    for s in range(start, tc.steps):
-      batch = global_batch(next(train_iter), mesh)
-      state, m = train_step(state, batch)
-      n = s + 1
-      if pending is not None:  # the previous step's metrics, fetched while this step runs
-        handle(*pending, None)
+    pending = None  # (step, metrics) of a step not synced: fetched while the next one runs
+    for n in range(start + 1, tc.steps + 1):
+      if n == start + 1:
+        writer.message(f"step {n}: compiling the train step ({model_cfg.num_params() / 1e6:.2f}M "
+                       f"parameters, {mesh.devices.size} device(s))")
+      state, m = train_step(state, to_global_batch(next(train_iter), mesh))
+      timer.tick()
+      if pending is not None:
+        summary.update(step=pending[0], loss=_finite_metrics(*pending, writer, ckpt)["loss"])
         pending = None
-      timer["steps"] += 1
-      sync = (n == start + 1 or n % tc.log_every == 0 or is_eval(n) or ckpt.should_save(n)
-              or n == tc.steps or (every and n % every == 0))
-      if not sync:
+      if not (should_log(n) or ckpt.should_save(n) or (every and n % every == 0)):
         pending = (n, m)
         writer.advance(n)
         continue
-      jax.block_until_ready(m)
-      if n == start + 1:  # the first step compiles: time from here on
-        timer.update(t=time.perf_counter(), steps=0)
-      handle(n, m, state)
+      vals = _finite_metrics(n, m, writer, ckpt)  # waits for the step
+      summary.update(step=n, loss=vals["loss"])
+      if n == start + 1:
+        writer.message(f"step {n}: compiled and ran in {timer.elapsed():.1f} s")
+        timer.reset()  # time steps from here on
+      if should_log(n):
+        dt = timer.seconds_per_step() if n > start + 1 else None
+        if dt is not None:
+          vals.update(step_time_s=dt, tokens_per_s=tokens_per_step / dt)
+          summary["tokens_per_s"] = vals["tokens_per_s"]
+          if peak:
+            vals["mfu"] = summary["mfu"] = flops_per_step / dt / (peak * mesh.devices.size)
+        vals["tokens"] = n * tokens_per_step
+        if is_eval(n):
+          writer.message(f"step {n}: evaluating ({tc.eval_batches} batches)")
+          vals["eval_loss"] = summary["eval_loss"] = evaluate(
+              eval_step, state["params"], eval_batches(), mesh, tc.eval_batches)
+        writer.write(n, vals)
       if every and n % every == 0 and n < tc.steps:
         state = {**state, "params": resplit(state["params"], state["step"])}
       if ckpt.should_save(n) or n == tc.steps:
+        writer.message(f"step {n}: saving a checkpoint to {ckpt.directory / str(n)}")
         ckpt.save(n, state, train_iter, meta)
       if is_eval(n) or ckpt.should_save(n):
-        timer.update(t=time.perf_counter(), steps=0)
+        timer.reset()
       writer.advance(n)
   finally:
     ckpt.close()

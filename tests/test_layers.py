@@ -79,7 +79,7 @@ def test_lorasvd_takes_error_out_of_the_quantized_weight():
   q = jax.jit(lambda w: nvfp4.quantize(w, block=(16, 16)).dequantize())
   direct = _rel(q(w), w)
   split = _rel(q(w_res) + a @ b, w)
-  assert split < 0.5 * direct, (split, direct)  # measured 0.23x here
+  assert split < 0.5 * direct, (split, direct)
   a0, b0, w_res0 = lora_svd_split(w, 0)
   assert a0.shape == (K, 0) and b0.shape == (0, N) and np.array_equal(w_res0, w)
 

@@ -448,8 +448,7 @@ def test_attention_lowers_to_cudnn_for_h200_without_scores_or_full_logits():
   assert "__gpu$xla.gpu.triton" in r.stdout, r.stdout  # the fused loss kernel, one per chunk
   assert "SCORES False False" in r.stdout, r.stdout
   # Every GEMM of forward and backward takes bf16 operands: a float32 cotangent entering a dot
-  # makes XLA run a float32 (TF32) GEMM (fp4jax.ops.mixed_matmul; 130 -> 61 ms of GEMMs per
-  # 125m step on the H200).
+  # makes XLA run a float32 (TF32) GEMM (see fp4jax.ops.mixed_matmul).
   n_dots = int(r.stdout.split("DOTS ")[1].split()[0])
   assert n_dots >= 12 and "F32_OPERANDS []" in r.stdout, r.stdout
 

@@ -16,14 +16,15 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from fp4jax import data
+from fp4jax import data, optim
 from fp4jax import sharding as shd
 from fp4jax.checkpoint import IncompatibleCheckpointError
+from fp4jax.data import to_global_batch
 from fp4jax.metrics import read_jsonl
 from fp4jax.model import ModelConfig
 from fp4jax.recipe import get_recipe
-from fp4jax.train import (NonFiniteLossError, OptimizerConfig, TrainConfig, global_batch,
-                          init_state, jit_steps, loss_fn, make_optimizer, make_schedule, train)
+from fp4jax.train import (NonFiniteLossError, OptimizerConfig, TrainConfig, init_state, jit_steps,
+                          loss_fn, make_optimizer, make_schedule, train)
 
 T, B = 32, 8
 MODEL = ModelConfig(vocab_size=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -92,7 +93,7 @@ def test_sharded_2x2x2_equals_single_device(data_dir):
   for shape in ((1, 1, 1), (2, 2, 2)):
     mesh = shd.make_mesh(shape)
     graphdef, state, shardings = init_state(MODEL, get_recipe("bf16"), tx, mesh, seed=0)
-    batch = global_batch(batch_np, mesh)
+    batch = to_global_batch(batch_np, mesh)
     key = jax.random.key(0)
     grad_fn = jax.jit(jax.grad(lambda p, b: loss_fn(graphdef, p, b["inputs"], b["targets"],
                                                     key)))
@@ -101,7 +102,7 @@ def test_sharded_2x2x2_equals_single_device(data_dir):
     state, metrics = step(state, batch)
     out[shape] = jax.device_get((metrics, grads, state["params"]))
     if shape == (2, 2, 2):
-      qkv = state["params"]["block0"]["attn"]["qkv"]["kernel"]
+      qkv = state["params"]["blocks"][0]["attn"]["qkv"]["kernel"]
       assert qkv.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
       assert len(qkv.sharding.device_set) == 8
   (m1, g1, p1), (m8, g8, p8) = out[(1, 1, 1)], out[(2, 2, 2)]
@@ -200,7 +201,7 @@ def test_grad_accumulation_matches_full_batch(data_dir):
   for accum in (1, 4):
     graphdef, state, sh = init_state(MODEL, get_recipe("bf16"), tx, mesh, seed=0)
     step, _ = jit_steps(graphdef, tx, None, sh, mesh, grad_accum=accum)
-    _, m = step(state, global_batch(batch_np, mesh))
+    _, m = step(state, to_global_batch(batch_np, mesh))
     res.append(jax.device_get(m))
   assert res[0]["loss"] == pytest.approx(res[1]["loss"], rel=1e-5)
   assert res[0]["grad_norm"] == pytest.approx(res[1]["grad_norm"], rel=1e-4)
@@ -234,8 +235,8 @@ def test_data_errors(data_dir):
     data.check_compat(meta, 128)
   mesh = shd.make_mesh((2, 2, 2))
   bad = {"inputs": np.zeros((6, T), np.int32), "targets": np.zeros((6, T), np.int32)}
-  with pytest.raises(ValueError, match="global batch size 6 is not divisible by the 4 devices"):
-    global_batch(bad, mesh)
+  with pytest.raises(ValueError, match="global batch 6 is not divisible by the 4 devices"):
+    to_global_batch(bad, mesh)
 
 
 def test_launcher_cli_writes_metrics(tmp_path):
@@ -245,14 +246,25 @@ def test_launcher_cli_writes_metrics(tmp_path):
          "--config.eval_every=4", "--config.eval_batches=1", "--config.model.d_model=32",
          "--config.model.n_layers=1", "--config.batch_size=4", "--config.seq_len=16",
          "--config.mesh_shape=(1,1,1)", f"--config.data.corpus={text_dir}",
-         f"--config.data.dir={tmp_path / 'tokens'}", "--config.progress=False"]
+         f"--config.data.dir={tmp_path / 'tokens'}", "--config.tensorboard=False",
+         "--config.recipe.bf16_last_blocks=1", "--config.cross_entropy=xla"]
   r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
   assert [row["step"] for row in rows] == [1, 2, 4]
+  assert not (tmp_path / "run" / "tb").exists()
+  # Output to a pipe: one line per logged step, and a line for compiling, evaluating, saving.
+  out = r.stdout
+  for want in ("step 1: compiling", "step 1/4 | loss", "step 2/4 | loss", "ETA",
+               "step 4: evaluating", "step 4: saving a checkpoint", "step 4/4 | loss"):
+    assert want in out, out
   assert all("loss" in row for row in rows) and "eval_loss" in rows[-1]
   cfg = json.loads((tmp_path / "run" / "config.json").read_text())
   assert cfg["config"]["steps"] == 4 and cfg["vocab_size"] == 384  # 257 rounded up to 128
+  assert cfg["config"]["recipe"]["bf16_last_blocks"] == 1
+  r = subprocess.run(cmd + ["--config.steps=5"], cwd=REPO, capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 0 and "resumed from step 4 of 5" in r.stdout, r.stdout + r.stderr[-3000:]
   bad = subprocess.run(cmd[:4] + ["--config.no_such_field=1"], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
   assert bad.returncode != 0 and "no_such_field" in bad.stderr
@@ -281,16 +293,16 @@ def test_init_state_is_deterministic_and_sharded():
   _, s1, sh = init_state(MODEL, get_recipe("bf16"), tx, mesh, seed=3)
   _, s2, _ = init_state(MODEL, get_recipe("bf16"), tx, mesh, seed=3)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), s1["params"], s2["params"])
-  mu = s1["opt_state"][1][0].mu["block0"]["mlp"]["down"]["kernel"]
-  assert mu.sharding.spec == sh["params"]["block0"]["mlp"]["down"]["kernel"].spec
+  mu = s1["opt_state"][1][0].mu["blocks"][0]["mlp"]["down"]["kernel"]
+  assert mu.sharding.spec == sh["params"]["blocks"][0]["mlp"]["down"]["kernel"].spec
   assert int(s1["step"]) == 0 and s1["rng"].dtype == jnp.uint32
   # Packed NVFP4 moments follow their parameter's sharding where their own shape divides.
   from fp4jax.nvfp4 import NVFP4Tensor
   tx4 = make_optimizer(OPT, get_recipe("bf16", optimizer_states="nvfp4"), 10)
   abstract = jax.eval_shape(tx4.init, s1["params"])
-  o_sh = shd.state_shardings(abstract, sh["params"], mesh)
+  o_sh = optim.state_sharding(abstract, sh["params"])
   mu = o_sh[1][0].mu
-  qkv, head = mu["block0"]["attn"]["qkv"]["kernel"], mu["lm_head"]["kernel"]
+  qkv, head = mu["blocks"][0]["attn"]["qkv"]["kernel"], mu["lm_head"]["kernel"]
   assert isinstance(qkv, NVFP4Tensor)
   assert qkv.codes.spec == P("fsdp", "tensor") and qkv.global_scale.spec == P()
   assert head.scales.spec == P("fsdp", None)  # 272 / 16 = 17 scale columns: not over 2
@@ -306,7 +318,7 @@ def test_checkpoint_roundtrip_with_packed_nvfp4_optimizer_states(data_dir, tmp_p
   step, _ = jit_steps(graphdef, tx, None, sh, mesh)
   it = data.make_iterator(data_dir, "train", T, B, seed=0)
   for _ in range(2):
-    state, _ = step(state, global_batch(next(it), mesh))
+    state, _ = step(state, to_global_batch(next(it), mesh))
   packed = [x for x in jax.tree.leaves(state["opt_state"], is_leaf=lambda x: isinstance(
       x, NVFP4Tensor)) if isinstance(x, NVFP4Tensor)]
   assert packed and packed[0].codes.dtype == jnp.uint8
@@ -323,8 +335,8 @@ def test_checkpoint_roundtrip_with_packed_nvfp4_optimizer_states(data_dir, tmp_p
   jax.tree.map(lambda a, b: (a.dtype == b.dtype and a.tobytes() == b.tobytes()) or pytest.fail(
       f"{a.dtype} {b.dtype}"), saved, jax.device_get(restored))  # bit-exact, every dtype
   np.testing.assert_array_equal(next(it2)["inputs"], nxt["inputs"])  # data position restored
-  _, m1 = step(state, global_batch(nxt, mesh))
-  _, m2 = step(restored, global_batch(nxt, mesh))
+  _, m1 = step(state, to_global_batch(nxt, mesh))
+  _, m2 = step(restored, to_global_batch(nxt, mesh))
   assert float(m1["loss"]) == float(m2["loss"])
   with pytest.raises(IncompatibleCheckpointError, match="run: checkpoint 'a', this run 'b'"):
     Checkpointer(tmp_path, every=1).restore(abstract, None, {"run": "b"})
@@ -343,7 +355,7 @@ def test_muon_optimizer_steps(data_dir):
   it = data.make_iterator(data_dir, "train", T, B, seed=0)
   losses = []
   for _ in range(3):
-    state, m = step(state, global_batch(next(it), mesh))
+    state, m = step(state, to_global_batch(next(it), mesh))
     losses.append(float(m["loss"]))
   assert all(np.isfinite(losses)) and losses[2] < losses[0]
 
@@ -358,11 +370,11 @@ def test_lora_resplit_keeps_effective_weights():
   graphdef, state = nnx.split(Transformer(cfg, recipe, rngs=nnx.Rngs(0)))
   params = nnx.to_pure_dict(state)
   sh = shd.param_shardings(params, shd.make_mesh((1, 2, 1)))
-  gu = lambda p: p["block0"]["mlp"]["gate_up"]  # noqa: E731
+  gu = lambda p: p["blocks"][0]["mlp"]["gate_up"]  # noqa: E731
   eff = lambda d: np.asarray(d["kernel"]) + np.asarray(d["lora_a"]) @ np.asarray(d["lora_b"])  # noqa: E731
   before = jax.device_get(gu(params))
   # Train-like drift: perturb the residual so the split is no longer the SVD of W_eff.
-  params["block0"]["mlp"]["gate_up"]["kernel"] = gu(params)["kernel"] + 0.05
+  params["blocks"][0]["mlp"]["gate_up"]["kernel"] = gu(params)["kernel"] + 0.05
   drifted = jax.device_get(gu(params))
   after = jax.device_get(gu(make_resplit(graphdef, sh)(params, jnp.int32(10))))
   np.testing.assert_allclose(eff(after), eff(drifted), atol=2e-5)
@@ -370,19 +382,36 @@ def test_lora_resplit_keeps_effective_weights():
   assert get_recipe("bf16").lora_resplit_every == 0
 
 
-def test_benchmark_fallback_matches_125m_config():
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("bench", REPO / "benchmarks" / "train_step.py")
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
+def test_benchmark_model_is_the_125m_config():
+  import importlib
+
+  from benchmarks import train_step
   from experiments.train import from_config
-  spec = importlib.util.spec_from_file_location("c125", REPO / "experiments/configs/125m.py")
-  c125 = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(c125)
-  assert dict(c125.get_config().model) == bench.FALLBACK_125M
+  c125 = importlib.import_module("experiments.configs.125m")
   model, *_ = from_config(c125.get_config(), vocab_size=32768)
-  assert bench.model_config(False, None, False, False) == model
+  assert train_step.model_config(tiny=False) == model
   assert 120e6 < model.num_params() < 140e6
+
+
+def test_config_fields_come_from_the_dataclasses():
+  """Every dataclass field is in the experiment config with the dataclass's default, and the
+  mapping back rejects keys that no dataclass has."""
+  import dataclasses
+  from experiments.configs import tiny
+  from experiments.train import from_config
+  from fp4jax.recipe import Recipe
+  cfg = tiny.get_config("fp4_linear")
+  model, recipe, opt, tc = from_config(cfg, vocab_size=257)
+  assert recipe == get_recipe("fp4_linear") and opt.b2 == OptimizerConfig().b2
+  assert tc.tensorboard is True and tc.cross_entropy == "auto" and tc.steps == 200
+  assert model.vocab_size == 384 and model.qk_norm == ModelConfig(1, 8, 1, 1).qk_norm
+  for section, cls in (("model", ModelConfig), ("optimizer", OptimizerConfig), ("recipe", Recipe)):
+    assert set(cfg[section]) == {f.name for f in dataclasses.fields(cls)}
+  assert {f.name for f in dataclasses.fields(TrainConfig)} <= set(cfg)
+  with cfg.unlocked():
+    cfg.optimizer.momentum = 0.9
+  with pytest.raises(ValueError, match=r"config.optimizer: unknown key\(s\) \['momentum'\]"):
+    from_config(cfg, vocab_size=257)
 
 
 def test_loss_fn_is_the_cross_entropy_of_the_model_logits():

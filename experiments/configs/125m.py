@@ -4,14 +4,13 @@ Command::
 
   python -m experiments.train --config=experiments/configs/125m.py:bf16 --workdir=runs/125m-bf16
 
-Hardware: one H200 (the throughput figures in benchmarks/RESULTS.md come from
-``benchmarks/train_step.py``); 8 GPUs with ``--config.mesh_shape='(1,8,1)'``.
+Hardware: one H200; 8 GPUs with ``--config.mesh_shape='(1,8,1)'``.
 Tokens: 10000 steps x 128 x 1024 = 1.3B (~10 tokens/parameter). The built-in ``mix`` corpus has
 ~40M tokens, so this is ~30 epochs: point ``--config.data.corpus`` at a larger text folder for a
 compute-optimal run.
-Expected time: ~117 ms per 64×1024-token step on one H200 for bf16 (benchmarks/RESULTS.md, MFU
-43.9%; 47.6% at 32×2048), so ~40 min for the 10000 steps of 128×1024 tokens. Expected loss: not
-measured yet.
+Expected time: ~117 ms per 64×1024-token bf16 step on one H200 (MFU ~44%;
+``python -m benchmarks.train_step``), so ~40 min for the 10000 steps of 128×1024 tokens.
+Expected loss: not measured yet.
 """
 
 from experiments.configs._base import base

@@ -7,7 +7,7 @@ Command (one host, 8 GPUs)::
 
 Hardware: 8 x H200 (FSDP 8); several hosts with ``--distributed`` (see experiments/train.py).
 Tokens: 20000 steps x 512 x 2048 = 21B (~21 tokens/parameter).
-Expected time and loss: not yet measured.
+Expected time and loss: not measured yet.
 """
 
 from experiments.configs._base import base

@@ -9,7 +9,7 @@ Command::
 Hardware: one GPU (H200: minutes). On CPU it runs, but slowly (about an hour per recipe).
 Tokens: 2000 steps x 64 x 512 = 65M (the corpus has ~1.5M BPE tokens: ~40 epochs, so expect the
 eval loss to turn up late; the comparison is relative).
-Expected loss: not yet measured on the GPU — fill in from the first run.
+Expected loss: not measured yet.
 """
 
 from experiments.configs._base import base

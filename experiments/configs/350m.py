@@ -8,7 +8,7 @@ Command::
 Hardware: 8 GPUs (FSDP over 8), or one H200 with ``--config.grad_accum=4``.
 Tokens: 15000 steps x 256 x 1024 = 3.9B. Needs a corpus larger than the built-in mix
 (``--config.data.corpus=<folder of .txt>``) to avoid many epochs.
-Expected time and loss: not yet measured.
+Expected time and loss: not measured yet.
 """
 
 from experiments.configs._base import base

@@ -1,53 +1,68 @@
-"""Shared defaults of the experiment configs (not an experiment itself).
+"""The shared start of every experiment config (not an experiment itself).
 
-Every field of an experiment config, with its meaning; each experiment file starts from
-``base()`` and sets what differs. ``arg`` (the text after ``:`` in ``--config=<file>.py:<arg>``)
-names the recipe: ``bf16`` (default), ``fp4_linear``, ``fp4_linear_lorasvd``, ``fp4_full_stack``.
+Each section is built from a library dataclass, so its fields and defaults are that dataclass's
+(their docstrings say what each field means); an experiment file sets only what differs::
+
+  recipe      fp4jax.recipe.Recipe           the preset named after ':' (default bf16)
+  model       fp4jax.model.ModelConfig       vocab_size None: the data's vocabulary, rounded up to 128
+  optimizer   fp4jax.train.OptimizerConfig
+  (top level) fp4jax.train.TrainConfig       steps, batch_size, seq_len, ..., tensorboard
+  data        the arguments of fp4jax.data.prepare (corpus, tokenizer, vocab_size, dir)
+
+Every field can be set on the command line, e.g. ``--config.steps=20``,
+``--config.model.scan_layers=True``, ``--config.recipe.bf16_last_blocks=2``,
+``--config.tensorboard=False``. ``arg`` (the text after ``:`` in ``--config=<file>.py:<arg>``)
+names the recipe preset: ``bf16``, ``fp4_linear``, ``fp4_linear_lorasvd``, ``fp4_full_stack``.
 """
+
+import dataclasses
+import typing
 
 import ml_collections
 from ml_collections import config_dict
 
+from fp4jax.model import ModelConfig
+from fp4jax.recipe import get_recipe
+from fp4jax.train import OptimizerConfig, TrainConfig
+
+
+def _value_type(hint):
+  """``int`` for ``int | None``; the hint itself otherwise."""
+  args = [a for a in typing.get_args(hint) if a is not type(None)]
+  return args[0] if args else hint
+
+
+def dataclass_config(obj, **values) -> ml_collections.ConfigDict:
+  """A ConfigDict with every field of the dataclass ``obj`` (a class or an instance).
+
+  A field's value is ``values[name]``, else the instance's value, else the field's default. A
+  None (or a required field without a value) becomes a placeholder of the field's type, so that
+  the command line can still set it.
+  """
+  cls = obj if isinstance(obj, type) else type(obj)
+  hints = typing.get_type_hints(cls)
+  out = {}
+  for f in dataclasses.fields(cls):
+    if f.name in values:
+      v = values[f.name]
+    elif not isinstance(obj, type):
+      v = getattr(obj, f.name)
+    else:
+      v = None if f.default is dataclasses.MISSING else f.default
+    out[f.name] = config_dict.placeholder(_value_type(hints[f.name])) if v is None else v
+  return ml_collections.ConfigDict(out)
+
 
 def base(arg: str | None = None) -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
+  c = dataclass_config(TrainConfig)
   c.name = "base"
-  # Precision recipe: a preset name, plus the fields that may be overridden on top of it.
-  c.recipe = arg or "bf16"
-  c.bf16_first_blocks = 0
-  c.bf16_last_blocks = 0
-  c.lora_rank = 16
-  c.lora_resplit_every = 0     # fp4_linear_lorasvd: re-split every k steps (0: once, at init)
-  c.model = ml_collections.ConfigDict(dict(
-      vocab_size=config_dict.placeholder(int),  # None: the data's vocabulary rounded up to 128
-      d_model=128, n_layers=2, n_heads=4,
-      n_kv_heads=config_dict.placeholder(int),  # None: n_heads (no GQA)
-      head_dim=config_dict.placeholder(int),    # None: d_model // n_heads
-      d_ff=config_dict.placeholder(int),        # None: ~8/3 d_model, a multiple of 16
-      qk_norm=True, rope_theta=10000.0, dtype="bfloat16", init_std=0.02,
-      scan_layers=False,  # one lax.scan per run of same-precision blocks (see ModelConfig)
-      remat=False,       # rematerialize block activations in the backward (less memory)
-      attention="auto",  # auto | cudnn | xla (auto: cuDNN flash attention on a GPU)
-      cross_entropy="auto"))  # auto | pallas | xla (auto: the fused Pallas loss kernel on a GPU)
+  c.recipe = dataclass_config(get_recipe(arg or "bf16"))
+  c.model = dataclass_config(ModelConfig)
+  c.optimizer = dataclass_config(OptimizerConfig)
   c.data = ml_collections.ConfigDict(dict(
       corpus="shakespeare",   # built-in corpus name or a folder of .txt files
       tokenizer="byte",       # byte | bpe | path of a tokenizer.json
       vocab_size=config_dict.placeholder(int),  # BPE vocabulary
       dir=config_dict.placeholder(str),         # None: the data root's default folder
   ))
-  c.optimizer = ml_collections.ConfigDict(dict(
-      name="adamw", learning_rate=3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
-      grad_clip=1.0, schedule="cosine", warmup_steps=100, decay_fraction=0.2, min_lr_ratio=0.1))
-  c.steps = 1000
-  c.batch_size = 32            # global, examples per update
-  c.seq_len = 256
-  c.grad_accum = 1
-  c.seed = 0
-  c.log_every = 10
-  c.eval_every = 200           # 0: only at the end
-  c.eval_batches = 8
-  c.checkpoint_every = 500     # 0: only at the end
-  c.keep_checkpoints = 3
-  c.mesh_shape = (1, -1, 1)    # (data, fsdp, tensor); -1 takes the remaining devices
-  c.progress = True
   return c
