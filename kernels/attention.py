@@ -81,10 +81,11 @@ def _div(a, b, on_gpu: bool):
   return numerics.div_rn(jnp.asarray(a, jnp.float32), b)
 
 
-def _blocks(x, rows: int, cols: int):
-  """(M, N) -> (M / rows, rows, N / cols, cols): a view of x's ``rows x cols`` tiles."""
+def _tile_max(x, rows: int, cols: int):
+  """(M, N) -> (M / rows, N / cols): the max of each ``rows x cols`` tile. One axis per reduction
+  (Pallas' Triton lowering of a reduction over two axes fails under an abstract mesh)."""
   m, n = x.shape
-  return x.reshape(m // rows, rows, n // cols, cols)
+  return jnp.max(jnp.max(x.reshape(m // rows, rows, n // cols, cols), axis=3), axis=1)
 
 
 def _expand(s, rows: int, cols: int):
@@ -102,8 +103,8 @@ def _quantize_tile(ds, bits, ds_tile, rounding: str, on_gpu: bool):
   tq, tk = ds_tile
   x32 = numerics.flush_subnormals(ds)
   ax = jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32))
-  block_amax = jnp.max(_blocks(ax, _B, _B), axis=(1, 3))  # (M/16, N/16)
-  amax = jnp.max(_blocks(block_amax, tq // _B, tk // _B), axis=(1, 3))  # per ds tile
+  block_amax = _tile_max(ax, _B, _B)  # (M/16, N/16)
+  amax = _tile_max(block_amax, tq // _B, tk // _B)  # per ds tile
   finite = amax <= numerics.F32_MAX
   amax = jnp.where(finite, amax, 0.0)
   s_enc = jnp.minimum(_div(_E2M1_X_E4M3_MAX, amax, on_gpu), numerics.F32_MAX)

@@ -1,0 +1,144 @@
+"""The flash attention kernels on the GPU against the reference, and their quantized operands against the CPU.
+
+  FP4JAX_GPU_TESTS=1 python -m pytest -m gpu tests/gpu/test_attention_gpu.py
+
+- ``nvfp4_attention(implementation="pallas")`` (the kernels) equals ``implementation="xla"`` (the
+  reference, run on the GPU too) within accumulation tolerance: O, dQ, dK, dV.
+- The quantized operands are bit-equal to the CPU's: the decoded Q(q), Q(k) of the op, the dS
+  rounding bits, and the in-kernel dS tile quantizer (PTX ``div.rn.f32``) against ``quantize_ds`` on
+  the CPU.
+- The scores of the forward's tiles and the backward's tiles are bit-identical (the same dot on the
+  same decoded q, k), so the backward's P recompute is the forward's.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from fp4jax import nvfp4
+from fp4jax.kernels import attention as A
+from fp4jax.ops.attention import AttentionConfig, nvfp4_attention
+
+pytestmark = pytest.mark.gpu
+
+
+def _devices():
+  gpu, cpu = jax.devices()[0], jax.devices("cpu")[0]
+  assert gpu.platform == "gpu"
+  return gpu, cpu
+
+
+def _on(device, fn, *args):
+  with jax.default_device(device):
+    args = [jax.device_put(a, device) for a in args]
+    return jax.tree.map(np.asarray, jax.jit(fn)(*args))
+
+
+def _inputs(b, t, h, hk, d, seed=0):
+  rng = np.random.default_rng(seed)
+  shapes = ((b, t, h, d), (b, t, hk, d), (b, t, hk, d), (b, t, h, d))
+  return tuple(jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
+
+
+def _bits_equal(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  view = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+  return int(np.sum(a.view(view) != b.view(view)))
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("config", ["bf16_ds", "nvfp4"])
+@pytest.mark.parametrize("d,causal,hk", [(128, True, 4), (64, True, 2), (128, False, 1)])
+def test_kernels_match_reference(config, d, causal, hk):
+  gpu, _ = _devices()
+  b, t, h = 2, 1024, 4
+  q, k, v, do = _inputs(b, t, h, hk, d, seed=d + hk)
+  cfg = AttentionConfig.nvfp4(ds="bf16") if config == "bf16_ds" else AttentionConfig.nvfp4()
+  key = jax.random.key(7)
+
+  def run(impl, q, k, v, do):
+    o, pull = jax.vjp(lambda q, k, v: nvfp4_attention(q, k, v, causal=causal, key=key, config=cfg,
+                                                      implementation=impl), q, k, v)
+    return (o, *pull(do))
+
+  got = _on(gpu, functools.partial(run, "pallas"), q, k, v, do)
+  want = _on(gpu, functools.partial(run, "xla"), q, k, v, do)
+  # bf16 outputs: a few bf16 ulps from summation order; NVFP4 dS also moves a few E2M1 codes where
+  # dS differs in its last bits.
+  tol = {"bf16_ds": (1e-2, 1e-2, 1e-2, 1e-2), "nvfp4": (1e-2, 5e-2, 5e-2, 1e-2)}[config]
+  for name, g, w, tl in zip(("o", "dq", "dk", "dv"), got, want, tol):
+    assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+    assert _rel(g, w) < tl, (name, _rel(g, w))
+
+
+def test_decoded_operands_equal_cpu():
+  """The decoded Q(q) the kernels get (1x16 along D, one global scale) is the CPU's, bit for bit."""
+  gpu, cpu = _devices()
+  q, *_ = _inputs(2, 512, 4, 4, 128, seed=3)
+  fn = lambda x: nvfp4.quantize(x, block=(1, 16)).dequantize(jnp.bfloat16)
+  assert _bits_equal(_on(gpu, fn, q), _on(cpu, fn, q)) == 0
+
+
+def _tile_quantizer_kernel(w_ref, ds_ref, out_ref, *, rounding, bh, on_gpu):
+  m, n = ds_ref.shape
+  bits = None
+  if rounding == "stochastic":
+    k1, k2 = A._words(w_ref)
+    bits = A._tile_bits(k1, k2, bh, pl.program_id(0) * m, pl.program_id(1) * n, m, n)
+  out_ref[...] = A._quantize_tile(ds_ref[...], bits, A.DS_TILE, rounding, on_gpu=on_gpu)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_in_kernel_ds_quantizer_equals_cpu(rounding):
+  gpu, cpu = _devices()
+  rng = np.random.default_rng(5)
+  t, s, bh = 512, 1024, 3
+  x = rng.standard_normal((t, s)) * 10.0 ** rng.uniform(-6, 2, (t, s))
+  ds = jnp.asarray(x, jnp.float32)
+  key = jax.random.key(9)
+  words = jax.lax.bitcast_convert_type(jnp.stack(A._key_words(key)), jnp.int32)
+  spec = pl.BlockSpec((64, 64), lambda i, j: (i, j))
+  kernel = pl.pallas_call(
+      functools.partial(_tile_quantizer_kernel, rounding=rounding, bh=bh, on_gpu=True),
+      out_shape=jax.ShapeDtypeStruct((t, s), jnp.bfloat16), grid=(t // 64, s // 64),
+      in_specs=[pl.BlockSpec((2,), lambda i, j: (0,)), spec], out_specs=spec)
+  got = _on(gpu, kernel, words, ds)
+
+  def whole(ds):
+    bits = None
+    if rounding == "stochastic":
+      bits = A.ds_rounding_bits(key, (1, bh + 1, t, s))[0, bh]
+    return A.quantize_ds(ds, rounding=rounding, bits=bits)
+
+  assert _bits_equal(got, _on(cpu, whole, ds)) == 0
+  assert _bits_equal(_on(gpu, whole, ds), _on(cpu, whole, ds)) == 0
+
+
+def _scores_kernel(q_ref, k_ref, s_ref, *, sm_scale):
+  s_ref[...] = A._scores(q_ref[...], k_ref[...], sm_scale)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_and_backward_tiles_give_the_same_scores(d):
+  """S tiles of the forward's blocks (128 x 64) and of the backward's (64 x 64): bit-identical."""
+  gpu, _ = _devices()
+  q, k, *_ = _inputs(1, 512, 1, 1, d, seed=d)
+  q, k = q[0, :, 0], k[0, :, 0]
+
+  def scores(bq, bk):
+    return pl.pallas_call(
+        functools.partial(_scores_kernel, sm_scale=d**-0.5),
+        out_shape=jax.ShapeDtypeStruct((512, 512), jnp.float32), grid=(512 // bq, 512 // bk),
+        in_specs=[pl.BlockSpec((bq, d), lambda i, j: (i, 0)), pl.BlockSpec((bk, d), lambda i, j: (j, 0))],
+        out_specs=pl.BlockSpec((bq, bk), lambda i, j: (i, j)))
+
+  fwd, bwd = _on(gpu, scores(128, 64), q, k), _on(gpu, scores(64, 64), q, k)
+  assert _bits_equal(fwd, bwd) == 0
