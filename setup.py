@@ -8,11 +8,9 @@ setup(
     description="Full-stack NVFP4 (4-bit) LLM pretraining in JAX: linear layers, optimizer states, "
     "Newton-Schulz and attention",
     python_requires=">=3.12",
-    # kernels/ (Pallas GPU kernels) installs as fp4jax.kernels; fp4jax/__init__.py maps it the same
-    # way when the package is used from a source tree without installing.
-    packages=find_packages(include=["fp4jax", "fp4jax.*", "experiments", "experiments.*"])
-    + ["fp4jax.kernels"],
-    package_dir={"fp4jax.kernels": "kernels"},
+    # fp4jax/kernels is a symbolic link to the top-level kernels/ folder (the Pallas GPU kernels), so
+    # fp4jax.kernels is found, and packaged, like any subpackage.
+    packages=find_packages(include=["fp4jax", "fp4jax.*", "experiments", "experiments.*"]),
     install_requires=[
         "jax>=0.11.2,<0.12",
         "jaxlib>=0.11.2,<0.12",

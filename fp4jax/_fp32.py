@@ -1,10 +1,10 @@
-"""Correctly rounded float32 arithmetic that XLA cannot rewrite, from integer operations.
+"""Correctly rounded float32 arithmetic from integer operations, which XLA cannot rewrite.
 
-The NVFP4 algorithm divides twice (``S_enc = 2688 / amax`` and ``escale = 1 / (dscale * S_dec)``)
-and rounds to E4M3 and E2M1. On the H200, XLA's f32 division is not correctly rounded (13% of
-``1/d`` one ulp off, DESIGN.md §5.2), and XLA may fold float conversion pairs into no-ops (§5.1).
-Both change quantized codes at rounding ties. Everything here is done on the integer bit pattern,
-which every backend computes identically, so CPU and GPU give the same bits.
+NVFP4 quantization divides twice (``S_enc = 2688 / amax`` and ``escale = 1 / (dscale * S_dec)``),
+and the optimizer stores a square root. The GPU's float32 division and square root are not correctly
+rounded, and XLA may fold float conversion pairs into no-ops; either changes quantized codes at
+rounding ties (docs/DESIGN.md, "Bit-exactness on the GPU"). Here everything is computed on the
+integer bit pattern, which every backend computes identically. Public through ``fp4jax.numerics``.
 """
 
 import jax.numpy as jnp
@@ -84,48 +84,6 @@ def flush_subnormals(x):
   x = jnp.asarray(x, jnp.float32)
   b = _bits(x)
   return jnp.where((b & _INF_BITS) == 0, 0.0, x)
-
-
-def round_to_e4m3(v):
-  """Round float32 ``v`` in [0, 448] to the nearest E4M3 value, ties to even.
-
-  Returns ``(value as float32, E4M3 byte as uint8)``. E4M3 subnormals (multiples of 2^-9) are kept.
-  """
-  v = jnp.asarray(v, jnp.float32)
-  b = _bits(v)
-  e = ((b >> _MANT_BITS) & _EXP_MASK) - 127
-  # Normal E4M3 (v >= 2^-6): keep 3 mantissa bits by rounding the f32 pattern; carries ripple into
-  # the exponent, which is what rounding up to the next binade must do.
-  lsb = (b >> 20) & 1
-  normal_bits = ((b + (1 << 19) - 1 + lsb) >> 20) << 20
-  normal = _from_bits(normal_bits)
-  # Subnormal E4M3: multiples of 2^-9; v * 512 is exact, rounded to nearest, ties to even, in
-  # integers (Pallas Triton has no round; the kernels call this too). Only v < 2^-6 takes this
-  # branch, so the int32 conversion of a larger v is never used.
-  t = v * 512.0
-  k = jnp.minimum(t, 512.0).astype(jnp.int32)  # floor, t >= 0
-  frac = t - k.astype(jnp.float32)  # exact
-  sub_k = (k + ((frac > 0.5) | ((frac == 0.5) & ((k & 1) == 1))).astype(jnp.int32)).astype(jnp.float32)
-  sub = sub_k * (1.0 / 512.0)
-  is_normal = e >= -6
-  value = jnp.where(is_normal, normal, sub)
-  nb = _bits(value)
-  ne = ((nb >> _MANT_BITS) & _EXP_MASK) - 127
-  normal_code = ((ne + 7) << 3) | ((nb >> 20) & 7)
-  # A subnormal that rounded up to 2^-6 is the smallest normal, code 8: (k = 8) gives that too.
-  code = jnp.where(value >= 2.0**-6, normal_code, sub_k.astype(jnp.int32))
-  return value, code.astype(jnp.uint8)
-
-
-def e4m3_to_f32(code):
-  """Decode E4M3 bytes (uint8, no NaN) to float32 with integer operations."""
-  c = code.astype(jnp.int32)
-  e = (c >> 3) & 0xF
-  m = c & 7
-  normal = _from_bits(((e - 7 + 127) << _MANT_BITS) | (m << 20))
-  sub = m.astype(jnp.float32) * (1.0 / 512.0)
-  mag = jnp.where(e == 0, sub, normal)
-  return jnp.where((c & 0x80) != 0, -mag, mag)
 
 
 def _square_base24(q):

@@ -3,7 +3,8 @@
 An NVFP4 tensor stores E2M1 elements (±{0, 0.5, 1, 1.5, 2, 3, 4, 6}), one E4M3 scale per block of
 16 consecutive elements (``block=(1, 16)``, along ``axis``) or per 16×16 tile of the last two axes
 (``block=(16, 16)``, for weights), and one float32 decode scale for the whole tensor. Quantization
-follows Transformer Engine's order of float32 operations bit for bit (DESIGN.md §3)::
+follows Transformer Engine's order of float32 operations bit for bit (docs/DESIGN.md, "The NVFP4
+format")::
 
   amax   = max|x|;  S_enc = min(2688 / amax, FLT_MAX) (1 where amax == 0);  S_dec = 1 / S_enc
   dscale = e4m3_rne(min(block_amax * (S_enc * fp32(1/6)), 448))
@@ -11,7 +12,7 @@ follows Transformer Engine's order of float32 operations bit for bit (DESIGN.md 
   q      = e2m1_rne(clamp(x * escale, -6, 6))      (code 0 where dscale == 0)
   x_hat  = q * dscale * S_dec
 
-Divisions and roundings are computed on integer bit patterns (``fp4jax._fp32``), so the GPU gives
+Divisions and roundings are computed on integer bit patterns (``fp4jax.numerics``), so the GPU gives
 the same bits as the CPU (XLA's GPU division is not correctly rounded, and it may fold float
 conversion pairs away).
 
@@ -41,15 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fp4jax import _fp32
+from fp4jax import numerics
+from fp4jax.numerics import E2M1_MAX, E4M3_MAX, F32_MAX
 
 BLOCK = 16
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+ROUNDINGS = ("nearest", "stochastic")  # the rounding names of every quantizing function
 _VALID_BLOCKS = ((1, BLOCK), (BLOCK, BLOCK))
-_ROUNDINGS = ("nearest", "stochastic")
-_INV6 = float(np.float32(1.0) / np.float32(6.0))
 # The non-negative finite E4M3 bytes 0..126 (0x7F is NaN).
 _E4M3_CODES = np.arange(127, dtype=np.uint8)
 
@@ -97,16 +96,11 @@ class NVFP4Tensor:
 
   def elements(self) -> jax.Array:
     """The E2M1 values (float32), shaped like the original tensor."""
-    return _decode_e2m1(_unpack(self.codes, self.axis))
+    return numerics.decode_e2m1(_unpack(self.codes, self.axis))
 
   def block_scales(self) -> jax.Array:
-    """The decoded E4M3 block scales (float32), one per block.
-
-    Integer decoding: a plain ``astype(float32)`` is exact too, but with it the H200 profile of the
-    adamw_nvfp4 update was slower (device busy 4.28 -> 4.88 ms per update, reductions 1.90 -> 2.64
-    ms; benchmarks/RESULTS.md). Why was not looked into.
-    """
-    return _fp32.e4m3_to_f32(lax.bitcast_convert_type(self.scales, jnp.uint8))
+    """The decoded E4M3 block scales (float32), one per block (decoded with integer operations)."""
+    return numerics.e4m3_to_f32(lax.bitcast_convert_type(self.scales, jnp.uint8))
 
   def scaled_elements(self, dtype=jnp.float32) -> jax.Array:
     """``elements * block_scales`` without the global scale: exact in bfloat16 and float32.
@@ -157,42 +151,7 @@ def _normalize(shape, block, axis) -> tuple[tuple[int, int], int]:
 
 
 # ----------------------------------------------------------------------------------------------
-# E2M1 codes
-
-
-def _e2m1_rne_code(a):
-  """Magnitude a in [0, 6] -> E2M1 code 0..7 (int32), round to nearest, ties to the even code."""
-  return ((a > 0.25).astype(jnp.int32) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
-          + (a >= 3.5) + (a > 5.0))
-
-
-def _e2m1_stochastic_code(a, bits):
-  """Magnitude a in [0, 6] -> code (int32), rounding up with probability (a - lo) / (hi - lo), from the top 22
-  of the uint32 ``bits``.
-
-  On float32 bit patterns: each step of the E2M1 grid in [1, 6] lies inside one binade and spans
-  2^22 patterns (1 → 1.5 → 2 → 3 → 4 → 6), so adding 22 random bits ``r`` to the pattern and keeping
-  its top bits rounds up exactly when ``r >= 2^22 - frac`` (``frac``: the pattern mod 2^22), with
-  probability ``frac / 2^22 = (a - lo) / (hi - lo)``. Below 1 the grid (0, 0.5, 1) has the same
-  shape as [1, 2) shifted down by 1, so there the pattern is that of ``a + 1`` (float32, rounded to
-  2^-23). Three integer operations and a select per element: on the GPU this quantizer (the Pallas
-  AdamW kernel's) is bound by instruction issue.
-  """
-  small = a < 1.0
-  x = lax.bitcast_convert_type(jnp.where(small, a + 1.0, a), jnp.int32)
-  # The code of 1.0 is 2, its pattern's top bits 254: of 1 + 0 (below 1), 0.
-  top = (x + (bits >> 10).astype(jnp.int32)) >> 22
-  return top - jnp.where(small, 254, 252)
-
-
-def _decode_e2m1(code):
-  """E2M1 codes (uint8, sign in bit 3) -> float32, built as bit patterns with integer operations only:
-  a normal magnitude code k in 2..7 is float32 ``(k << 22) + bits(0.5)`` (E2M1's exponent and mantissa
-  bits shifted into float32's, bias 1 -> 127); k = 1 is 0.5, k = 0 is 0."""
-  c = code.astype(jnp.int32)
-  k = c & 7
-  mag = jnp.where(k >= 2, (k << 22) + 0x3F000000, k * 0x3F000000)
-  return lax.bitcast_convert_type(mag | ((c & 8) << 28), jnp.float32)
+# Packing
 
 
 def _pack(codes, axis):
@@ -240,14 +199,13 @@ def _expand_scales(s, t: NVFP4Tensor):
 def global_decode_scale(amax):
   """``S_enc`` and ``S_dec`` for a tensor whose ``max|x|`` is ``amax`` (finite, >= 0), in TE's order."""
   amax = jnp.asarray(amax, jnp.float32)
-  s_enc = jnp.minimum(_fp32.div_rn(jnp.float32(E4M3_MAX * E2M1_MAX), amax), _fp32.F32_MAX)
+  s_enc = jnp.minimum(numerics.div_rn(jnp.float32(E4M3_MAX * E2M1_MAX), amax), F32_MAX)
   s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc).astype(jnp.float32)
-  return s_enc, _fp32.div_rn(jnp.float32(1.0), s_enc)
+  return s_enc, numerics.div_rn(jnp.float32(1.0), s_enc)
 
 
-def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits=None,
-             amax=None) -> NVFP4Tensor:
-  """Quantizes ``x`` to NVFP4, bit-exact to Transformer Engine's algorithm (DESIGN.md §3).
+def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits=None) -> NVFP4Tensor:
+  """Quantizes ``x`` to NVFP4, bit-exact to Transformer Engine's algorithm (module docstring).
 
   Args:
     x: a float32, bfloat16 or float16 array.
@@ -260,10 +218,7 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
       per element from ``key``).
     key: a ``jax.random`` key for stochastic rounding (``jax.random.bits``). Same key, same bits.
     bits: instead of ``key``, the uint32 random bits themselves, shaped like ``x`` (the top 22 of
-      each are used), e.g. from a cheaper generator that XLA fuses into the quantizer.
-    amax: the tensor amax that sets the global scale, in place of ``max|x|`` (TE's rule, default):
-      an upper bound of ``max|x|`` known without a pass over ``x`` (a float32 scalar; a smaller one
-      saturates the values above it). Then a non-finite ``amax`` stands for non-finite ``x``.
+      each are used), e.g. ``numerics.counter_bits``, which XLA fuses into the quantizer.
 
   Returns:
     An ``NVFP4Tensor``. Non-finite ``x`` gives a NaN global scale (see the module docstring).
@@ -272,13 +227,18 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
     ValueError: a blocked axis not a multiple of 16, a bad ``block``/``axis``/``rounding``,
       stochastic rounding without a key or bits (or with both), or bits of the wrong shape or
       dtype.
+
+  Example:
+    >>> t = quantize(jnp.ones((4, 32)))
+    >>> t.codes.shape, t.scales.shape, float(t.dequantize()[0, 0])
+    ((4, 16), (4, 2), 1.0)
   """
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"quantize needs a floating-point array, got dtype {x.dtype}")
   block, axis = _normalize(x.shape, block, axis)
-  if rounding not in _ROUNDINGS:
-    raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
   if rounding == "stochastic" and key is None and bits is None:
     raise ValueError("rounding='stochastic' needs a `key` (a jax.random key) or `bits`")
   if key is not None and bits is not None:
@@ -287,34 +247,32 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
     raise ValueError(f"bits must be uint32 shaped like x {tuple(x.shape)}, got {bits.dtype}"
                      f"{tuple(bits.shape)}")
 
-  x32 = _fp32.flush_subnormals(x.astype(jnp.float32))
+  x32 = numerics.flush_subnormals(x.astype(jnp.float32))
   # NaN -> inf before the max: XLA's CPU max does not propagate NaN.
   ax = jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32))
   # The tensor's amax is the max of the block amaxes (the same value): one pass over the elements
   # gives both, where max(ax) beside the block maxima was a second full pass on the GPU.
   block_amax = _block_amax(ax, block, axis)
-  if amax is None:
-    amax = jnp.max(block_amax) if x.size else jnp.float32(0)
-  amax = jnp.asarray(amax, jnp.float32)
-  finite = amax <= _fp32.F32_MAX  # false for NaN and inf
+  amax = jnp.asarray(jnp.max(block_amax) if x.size else jnp.float32(0), jnp.float32)
+  finite = amax <= F32_MAX  # false for NaN and inf
   s_enc, s_dec = global_decode_scale(jnp.where(finite, amax, 0.0))
   s_dec = jnp.where(finite, s_dec, jnp.nan)
 
   block_amax = jnp.where(finite, block_amax, 0.0)
-  dscale, dscale_code = _scale_codes(block_amax, s_enc * jnp.float32(_INV6))
+  dscale, dscale_code = numerics.e4m3_block_scales(block_amax, s_enc * jnp.float32(numerics.INV6))
   # escale = 1 / (dscale * S_dec) takes one of 127 values per tensor (dscale is a non-negative
   # E4M3 value): divide once per code, then look the blocks up. A per-block division is fused into
   # the per-element loop by XLA and recomputed 16 times per block (the integer division is ~100
-  # operations); an optimization barrier on the per-block values made XLA-CPU compile 70x slower.
-  # (The barrier only keeps XLA-CPU from fusing the product into the division: 9 s of compile.)
-  denominators = lax.optimization_barrier(_fp32.e4m3_to_f32(_E4M3_CODES) * s_dec[..., None])
-  table = jnp.minimum(_fp32.div_rn(jnp.float32(1.0), denominators), _fp32.F32_MAX)
+  # operations). The barrier keeps XLA:CPU from fusing the product into the division, which it
+  # compiles slowly.
+  denominators = lax.optimization_barrier(numerics.e4m3_to_f32(_E4M3_CODES) * s_dec[..., None])
+  table = jnp.minimum(numerics.div_rn(jnp.float32(1.0), denominators), F32_MAX)
   escale = table.at[dscale_code.astype(jnp.int32)].get(mode="promise_in_bounds")
 
   if rounding == "stochastic" and bits is None:
     bits = jax.random.bits(key, x.shape, jnp.uint32)
   zero_block = _expand(dscale == 0, x.shape, block, axis) | ~finite
-  code = _element_codes(x32, _expand(escale, x.shape, block, axis), zero_block, rounding, bits)
+  code = numerics.e2m1_codes(x32, _expand(escale, x.shape, block, axis), zero_block, rounding, bits)
 
   return NVFP4Tensor(
       codes=_pack(code, axis),
@@ -327,25 +285,36 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
   )
 
 
-def _scale_codes(block_amax, m):
-  """The E4M3 block scales (value, byte) of block amaxes, with ``m = S_enc * fp32(1/6)``."""
-  return _fp32.round_to_e4m3(jnp.clip(jnp.minimum(block_amax * m, _fp32.F32_MAX), 0.0, E4M3_MAX))
-
-
-def _element_codes(x32, escale, zero_block, rounding, bits, dtype=jnp.uint8):
-  """E2M1 codes (sign in bit 3) of ``x32 * escale``, 0 where ``zero_block``: the per-element step of
-  ``quantize`` (``escale`` and ``zero_block`` broadcast against ``x32``; ``bits`` for stochastic
-  rounding), as ``dtype``. The Pallas kernels call it too (with int32: no byte arithmetic)."""
-  # |clip(x * escale, -6, 6)|, and the sign of x (escale > 0): one min instead of a clip.
-  a = jnp.minimum(jnp.abs(x32 * escale), E2M1_MAX)
-  mag = _e2m1_rne_code(a) if rounding == "nearest" else _e2m1_stochastic_code(a, bits)
-  code = mag.astype(jnp.int32) | jnp.where(x32 < 0, 8, 0)
-  return jnp.where(zero_block, 0, code).astype(dtype)
-
-
 def dequantize(t: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
   """The values an NVFP4 tensor represents, ``q * dscale * S_dec``, computed in float32, as ``dtype``."""
   return t.dequantize(dtype)
+
+
+def gemm(a: NVFP4Tensor, b: NVFP4Tensor, contracting=((1,), (0,))) -> jax.Array:
+  """An NVFP4 × NVFP4 GEMM as tensor cores compute it, up to summation order.
+
+  ``(dot(scaled_elements(a), scaled_elements(b)) * S_dec(a)) * S_dec(b)``: the operands decoded to
+  bfloat16 without the global scales (exact, ``scaled_elements``), a float32-accumulated dot, then
+  the two float32 global scales one at a time. Multiplying by one scale, then the other, keeps a
+  product whose two scales are tiny (their product below float32's range) from flushing to zero.
+
+  Args:
+    a, b: 2-D ``NVFP4Tensor``s.
+    contracting: ``lax.dot_general``'s contracting dimensions: ``((1,), (0,))`` is ``a @ b``,
+      ``((1,), (1,))`` is ``a @ b.T``, ``((0,), (0,))`` is ``a.T @ b``.
+
+  Returns:
+    The float32 product.
+
+  Example:
+    >>> a, b = quantize(jnp.ones((16, 32))), quantize(jnp.ones((16, 32)))
+    >>> float(gemm(a, b, ((1,), (1,)))[0, 0])
+    32.0
+  """
+  acc = lax.dot_general(a.scaled_elements(jnp.bfloat16), b.scaled_elements(jnp.bfloat16),
+                        (contracting, ((), ())), precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+  return (acc * a.global_scale) * b.global_scale
 
 
 @jax.custom_jvp

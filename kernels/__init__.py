@@ -1,6 +1,8 @@
-"""Pallas GPU kernels (Triton lowering), each beside its jnp reference; imported as ``fp4jax.kernels``.
+"""Pallas GPU kernels (Triton lowering), imported as ``fp4jax.kernels``.
 
-Kernels know nothing of models. Every kernel has a pure-jnp reference path, a ``custom_vjp``, an
-interpret-mode test on CPU and a CUDA lowering check on CPU (tests/), and a GPU comparison run on
-the H200. Importing this package does not need a GPU.
+Kernels know nothing of models: each computes the numerics of a jnp reference path in the library
+(``fp4jax.numerics`` holds the pieces they share), runs in interpret mode in the CPU tests, is
+checked to lower to Triton for an H200 on the CPU, and is compared with the CPU on the GPU
+(``tests/gpu``). A kernel that is differentiated has a ``custom_vjp``; the optimizer and loss
+kernels are not differentiated. Importing this package does not need a GPU.
 """

@@ -3,11 +3,6 @@
 from jax.experimental.pallas import triton as plgpu
 
 
-def next_pow2(n: int) -> int:
-  """The smallest power of two >= n (1 for n <= 1)."""
-  return 1 << max(0, int(n) - 1).bit_length()
-
-
 def store(ref, val, mask, eviction_policy=None):
   """``ref[...] = val``, masked where ``mask`` is not None (a block hanging over the array's end);
   ``eviction_policy``: Triton's L2 hint."""

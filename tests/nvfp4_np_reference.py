@@ -1,4 +1,5 @@
-"""Independent numpy/ml_dtypes transcription of Transformer Engine's NVFP4 quantizer (DESIGN.md §3).
+"""Independent numpy/ml_dtypes transcription of Transformer Engine's NVFP4 quantizer (docs/DESIGN.md,
+"The NVFP4 format").
 
 Plain IEEE float32 numpy arithmetic and ml_dtypes casts; nothing shared with fp4jax.
 """

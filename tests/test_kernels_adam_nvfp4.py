@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from conftest import H200
 
-from fp4jax import optim
-from fp4jax.nvfp4 import NVFP4Tensor
+from fp4jax import _platform, numerics, optim
 from fp4jax.kernels import adam_nvfp4 as kernel
+from fp4jax.kernels.adam_nvfp4 import AdamKernelConfig
+from fp4jax.nvfp4 import NVFP4Tensor
 from fp4jax.optim import _common
 
 # (64, 128): 512 blocks; (33, 160): 330 blocks, a ragged last program at any power-of-two size;
@@ -50,6 +51,14 @@ def _assert_updates_close(a, b):
     np.testing.assert_allclose(np.nan_to_num(x), np.nan_to_num(y), rtol=2e-6, atol=1e-12)
 
 
+def _tx(impl, rounding="stochastic", config=AdamKernelConfig(), **kw):
+  """scale_by_adam_nvfp4 with ``kernel=impl`` on leaves of >= 1024 elements; ``rounding``: both
+  moments' or a pair (m, √v)."""
+  mu, nu = (rounding, rounding) if isinstance(rounding, str) else rounding
+  return optim.scale_by_adam_nvfp4(kernel=impl, kernel_config=config, options=optim.AdamNvfp4Options(
+      min_size=1024, mu_rounding=mu, nu_rounding=nu), **kw)
+
+
 def _run(tx, steps, **tree_kw):
   params = jax.tree.map(jnp.zeros_like, _tree(0, shapes=tree_kw.get("shapes", SHAPES)))
   state, f, us = tx.init(params), jax.jit(tx.update), []
@@ -59,18 +68,15 @@ def _run(tx, steps, **tree_kw):
   return us, state
 
 
-@pytest.mark.parametrize("rounding,nesterov,dtype,nan,amax", [
-    ("stochastic", False, jnp.float32, False, "bound"),
-    ("nearest", False, jnp.float32, False, "bound"),
-    (("nearest", "stochastic"), True, jnp.bfloat16, False, "bound"),
-    ("stochastic", False, jnp.float32, True, "bound"),
-    ("stochastic", False, jnp.float32, False, "exact"),
-    ("stochastic", False, jnp.float32, True, "exact"),
+@pytest.mark.parametrize("rounding,nesterov,dtype,nan", [
+    ("stochastic", False, jnp.float32, False),
+    ("nearest", False, jnp.float32, False),
+    (("nearest", "stochastic"), True, jnp.bfloat16, False),
+    ("stochastic", False, jnp.float32, True),
 ])
-def test_interpret_equals_xla_path(rounding, nesterov, dtype, nan, amax):
-  kw = dict(rounding=rounding, nesterov=nesterov, min_size=1024, amax=amax)
-  u_x, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2, dtype=dtype, nan=nan)
-  u_k, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 2, dtype=dtype, nan=nan)
+def test_interpret_equals_xla_path(rounding, nesterov, dtype, nan):
+  u_x, s_x = _run(_tx("xla", rounding, nesterov=nesterov), 2, dtype=dtype, nan=nan)
+  u_k, s_k = _run(_tx("pallas_interpret", rounding, nesterov=nesterov), 2, dtype=dtype, nan=nan)
   assert isinstance(s_k.mu["w"], NVFP4Tensor) and not isinstance(s_k.mu["bias"], NVFP4Tensor)
   _assert_state_equal(s_k, s_x)
   for a, b in zip(u_k, u_x):
@@ -84,31 +90,29 @@ def test_interpret_equals_xla_path(rounding, nesterov, dtype, nan, amax):
   assert float(zero.global_scale) == 1.0 and not np.any(np.asarray(zero.codes))
 
 
-@pytest.mark.parametrize("block_rows, stats_block_rows, amax",
-                         [(64, 64, "bound"), (128, 128, "exact"), (64, 256, "bound"),
-                          (64, 256, "exact")])
-def test_many_programs_and_ragged_tail(block_rows, stats_block_rows, amax):
+@pytest.mark.parametrize("block_rows, stats_block_rows", [(64, 64), (128, 128), (64, 256)])
+def test_many_programs_and_ragged_tail(block_rows, stats_block_rows):
   """The kernels called directly with small programs (8 and 6 programs, the last ragged; the first
-  pass and encode with programs of different sizes; both amax rules) from a non-zero state give the
-  XLA path's state."""
-  tx = optim.scale_by_adam_nvfp4(kernel="xla", min_size=1024, amax=amax)
+  pass and encode with programs of different sizes) from a non-zero state give the XLA path's
+  state."""
+  tx = _tx("xla")
   params = jax.tree.map(jnp.zeros_like, _tree(0))
   _, state = jax.jit(tx.update)(_tree(1), tx.init(params), params)
   u_x, s_x = jax.jit(tx.update)(_tree(2), state, params)
 
   names = ["odd", "w", "zero"]  # the tree's leaf order (sorted keys); bias is float32
   ids = [sorted(SHAPES).index(n) for n in names]
-  hp = kernel.AdamHyper(0.9, 0.95, 1e-8, 0.0, False, True, "stochastic", "stochastic", amax)
+  hp = kernel.AdamHyper(0.9, 0.95, 1e-8, 0.0, False, True, "stochastic", "stochastic")
+  config = AdamKernelConfig(block_rows=block_rows, stats_block_rows=stats_block_rows)
 
   @jax.jit
   def direct(g, mu, nu, count):
     count_inc = count + 1
     bound = optim.adam_update_bound(count_inc, 0.9, 0.95)
-    bcs = _common.bias_factors(0.9, 0.95, 0.0, count_inc)
+    bcs = numerics.bias_factors(0.9, 0.95, 0.0, count_inc)
     return kernel.update_leaves([g[n] for n in names], [mu[n] for n in names],
                                 [nu[n] for n in names], ids, _common.step_key(0, count_inc), hp,
-                                bcs, bound, _common.runtime_zero(count_inc),
-                                block_rows=block_rows, stats_block_rows=stats_block_rows,
+                                bcs, bound, numerics.runtime_zero(count_inc), config=config,
                                 interpret=True)
 
   us, mus, nus = direct(_tree(2), state.mu, state.nu, state.count)
@@ -117,11 +121,13 @@ def test_many_programs_and_ragged_tail(block_rows, stats_block_rows, amax):
     _assert_updates_close(us[j], u_x[n])
 
 
-def test_options_outside_the_kernels_use_the_xla_path():
-  """Storage options the kernels do not implement fall back to XLA: same state as kernel="xla"."""
-  kw = dict(min_size=1024, mu_storage="normalized", nu_transform="quarter")
-  _, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 1)
-  _, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 1)
+def test_leaves_outside_the_kernels_use_the_xla_path():
+  """A leaf blocked along its first axis (a (64, 72) LM head) goes through XLA beside the kernels'
+  leaves: the same state as kernel="xla"."""
+  shapes = {"w": (64, 128), "head": (64, 72)}
+  _, s_x = _run(_tx("xla"), 2, shapes=shapes)
+  _, s_k = _run(_tx("pallas_interpret"), 2, shapes=shapes)
+  assert s_k.mu["head"].axis == 0
   _assert_state_equal(s_k, s_x)
 
 
@@ -131,31 +137,35 @@ def test_supports_only_last_axis_blocks():
   assert not kernel.supports(jnp.zeros((64, 128)))
 
 
-def test_bad_arguments():
-  with pytest.raises(ValueError, match="kernel must be one of"):
-    optim.scale_by_adam_nvfp4(kernel="triton")
+def test_kernel_config_is_validated_and_hashable():
+  default = AdamKernelConfig()
+  assert hash(default) == hash(AdamKernelConfig()) and default != AdamKernelConfig(launch_group=1)
+  for kw, match in ((dict(block_rows=96), "block_rows must be a power of two"),
+                    (dict(stats_block_rows=0), "stats_block_rows must be a positive int"),
+                    (dict(atomic_slots=-1), "atomic_slots must be a positive int"),
+                    (dict(num_warps=4.0), "num_warps must be a positive int"),
+                    (dict(evict_hints=1), "evict_hints must be a bool")):
+    with pytest.raises(ValueError, match=match):
+      AdamKernelConfig(**kw)
   hp = kernel.AdamHyper(0.9, 0.95, 1e-8, 0.0, False, True, "nearest", "nearest")
   z = _common.zeros_nvfp4((16, 64))
-  args = ([jnp.zeros((16, 64))], [z], [z], [0], None, hp, (1.0, 1.0, 1.0), 1.0, jnp.int32(0))
-  with pytest.raises(ValueError, match="^block_rows must be a power of two"):
-    kernel.update_leaves(*args, block_rows=96, interpret=True)
-  with pytest.raises(ValueError, match="stats_block_rows must be a power of two"):
-    kernel.update_leaves(*args, stats_block_rows=0, interpret=True)
+  with pytest.raises(ValueError, match="config must be an AdamKernelConfig"):
+    kernel.update_leaves([jnp.zeros((16, 64))], [z], [z], [0], None, hp, (1.0, 1.0, 1.0, 0.0),
+                         1.0, jnp.int32(0), config={"block_rows": 64}, interpret=True)
 
 
 def test_auto_follows_the_default_device():
-  assert _common.default_platform() == "cpu"
+  assert _platform.default_platform() == "cpu"
   with jax.default_device("cpu"):
-    assert _common.default_platform() == "cpu"
+    assert _platform.default_platform() == "cpu"
 
 
-@pytest.mark.parametrize("rounding,amax", [("stochastic", "bound"), ("nearest", "bound"),
-                                           ("stochastic", "exact")])
-def test_lowers_to_triton_for_h200(triton_modules, rounding, amax):
-  """Two Triton kernels per NVFP4 leaf of its own size (a first pass, ``gmax`` or ``stats``, and ``encode``) and
-  nothing per element left to XLA; the encoder divides and takes square roots with PTX's correctly
-  rounded instructions; ragged leaves load with masks."""
-  tx = optim.scale_by_adam_nvfp4(kernel="pallas", rounding=rounding, min_size=1024, amax=amax)
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_lowers_to_triton_for_h200(triton_modules, rounding):
+  """Two Triton kernels per NVFP4 leaf of its own size (``stats`` and ``encode``) and nothing per
+  element left to XLA; the encoder divides and takes square roots with PTX's correctly rounded
+  instructions; ragged leaves load with masks."""
+  tx = _tx("pallas", rounding)
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   state = jax.eval_shape(tx.init, params)
   with jax.sharding.use_abstract_mesh(H200):
@@ -163,15 +173,15 @@ def test_lowers_to_triton_for_h200(triton_modules, rounding, amax):
   n_leaves = 3
   assert hlo.count("__gpu$xla.gpu.triton") == 2 * n_leaves, hlo
   assert len(triton_modules) == 2 * n_leaves
-  first = "@adam_nvfp4_gmax" if amax == "bound" else "@adam_nvfp4_stats"
-  stats = [m for m in triton_modules if first in m]
+  stats = [m for m in triton_modules if "@adam_nvfp4_stats" in m]
   encode = [m for m in triton_modules if "@adam_nvfp4_encode" in m]
   assert len(stats) == len(encode) == n_leaves
   for m in encode:
     assert "div.rn.f32" in m and "sqrt.rn.f32" in m
   # The (33, 160) leaf: 330 blocks, not a multiple of either kernel's blocks per program, so its loads
   # carry masks (and only its).
-  for modules, br in ((encode, kernel.BLOCK_ROWS), (stats, kernel.STATS_BLOCK_ROWS)):
+  config = AdamKernelConfig()
+  for modules, br in ((encode, config.block_rows), (stats, config.stats_block_rows)):
     assert 330 % br and 512 % br == 0 and 4096 // 16 % br == 0
     masked = [m for m in modules if re.search(rf"tt\.load %\w+, %\w+, %\w+ : tensor<{br}x8x", m)]
     assert len(masked) == 1, [m[:200] for m in masked]
@@ -180,7 +190,7 @@ def test_lowers_to_triton_for_h200(triton_modules, rounding, amax):
 
 def _uses_pallas(tx, monkeypatch, platform, shapes=SHAPES):
   """Whether ``tx.update``'s jaxpr calls a Pallas kernel when the default platform is ``platform``."""
-  monkeypatch.setattr(_common, "default_platform", lambda: platform)
+  monkeypatch.setattr(_platform, "default_platform", lambda: platform)
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
   state = jax.eval_shape(tx.init, params)
   update = lambda *args: tx.update(*args)  # noqa: E731 (a new function: no cached trace)
@@ -188,11 +198,12 @@ def _uses_pallas(tx, monkeypatch, platform, shapes=SHAPES):
 
 
 def test_auto_takes_the_kernels_on_a_cuda_gpu_only(monkeypatch):
-  tx = optim.adamw_nvfp4(1e-3, min_size=1024)
+  options = optim.AdamNvfp4Options(min_size=1024)
+  tx = optim.adamw_nvfp4(1e-3, options=options)
   assert _uses_pallas(tx, monkeypatch, "cuda")
   assert not _uses_pallas(tx, monkeypatch, "cpu")
   assert not _uses_pallas(tx, monkeypatch, "rocm")
-  assert not _uses_pallas(optim.adamw_nvfp4(1e-3, min_size=1024, kernel="xla"), monkeypatch, "cuda")
+  assert not _uses_pallas(optim.adamw_nvfp4(1e-3, options=options, kernel="xla"), monkeypatch, "cuda")
 
 
 def test_train_uses_xla_when_the_state_is_sharded(monkeypatch):
@@ -208,18 +219,15 @@ def test_train_uses_xla_when_the_state_is_sharded(monkeypatch):
     assert not _uses_pallas(tx, monkeypatch, "cuda", shapes)
 
 
-@pytest.mark.parametrize("amax", ["exact", "bound"])
-def test_first_pass_with_spread_atomics(monkeypatch, triton_modules, amax):
-  """``ATOMIC_SLOTS`` (each max folded into several copies, reduced by XLA; 1: one address) gives the
-  XLA path's state in interpret mode, with more programs than copies and the reverse, and lowers to
-  Triton for an H200."""
+def test_first_pass_with_spread_atomics(triton_modules):
+  """``atomic_slots`` (each max folded into several copies, reduced by XLA; 1: one address) gives
+  the XLA path's state in interpret mode, with more programs than copies and the reverse, and lowers
+  to Triton for an H200."""
+  _, s_x = _run(_tx("xla"), 2)
   for slots in (1, 4, 64):
-    monkeypatch.setattr(kernel, "ATOMIC_SLOTS", slots)
-    kw = dict(min_size=1024, amax=amax)
-    _, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2)
-    _, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 2)
+    _, s_k = _run(_tx("pallas_interpret", config=AdamKernelConfig(atomic_slots=slots)), 2)
     _assert_state_equal(s_k, s_x)
-  tx = optim.scale_by_adam_nvfp4(kernel="pallas", **kw)
+  tx = _tx("pallas", config=AdamKernelConfig(atomic_slots=4))
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   with jax.sharding.use_abstract_mesh(H200):
     jax.jit(tx.update).trace(params, jax.eval_shape(tx.init, params)).lower(
@@ -233,21 +241,19 @@ GROUPED = {"a": (64, 128), "b": (128, 64), "odd": (33, 160), "odd2": (33, 160), 
            "zero": (16, 256), "bias": (128,)}
 
 
-@pytest.mark.parametrize("amax,group,launches", [("exact", 12, 3), ("exact", 2, 4), ("bound", 12, 3)])
-def test_leaves_of_one_size_share_launches(monkeypatch, triton_modules, amax, group, launches):
-  """Leaves of one size and dtype share each kernel's launch, at most ``LAUNCH_GROUP`` at a time (their
+@pytest.mark.parametrize("group,launches", [(12, 3), (2, 4)])
+def test_leaves_of_one_size_share_launches(triton_modules, group, launches):
+  """Leaves of one size and dtype share each kernel's launch, at most ``launch_group`` at a time (their
   programs side by side, a branch per leaf): the XLA path's state in interpret mode, a NaN leaf and
   ragged programs included, and fewer Triton calls for an H200 (6 NVFP4 leaves: 6 launches per kernel
   unshared)."""
-  monkeypatch.setattr(kernel, "LAUNCH_GROUP", group)
-  kw = dict(min_size=1024, amax=amax)
-  u_x, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2, nan=True, shapes=GROUPED)
-  u_k, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 2, nan=True,
-                  shapes=GROUPED)
+  config = AdamKernelConfig(launch_group=group)
+  u_x, s_x = _run(_tx("xla"), 2, nan=True, shapes=GROUPED)
+  u_k, s_k = _run(_tx("pallas_interpret", config=config), 2, nan=True, shapes=GROUPED)
   _assert_state_equal(s_k, s_x)
   for a, b in zip(u_k, u_x):
     _assert_updates_close(a, b)
-  tx = optim.scale_by_adam_nvfp4(kernel="pallas", **kw)
+  tx = _tx("pallas", config=config)
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in GROUPED.items()}
   with jax.sharding.use_abstract_mesh(H200):
     hlo = jax.jit(tx.update).trace(params, jax.eval_shape(tx.init, params)).lower(
@@ -256,35 +262,18 @@ def test_leaves_of_one_size_share_launches(monkeypatch, triton_modules, amax, gr
   assert len(triton_modules) == 2 * launches
 
 
-@pytest.mark.parametrize("hints", [0, 1])
-def test_eviction_hints_change_no_values(monkeypatch, triton_modules, hints):
-  """``EVICT_HINTS``: on or off, the same state as the XLA path in interpret mode; ``encode`` lowers
+@pytest.mark.parametrize("hints", [False, True])
+def test_eviction_hints_change_no_values(triton_modules, hints):
+  """``evict_hints``: on or off, the same state as the XLA path in interpret mode; ``encode`` lowers
   with the hints on its loads and its update's stores when on, and no kernel has hints when off."""
-  monkeypatch.setattr(kernel, "EVICT_HINTS", hints)
-  kw = dict(min_size=1024)
-  _, s_x = _run(optim.scale_by_adam_nvfp4(kernel="xla", **kw), 2, shapes=GROUPED)
-  _, s_k = _run(optim.scale_by_adam_nvfp4(kernel="pallas_interpret", **kw), 2, shapes=GROUPED)
+  config = AdamKernelConfig(evict_hints=hints)
+  _, s_x = _run(_tx("xla"), 2, shapes=GROUPED)
+  _, s_k = _run(_tx("pallas_interpret", config=config), 2, shapes=GROUPED)
   _assert_state_equal(s_k, s_x)
-  tx = optim.scale_by_adam_nvfp4(kernel="pallas", **kw)
+  tx = _tx("pallas", config=config)
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in GROUPED.items()}
   with jax.sharding.use_abstract_mesh(H200):
     jax.jit(tx.update).trace(params, jax.eval_shape(tx.init, params)).lower(lowering_platforms=("cuda",))
   encode = [m for m in triton_modules if "@adam_nvfp4_encode" in m]
   assert encode and all(("evict_first" in m and "evict_last" in m) == bool(hints) for m in encode)
   assert not any("evict_" in m for m in triton_modules if "@adam_nvfp4_stats" in m)
-
-
-def test_launch_settings_parse_and_restore():
-  """``parse_settings`` reads ``NAME=V[+NAME=V]`` and names a bad item; ``settings`` sets the module's
-  launch settings inside its block only, and refuses unknown names."""
-  assert kernel.parse_settings("EVICT_HINTS=1+LAUNCH_GROUP=6") == {"EVICT_HINTS": 1, "LAUNCH_GROUP": 6}
-  for bad in ("EVICT_HINT=1", "LAUNCH_GROUP=x", "LAUNCH_GROUP"):
-    with pytest.raises(ValueError, match=bad.split("=")[0]):
-      kernel.parse_settings(bad)
-  before = (kernel.LAUNCH_GROUP, kernel.EVICT_HINTS)
-  with kernel.settings(LAUNCH_GROUP=before[0] + 3, EVICT_HINTS=1 - before[1]):
-    assert (kernel.LAUNCH_GROUP, kernel.EVICT_HINTS) == (before[0] + 3, 1 - before[1])
-  assert (kernel.LAUNCH_GROUP, kernel.EVICT_HINTS) == before
-  with pytest.raises(ValueError, match="NOPE"):
-    with kernel.settings(NOPE=1):
-      pass

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fp4jax import _fp32, nvfp4
+from fp4jax import _fp32, numerics, nvfp4
 from nvfp4_np_reference import dequantize_ref, quantize_ref
 
 BF16 = ml_dtypes.bfloat16
@@ -181,7 +181,7 @@ def test_stochastic_rounding_unbiased_and_deterministic():
 def test_decode_e2m1_every_code():
   """The integer decoder gives each of the 16 codes' value, signed zero included, bit for bit."""
   want = np.array(list(nvfp4.E2M1_VALUES) + [-v for v in nvfp4.E2M1_VALUES], np.float32)
-  got = np.asarray(jax.jit(nvfp4._decode_e2m1)(jnp.arange(16, dtype=jnp.uint8)))
+  got = np.asarray(jax.jit(numerics.decode_e2m1)(jnp.arange(16, dtype=jnp.uint8)))
   np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
@@ -204,12 +204,12 @@ def test_stochastic_code_is_the_probability_rule():
   p = np.where(hi > lo, (a64 - grid[lo]) / (grid[hi] - grid[lo] + (hi == lo)), 0.0)
   r = (bits >> 10).astype(np.float64) / 2.0**22
   want = lo + ((p > 0) & (r >= 1 - p))
-  got = np.asarray(jax.jit(nvfp4._e2m1_stochastic_code)(a, bits))
+  got = np.asarray(jax.jit(numerics.e2m1_stochastic_code)(a, bits))
   np.testing.assert_array_equal(got, want)
   # Unbiased: over all 2^22 values of r, the mean rounded value is a (exact in [1, 6]).
   r_all = (np.arange(2**22, dtype=np.uint32) << 10)
   for x in (1.3, 2.71, 4.5, 5.999):
-    codes = np.asarray(jax.jit(nvfp4._e2m1_stochastic_code)(np.full(r_all.shape, x, np.float32), r_all))
+    codes = np.asarray(jax.jit(numerics.e2m1_stochastic_code)(np.full(r_all.shape, x, np.float32), r_all))
     assert abs(grid[codes].mean() - np.float32(x)) < 1e-12, x
 
 
@@ -313,6 +313,24 @@ def _check_scaled_dot_general(sms):
   assert np.isfinite(np.asarray(theirs)).all()
 
 
+def test_gemm_applies_the_global_scales_one_at_a_time():
+  """``nvfp4.gemm`` (and ``optim.nvfp4_dot`` on it) multiplies by one global scale, then the other:
+  two operands of amax 1e-20 have global scales ~3.7e-24, whose product (~1.4e-47) underflows
+  float32, while their product (~4e-37, a normal float32) comes out right."""
+  from fp4jax import optim
+  a, b = jnp.full((16, 4096), 1e-20, jnp.float32), jnp.full((4096, 16), 1e-20, jnp.float32)
+  qa, qb = nvfp4.quantize(a), nvfp4.quantize(b, axis=0)
+  assert float(qa.global_scale * qb.global_scale) == 0.0  # the product of the scales underflows
+  want = 4096 * 1e-20 * 1e-20
+  for got in (jax.jit(nvfp4.gemm)(qa, qb), jax.jit(optim.nvfp4_dot)(a, b),
+              jax.jit(optim.nvfp4_gram)(a)):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+  x = jax.random.normal(jax.random.key(0), (32, 64))
+  qx = nvfp4.quantize(x)
+  ref = jnp.dot(qx.dequantize(), qx.dequantize().T, precision=jax.lax.Precision.HIGHEST)
+  np.testing.assert_allclose(nvfp4.gemm(qx, qx, ((1,), (1,))), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_hadamard_orthonormal_and_invertible():
   key = jax.random.key(0)
   h = np.asarray(nvfp4.hadamard_matrix(key))
@@ -342,7 +360,7 @@ def test_div_rn_matches_ieee_including_subnormals():
   a[:5], b[5:10] = 0.0, 0.0
   with np.errstate(all="ignore"):
     want = a / b
-  got = np.asarray(jax.jit(_fp32.div_rn)(a, b))
+  got = np.asarray(jax.jit(numerics.div_rn)(a, b))
   nan = np.isnan(want)
   np.testing.assert_array_equal(np.isnan(got), nan)  # 0 / 0
   np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
@@ -364,7 +382,7 @@ def test_sqrt_rn_matches_ieee_including_subnormals_and_specials(off):
        1.0 + 2**-23], np.float32)])
   with np.errstate(invalid="ignore"):
     want = np.sqrt(x)
-  fn = _fp32.sqrt_rn if off == 0 else functools.partial(_fp32._sqrt_corrected,
+  fn = numerics.sqrt_rn if off == 0 else functools.partial(_fp32._sqrt_corrected,
                                                          approx_sqrt=_off_by_ulps(off))
   got = np.asarray(jax.jit(fn)(x))
   nan = np.isnan(want)
@@ -374,11 +392,11 @@ def test_sqrt_rn_matches_ieee_including_subnormals_and_specials(off):
 
 def test_round_to_e4m3_matches_ml_dtypes():
   v = np.concatenate([np.linspace(0, 448, 20001), np.linspace(0, 2**-5, 5001)]).astype(np.float32)
-  value, code = jax.jit(_fp32.round_to_e4m3)(v)
+  value, code = jax.jit(numerics.round_to_e4m3)(v)
   want = v.astype(ml_dtypes.float8_e4m3fn)
   np.testing.assert_array_equal(np.asarray(code), want.view(np.uint8))
   np.testing.assert_array_equal(np.asarray(value), want.astype(np.float32))
-  np.testing.assert_array_equal(np.asarray(_fp32.e4m3_to_f32(code)), want.astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(numerics.e4m3_to_f32(code)), want.astype(np.float32))
 
 
 @pytest.mark.parametrize(

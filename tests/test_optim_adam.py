@@ -6,11 +6,12 @@ import numpy as np
 import optax
 import pytest
 
-from fp4jax import nvfp4, optim
+from fp4jax import _platform, numerics, nvfp4, optim
 from fp4jax.optim import _common
 from fp4jax.optim.adam import adam_update_bound
 
 B1, B2 = 0.9, 0.95
+Options = optim.AdamNvfp4Options
 
 
 def _params():
@@ -85,12 +86,11 @@ def test_zero_second_moment_never_explodes():
       nu={"w": jax.jit(nvfp4.quantize)(sqrt_v)})
   assert float(jnp.min(state.nu["w"].dequantize())) == 0.0  # the flush happened
   g = {"w": jnp.zeros((16, 64))}
-  u_plain, _ = jax.jit(optim.scale_by_adam_nvfp4(B1, B2, min_size=0, clip_update=False).update)(
-      g, state)
-  assert float(jnp.max(jnp.abs(u_plain["w"]))) > 1e6  # what the guards prevent
-  for kw in (dict(), dict(zero_guard=True, clip_update=False)):  # the clip (default); the floor
-    u, _ = jax.jit(optim.scale_by_adam_nvfp4(B1, B2, min_size=0, **kw).update)(g, state)
-    assert float(jnp.max(jnp.abs(u["w"]))) <= float(adam_update_bound(11, B1, B2)) * (1 + 1e-6)
+  unclipped = optim.scale_by_adam_nvfp4(B1, B2, options=Options(min_size=0, clip_update=False))
+  u_plain, _ = jax.jit(unclipped.update)(g, state)
+  assert float(jnp.max(jnp.abs(u_plain["w"]))) > 1e6  # what the clip prevents
+  u, _ = jax.jit(optim.scale_by_adam_nvfp4(B1, B2, options=Options(min_size=0)).update)(g, state)
+  assert float(jnp.max(jnp.abs(u["w"]))) <= float(adam_update_bound(11, B1, B2)) * (1 + 1e-6)
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
@@ -116,7 +116,8 @@ def test_stochastic_rounding_lets_a_moment_decay():
   keep = jnp.zeros_like(x).at[:, ::16].set(1.0)
   results = {}
   for rounding in ("stochastic", "nearest"):
-    tx = optim.scale_by_adam_nvfp4(B1, B2, min_size=0, rounding=rounding, clip_update=False)
+    tx = optim.scale_by_adam_nvfp4(B1, B2, options=Options(
+        min_size=0, mu_rounding=rounding, nu_rounding=rounding, clip_update=False))
     step = jax.jit(tx.update)
     state = tx.init({"w": x})
     _, state = step({"w": x}, state)
@@ -150,7 +151,7 @@ def test_converges_on_quadratic_and_regression():
   target = jax.random.normal(key1, (32, 64))
   scale = jnp.exp(jax.random.uniform(key2, (32, 64), minval=-3, maxval=3))  # ill-conditioned
   quad = lambda p: jnp.sum(scale * (p["w"] - target) ** 2)  # noqa: E731
-  tx = optim.adamw_nvfp4(3e-2, weight_decay=0.0, min_size=0)
+  tx = optim.adamw_nvfp4(3e-2, weight_decay=0.0, options=Options(min_size=0))
   first, last = _train(tx, quad, {"w": jnp.zeros((32, 64))}, 300)
   assert last < 1e-3 * first
 
@@ -164,7 +165,7 @@ def test_converges_on_quadratic_and_regression():
 
 def test_jit_equals_no_jit_and_state_structure_is_stable():
   params = {"w": jnp.ones((16, 64)) * 0.1, "b": jnp.zeros((7,))}
-  tx = optim.adamw_nvfp4(1e-2, min_size=0)
+  tx = optim.adamw_nvfp4(1e-2, options=Options(min_size=0))
   state0 = tx.init(params)
   g = _grads(params, 1)
   u_eager, s_eager = tx.update(g, state0, params)
@@ -189,29 +190,43 @@ def test_jit_equals_no_jit_and_state_structure_is_stable():
 def test_stochastic_rounding_is_reproducible_from_seed():
   params = {"w": jnp.zeros((16, 64))}
   g = _grads(params, 3)
-  state = optim.scale_by_adam_nvfp4(min_size=0).init(params)
-  runs = [jax.jit(optim.scale_by_adam_nvfp4(min_size=0, seed=s).update)(g, state)[1].mu["w"].codes
+  state = optim.scale_by_adam_nvfp4(options=Options(min_size=0)).init(params)
+  runs = [jax.jit(optim.scale_by_adam_nvfp4(options=Options(min_size=0), seed=s).update)(
+      g, state)[1].mu["w"].codes
           for s in (0, 0, 1)]
   np.testing.assert_array_equal(runs[0], runs[1])
   assert np.any(np.asarray(runs[0]) != np.asarray(runs[2]))
 
 
-@pytest.mark.parametrize("kwargs", [dict(rounding="up"), dict(nu_transform="cube"),
-                                    dict(min_size=-1), dict(mu_storage="packed"),
-                                    dict(nu_transform=(jnp.sqrt,)), dict(amax="tight"),
-                                    dict(amax="bound", mu_storage="normalized")])
-def test_bad_arguments_raise(kwargs):
-  with pytest.raises(ValueError):
-    optim.scale_by_adam_nvfp4(**kwargs)
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mu_rounding="up"), "mu_rounding must be one of"),
+    (dict(nu_rounding="stochastic_plus"), "nu_rounding must be one of"),
+    (dict(min_size=-1), "min_size must be a non-negative int"),
+    (dict(min_size=1.5), "min_size must be a non-negative int"),
+    (dict(clip_update="yes"), "clip_update must be a bool")])
+def test_bad_options_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    Options(**kwargs)
+
+
+def test_bad_arguments_raise():
+  with pytest.raises(ValueError, match="options must be an AdamNvfp4Options"):
+    optim.scale_by_adam_nvfp4(options=dict(min_size=0))
+  with pytest.raises(ValueError, match="kernel_config must be an AdamKernelConfig"):
+    optim.scale_by_adam_nvfp4(kernel_config=dict(block_rows=64))
+  with pytest.raises(ValueError, match="kernel must be one of"):
+    optim.scale_by_adam_nvfp4(kernel="triton")
+  with pytest.raises(TypeError):  # the storage knobs live in the options object only
+    optim.adamw_nvfp4(1e-3, min_size=0)
 
 
 def test_counter_bits_are_uniform_keyed_and_unbiased_for_rounding():
   key = jax.random.key(3)
   shape = (128, 1024)
-  b1 = np.asarray(_common.counter_bits(jax.random.fold_in(key, 1), shape))
-  b2 = np.asarray(_common.counter_bits(jax.random.fold_in(key, 2), shape))
-  b1v = np.asarray(_common.counter_bits(jax.random.fold_in(key, 1), shape, lane=1))
-  np.testing.assert_array_equal(b1, np.asarray(_common.counter_bits(jax.random.fold_in(key, 1), shape)))
+  b1 = np.asarray(numerics.counter_bits(jax.random.fold_in(key, 1), shape))
+  b2 = np.asarray(numerics.counter_bits(jax.random.fold_in(key, 2), shape))
+  b1v = np.asarray(numerics.counter_bits(jax.random.fold_in(key, 1), shape, lane=1))
+  np.testing.assert_array_equal(b1, np.asarray(numerics.counter_bits(jax.random.fold_in(key, 1), shape)))
   # 8 random bits on top, then the half step (lane_bits).
   assert np.all(b1 & 0xFFFFFF == 1 << 23) and np.all(b1v & 0xFFFFFF == 1 << 23)
   n = b1.size
@@ -228,17 +243,17 @@ def test_counter_bits_are_uniform_keyed_and_unbiased_for_rounding():
                (u1.ravel()[0::2], u1.ravel()[1::2]), (u1.ravel()[1:-1:2], u1.ravel()[2::2])):
     assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 4 / np.sqrt(a.size)
   # The lanes' bytes of one pair of elements are the four bytes of one hash.
-  h = np.asarray(_common.counter_hash(jnp.arange(4, dtype=jnp.uint32),
-                                      *_common.counter_words(jax.random.fold_in(key, 1))))
+  h = np.asarray(numerics.counter_hash(jnp.arange(4, dtype=jnp.uint32),
+                                      *numerics.counter_words(jax.random.fold_in(key, 1))))
   flat, flat_v = b1.ravel()[:8] >> 24, b1v.ravel()[:8] >> 24
   for i in range(4):
     assert [flat[2 * i], flat[2 * i + 1], flat_v[2 * i], flat_v[2 * i + 1]] == [
         (h[i] >> s) & 0xFF for s in (0, 8, 16, 24)]
   with pytest.raises(ValueError, match="lane"):
-    _common.counter_bits(key, shape, lane=2)
+    numerics.counter_bits(key, shape, lane=2)
   # Stochastic rounding with these bits is unbiased: the mean over 64 keys approaches x.
   x = jax.random.normal(jax.random.key(0), (64, 256))
-  deq = jnp.stack([nvfp4.quantize(x, rounding="stochastic", bits=_common.counter_bits(
+  deq = jnp.stack([nvfp4.quantize(x, rounding="stochastic", bits=numerics.counter_bits(
       jax.random.fold_in(key, i), x.shape)).dequantize() for i in range(64)])
   near = nvfp4.quantize(x).dequantize()
   step = jnp.abs(near - x).mean()  # the size of a rounding error
@@ -252,18 +267,18 @@ def test_counter_bits_are_uniform_keyed_and_unbiased_for_rounding():
 
 def test_lane_bits_round_up_with_the_probability_to_within_one_512th():
   """Over the 256 values of a byte, the share of E2M1 roundings that go up is p to within 1/512."""
-  from fp4jax import nvfp4
-  bits = _common.lane_bits(jnp.arange(256, dtype=jnp.uint32), 0)
+  bits = numerics.lane_bits(jnp.arange(256, dtype=jnp.uint32), 0)
   for lo, hi in ((0.0, 0.5), (1.0, 1.5), (2.0, 3.0), (4.0, 6.0)):
     for p in (0.0, 1 / 512, 0.3, 0.5, 0.77, 1 - 1 / 1024):
       a = jnp.full((256,), lo + p * (hi - lo), jnp.float32)
-      up = np.mean(np.asarray(nvfp4._e2m1_stochastic_code(a, bits))
-                   != np.asarray(nvfp4._e2m1_stochastic_code(a, jnp.zeros_like(bits))))
+      up = np.mean(np.asarray(numerics.e2m1_stochastic_code(a, bits))
+                   != np.asarray(numerics.e2m1_stochastic_code(a, jnp.zeros_like(bits))))
       assert abs(up - p) <= 1 / 512 + 1e-6, (lo, p, up)
 
 
-def test_grouped_leaves_equal_ungrouped_bit_for_bit():
-  # The grouped (vmapped) path is the default on accelerators and off by default on the CPU.
+def test_grouped_leaves_equal_ungrouped_bit_for_bit(monkeypatch):
+  # The XLA path groups same-shape leaves (vmap) when the default platform is an accelerator, and
+  # updates them one by one on the CPU: the same bits.
   rng = np.random.default_rng(0)
   # Shapes whose grouped program XLA:CPU compiles fast with 8 host devices ((64, 128) takes ~50 s).
   shapes = {"a": (128, 512), "b": (128, 512), "d": (64,)}  # a group of 2 and a float32 leaf
@@ -271,8 +286,10 @@ def test_grouped_leaves_equal_ungrouped_bit_for_bit():
   grads = [{k: jnp.asarray(rng.standard_normal(s) * 10.0 ** -i, jnp.float32) for k, s in shapes.items()}
            for i in range(3)]
   results = []
-  for group in (True, False):
-    tx = optim.adamw_nvfp4(1e-3, group_leaves=group)
+  for platform in ("cuda", "cpu"):
+    monkeypatch.setattr(_platform, "default_platform", lambda p=platform: p)
+    assert _common.group_by_default() == (platform != "cpu")
+    tx = optim.adamw_nvfp4(1e-3, kernel="xla")
     state, step = tx.init(params), jax.jit(tx.update)
     for g in grads:
       u, state = step(g, state, params)
@@ -280,7 +297,6 @@ def test_grouped_leaves_equal_ungrouped_bit_for_bit():
   for a, b in zip(*results):
     np.testing.assert_array_equal(np.asarray(a).reshape(-1).view(np.uint8),
                                   np.asarray(b).reshape(-1).view(np.uint8))
-  assert _common.group_by_default() == (jax.default_backend() != "cpu")
 
 
 def test_moments_mul_hook_gives_the_rounded_products():
@@ -290,62 +306,9 @@ def test_moments_mul_hook_gives_the_rounded_products():
   m_old, v_old, g = (jnp.asarray(rng.standard_normal(4096) * 10.0 ** rng.uniform(-6, 2, 4096),
                                  jnp.float32) for _ in range(3))
   v_old = v_old * v_old
-  zero = _common.runtime_zero(jnp.int32(3))
-  want = jax.jit(lambda *a: _common.adam_moments(*a, 0.9, 0.95, zero))(m_old, v_old, g)
-  got = jax.jit(lambda *a: _common.adam_moments(*a, 0.9, 0.95, zero, lambda x, y: x * y))(
+  zero = numerics.runtime_zero(jnp.int32(3))
+  want = jax.jit(lambda *a: numerics.adam_moments(*a, 0.9, 0.95, zero))(m_old, v_old, g)
+  got = jax.jit(lambda *a: numerics.adam_moments(*a, 0.9, 0.95, zero, lambda x, y: x * y))(
       m_old, v_old, g)
   for w, o in zip(want, got):
     np.testing.assert_array_equal(np.asarray(o).view(np.uint32), np.asarray(w).view(np.uint32))
-
-
-@pytest.mark.parametrize("aligned", [False, True])
-def test_amax_bounds_bound_the_new_moments(aligned):
-  """``amax="bound"``: ``_common.amax_bounds`` of the gradient's amax and the old state's largest
-  stored values is never below the new moments' amaxes (the encoder's: subnormals flushed), also
-  when the largest gradient meets the largest old moment with the same sign (``aligned``, where the
-  bound is reached), and within 3x of them for these tensors (independent heavy-tailed m, v and g at
-  unrelated scales: the bound adds the largest gradient to the largest old moment wherever they are)."""
-  from fp4jax import _fp32
-  rng = np.random.default_rng(1 + aligned)
-  zero = _common.runtime_zero(1)
-  for step in range(4):
-    m_prev = jnp.asarray(rng.standard_t(3, (64, 256)) * 10.0 ** rng.uniform(-3, 1), jnp.float32)
-    v_prev = jnp.asarray(rng.standard_t(2, (64, 256)) ** 2 * 10.0 ** rng.uniform(-6, 0), jnp.float32)
-    mu = _common.encode(m_prev, "stochastic", jax.random.key(step), 0)
-    nu = _common.encode(_fp32.sqrt_rn(v_prev), "stochastic", jax.random.key(step), 1)
-    g = jnp.asarray(rng.standard_t(3, (64, 256)), jnp.float32) * 10.0 ** rng.uniform(-2, 1)
-    m_old, s_old = _common.decode(mu), _common.decode(nu)
-    if aligned:  # the largest |g| where the largest |m_old| and the largest stored sqrt(v) are
-      i = int(jnp.argmax(jnp.abs(m_old)))
-      g = g.ravel().at[i].set(jnp.sign(m_old.ravel()[i]) * 4 * jnp.max(jnp.abs(g))).reshape(g.shape)
-    m, v = _common.adam_moments(m_old, s_old * s_old, g, 0.9, 0.95, zero)
-    exact_m = float(jnp.max(jnp.abs(_fp32.flush_subnormals(m))))
-    exact_s = float(jnp.max(_fp32.sqrt_rn(v)))
-    s_max = _common.largest_stored(nu)
-    bound_m, bound_v = _common.amax_bounds(_common.max_abs(g), _common.largest_stored(mu),
-                                           s_max * s_max, 0.9, 0.95, zero)
-    bound_s = float(_fp32.sqrt_rn(bound_v))
-    assert exact_m <= float(bound_m) <= 3 * exact_m, (step, exact_m, float(bound_m))
-    assert exact_s <= bound_s <= 3 * exact_s, (step, exact_s, bound_s)
-  # The bound's inputs: max|x| as an integer max (NaN above inf), the stored maxima.
-  assert float(_common.max_abs(jnp.asarray([-3.0, 2.0, 1e-40]))) == 3.0
-  assert np.isnan(float(_common.max_abs(jnp.asarray([1.0, -jnp.nan, jnp.inf]))))
-  assert float(_common.largest_stored(_common.zeros_nvfp4((4, 16)))) == 0.0
-  assert float(jnp.max(jnp.abs(_common.decode(mu)))) <= float(_common.largest_stored(mu))
-
-
-def test_quantize_with_a_given_amax():
-  """``nvfp4.quantize(amax=)``: max|x| gives the default's bits; a larger bound keeps every value
-  (no saturation) at a coarser global scale; a non-finite amax zeroes the tensor like non-finite x."""
-  from fp4jax import nvfp4
-  x = jax.random.normal(jax.random.key(0), (32, 64)) * 3
-  ref = nvfp4.quantize(x)
-  same = nvfp4.quantize(x, amax=jnp.max(jnp.abs(x)))
-  for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(same)):
-    np.testing.assert_array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
-  loose = nvfp4.quantize(x, amax=1.5 * jnp.max(jnp.abs(x)))
-  assert float(loose.global_scale) == pytest.approx(1.5 * float(ref.global_scale), rel=1e-6)
-  err = lambda t: float(jnp.linalg.norm(t.dequantize() - x) / jnp.linalg.norm(x))  # noqa: E731
-  assert err(loose) < 1.3 * err(ref) and err(loose) < 0.15
-  bad = nvfp4.quantize(x, amax=jnp.float32(jnp.inf))
-  assert np.isnan(float(bad.global_scale)) and not np.any(np.asarray(bad.codes))

@@ -40,8 +40,11 @@ def _grads(step):
   return jax.tree.map(lambda p: jnp.sin(p * (step + 1.0)), _params())
 
 
-@pytest.mark.parametrize("make", [lambda: optim.adamw_nvfp4(1e-2, min_size=0),
-                                  lambda: optim.muon_nvfp4(1e-2, min_size=0, ns_precision="fp32", quantize_mu=True)],
+ALL_NVFP4 = optim.AdamNvfp4Options(min_size=0)
+
+
+@pytest.mark.parametrize("make", [lambda: optim.adamw_nvfp4(1e-2, options=ALL_NVFP4),
+                                  lambda: optim.muon_nvfp4(1e-2, adam_options=ALL_NVFP4, ns_precision="fp32")],
                          ids=["adamw", "muon"])
 def test_state_sharding_follows_params_and_sharded_equals_unsharded(make):
   tx, mesh, params = make(), _mesh(), _params()
@@ -50,12 +53,17 @@ def test_state_sharding_follows_params_and_sharded_equals_unsharded(make):
   sharded_params = jax.device_put(params, p_sh)
   state = jax.jit(tx.init, out_shardings=s_sh)(sharded_params)
   moments = [t for t in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nvfp4.NVFP4Tensor))
-             if isinstance(t, nvfp4.NVFP4Tensor) and t.shape == (64, 128)]
+             if isinstance(t, nvfp4.NVFP4Tensor)]
   assert moments
   for t in moments:  # packed codes and their scales sharded together, like the parameter
-    assert t.codes.sharding.spec == t.scales.sharding.spec == P("data", "model")
-    assert t.codes.addressable_shards[0].data.shape == (16, 32)
-    assert t.scales.addressable_shards[0].data.shape == (16, 4)
+    if t.shape == (64, 128):  # "w", P("data", "model")
+      assert t.codes.sharding.spec == t.scales.sharding.spec == P("data", "model")
+      assert t.codes.addressable_shards[0].data.shape == (16, 32)
+      assert t.scales.addressable_shards[0].data.shape == (16, 4)
+    else:  # "embed" (128, 64), P(None, "model")
+      assert t.codes.sharding.spec == t.scales.sharding.spec == P(None, "model")
+      assert t.codes.addressable_shards[0].data.shape == (128, 16)
+      assert t.scales.addressable_shards[0].data.shape == (128, 2)
     assert t.global_scale.sharding.is_fully_replicated
 
   step_sh = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
@@ -79,7 +87,7 @@ def test_state_sharding_follows_params_and_sharded_equals_unsharded(make):
 
 
 def test_orbax_round_trip_of_packed_state_into_shardings(tmp_path):
-  tx = optim.muon_nvfp4(1e-2, min_size=0, ns_precision="bf16", quantize_mu=True)
+  tx = optim.muon_nvfp4(1e-2, adam_options=ALL_NVFP4, ns_precision="bf16")
   mesh, params = _mesh(), _params()
   p_sh = {k: NamedSharding(mesh, s) for k, s in SPECS.items()}
   abstract = jax.eval_shape(tx.init, params)
@@ -98,6 +106,28 @@ def test_orbax_round_trip_of_packed_state_into_shardings(tmp_path):
                restored, state)
 
 
+def test_state_sharding_drops_mesh_axes_a_leaf_does_not_divide():
+  """A (16, 64) weight sharded 8 ways along its last axis: its NVFP4 codes (16, 32) keep the axis,
+  its E4M3 scales (16, 4) cannot (4 blocks over 8 devices) and are replicated along it; a float32
+  moment keeps the parameter's sharding and the global scale is replicated."""
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  params = {"w": jnp.ones((16, 64)), "b": jnp.ones((64,))}
+  p_sh = {"w": NamedSharding(mesh, P(None, "x")), "b": NamedSharding(mesh, P("x"))}
+  tx = optim.adamw_nvfp4(1e-2, options=ALL_NVFP4)
+  s_sh = optim.state_sharding(jax.eval_shape(tx.init, params), p_sh)
+  mu = s_sh[0].mu
+  assert mu["w"].codes.spec == P(None, "x") and mu["w"].scales.spec == P(None, None)
+  assert mu["w"].global_scale.spec == P()
+  assert s_sh[0].count.spec == P()
+  state = jax.jit(tx.init, out_shardings=s_sh)(jax.device_put(params, p_sh))
+  _, state = jax.jit(tx.update, out_shardings=(p_sh, s_sh))(params, state, params)
+  assert state[0].mu["w"].codes.addressable_shards[0].data.shape == (16, 4)
+  assert state[0].mu["w"].scales.addressable_shards[0].data.shape == (16, 4)
+  small = optim.adamw_nvfp4(1e-2)  # "w" under min_size: float32 moments, sharded like "w"
+  f32 = optim.state_sharding(jax.eval_shape(small.init, params), p_sh)[0].mu
+  assert f32["w"].spec == P(None, "x") and f32["b"].spec == P("x")
+
+
 class _MLP(nnx.Module):
   def __init__(self, rngs):
     self.fc1 = nnx.Linear(16, 64, rngs=rngs)
@@ -109,7 +139,8 @@ class _MLP(nnx.Module):
 
 def test_trains_a_flax_nnx_mlp_through_nnx_optimizer():
   model = _MLP(nnx.Rngs(0))
-  opt = nnx.Optimizer(model, optim.adamw_nvfp4(1e-2, weight_decay=0.0, min_size=256), wrt=nnx.Param)
+  tx = optim.adamw_nvfp4(1e-2, weight_decay=0.0, options=optim.AdamNvfp4Options(min_size=256))
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
   kx, kw = jax.random.split(jax.random.key(1))
   x = jax.random.normal(kx, (128, 16))
   y = jnp.tanh(x @ jax.random.normal(kw, (16, 16)))

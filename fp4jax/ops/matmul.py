@@ -7,9 +7,9 @@ With ``x: [..., K]`` flattened to ``x_MxK`` (M = tokens) and ``w_KxN``:
   wgrad    dw_KxN = Q(H·x; 1×16 along M)ᵀ · Q(H·dy; 1×16 along M, stochastic)
 
 H is a 16-point random Hadamard transform on the token axis (it cancels in the product). Every GEMM
-decodes its packed operands to bf16 (``e2m1 × e4m3`` is exact there), multiplies with float32
-accumulation and applies both float32 global scales afterwards: an NVFP4 tensor-core GEMM up to
-summation order. The backward keeps packed NVFP4 residuals (``Q(w)``, ``Q(H·x)``), not bf16 copies.
+is ``fp4jax.nvfp4.gemm``: the packed operands decoded to bf16 (``e2m1 × e4m3`` is exact there), a
+float32-accumulated dot, then both float32 global scales: an NVFP4 tensor-core GEMM up to summation
+order. The backward keeps packed NVFP4 residuals (``Q(w)``, ``Q(H·x)``), not bf16 copies.
 
 ``nvfp4_matmul_reference`` / ``nvfp4_matmul_vjp_reference`` compute the same products from the same
 quantized values in plain float32 (dequantize, then a HIGHEST-precision dot), so tests can separate
@@ -29,9 +29,6 @@ from fp4jax import nvfp4
 
 _F32 = jnp.float32
 _HIGHEST = lax.Precision.HIGHEST
-
-
-_ROUNDINGS = ("nearest", "stochastic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +66,8 @@ class MatmulConfig:
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
       if f.name.endswith("rounding"):
-        if v not in _ROUNDINGS:
-          raise ValueError(f"MatmulConfig.{f.name} must be one of {_ROUNDINGS}, got {v!r}")
+        if v not in nvfp4.ROUNDINGS:
+          raise ValueError(f"MatmulConfig.{f.name} must be one of {nvfp4.ROUNDINGS}, got {v!r}")
       elif not isinstance(v, bool):
         raise ValueError(f"MatmulConfig.{f.name} must be a bool, got {v!r}")
 
@@ -159,14 +156,6 @@ def _wg(a, keys, config):
 # GEMMs
 
 
-def _qdot(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor, dims) -> jax.Array:
-  """NVFP4 × NVFP4 GEMM: bf16 decoded operands, f32 accumulation, global scales in the epilogue."""
-  acc = lax.dot_general(a.scaled_elements(jnp.bfloat16), b.scaled_elements(jnp.bfloat16), (dims, ((), ())),
-                        precision=_HIGHEST, preferred_element_type=_F32)
-  # Two multiplies (not one by the product) so tiny gradient scales cannot underflow together.
-  return (acc * a.global_scale) * b.global_scale
-
-
 def _fdot(a, b, dims) -> jax.Array:
   """Unquantized GEMM in the operands' (common) dtype with f32 accumulation."""
   return lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=_F32)
@@ -186,7 +175,7 @@ def _matmul_fwd(x_MxK, w_KxN, key, config, x_dtype, w_dtype):
   keys = _keys(key, config)
   qw = quantize_w(w_KxN, keys, config) if (config.fwd or config.dgrad) else None
   if config.fwd:
-    y = _qdot(quantize_x(x_MxK, keys, config), qw, _NN)
+    y = nvfp4.gemm(quantize_x(x_MxK, keys, config), qw, _NN)
   else:
     y = _fdot(x_MxK, w_KxN.astype(x_dtype), _NN)
   w_res = qw if config.dgrad else w_KxN
@@ -197,11 +186,11 @@ def _matmul_fwd(x_MxK, w_KxN, key, config, x_dtype, w_dtype):
 def _matmul_bwd(config, x_dtype, w_dtype, res, dy_MxN):
   w_res, x_res, keys = res
   if config.dgrad:
-    dx = _qdot(quantize_dy_dgrad(dy_MxN, keys, config), w_res, _NT)
+    dx = nvfp4.gemm(quantize_dy_dgrad(dy_MxN, keys, config), w_res, _NT)
   else:
     dx = _fdot(dy_MxN, w_res.astype(x_dtype), _NT)
   if config.wgrad:
-    dw = _qdot(x_res, quantize_dy_wgrad(dy_MxN, keys, config), _TN)
+    dw = nvfp4.gemm(x_res, quantize_dy_wgrad(dy_MxN, keys, config), _TN)
   elif config.hadamard:
     dw = lax.dot_general(wgrad_operand(x_res, keys), wgrad_operand(dy_MxN, keys), (_TN, ((), ())),
                          precision=_HIGHEST, preferred_element_type=_F32)

@@ -1,29 +1,33 @@
 """optax transformations with NVFP4 optimizer states and NVFP4 Newton–Schulz.
 
-- ``adamw_nvfp4`` / ``scale_by_adam_nvfp4``: AdamW whose moments are stored as NVFP4.
-- ``muon_nvfp4`` / ``scale_by_muon_nvfp4``: Muon with NVFP4 Newton–Schulz and NVFP4 momentum.
+- ``adamw_nvfp4`` / ``scale_by_adam_nvfp4``: AdamW whose moments are stored as NVFP4
+  (``AdamNvfp4Options``: the storage knobs; ``AdamKernelConfig``: the GPU kernels' launch settings).
+- ``muon_nvfp4`` / ``scale_by_muon_nvfp4``: Muon with NVFP4 Newton–Schulz.
 - ``root`` / ``scale_by_root_nvfp4``: ROOT (shape-specific coefficients, outlier soft-thresholding).
-- ``newton_schulz``, ``nvfp4_matmul``: the orthogonalization and its forward-only NVFP4 product.
+- ``newton_schulz``, ``nvfp4_dot``, ``nvfp4_gram``: the orthogonalization and its forward-only NVFP4
+  products.
 - ``state_nbytes``, ``state_sharding``: bytes of a state; shardings that follow the parameters.
 
 No transformation depends on a model, config or mesh; all take ``jax.ShapeDtypeStruct`` params in
 ``init``.
 """
 
+from fp4jax.kernels.adam_nvfp4 import AdamKernelConfig
 from fp4jax.optim._common import DEFAULT_MIN_SIZE, state_nbytes, state_sharding, stores_nvfp4
-from fp4jax.optim.adam import (ScaleByAdamNvfp4State, adam_update_bound, adamw_nvfp4,
-                               scale_by_adam_nvfp4)
+from fp4jax.optim.adam import (AdamNvfp4Options, ScaleByAdamNvfp4State, adam_update_bound,
+                               adamw_nvfp4, scale_by_adam_nvfp4)
 from fp4jax.optim.muon import (ScaleByMuonNvfp4State, default_muon_mask, muon_nvfp4,
                                scale_by_muon_nvfp4, scale_by_orthogonalized_momentum,
                                scale_by_shape)
-from fp4jax.optim.ns import (MUON_COEFFS, newton_schulz, nvfp4_gram, nvfp4_matmul,
-                                        orthogonality_error)
+from fp4jax.optim.ns import MUON_COEFFS, newton_schulz, nvfp4_dot, nvfp4_gram, orthogonality_error
 from fp4jax.optim.root import ROOT_NS_COEFFS, root, root_coeffs, scale_by_root_nvfp4
 
 __all__ = [
     "DEFAULT_MIN_SIZE",
     "MUON_COEFFS",
     "ROOT_NS_COEFFS",
+    "AdamKernelConfig",
+    "AdamNvfp4Options",
     "ScaleByAdamNvfp4State",
     "ScaleByMuonNvfp4State",
     "adam_update_bound",
@@ -31,8 +35,8 @@ __all__ = [
     "default_muon_mask",
     "muon_nvfp4",
     "newton_schulz",
+    "nvfp4_dot",
     "nvfp4_gram",
-    "nvfp4_matmul",
     "orthogonality_error",
     "root",
     "root_coeffs",

@@ -1,17 +1,12 @@
-"""Muon with NVFP4 Newton–Schulz and an optionally NVFP4-stored momentum.
+"""Muon with NVFP4 Newton–Schulz.
 
-``scale_by_muon_nvfp4`` is ``optax.contrib.scale_by_muon`` (EMA momentum, bias correction,
-Nesterov blend, Newton–Schulz orthogonalization of each 2-D leaf) where the Newton–Schulz products
-take NVFP4 operands (``fp4jax.optim.ns``). ``muon_nvfp4`` routes 2-D weights to it and
-embeddings, the LM head and every non-2-D leaf to ``adamw_nvfp4``, like ``optax.contrib.muon``.
-
-The momentum is float32 (or ``mu_dtype``) by default; ``quantize_mu=True`` stores it as NVFP4.
-Measured (``benchmarks/optim_train.py``, byte LM, 300 steps, against optax's Muon): NVFP4 momentum
-costs +4.9% final loss (+3.2% with round-to-nearest), NVFP4 AdamW-side moments ±0.1%, and NVFP4
-Newton–Schulz (two-term operands) +0.15%. Stochastic-rounding noise enters the momentum every step
-and accumulates through the EMA (its variance × 1/(1 - beta²) = 10 for beta = 0.95), and
-Newton–Schulz lifts the noise's small singular directions to the size of the signal's, where Adam
-divides by √v element by element.
+``scale_by_muon_nvfp4`` is ``optax.contrib.scale_by_muon`` (EMA momentum, bias correction, Nesterov
+blend, Newton–Schulz orthogonalization of each 2-D leaf) where the Newton–Schulz products take NVFP4
+operands (``fp4jax.optim.ns``). ``muon_nvfp4`` routes 2-D weights to it and embeddings, the LM head
+and every non-2-D leaf to ``adamw_nvfp4``, like ``optax.contrib.muon``. The momentum stays float32
+(or ``mu_dtype``): stochastic-rounding noise in an NVFP4 momentum accumulates through the EMA, and
+Newton–Schulz lifts its small singular directions to the size of the signal's (docs/DESIGN.md,
+"Newton–Schulz").
 """
 
 from __future__ import annotations
@@ -24,15 +19,14 @@ import jax.numpy as jnp
 import optax
 
 from fp4jax.optim import _common
-from fp4jax.optim._common import DEFAULT_MIN_SIZE
-from fp4jax.optim.adam import adamw_nvfp4
+from fp4jax.optim.adam import AdamNvfp4Options, adamw_nvfp4
 from fp4jax.optim.ns import MUON_COEFFS, PRECISIONS, newton_schulz
 
 ADAM_NAMES = ("embed", "wte", "wpe", "lm_head", "unembed")
 
 
 class ScaleByMuonNvfp4State(NamedTuple):
-  """State of ``scale_by_muon_nvfp4``: per leaf an ``NVFP4Tensor`` or float32 momentum."""
+  """State of ``scale_by_muon_nvfp4``: the momentum of each leaf (float32 or ``mu_dtype``)."""
 
   count: jax.Array  # int32 scalar
   mu: optax.Updates
@@ -46,12 +40,8 @@ def scale_by_orthogonalized_momentum(
     *,
     nesterov: bool = True,
     ns_precision: str = "nvfp4",
-    quantize_mu: bool = False,
     mu_dtype=None,
     outlier_quantile: float | None = None,
-    min_size: int = DEFAULT_MIN_SIZE,
-    rounding: str = "stochastic",
-    seed: int = 0,
 ) -> optax.GradientTransformation:
   """The engine of Muon and ROOT: momentum, optional soft-thresholding, Newton–Schulz.
 
@@ -61,20 +51,14 @@ def scale_by_orthogonalized_momentum(
     beta: momentum decay (EMA: ``mu = beta * mu + (1 - beta) * g``).
     eps: added to the Frobenius norm before Newton–Schulz.
     nesterov: orthogonalize ``beta * mu_hat + (1 - beta) * g_hat`` (optax's Nesterov blend).
-    ns_precision: operands of the Newton–Schulz products: "fp32", "bf16", "nvfp4", "nvfp4_1term".
-    quantize_mu: store the momentum as NVFP4 (1×16 blocks, storage rule of ``_common``); off by
-      default (measured +4.9% loss, module docstring).
-    mu_dtype: dtype of a momentum not stored as NVFP4 (default float32; bfloat16 halves it).
+    ns_precision: operands of the Newton–Schulz products: "nvfp4", "bf16" or "fp32".
+    mu_dtype: dtype of the momentum (default float32; bfloat16 halves it).
     outlier_quantile: ROOT's soft-thresholding: clip the (Nesterov) momentum to
       ``±quantile(|M|, q)`` before orthogonalizing (the part above is dropped). None: off.
-    min_size: smaller leaves keep a float32 momentum.
-    rounding: rounding of the stored momentum, "stochastic" or "nearest".
-    seed: stochastic rounding key: ``fold_in(key(seed), count)``.
 
   Returns:
     An ``optax.GradientTransformation``; every leaf must be 2-D.
   """
-  _common.check_common(min_size, rounding)
   if ns_precision not in PRECISIONS:
     raise ValueError(f"ns_precision must be one of {PRECISIONS}, got {ns_precision!r}")
   if outlier_quantile is not None and not 0.0 < outlier_quantile <= 1.0:
@@ -85,9 +69,7 @@ def scale_by_orthogonalized_momentum(
       if len(p.shape) != 2:
         raise ValueError(f"Muon/ROOT needs 2-D leaves; {jax.tree_util.keystr(path)} has shape "
                          f"{p.shape} (route it to AdamW, e.g. with muon_nvfp4's muon_mask)")
-    def zeros(p):
-      z = _common.zeros_state(p.shape, min_size, quantize_mu)
-      return z if mu_dtype is None or _common.is_nvfp4(z) else z.astype(mu_dtype)
+    zeros = lambda p: jnp.zeros(p.shape, jnp.float32 if mu_dtype is None else mu_dtype)  # noqa: E731
     return ScaleByMuonNvfp4State(count=jnp.zeros([], jnp.int32), mu=_common.map_params(zeros, params))
 
   def orthogonalize(m_hat):
@@ -101,7 +83,6 @@ def scale_by_orthogonalized_momentum(
     del params
     g_leaves, treedef = jax.tree.flatten(updates)
     mu_leaves = treedef.flatten_up_to(state.mu)
-    quantized = [_common.is_nvfp4(m) for m in mu_leaves]
     count_inc = optax.safe_increment(state.count)
 
     def mu_hat_of(mu, g):
@@ -110,22 +91,14 @@ def scale_by_orthogonalized_momentum(
                 + (1 - beta) * optax.tree.bias_correction(g, beta, count_inc))
       return optax.tree.bias_correction(mu, beta, count_inc)
 
-    def leaf(g, mu, key):
-      if _common.is_nvfp4(mu):
-        mu_new = _common.rounded_ema(_common.decode(mu), g, beta, _common.runtime_zero(count_inc))
-        stored = _common.encode(mu_new, rounding, key)
-      else:
-        mu_new = optax.tree.update_moment(g, mu, beta, 1)
-        stored = mu_new if mu_dtype is None else mu_new.astype(mu_dtype)
+    def leaf(g, mu):
+      mu_new = optax.tree.update_moment(g, mu, beta, 1)
+      stored = mu_new if mu_dtype is None else mu_new.astype(mu_dtype)
       u = orthogonalize(mu_hat_of(mu_new, g))
       return u.astype(g.dtype), stored
 
-    key = _common.step_key(seed, count_inc) if rounding == "stochastic" else None
-    keys = [None if key is None or not q else jax.random.fold_in(key, i)
-            for i, q in enumerate(quantized)]
-    # Always grouped: batched Newton–Schulz products (the CPU default of adam's grouping is about
-    # the quantizer's compile time; here the batched matmuls are the point).
-    outs = _common.grouped_map(leaf, range(len(g_leaves)), g_leaves, mu_leaves, keys, group=True)
+    # Leaves of one shape grouped: batched Newton–Schulz products.
+    outs = _common.grouped_map(leaf, range(len(g_leaves)), g_leaves, mu_leaves, group=True)
     u = treedef.unflatten([outs[i][0] for i in range(len(g_leaves))])
     mu = treedef.unflatten([outs[i][1] for i in range(len(g_leaves))])
     return u, ScaleByMuonNvfp4State(count=count_inc, mu=mu)
@@ -141,23 +114,31 @@ def scale_by_muon_nvfp4(
     *,
     nesterov: bool = True,
     ns_precision: str = "nvfp4",
-    quantize_mu: bool = False,
-    **options,
+    mu_dtype=None,
 ) -> optax.GradientTransformation:
-  """Muon's scaling (no learning rate, no shape scale) with NVFP4 Newton–Schulz.
+  r"""Muon's scaling (no learning rate, no shape scale) with NVFP4 Newton–Schulz.
 
-  With ``ns_precision="fp32", quantize_mu=False`` it computes ``optax.contrib.scale_by_muon``.
+  .. math::
+    \mu_t = \beta \mu_{t-1} + (1 - \beta) g_t, \quad
+    u_t = \operatorname{NS}\big(\beta \hat\mu_t + (1 - \beta) \hat g_t\big)
+
+  (with Nesterov; ``NS(mu_hat)`` without), with ``NS`` the quintic Newton–Schulz iteration of
+  ``fp4jax.optim.newton_schulz``. With ``ns_precision="fp32"`` it computes
+  ``optax.contrib.scale_by_muon``.
 
   Args:
     ns_coeffs: quintic coefficients ``(a, b, c)``, the same at every step.
     ns_steps, beta, eps, nesterov: as ``optax.contrib.scale_by_muon``.
-    ns_precision: "nvfp4" (two-term NVFP4 operands, default), "nvfp4_1term", "bf16", "fp32".
-    quantize_mu: store the momentum as NVFP4 (off by default: measured +4.9% loss).
-    **options: ``mu_dtype``, ``min_size``, ``rounding``, ``seed`` (see
-      ``scale_by_orthogonalized_momentum``).
+    ns_precision: "nvfp4" (two-term NVFP4 operands, default), "bf16" or "fp32".
+    mu_dtype: dtype of the momentum (default float32).
 
   Returns:
     An ``optax.GradientTransformation`` for 2-D leaves.
+
+  Example:
+    >>> tx = scale_by_muon_nvfp4()
+    >>> params = {"w": jnp.zeros((64, 64))}
+    >>> updates, state = tx.update(params, tx.init(params))
 
   References:
     Jordan et al., Muon, 2024; Liu et al., Muon is Scalable for LLM Training, 2025.
@@ -167,7 +148,7 @@ def scale_by_muon_nvfp4(
   coeffs = tuple(float(c) for c in ns_coeffs)
   return scale_by_orthogonalized_momentum(
       lambda shape: coeffs, ns_steps, beta, eps, nesterov=nesterov, ns_precision=ns_precision,
-      quantize_mu=quantize_mu, **options)
+      mu_dtype=mu_dtype)
 
 
 def scale_by_shape(consistent_rms: float | None = None) -> optax.GradientTransformation:
@@ -234,7 +215,6 @@ def muon_nvfp4(
     nesterov: bool = True,
     ns_precision: str = "nvfp4",
     quantize: bool = True,
-    quantize_mu: bool = False,
     mu_dtype=None,
     consistent_rms: float | None = None,
     adam_b1: float = 0.9,
@@ -242,8 +222,9 @@ def muon_nvfp4(
     adam_weight_decay: float = 0.0,
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     muon_mask: Callable | Mapping | None = None,
+    adam_options: AdamNvfp4Options = AdamNvfp4Options(),
+    seed: int = 0,
     adam_kernel: str = "auto",
-    **options,
 ) -> optax.GradientTransformationExtraArgs:
   """Muon for 2-D weights, ``adamw_nvfp4`` for embeddings, the LM head and non-2-D leaves.
 
@@ -252,8 +233,7 @@ def muon_nvfp4(
     ns_coeffs, ns_steps, beta, eps, nesterov, ns_precision: see ``scale_by_muon_nvfp4``.
     weight_decay, weight_decay_mask: decoupled weight decay of the Muon leaves.
     quantize: NVFP4 moments on the AdamW side (``adamw_nvfp4``); ``False`` gives float32 ones.
-    quantize_mu: NVFP4 Muon momentum (off by default: measured +4.9% loss, module docstring).
-    mu_dtype: dtype of the Muon momentum when not NVFP4 (default float32).
+    mu_dtype: dtype of the Muon momentum (default float32).
     consistent_rms: None: Jordan's ``sqrt(max(1, fan_out/fan_in))``; 0.2: Moonshot's
       ``0.2 * sqrt(max(m, n))`` (AdamW-like update RMS, lets both share a learning rate).
     adam_b1, adam_b2, adam_weight_decay: the AdamW side (Nesterov follows ``nesterov``, as optax).
@@ -261,22 +241,31 @@ def muon_nvfp4(
     muon_mask: pytree (or ``params -> pytree``) of bools, or of ``MuonDimensionNumbers`` / None
       as optax's ``muon_weight_dimension_numbers``, choosing the Muon leaves; default
       ``default_muon_mask`` (2-D and not named like an embedding or LM head).
+    adam_options: ``options`` of the AdamW side (``AdamNvfp4Options``).
+    seed: ``seed`` of the AdamW side's stochastic rounding.
     adam_kernel: ``kernel`` of the AdamW side (``scale_by_adam_nvfp4``: "auto", "pallas", "xla",
       "pallas_interpret").
-    **options: ``min_size``, ``rounding``, ``seed`` for both sides.
 
   Returns:
     An ``optax.partition`` transformation (state: ``optax.PartitionState``).
+
+  Example:
+    >>> tx = muon_nvfp4(learning_rate=0.02)
+    >>> params = {"embed": jnp.zeros((256, 64)), "w": jnp.zeros((64, 64))}
+    >>> updates, state = tx.update(params, tx.init(params), params)
+
+  References:
+    Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+    <https://kellerjordan.github.io/posts/muon/>`_, 2024.
   """
   muon_tx = optax.chain(
       scale_by_muon_nvfp4(ns_coeffs, ns_steps, beta, eps, nesterov=nesterov,
-                          ns_precision=ns_precision, quantize_mu=quantize_mu,
-                          mu_dtype=mu_dtype, **options),
+                          ns_precision=ns_precision, mu_dtype=mu_dtype),
       scale_by_shape(consistent_rms),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )
   adam_tx = adamw_nvfp4(learning_rate if adam_learning_rate is None else adam_learning_rate,
                         adam_b1, adam_b2, eps, weight_decay=adam_weight_decay, nesterov=nesterov,
-                        quantize=quantize, kernel=adam_kernel, **options)
+                        quantize=quantize, options=adam_options, seed=seed, kernel=adam_kernel)
   return partitioned(muon_tx, adam_tx, default_muon_mask if muon_mask is None else muon_mask)

@@ -13,26 +13,17 @@ polynomial combination runs in float32:
 - ``"nvfp4"`` (default of the optimizers): every operand is a sum of two NVFP4 tensors,
   ``X = Q1 + Q2`` with ``Q1 = quantize(X)`` and ``Q2 = quantize(X - Q1)`` (residual, "two-term"
   quantization), and each product is three NVFP4 GEMMs ``Q1·P1 + Q1·P2 + Q2·P1`` (the ``Q2·P2`` term
-  is below the error of the others).
-- ``"nvfp4_1term"``: one NVFP4 tensor per operand, one NVFP4 GEMM per product.
+  is below the error of the others). One NVFP4 tensor per operand is not enough: its ~13% product
+  error moves the Gram matrix's eigenvalues past the iteration's basin, and the singular values
+  grow instead of converging (docs/DESIGN.md, "Newton–Schulz").
 
-Why two terms (measured, ``benchmarks/optim_ns.py``; benchmarks/RESULTS.md): with one, each product
-has ~13% relative error (4-bit elements), the Gram matrix's eigenvalues move by ~0.2, and Muon's
-coefficients (|b| = 4.8, |c| = 2.0) amplify that past the iteration's basin: on full-rank matrices
-the singular values leave [0, ~1.4] and grow to 270-510 after 5 steps (16-point random Hadamard
-rotations of the operands did not prevent it in an exploratory run: the error is not outlier-driven). Two terms bring each product to ~1.5% error and the output
-within 4-8% of the fp32 output (bf16: 0.3-2.3%), singular values in [0.66, 1.22] where fp32 gives
-[0.68, 1.20]. Three NVFP4 GEMMs cost less than one BF16 GEMM on FP4 tensor cores (4x the BF16 rate);
-on Hopper they are emulated with bf16 GEMMs (3x the bf16 Newton-Schulz).
-
-An NVFP4 GEMM here: ``fp4jax.nvfp4.quantize`` with 1×16 blocks along the contraction axis of each
-operand (round-to-nearest), ``scaled_elements(bf16)`` (exact), a bf16 dot with float32
-accumulation, times both global scales: a native NVFP4 GEMM up to summation order. ``X Xᵀ`` and
-``A² = A Aᵀ`` (A is symmetric) reuse one quantization for both sides. X is zero-padded once to
-multiples of 16 (exact: padded rows and columns stay zero through the iteration). The NVFP4 modes
-loop with ``lax.fori_loop`` (one compiled step, not five). The product is forward-only on purpose:
-an optimizer never differentiates it, so the custom_vjp, stochastic-rounding backward and Hadamard
-transforms of a training matmul (``fp4jax.ops``) are not needed.
+Each NVFP4 GEMM is ``fp4jax.nvfp4.gemm`` of operands quantized along the contraction axis
+(round-to-nearest): a native NVFP4 GEMM up to summation order. ``X Xᵀ`` and ``A² = A Aᵀ`` (A is
+symmetric) reuse one quantization for both sides. X is zero-padded once to multiples of 16 (exact:
+padded rows and columns stay zero through the iteration). The NVFP4 mode loops with
+``lax.fori_loop`` (one compiled step, not five). The products are forward-only: an optimizer never
+differentiates them, so the custom_vjp, stochastic-rounding backward and Hadamard transforms of a
+training matmul (``fp4jax.ops.nvfp4_matmul``) are not needed.
 """
 
 from __future__ import annotations
@@ -46,7 +37,7 @@ from jax import lax
 from fp4jax import nvfp4
 from fp4jax.nvfp4 import BLOCK
 
-PRECISIONS = ("fp32", "bf16", "nvfp4", "nvfp4_1term")
+PRECISIONS = ("fp32", "bf16", "nvfp4")
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
@@ -61,21 +52,24 @@ def _split(x, axis, terms):
   return parts
 
 
-def _gemms(parts_a, parts_b, terms, transpose_b):
+def _gemms(parts_a, parts_b, terms, contracting):
   out = None
   for i, qa in enumerate(parts_a):
     for j, qb in enumerate(parts_b):
       if i + j >= terms:
         continue
-      eb = qb.scaled_elements(jnp.bfloat16)
-      prod = jnp.dot(qa.scaled_elements(jnp.bfloat16), eb.T if transpose_b else eb,
-                     preferred_element_type=jnp.float32) * (qa.global_scale * qb.global_scale)
+      prod = nvfp4.gemm(qa, qb, contracting)
       out = prod if out is None else out + prod
   return out
 
 
-def nvfp4_matmul(a_MxK, b_KxN, terms: int = 1) -> jax.Array:
-  """``a @ b`` with NVFP4 operands quantized along K (forward only), float32 accumulation.
+def _check_terms(terms):
+  if terms not in (1, 2):
+    raise ValueError(f"terms must be 1 or 2, got {terms!r}")
+
+
+def nvfp4_dot(a_MxK, b_KxN, terms: int = 1) -> jax.Array:
+  """``a @ b`` with NVFP4 operands quantized along K, float32 accumulation (forward only).
 
   Args:
     a_MxK: left operand; K must be a multiple of 16.
@@ -84,22 +78,29 @@ def nvfp4_matmul(a_MxK, b_KxN, terms: int = 1) -> jax.Array:
 
   Returns:
     The float32 product (up to summation order, what NVFP4 tensor cores compute).
+
+  Example:
+    >>> y = nvfp4_dot(jnp.ones((16, 32)), jnp.ones((32, 8)), terms=2)
   """
-  return _gemms(_split(a_MxK, -1, terms), _split(b_KxN, 0, terms), terms, False)
+  _check_terms(terms)
+  return _gemms(_split(a_MxK, -1, terms), _split(b_KxN, 0, terms), terms, ((1,), (0,)))
 
 
 def nvfp4_gram(x_MxK, terms: int = 1) -> jax.Array:
-  """``x @ x.T`` with one NVFP4 quantization of ``x`` along K serving both operands."""
+  """``x @ x.T`` with one NVFP4 quantization of ``x`` along K serving both operands (forward only).
+
+  Args/Returns as ``nvfp4_dot``.
+  """
+  _check_terms(terms)
   parts = _split(x_MxK, -1, terms)
-  return _gemms(parts, parts, terms, True)
+  return _gemms(parts, parts, terms, ((1,), (1,)))
 
 
 def _products(precision):
   """(matmul, gram, square of a symmetric matrix) for a precision."""
-  if precision in ("nvfp4", "nvfp4_1term"):
-    terms = 2 if precision == "nvfp4" else 1
-    gram = lambda x: nvfp4_gram(x, terms)  # noqa: E731
-    return (lambda a, b: nvfp4_matmul(a, b, terms)), gram, gram
+  if precision == "nvfp4":
+    gram = lambda x: nvfp4_gram(x, 2)  # noqa: E731
+    return (lambda a, b: nvfp4_dot(a, b, 2)), gram, gram
   if precision == "bf16":
     mm = lambda a, b: jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),  # noqa: E731
                               preferred_element_type=jnp.float32)
@@ -122,6 +123,14 @@ def newton_schulz(x_MxN, coeffs: Sequence[float] = MUON_COEFFS, steps: int = 5, 
   Returns:
     A float32 array of the shape of ``x_MxN`` whose singular values are near 1 (roughly in
     [0.7, 1.2] for Muon's coefficients), with ``x``'s singular vectors.
+
+  Example:
+    >>> x = jax.random.normal(jax.random.key(0), (64, 128))
+    >>> y = newton_schulz(x, precision="nvfp4")
+
+  References:
+    Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+    <https://kellerjordan.github.io/posts/muon/>`_, 2024.
   """
   if precision not in PRECISIONS:
     raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -142,7 +151,7 @@ def newton_schulz(x_MxN, coeffs: Sequence[float] = MUON_COEFFS, steps: int = 5, 
     g = gram(x)
     return a * x + mm(b * g + c * square(g), x)
 
-  if precision.startswith("nvfp4"):
+  if precision == "nvfp4":
     pad = lambda d: -d % BLOCK  # noqa: E731
     x = jnp.pad(x, ((0, pad(x.shape[0])), (0, pad(x.shape[1]))))
     x = lax.fori_loop(0, steps, step, x)

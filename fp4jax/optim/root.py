@@ -19,8 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import optax
 
-from fp4jax.optim._common import DEFAULT_MIN_SIZE
-from fp4jax.optim.adam import adamw_nvfp4
+from fp4jax.optim.adam import AdamNvfp4Options, adamw_nvfp4
 from fp4jax.optim.muon import default_muon_mask, partitioned, scale_by_orthogonalized_momentum, \
     scale_by_shape
 from fp4jax.optim.ns import MUON_COEFFS
@@ -60,8 +59,7 @@ def scale_by_root_nvfp4(
     outlier_quantile: float | None = 0.9,
     nesterov: bool = True,
     ns_precision: str = "nvfp4",
-    quantize_mu: bool = False,
-    **options,
+    mu_dtype=None,
 ) -> optax.GradientTransformation:
   """ROOT's scaling of 2-D leaves (no learning rate, no shape scale).
 
@@ -72,12 +70,16 @@ def scale_by_root_nvfp4(
     coeffs_table: shape-specific coefficients (default ``ROOT_NS_COEFFS``; Muon's elsewhere).
     outlier_quantile: soft-thresholding level (ROOT: 0.9); None turns it off.
     nesterov: Nesterov momentum (ROOT: on).
-    ns_precision: "nvfp4" (two-term NVFP4 operands), "nvfp4_1term", "bf16" or "fp32".
-    quantize_mu: store the momentum as NVFP4 (off by default, see ``fp4jax.optim.muon``).
-    **options: ``mu_dtype``, ``min_size``, ``rounding``, ``seed``.
+    ns_precision: "nvfp4" (two-term NVFP4 operands), "bf16" or "fp32".
+    mu_dtype: dtype of the momentum (default float32).
 
   Returns:
     An ``optax.GradientTransformation`` for 2-D leaves.
+
+  Example:
+    >>> tx = scale_by_root_nvfp4()
+    >>> params = {"w": jnp.zeros((64, 64))}
+    >>> updates, state = tx.update(params, tx.init(params))
 
   References:
     He et al., ROOT: Robust Orthogonalized Optimizer for Neural Network Training, arXiv:2511.20626.
@@ -85,8 +87,7 @@ def scale_by_root_nvfp4(
   table = dict(ROOT_NS_COEFFS if coeffs_table is None else coeffs_table)
   return scale_by_orthogonalized_momentum(
       lambda shape: root_coeffs(shape, table), ns_steps, beta, eps, nesterov=nesterov,
-      ns_precision=ns_precision, quantize_mu=quantize_mu, outlier_quantile=outlier_quantile,
-      **options)
+      ns_precision=ns_precision, mu_dtype=mu_dtype, outlier_quantile=outlier_quantile)
 
 
 def root(
@@ -100,16 +101,15 @@ def root(
     consistent_rms: float | None = 0.2,
     ns_precision: str = "nvfp4",
     quantize: bool = True,
-    quantize_mu: bool = False,
     mu_dtype=None,
     adam_b1: float = 0.9,
     adam_b2: float = 0.95,
     adam_eps: float = 1e-8,
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     muon_mask: Callable | Mapping | None = None,
-    min_size: int = DEFAULT_MIN_SIZE,
+    adam_options: AdamNvfp4Options = AdamNvfp4Options(),
+    seed: int = 0,
     adam_kernel: str = "auto",
-    **options,
 ) -> optax.GradientTransformationExtraArgs:
   """ROOT for 2-D weights, ``adamw_nvfp4`` for embeddings, the LM head and non-2-D leaves.
 
@@ -120,29 +120,36 @@ def root(
     consistent_rms: ROOT's update scale ``consistent_rms * sqrt(max(m, n))`` (0.2); None gives
       Muon's ``sqrt(max(1, fan_out / fan_in))``.
     quantize: NVFP4 moments on the AdamW side.
-    quantize_mu: NVFP4 ROOT momentum (off by default, see ``fp4jax.optim.muon``).
-    mu_dtype: dtype of the ROOT momentum when not NVFP4 (default float32).
+    mu_dtype: dtype of the ROOT momentum (default float32).
     adam_b1, adam_b2, adam_eps: the AdamW side.
     adam_learning_rate: AdamW's learning rate; default ``learning_rate``.
     muon_mask: which leaves ROOT takes (see ``muon_nvfp4``); default ``default_muon_mask``.
-    min_size: leaves below it keep float32 states.
+    adam_options: ``options`` of the AdamW side (``AdamNvfp4Options``).
+    seed: ``seed`` of the AdamW side's stochastic rounding.
     adam_kernel: ``kernel`` of the AdamW side (``scale_by_adam_nvfp4``: "auto", "pallas", "xla",
       "pallas_interpret").
-    **options: ``rounding``, ``seed``.
 
   Returns:
     An ``optax.partition`` transformation.
+
+  Example:
+    >>> tx = root(learning_rate=0.02)
+    >>> params = {"embed": jnp.zeros((256, 64)), "w": jnp.zeros((64, 64))}
+    >>> updates, state = tx.update(params, tx.init(params), params)
+
+  References:
+    He et al., `ROOT: Robust Orthogonalized Optimizer for Neural Network Training
+    <https://arxiv.org/abs/2511.20626>`_, 2025.
   """
   root_tx = optax.chain(
       scale_by_root_nvfp4(ns_steps, beta, coeffs_table=coeffs_table,
                           outlier_quantile=outlier_quantile, ns_precision=ns_precision,
-                          quantize_mu=quantize_mu, mu_dtype=mu_dtype, min_size=min_size,
-                          **options),
+                          mu_dtype=mu_dtype),
       scale_by_shape(consistent_rms),
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(learning_rate),
   )
   adam_tx = adamw_nvfp4(learning_rate if adam_learning_rate is None else adam_learning_rate,
                         adam_b1, adam_b2, adam_eps, weight_decay=weight_decay, quantize=quantize,
-                        min_size=min_size, kernel=adam_kernel, **options)
+                        options=adam_options, seed=seed, kernel=adam_kernel)
   return partitioned(root_tx, adam_tx, default_muon_mask if muon_mask is None else muon_mask)

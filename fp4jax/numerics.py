@@ -1,0 +1,354 @@
+"""Bit-exact numerics shared by the jnp code and the Pallas kernels: codecs, rounded arithmetic, hashes.
+
+Every function takes and returns jnp arrays and uses only operations that every backend computes
+identically: integer arithmetic on float32 bit patterns, comparisons and selects, float32 products
+and sums whose rounding is pinned. There are no float4/float8 casts (XLA on the GPU may fold a cast
+pair away, and Pallas Triton cannot lower an f4 cast), and no backend division or square root (not
+correctly rounded on the GPU). The same code therefore runs under XLA on any backend and inside the
+Pallas Triton kernels (``fp4jax.kernels``) and gives the same bits (docs/DESIGN.md, "Bit-exactness
+on the GPU").
+
+- Correctly rounded float32 arithmetic: ``div_rn``, ``sqrt_rn``, ``flush_subnormals``, ``F32_MAX``.
+- Codecs: E4M3 (``round_to_e4m3``, ``e4m3_to_f32``) and E2M1 (``e2m1_rne_code``,
+  ``e2m1_stochastic_code``, ``decode_e2m1``); the quantizer's per-block and per-element steps
+  (``e4m3_block_scales``, ``e2m1_codes``).
+- Products rounded before every addition, so no compiler contracts them into an FMA: ``runtime_zero``,
+  ``rounded``, ``rounded_ema``, and Adam's moments and direction built on them (``adam_moments``,
+  ``bias_factors``, ``adam_direction``).
+- Stochastic-rounding bits from a keyed counter hash: ``counter_bits`` (``counter_words``,
+  ``counter_hash``, ``lane_bits``: the pieces the kernels use).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from fp4jax._fp32 import F32_MAX, div_rn, flush_subnormals, sqrt_rn
+
+__all__ = [
+    "E2M1_MAX", "E4M3_MAX", "F32_MAX", "INV6", "LANES", "adam_direction", "adam_moments",
+    "bias_factors", "counter_bits", "counter_hash", "counter_words", "decode_e2m1", "div_rn",
+    "e2m1_codes", "e2m1_rne_code", "e2m1_stochastic_code", "e4m3_block_scales", "e4m3_to_f32",
+    "flush_subnormals", "lane_bits", "round_to_e4m3", "rounded", "rounded_ema", "runtime_zero",
+    "sqrt_rn",
+]
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+INV6 = float(np.float32(1.0) / np.float32(6.0))  # fp32(1/6), a factor of Transformer Engine's order
+
+
+def _bits(x):
+  return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
+def _from_bits(b):
+  return lax.bitcast_convert_type(b.astype(jnp.int32), jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# E4M3
+
+
+def round_to_e4m3(v):
+  """Rounds float32 ``v`` in [0, 448] to the nearest E4M3 value, ties to even.
+
+  Args:
+    v: float32 array, values in [0, 448].
+
+  Returns:
+    ``(value, byte)``: the rounded value as float32 and its E4M3 byte as uint8. E4M3 subnormals
+    (multiples of 2^-9) are kept.
+  """
+  v = jnp.asarray(v, jnp.float32)
+  b = _bits(v)
+  e = ((b >> 23) & 0xFF) - 127
+  # Normal E4M3 (v >= 2^-6): keep 3 mantissa bits by rounding the f32 pattern; carries ripple into
+  # the exponent, which is what rounding up to the next binade must do.
+  lsb = (b >> 20) & 1
+  normal = _from_bits(((b + (1 << 19) - 1 + lsb) >> 20) << 20)
+  # Subnormal E4M3: multiples of 2^-9; v * 512 is exact, rounded to nearest, ties to even, in
+  # integers (Pallas Triton has no round). Only v < 2^-6 takes this branch, so the int32
+  # conversion of a larger v is never used.
+  t = v * 512.0
+  k = jnp.minimum(t, 512.0).astype(jnp.int32)  # floor, t >= 0
+  frac = t - k.astype(jnp.float32)  # exact
+  sub_k = (k + ((frac > 0.5) | ((frac == 0.5) & ((k & 1) == 1))).astype(jnp.int32)).astype(jnp.float32)
+  sub = sub_k * (1.0 / 512.0)
+  value = jnp.where(e >= -6, normal, sub)
+  nb = _bits(value)
+  normal_code = ((((nb >> 23) & 0xFF) - 127 + 7) << 3) | ((nb >> 20) & 7)
+  # A subnormal that rounded up to 2^-6 is the smallest normal, code 8: (k = 8) gives that too.
+  code = jnp.where(value >= 2.0**-6, normal_code, sub_k.astype(jnp.int32))
+  return value, code.astype(jnp.uint8)
+
+
+def e4m3_to_f32(code):
+  """Decodes E4M3 bytes (uint8, no NaN) to float32 with integer operations."""
+  c = code.astype(jnp.int32)
+  e = (c >> 3) & 0xF
+  m = c & 7
+  normal = _from_bits(((e - 7 + 127) << 23) | (m << 20))
+  sub = m.astype(jnp.float32) * (1.0 / 512.0)
+  mag = jnp.where(e == 0, sub, normal)
+  return jnp.where((c & 0x80) != 0, -mag, mag)
+
+
+def e4m3_block_scales(block_amax, m):
+  """The E4M3 block scales of NVFP4: ``e4m3_rne(clip(min(block_amax * m, FLT_MAX), 0, 448))``.
+
+  Args:
+    block_amax: float32 per-block ``max|x|`` (>= 0).
+    m: ``S_enc * fp32(1/6)``, the tensor's encode scale times ``INV6``.
+
+  Returns:
+    ``(value, byte)`` as ``round_to_e4m3``.
+  """
+  return round_to_e4m3(jnp.clip(jnp.minimum(block_amax * m, F32_MAX), 0.0, E4M3_MAX))
+
+
+# ----------------------------------------------------------------------------------------------
+# E2M1
+
+
+def e2m1_rne_code(a):
+  """Magnitude ``a`` in [0, 6] -> E2M1 code 0..7 (int32), to nearest, ties to the even code."""
+  return ((a > 0.25).astype(jnp.int32) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
+          + (a >= 3.5) + (a > 5.0))
+
+
+def e2m1_stochastic_code(a, bits):
+  """Magnitude ``a`` in [0, 6] -> E2M1 code (int32), rounded up with probability ``(a - lo) / (hi - lo)``.
+
+  On float32 bit patterns: each step of the E2M1 grid in [1, 6] lies inside one binade and spans
+  2^22 patterns (1 → 1.5 → 2 → 3 → 4 → 6), so adding 22 random bits ``r`` to the pattern and keeping
+  its top bits rounds up exactly when ``r >= 2^22 - frac`` (``frac``: the pattern mod 2^22), with
+  probability ``frac / 2^22``. Below 1 the grid (0, 0.5, 1) has the shape of [1, 2) shifted down by
+  1, so there the pattern is that of ``a + 1`` (float32, rounded to 2^-23).
+
+  Args:
+    a: float32 magnitudes in [0, 6].
+    bits: uint32 random bits shaped like ``a``; the top 22 are used.
+
+  Returns:
+    int32 codes 0..7.
+  """
+  small = a < 1.0
+  x = lax.bitcast_convert_type(jnp.where(small, a + 1.0, a), jnp.int32)
+  # The code of 1.0 is 2, its pattern's top bits 254: of 1 + 0 (below 1), 0.
+  top = (x + (bits >> 10).astype(jnp.int32)) >> 22
+  return top - jnp.where(small, 254, 252)
+
+
+def decode_e2m1(code):
+  """E2M1 codes (sign in bit 3) -> float32, built as bit patterns with integer operations only.
+
+  A normal magnitude code k in 2..7 is the float32 pattern ``(k << 22) + bits(0.5)`` (E2M1's exponent
+  and mantissa bits shifted into float32's, bias 1 -> 127); k = 1 is 0.5, k = 0 is 0.
+  """
+  c = code.astype(jnp.int32)
+  k = c & 7
+  mag = jnp.where(k >= 2, (k << 22) + 0x3F000000, k * 0x3F000000)
+  return lax.bitcast_convert_type(mag | ((c & 8) << 28), jnp.float32)
+
+
+def e2m1_codes(x32, escale, zero_block, rounding: str, bits=None, dtype=jnp.uint8):
+  """E2M1 codes of ``x32 * escale``: the per-element step of NVFP4 quantization.
+
+  ``code = sign(x) | e2m1(min(|x * escale|, 6))``, the sign bit (bit 3) set for strictly negative
+  ``x``, and 0 where ``zero_block``.
+
+  Args:
+    x32: float32 values.
+    escale: the block's encode scale ``1 / (dscale * S_dec)``, broadcast against ``x32``.
+    zero_block: bool, broadcast against ``x32``: blocks stored as zero (scale 0, or non-finite input).
+    rounding: ``"nearest"`` or ``"stochastic"``.
+    bits: uint32 random bits shaped like ``x32``, for stochastic rounding.
+    dtype: of the codes (the kernels take int32: no byte arithmetic).
+
+  Returns:
+    Codes 0..15 as ``dtype``, one per element.
+  """
+  # |clip(x * escale, -6, 6)|, and the sign of x (escale > 0): one min instead of a clip.
+  a = jnp.minimum(jnp.abs(x32 * escale), E2M1_MAX)
+  mag = e2m1_rne_code(a) if rounding == "nearest" else e2m1_stochastic_code(a, bits)
+  code = mag.astype(jnp.int32) | jnp.where(x32 < 0, 8, 0)
+  return jnp.where(zero_block, 0, code).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rounded arithmetic
+
+
+def runtime_zero(count) -> jax.Array:
+  """An int32 zero the compiler cannot prove is zero: ``min(count, 0)`` of a step count >= 0."""
+  return jnp.minimum(jnp.asarray(count, jnp.int32), 0)
+
+
+def rounded(x, zero) -> jax.Array:
+  """``x``, rounded to float32 before any later addition (no fused multiply-add across it).
+
+  XLA's GPU backend contracts ``a * b + c`` into one FMA (one rounding) where the CPU rounds the
+  product first. Adding a runtime zero (``runtime_zero``) to the product's bit pattern makes it an
+  opaque float32 on every backend: one integer add, fused, no memory traffic.
+  """
+  bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) + zero
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _rounded_mul(zero):
+  return lambda a, b: rounded(a * b, zero)
+
+
+def rounded_ema(old, new, decay: float, zero, mul=None) -> jax.Array:
+  """``decay * old + (1 - decay) * new`` in float32, each product rounded on its own.
+
+  ``old`` (often a dequantized product ``q * scale``) is rounded first too, so no backend can
+  contract or reassociate across it.
+
+  Args:
+    old: the previous average (float32).
+    new: the new value (any float dtype; taken as float32).
+    decay: the EMA's decay.
+    zero: ``runtime_zero`` of the step count.
+    mul: ``mul(a, b)``, a float32 product that no compiler fuses into an addition, in place of
+      ``rounded(a * b)`` (the kernels pass PTX's ``mul.rn.f32``: the same values).
+
+  Returns:
+    The new average, float32.
+  """
+  if mul is None:
+    mul, old = _rounded_mul(zero), rounded(old, zero)
+  return mul(1.0 - decay, new.astype(jnp.float32)) + mul(decay, old)
+
+
+def adam_moments(m_old, v_old, g32, b1: float, b2: float, zero, mul=None):
+  """Adam's moments ``m = b1 m_old + (1 - b1) g`` and ``v = b2 v_old + (1 - b2) g²`` by ``rounded_ema``.
+
+  Returns:
+    ``(m, v)``, float32, with the same bits on every backend.
+  """
+  m = rounded_ema(m_old, g32, b1, zero, mul)
+  v = rounded_ema(v_old, (mul or _rounded_mul(zero))(g32, g32), b2, zero, mul)
+  return m, v
+
+
+@functools.partial(jax.jit, inline=True)
+def _bias_denominator(decay, count):
+  return 1 - decay**count  # as optax.tree.bias_correction computes it before dividing by it
+
+
+def bias_factors(b1: float, b2: float, eps_root: float, count):
+  """The scalars of ``adam_direction`` at step ``count`` (>= 1), with optax's bias corrections.
+
+  Returns:
+    float32 ``(1 / bc1, 1 / bc1 at count + 1, 1 / sqrt(bc2), eps_root * bc2)``, ``bc = 1 - decay^count``.
+  """
+  bc1, bc1_next, bc2 = (_bias_denominator(b1, count),
+                        _bias_denominator(b1, optax.safe_increment(count)),
+                        _bias_denominator(b2, count))
+  return tuple(jnp.asarray(x, jnp.float32)
+               for x in (1 / bc1, 1 / bc1_next, 1 / jnp.sqrt(bc2), eps_root * bc2))
+
+
+def adam_direction(m, v, s, g32, factors, b1: float, eps: float, eps_root: float, nesterov: bool,
+                   bound=None):
+  """Adam's update ``m_hat / (sqrt(v_hat + eps_root) + eps)`` from the new moments, clipped to ``±bound``.
+
+  Computed as ``m * (1 / bc1) / (sqrt(v + eps_root * bc2) * (1 / sqrt(bc2)) + eps)``; with
+  ``eps_root = 0`` the root is ``s = sqrt(v)``, which the NVFP4 optimizer stores anyway (one product
+  per element instead of two divisions and a square root).
+
+  Args:
+    m, v: the new moments (float32).
+    s: ``sqrt_rn(v)``.
+    g32: the gradient (float32), for Nesterov's blend (as ``optax.scale_by_adam(nesterov=True)``).
+    factors: ``bias_factors`` of the step.
+    b1, eps, eps_root, nesterov: Adam's.
+    bound: the clip, or None.
+
+  Returns:
+    The update direction, float32.
+  """
+  c1, c1_next, c2, eps_root_bc2 = factors
+  if nesterov:
+    m_hat = b1 * (m * c1_next) + (1 - b1) * (g32 * c1)
+  else:
+    m_hat = m * c1
+  root = s if eps_root == 0 else jnp.sqrt(v + eps_root_bc2)
+  u = m_hat / (root * c2 + eps)
+  return u if bound is None else jnp.clip(u, -bound, bound)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stochastic-rounding bits
+
+LANES = 2  # tensors one key's hash serves (Adam's m and √v)
+
+
+def _mix32(x):
+  """A bijective 32-bit integer finalizer (Wellons' "lowbias32": xorshift-multiply)."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def counter_words(key):
+  """The two uint32 words that key ``counter_hash``, mixed from the ends of ``key``'s data."""
+  words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+  return _mix32(words[0] ^ jnp.uint32(0x9E3779B9)), _mix32(words[-1] ^ jnp.uint32(0x85EBCA6B))
+
+
+def counter_hash(idx, k1, k2):
+  """The keyed hash of uint32 pair indices ``idx``: two rounds of ``_mix32`` keyed by ``counter_words``."""
+  return _mix32(_mix32(idx ^ k1) + k2)
+
+
+def lane_bits(h, byte):
+  """Byte ``byte`` (0..3, array or int) of hashes ``h`` as uint32 rounding bits for ``e2m1_stochastic_code``.
+
+  The byte ``b`` goes to the top of the word with a half step below it, ``b << 24 | 1 << 23``: the
+  quantizer adds the top 22 bits, ``(b + 0.5) * 2^14``, to a value's pattern, so a value is rounded
+  up when ``(b + 0.5) / 256 >= 1 - p``: with probability ``p`` rounded to a multiple of 1/256 (off
+  by at most 1/512 either way), where a bare ``b << 24`` would round every probability down.
+  """
+  shift = jnp.uint32(24) - jnp.uint32(8) * jnp.asarray(byte, jnp.uint32)
+  return ((h << shift) & jnp.uint32(0xFF000000)) | jnp.uint32(1 << 23)
+
+
+def counter_bits(key, shape, lane: int = 0) -> jax.Array:
+  """uint32 stochastic-rounding bits: 8 random bits per element from a keyed hash of element pairs.
+
+  One 32-bit hash of each pair of neighbouring elements (flat indices ``2i`` and ``2i + 1``) gives
+  the bits of two tensors of that shape, ``lane`` 0 and 1: element ``2i + h`` of lane ``j`` takes
+  byte ``2j + h`` (``lane_bits``). Eight bits per rounding, as Blackwell's ``cvt.rs`` takes one
+  32-bit random operand per four FP4 values: a probability is rounded to a multiple of 1/256, far
+  below the format's own step. The hash is integer arithmetic on the global index, so the same key
+  gives the same bits on every backend and sharding; distinct keys (``fold_in``) give unrelated
+  streams.
+
+  Args:
+    key: a ``jax.random`` key.
+    shape: the tensor's shape (fewer than 2^32 elements).
+    lane: 0 or 1.
+
+  Returns:
+    uint32 bits of ``shape``, for ``nvfp4.quantize(bits=...)``.
+  """
+  if lane not in range(LANES):
+    raise ValueError(f"counter_bits: lane must be 0 or 1, got {lane!r}")
+  k1, k2 = counter_words(key)
+  size = math.prod(shape)
+  if size >= 2**32:
+    raise ValueError(f"counter_bits: {size} elements, more than 2^32 counters")
+  idx = jnp.arange(size, dtype=jnp.uint32).reshape(shape)
+  return lane_bits(counter_hash(idx >> 1, k1, k2), 2 * lane + (idx & 1))
