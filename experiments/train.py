@@ -32,7 +32,7 @@ from ml_collections import config_flags
 
 from fp4jax import data
 from fp4jax.model import ModelConfig
-from fp4jax.recipe import Recipe
+from fp4jax.recipe import MODULES, Recipe
 from fp4jax.train import OptimizerConfig, TrainConfig, train
 
 
@@ -115,8 +115,8 @@ def run(cfg, workdir: str | os.PathLike) -> dict:
         {"config": cfg.to_dict(), "data_dir": data_dir, "vocab_size": model_cfg.vocab_size,
          "num_params": model_cfg.num_params(), "devices": jax.device_count(),
          "platform": jax.default_backend()}, indent=1, default=str))
-    print(f"training {cfg.name} ({model_cfg.num_params() / 1e6:.2f}M parameters, recipe "
-          f"{recipe.linear} linear / {recipe.optimizer_states} states) in {workdir}", flush=True)
+    modules = ", ".join(f"{k}={getattr(recipe, k)}" for k in MODULES)
+    print(f"training {cfg.name} in {workdir}: recipe {modules}", flush=True)
   tc = train_cfg
   train_iter = data.make_iterator(data_dir, "train", tc.seq_len, tc.batch_size, seed=tc.seed)
   eval_batches = lambda: data.make_iterator(  # noqa: E731
