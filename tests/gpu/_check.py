@@ -1,10 +1,13 @@
-"""Shared pieces of the GPU checks: the two devices, running a function on one, and the report."""
+"""Shared pieces of the GPU tests: the two devices, running a function on one, comparing, tables."""
 
 import jax
+import ml_dtypes
 import numpy as np
 
-CPU = jax.devices("cpu")[0]
-DEV = jax.devices()[0]
+
+def devices():
+  """``(accelerator, cpu)``: JAX's default device and the CPU backend's first device."""
+  return jax.devices()[0], jax.devices("cpu")[0]
 
 
 def on(device, fn, *args):
@@ -20,10 +23,24 @@ def rel(a, b) -> float:
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def report(header: tuple[str, ...], rows, ok: bool) -> int:
-  """Prints the markdown table and the verdict last; returns the exit code."""
-  print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-  for row in rows:
-    print("| " + " | ".join(str(c) for c in row) + " |")
-  print("\nRESULT:", "PASS" if ok else "FAIL")
-  return 0 if ok else 1
+def bits_differ(a, b) -> int:
+  """Number of elements whose bits differ; NaNs count as equal to NaNs (payloads vary by backend)."""
+  a, b = np.asarray(a), np.asarray(b)
+  floats = a.dtype.kind == "f" or a.dtype in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn)
+  if floats and a.dtype != ml_dtypes.float8_e4m3fn:
+    na, nb = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
+    if (na != nb).any():
+      return int(np.sum(na != nb))
+    a, b = np.where(na, 0, a).astype(a.dtype), np.where(nb, 0, b).astype(b.dtype)
+  if floats:
+    a = a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.itemsize])
+    b = b.view(a.dtype)
+  return int(np.sum(a != b))
+
+
+def table(header, rows) -> str:
+  """The rows as a markdown table, printed (``pytest -s`` shows it) and returned."""
+  text = "\n| " + " | ".join(header) + " |\n|" + "---|" * len(header) + "\n"
+  text += "\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in rows)
+  print(text)
+  return text

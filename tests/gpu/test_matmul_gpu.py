@@ -1,43 +1,35 @@
-"""GPU check for fp4jax.ops.nvfp4_matmul and the dense layers: GPU-jit == CPU, quantization really ran.
+"""fp4jax.ops.nvfp4_matmul and the NVFP4 dense layers under jax.jit on the GPU equal the CPU.
 
-For fixed inputs and keys, runs under jax.jit on the default backend (the H200) and on the CPU
-backend in the same process, and compares:
+  FP4JAX_GPU_TESTS=1 python -m pytest -m gpu -s tests/gpu/test_matmul_gpu.py
 
-1. every quantized GEMM operand (packed codes, e4m3 scales, global scale): bit for bit, except
-   after the Hadamard transform, whose f32 sums may be ordered differently (then ≤ 0.1% of codes
-   may flip at rounding ties, and H·x itself must agree to 1e-6);
-2. forward, dgrad and wgrad of ``nvfp4_matmul`` (f32 inputs): within f32 accumulation tolerance, and
-   far (> 1e-2) from the unquantized product, which proves the quantization was not folded away;
-3. ``Fp4Dense`` and ``LoraSvdDense`` (bf16 activations, params built on the CPU): output and all
-   parameter/input gradients within bf16 output tolerance.
+For fixed inputs and keys, on the GPU and on the CPU backend of the same process:
 
-On a CPU-only machine it compares CPU with CPU (checks the script itself). Exit code 1 on failure.
+1. every quantized GEMM operand (packed codes, E4M3 scales, global scale) bit for bit, except after
+   the Hadamard transform, whose float32 sums may be ordered differently (then at most 0.1% of
+   codes may flip at rounding ties, and H·x itself agrees to 1e-6);
+2. forward, dgrad and wgrad of ``nvfp4_matmul`` (float32 inputs) within float32 accumulation
+   tolerance, and far (> 1e-2) from the unquantized product: the quantization was not folded away;
+3. ``Fp4Dense`` and ``LoraSvdDense`` (bf16 activations, params built on the CPU): output and every
+   parameter and input gradient within bf16 output tolerance.
 
-  python tests/gpu/check_matmul.py        (from the repository root, with PYTHONPATH=.)
+float32 GEMMs run at full precision on the GPU too (tests/conftest.py sets "highest"), not TF32.
 """
-
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from _check import bits_differ, devices, on, rel, table
 from flax import nnx
 
-from _check import CPU, DEV, on, rel, report
 from fp4jax.layers import Fp4Dense, LoraSvdDense
 from fp4jax.ops import MatmulConfig, matmul, nvfp4_matmul
 
-# f32 GEMMs (the bf16-config rows with f32 inputs) at full f32 on the GPU too, not TF32, as in the tests.
-jax.config.update("jax_default_matmul_precision", "highest")
+pytestmark = pytest.mark.gpu
+
 M0, M1, K, N = 4, 128, 1024, 768
 NVFP4 = MatmulConfig.nvfp4()
-
-
-def bits_differ(a, b) -> int:
-  a, b = np.asarray(a), np.asarray(b)
-  if a.dtype.itemsize > 1 or a.dtype != np.uint8:
-    a, b = a.view(f"u{a.dtype.itemsize}"), b.view(f"u{b.dtype.itemsize}")
-  return int(np.sum(a != b))
+KEY_SEED = 7
 
 
 def inputs(dtype):
@@ -48,8 +40,10 @@ def inputs(dtype):
   return x.astype(dtype), w.astype(np.float32), dy.astype(dtype)
 
 
-def operand_rows(x, w, dy, key):
-  """Quantized operands of the three GEMMs (what each GEMM multiplies), GPU vs CPU."""
+def operand_rows(dev, cpu):
+  """The quantized operands of the three GEMMs (what each GEMM multiplies), GPU vs CPU."""
+  x, w, dy = inputs(np.float32)
+  key = jax.random.key(KEY_SEED)
   rows, ok = [], True
 
   def operands(x, w, dy, key, config):
@@ -64,7 +58,7 @@ def operand_rows(x, w, dy, key):
 
   for config, tag in ((NVFP4, ""), (MatmulConfig.nvfp4(hadamard=False), " [no Hadamard]")):
     f = lambda x, w, dy, key, config=config: operands(x, w, dy, key, config)  # noqa: E731
-    g, c = on(DEV, f, x, w, dy, key), on(CPU, f, x, w, dy, key)
+    g, c = on(dev, f, x, w, dy, key), on(cpu, f, x, w, dy, key)
     for name in g:
       if tag and ("H." not in name or "f32" in name):
         continue
@@ -75,25 +69,26 @@ def operand_rows(x, w, dy, key):
         continue
       n_bad = sum(bits_differ(u, v) for u, v in zip(jax.tree.leaves(g[name]), jax.tree.leaves(c[name])))
       n_codes = int(np.prod(g[name].codes.shape)) * 2
-      hadamard = "H." in name and not tag
-      limit = n_codes // 1000 if hadamard else 0
+      limit = n_codes // 1000 if ("H." in name and not tag) else 0
       rows.append((name + tag, f"{n_bad} of {n_codes} differ", f"≤ {limit}"))
       ok &= n_bad <= limit
   return rows, ok
 
 
-def matmul_rows(x, w, dy, key):
+def matmul_rows(dev, cpu):
+  x, w, dy = inputs(np.float32)
+  key = jax.random.key(KEY_SEED)
   rows, ok = [], True
 
   def fwd_bwd(x, w, dy, key, config):
     y, vjp = jax.vjp(lambda x, w: nvfp4_matmul(x, w, key=key, config=config), x, w)
     return (y, *vjp(dy))
 
+  unq = on(cpu, lambda x, w, dy: fwd_bwd(x, w, dy, None, MatmulConfig.bf16()), x, w, dy)
   for config, name in ((NVFP4, "nvfp4"), (MatmulConfig.nvfp4(hadamard=False), "nvfp4, no Hadamard"),
                        (MatmulConfig.bf16(), "bf16")):
     f = lambda x, w, dy, key, config=config: fwd_bwd(x, w, dy, key, config)  # noqa: E731
-    g, c = on(DEV, f, x, w, dy, key), on(CPU, f, x, w, dy, key)
-    unq = on(CPU, lambda x, w, dy: fwd_bwd(x, w, dy, None, MatmulConfig.bf16()), x, w, dy)
+    g, c = on(dev, f, x, w, dy, key), on(cpu, f, x, w, dy, key)
     for out, gv, cv, uv in zip(("y", "dx", "dw"), g, c, unq):
       r, r_unq = rel(gv, cv), rel(gv, uv)
       tol = 1e-4 if (out == "dw" and config.hadamard) else 1e-5
@@ -104,9 +99,11 @@ def matmul_rows(x, w, dy, key):
   return rows, ok
 
 
-def layer_rows(x, dy, key):
+def layer_rows(dev, cpu):
+  x, _, dy = inputs(jnp.bfloat16)
+  key = jax.random.key(KEY_SEED)
   rows, ok = [], True
-  with jax.default_device(CPU):
+  with jax.default_device(cpu):
     layers = {"Fp4Dense": Fp4Dense(K, N, config=NVFP4, rngs=nnx.Rngs(0), use_bias=True),
               "LoraSvdDense r=16": LoraSvdDense(K, N, rank=16, config=NVFP4, rngs=nnx.Rngs(0), svd="exact")}
   for name, layer in layers.items():
@@ -117,7 +114,7 @@ def layer_rows(x, dy, key):
       dp, dx = vjp(dy)
       return {"y": y, "dx": dx, **{f"d{k}": v[...] for k, v in dp.items()}}
 
-    g, c = on(DEV, f, params, x, dy, key), on(CPU, f, params, x, dy, key)
+    g, c = on(dev, f, params, x, dy, key), on(cpu, f, params, x, dy, key)
     for out in g:
       r = rel(g[out], c[out])
       rows.append((f"{name}: {out} {g[out].dtype}", f"rel {r:.1e}", "≤ 5e-3 (bf16 outputs)"))
@@ -125,19 +122,9 @@ def layer_rows(x, dy, key):
   return rows, ok
 
 
-def main() -> int:
-  print(f"device: {DEV.device_kind} ({DEV.platform}) vs {CPU.device_kind}; jax {jax.__version__}")
-  key = jax.random.key(7)
-  x, w, dy = inputs(np.float32)
-  rows, ok = operand_rows(x, w, dy, key)
-  r, o = matmul_rows(x, w, dy, key)
-  rows, ok = rows + r, ok and o
-  xb, _, dyb = inputs(jnp.bfloat16)
-  r, o = layer_rows(xb, dyb, key)
-  rows, ok = rows + r, ok and o
-  print(f"\nshapes: x [{M0}, {M1}, {K}], w [{K}, {N}]\n")
-  return report(("check", "GPU vs CPU", "bound / note"), rows, ok)
-
-
-if __name__ == "__main__":
-  sys.exit(main())
+@pytest.mark.parametrize("rows_of", [operand_rows, matmul_rows, layer_rows],
+                         ids=["operands", "matmul", "layers"])
+def test_gpu_equals_cpu(rows_of):
+  rows, ok = rows_of(*devices())
+  text = table(("check", "GPU vs CPU", "bound / note"), rows)
+  assert ok, text
