@@ -9,7 +9,7 @@
 # options as --flag=value when a value could be taken for a NAME. The same NAME may run twice (its
 # logs are NAME.log, NAME_2.log, ...). RUN_TIMEOUT (default 300) bounds each run in seconds, so one
 # slow run cannot use up the machine's time before the others and the summary are printed (all of
-# gpu_tests may need more: raise RUN_TIMEOUT, or split it into runs with -k or a test file).
+# gpu_tests may need more: raise RUN_TIMEOUT, or split it into several runs with -k).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
