@@ -1,8 +1,7 @@
-"""A tiny byte-level Transformer LM for the optimizer benchmarks (CPU-sized, fixed seeds).
+"""A tiny byte-level Transformer LM for ``optim_states`` and ``optim_ns`` (CPU-sized, fixed seeds).
 
-Until ``experiments/`` has its tiny config, the optimizer comparisons train this model: 2 blocks,
-d=128, 4 heads, context 64, on Python's own standard-library sources (local, no network), bytes as
-tokens. Parameter names follow the usual conventions (``embed``, ``pos_embed``, ``lm_head``) so the
+2 blocks, d=128, 4 heads, context 64, trained on Python's own standard-library sources (local, no
+network), bytes as tokens: small enough to train every candidate optimizer state on a CPU. Parameter names follow the usual conventions (``embed``, ``pos_embed``, ``lm_head``) so the
 Muon/ROOT routing sends them to AdamW.
 """
 
