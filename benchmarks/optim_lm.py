@@ -1,7 +1,8 @@
 """A tiny byte-level Transformer LM for ``optim_states`` and ``optim_ns`` (CPU-sized, fixed seeds).
 
 2 blocks, d=128, 4 heads, context 64, trained on Python's own standard-library sources (local, no
-network), bytes as tokens: small enough to train every candidate optimizer state on a CPU. Parameter names follow the usual conventions (``embed``, ``pos_embed``, ``lm_head``) so the
+network), bytes as tokens: small enough to train every candidate optimizer state on a CPU.
+Parameter names follow the usual conventions (``embed``, ``pos_embed``, ``lm_head``), so the
 Muon/ROOT routing sends them to AdamW.
 """
 
