@@ -179,3 +179,26 @@ def test_bad_arguments_raise_clear_errors():
     lora_svd_split(jnp.ones((8, 8)), 9)
   with pytest.raises(ValueError, match="2-D"):
     lora_svd_split(jnp.ones((8,)), 1)
+
+
+def test_one_dense_with_an_injected_matmul():
+  """Fp4Dense / LoraSvdDense are Dense with NVFP4Matmul (and a rank); Dense.split gives column
+  groups: separate GEMMs for the bf16 matmul, slices of the one GEMM for NVFP4 (same bits)."""
+  from fp4jax.layers import Dense, MixedMatmul, NVFP4Matmul
+  q = Fp4Dense(K, N, config=NVFP4, rngs=nnx.Rngs(0))
+  assert type(q) is Dense and q.matmul == NVFP4Matmul(NVFP4) and q.rank == 0
+  lora = LoraSvdDense(K, N, rank=R, config=NVFP4, rngs=nnx.Rngs(0))
+  assert type(lora) is Dense and lora.rank == R
+  x, key = _x(), jax.random.key(2)
+  cols = (lambda a: a[..., :16], lambda a: a[..., 16:])
+  for layer in (Dense(K, N, rngs=nnx.Rngs(0)), q, lora):
+    whole = layer(x, key=key)
+    for part, c in zip(layer.split(x, cols, key=key), cols, strict=True):
+      np.testing.assert_array_equal(part, c(whole))
+  bf16 = Dense(K, N, rngs=nnx.Rngs(0))
+  assert bf16.matmul == MixedMatmul() and "mixed_matmul_split" in str(
+      jax.make_jaxpr(lambda x: bf16.split(x, cols))(x))
+  with pytest.raises(ValueError, match="no low-rank branch"):
+    bf16.resplit()
+  with pytest.raises(ValueError, match="config must be a MatmulConfig"):
+    NVFP4Matmul("nvfp4")
