@@ -2,26 +2,30 @@
 
 ``quantize`` computes the same ``NVFP4Tensor`` as ``nvfp4.quantize`` (codes, E4M3 scales, global scale)
 in two passes over the tensor: an ``amax`` kernel folds ``max|x|`` per program (on float32 bit
-patterns: NaN and inf order above every finite value), XLA reduces those and forms ``S_enc`` and
-``S_dec`` in Transformer Engine's order, and a ``quantize`` kernel writes the packed codes, the scale
-bytes and, optionally, the decoded operand ``codes × E4M3 scale`` in bfloat16 (exact there; the
-global scale is left to the GEMM's epilogue). Options that ``nvfp4.quantize`` takes from its caller
-are fused: the random bits of stochastic rounding (``jax.random.bits`` of a threefry key, or
-``numerics.counter_bits``), and the 16-point random Hadamard transform of the wgrad operands.
+patterns: NaN and inf order above every finite value), XLA reduces those partial maxima, and a
+``quantize`` kernel forms ``S_enc`` and ``S_dec`` in Transformer Engine's order and writes the packed
+codes, the scale bytes, the global scale and, optionally, the decoded operand ``codes × E4M3 scale``
+in bfloat16 (exact there; the global scale is left to the GEMM's epilogue). Options that
+``nvfp4.quantize`` takes from its caller are fused: the random bits of stochastic rounding
+(``jax.random.bits`` of a threefry key, or ``numerics.counter_bits``), and the 16-point random
+Hadamard transform of the wgrad operands.
 
-Layouts (every one a free reshape of ``x``; blocks of programs tile the two outer axes, with masked
-edges):
+Layouts of the ``quantize`` kernel (each a free reshape of ``x``; programs tile the two outer axes,
+with masked edges):
 
-- ``(1, 16)`` along the last axis: ``x`` as ``(R, 1, C, 8, 2)`` (``R`` rows, ``C = K / 16`` blocks).
-  A program loads a contiguous tile and splits each block's even and odd elements in registers: the
-  two nibbles of a code byte.
-- ``(16, 16)``: ``x`` as ``(T, 16, C, 8, 2)``, the same code with a tile's 16 rows in axis 1.
+- ``(1, 16)`` along the last axis: ``x`` as ``(R, 1, C, 16)`` (``R`` rows, ``C = K / 16`` blocks);
+  each block's max is a reduction over the last axis, and the codes are split into even and odd
+  elements (the two nibbles of a byte) in registers.
+- ``(16, 16)``: ``x`` as ``(T, 16, C, 16)``, the same code with a tile's 16 rows in axis 1.
 - ``(1, 16)`` along another axis ``a`` (the wgrad's token axis): ``x`` as ``(P·G, 16, Q)`` (``G`` blocks
   along ``a``, ``Q`` the elements after it); a program loads the 16 rows of its blocks as 16
   separate ``(rows, columns)`` slabs, contiguous along ``Q``, so the block reductions and the
   Hadamard butterfly are elementwise between slabs.
 - ``(1, 16)`` along the last axis with the Hadamard transform: ``x`` as ``(R, C, 16)``, read as 16
   strided slabs.
+
+The ``amax`` kernel reads the flattened tensor, or, with the Hadamard transform, the quantizer's
+layout through the transform.
 
 Division: ``1 / (dscale · S_dec)`` is PTX ``div.rn.f32`` on the GPU (Triton's ``/`` is not correctly
 rounded) and the CPU's IEEE division in interpret mode: both equal ``numerics.div_rn``. Codes are
@@ -260,53 +264,48 @@ def _load(ref, ok):
   return ref[...] if ok is None else plgpu.load(ref, mask=ok, other=0)
 
 
-def _pair_halves(x_ref, n_a, n_b):
-  """The even and odd elements of each block of the tile, float32 with subnormals flushed."""
-  pid_a, pid_b = pl.program_id(0), pl.program_id(1)
-  x = _load(x_ref, _pair_ok(x_ref.shape, pid_a, pid_b, n_a, n_b))
-  return [numerics.flush_subnormals(h.astype(jnp.float32)) for h in jnp.unstack(x, axis=-1)]
-
-
-def _pair_amax_kernel(x_ref, o_ref, *, n_a, n_b):
-  e, o = _pair_halves(x_ref, n_a, n_b)
-  o_ref[...] = jnp.full((1, 1), _max_all(jnp.maximum(_abs_bits(e), _abs_bits(o))), jnp.int32)
+def _flat_amax_kernel(x_ref, o_ref, *, n_rows):
+  """max|x| of a (rows, W) tile of the flattened tensor, as a float32 bit pattern."""
+  br = x_ref.shape[0]
+  ok = None
+  if n_rows % br:
+    ok = pl.program_id(0) * br + lax.broadcasted_iota(jnp.int32, x_ref.shape, 0) < n_rows
+  o_ref[...] = jnp.full((1, 1), _max_all(_abs_bits(_load(x_ref, ok).astype(jnp.float32))), jnp.int32)
 
 
 def _pair_quantize_kernel(i_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, n_a, n_b, rounding,
                           bit_source, interpret):
   ba, s, bb = x_ref.shape[:3]
   pid_a, pid_b = pl.program_id(0), pl.program_id(1)
-  e, o = _pair_halves(x_ref, n_a, n_b)
-  # Block amax over each block's 8 pairs (axis 3) and, for 16x16 tiles, its 16 rows (axis 1).
-  block_amax = jnp.max(jnp.maximum(jnp.abs(e), jnp.abs(o)), axis=3)
-  block_amax = jnp.max(block_amax, axis=1)  # (BA, BB)
+  x = numerics.flush_subnormals(
+      _load(x_ref, _pair_ok(x_ref.shape, pid_a, pid_b, n_a, n_b)).astype(jnp.float32))
+  # Block amax over each block's 16 elements (axis 3) and, for 16x16 tiles, its 16 rows (axis 1).
+  block_amax = jnp.max(jnp.max(jnp.abs(x), axis=3), axis=1)  # (BA, BB)
   consts = _tensor_scales(i_ref, interpret)
   g_ref[...] = consts[1].reshape(1)  # every program writes the same value
   dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
-  bits = (None, None)
+  bits = None
   if rounding == "stochastic":
-    shape = e.shape
-    # Flat index of each even element: (((a * S + s) * B + b) * 8 + j) * 2.
-    pair = _iota_index(shape, (pid_a * ba, 0, pid_b * bb, 0), (s * n_b * 8, n_b * 8, 8, 1))
-    k1 = lax.bitcast_convert_type(i_ref[1], jnp.uint32)
-    k2 = lax.bitcast_convert_type(i_ref[2], jnp.uint32)
-    if bit_source == "counter":
-      h = numerics.counter_hash(pair, k1, k2)
-      bits = (numerics.lane_bits(h, 0), numerics.lane_bits(h, 1))
-    else:
-      even = pair * jnp.uint32(2)
-      bits = (_threefry_bits(even, k1, k2), _threefry_bits(even + jnp.uint32(1), k1, k2))
-  bc = lambda v: v[:, None, :, None]  # noqa: E731  (BA, BB) -> against (BA, S, BB, 8)
-  codes = [numerics.e2m1_codes(x, bc(escale), bc(zero_block), rounding, b, jnp.int32)
-           for x, b in zip((e, o), bits)]
-  ok = _pair_ok(codes[0].shape, pid_a, pid_b, n_a, n_b)
-  _store(codes_ref, (codes[0] | (codes[1] << 4)).astype(jnp.uint8), ok)
-  ok2 = _pair_ok((ba, 1, bb), pid_a, pid_b, n_a, n_b)
-  _store(scales_ref, dcode[:, None, :], ok2)
+    # Flat index of each element: ((a * S + s) * B + b) * 16 + i.
+    idx = _iota_index(x.shape, (pid_a * ba, 0, pid_b * bb, 0), (s * n_b * BLOCK, n_b * BLOCK, BLOCK, 1))
+    bits = _element_bits(idx, i_ref, bit_source)
+  bc = lambda v: v[:, None, :, None]  # noqa: E731  (BA, BB) -> against (BA, S, BB, 16)
+  codes = numerics.e2m1_codes(x, bc(escale), bc(zero_block), rounding, bits, jnp.int32)
+  even, odd = jnp.unstack(codes.reshape(ba, s, bb, BLOCK // 2, 2), axis=-1)
+  _store(codes_ref, (even | (odd << 4)).astype(jnp.uint8), _pair_ok(even.shape, pid_a, pid_b, n_a, n_b))
+  _store(scales_ref, dcode[:, None, :], _pair_ok((ba, 1, bb), pid_a, pid_b, n_a, n_b))
   if dec_ref:
-    dec = [(numerics.decode_e2m1(c) * bc(dscale)).astype(dec_ref[0].dtype) for c in codes]
-    ok = None if ok is None else jnp.stack([ok, ok], axis=-1)
-    _store(dec_ref[0], jnp.stack(dec, axis=-1), ok)
+    dec = (numerics.decode_e2m1(codes) * bc(dscale)).astype(dec_ref[0].dtype)
+    _store(dec_ref[0], dec, _pair_ok(x.shape, pid_a, pid_b, n_a, n_b))
+
+
+def _element_bits(idx, i_ref, bit_source):
+  """The uint32 rounding bits of the elements at flat indices ``idx`` (``stochastic_bits``)."""
+  k1 = lax.bitcast_convert_type(i_ref[1], jnp.uint32)
+  k2 = lax.bitcast_convert_type(i_ref[2], jnp.uint32)
+  if bit_source == "counter":
+    return numerics.lane_bits(numerics.counter_hash(idx >> 1, k1, k2), idx & 1)
+  return _threefry_bits(idx, k1, k2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,14 +367,7 @@ def _slab_quantize_kernel(i_ref, s_ref, x_ref, codes_ref, scales_ref, g_ref, *de
     base = _iota_index(tile, (pid_a * tile[0], pid_b * tile[1]),
                        (BLOCK * n_b, 1) if mid else (BLOCK * n_b, BLOCK))
     step = n_b if mid else 1
-    k1 = lax.bitcast_convert_type(i_ref[1], jnp.uint32)
-    k2 = lax.bitcast_convert_type(i_ref[2], jnp.uint32)
-    for i in range(BLOCK):
-      idx = base + jnp.uint32(i * step)
-      if bit_source == "counter":
-        bits[i] = numerics.lane_bits(numerics.counter_hash(idx >> 1, k1, k2), idx & 1)
-      else:
-        bits[i] = _threefry_bits(idx, k1, k2)
+    bits = [_element_bits(base + jnp.uint32(i * step), i_ref, bit_source) for i in range(BLOCK)]
   codes = [numerics.e2m1_codes(x, escale, zero_block, rounding, b, jnp.int32) for x, b in zip(xs, bits)]
   for p in range(BLOCK // 2):
     _store(_slab_ref(codes_ref, p, mid), (codes[2 * p] | (codes[2 * p + 1] << 4)).astype(jnp.uint8), ok)
@@ -422,13 +414,13 @@ def _layout(shape, block, axis, hadamard_on, elements) -> _Layout:
     *lead, m, n = shape
     a, b = math.prod(lead) * m // BLOCK, n // BLOCK
     ba, bb = _tile_ab(a, b, BLOCK * BLOCK, elements)
-    return _Layout("pairs", (a, BLOCK, b, 8, 2), (ba, BLOCK, bb, 8, 2), (a, BLOCK, b, 8),
+    return _Layout("pairs", (a, BLOCK, b, BLOCK), (ba, BLOCK, bb, BLOCK), (a, BLOCK, b, 8),
                    (ba, BLOCK, bb, 8))
   if axis == ndim - 1:
     a, b = math.prod(shape[:-1]), shape[-1] // BLOCK
     if not hadamard_on:
       ba, bb = _tile_ab(a, b, BLOCK, elements)
-      return _Layout("pairs", (a, 1, b, 8, 2), (ba, 1, bb, 8, 2), (a, 1, b, 8), (ba, 1, bb, 8))
+      return _Layout("pairs", (a, 1, b, BLOCK), (ba, 1, bb, BLOCK), (a, 1, b, 8), (ba, 1, bb, 8))
     ba, bb = _tile_ab(a, b, BLOCK, elements)
     return _Layout("slabs", (a, b, BLOCK), (ba, bb, BLOCK), (a, b, 8), (ba, bb, 8))
   a = math.prod(shape[:axis + 1]) // BLOCK
@@ -440,7 +432,7 @@ def _layout(shape, block, axis, hadamard_on, elements) -> _Layout:
 def _specs(lay: _Layout):
   """Block specs of x, codes, scales (and the decoded output, x's)."""
   if lay.kind == "pairs":
-    x = pl.BlockSpec(lay.tile, lambda i, j: (i, 0, j, 0, 0))
+    x = pl.BlockSpec(lay.tile, lambda i, j: (i, 0, j, 0))
     codes = pl.BlockSpec(lay.codes_tile, lambda i, j: (i, 0, j, 0))
     scales = pl.BlockSpec((lay.tile[0], 1, lay.tile[2]), lambda i, j: (i, 0, j))
     return x, codes, scales
@@ -465,16 +457,22 @@ def _scales_shape(lay: _Layout):
 
 
 def _amax_layout(lay: _Layout, elements: int) -> _Layout:
-  """The same view with larger tiles for the amax pass."""
-  if lay.kind == "pairs":
-    per_block = lay.view[1] * BLOCK
-    ba, bb = _tile_ab(lay.n_a, lay.n_b, per_block, elements)
-    return dataclasses.replace(lay, tile=(ba, lay.view[1], bb, 8, 2))
+  """The Hadamard layouts' view with larger tiles for the amax pass."""
   if lay.mid:
     ba, bb = _tile_ab(lay.n_a, lay.n_b, 1, max(1, elements // BLOCK))
     return dataclasses.replace(lay, tile=(ba, BLOCK, bb))
   ba, bb = _tile_ab(lay.n_a, lay.n_b, BLOCK, elements)
   return dataclasses.replace(lay, tile=(ba, bb, BLOCK))
+
+
+def _flat_view(size, elements):
+  """(rows, W) view of a flattened tensor of ``size`` (a multiple of 16) elements, W <= 1024 a power
+  of two dividing it, and the rows of a tile of about ``elements``."""
+  w = BLOCK
+  while w < 1024 and size % (2 * w) == 0:
+    w *= 2
+  rows = size // w
+  return (rows, w), (min(pl.next_power_of_2(rows), max(1, elements // w)), w)
 
 
 def _check(x, block, axis, rounding, key, bit_source, hadamard_key):
@@ -571,23 +569,25 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
   params = dict(compiler_params=plgpu.CompilerParams(num_warps=block_sizes.amax_num_warps),
                 interpret=interpret)
 
-  # Pass 1: max|x| per program, as float32 bit patterns (NaN and inf above every finite value).
-  alay = _amax_layout(lay, block_sizes.amax_elements)
-  grid = _grid(alay)
-  x_spec = _specs(alay)[0]
-  out = jax.ShapeDtypeStruct(grid, jnp.int32)
+  # Pass 1: max|x| per program, as float32 bit patterns (NaN and inf above every finite value); over
+  # the flattened tensor, or through the Hadamard transform in the quantizer's layout.
   o_spec = pl.BlockSpec((1, 1), lambda i, j: (i, j))
-  if alay.kind == "pairs":
+  if not hadamard_on:
+    view, tile = _flat_view(x.size, block_sizes.amax_elements)
+    grid = (pl.cdiv(view[0], tile[0]), 1)
     partial = pl.pallas_call(
-        functools.partial(_pair_amax_kernel, n_a=alay.n_a, n_b=alay.n_b), out_shape=out, grid=grid,
-        in_specs=[x_spec], out_specs=o_spec, name="nvfp4_amax", **params)(xv)
+        functools.partial(_flat_amax_kernel, n_rows=view[0]), out_shape=jax.ShapeDtypeStruct(grid, jnp.int32),
+        grid=grid, in_specs=[pl.BlockSpec(tile, lambda i, j: (i, 0))], out_specs=o_spec,
+        name="nvfp4_amax", **params)(x.reshape(view))
   else:
+    alay = _amax_layout(lay, block_sizes.amax_elements)
+    grid = _grid(alay)
     whole = pl.BlockSpec((BLOCK,), lambda i, j: (0,))
     partial = pl.pallas_call(
         functools.partial(_slab_amax_kernel, n_a=alay.n_a, n_b=alay.n_b, mid=alay.mid,
                           hadamard_on=hadamard_on),
-        out_shape=out, grid=grid, in_specs=[whole, x_spec], out_specs=o_spec, name="nvfp4_amax",
-        **params)(signs, xv)
+        out_shape=jax.ShapeDtypeStruct(grid, jnp.int32), grid=grid,
+        in_specs=[whole, _specs(alay)[0]], out_specs=o_spec, name="nvfp4_amax", **params)(signs, xv)
 
   # The tensor's max|x| (its bit pattern) and the key's two words, for the second pass.
   words = _key_words(key, bit_source) if rounding == "stochastic" else jnp.zeros((2,), jnp.int32)

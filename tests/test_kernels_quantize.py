@@ -41,24 +41,25 @@ def _data(shape, dtype, seed=0):
 # (name, shape, dtype, kwargs): each layout of the kernels, each rounding and bit source, the
 # Hadamard transform along the token axis and along the last axis.
 CASES = [
-    ("rows nearest", (3, 5, 64), jnp.bfloat16, dict()),
-    ("rows stochastic", (24, 80), jnp.float32, dict(rounding="stochastic", key=KEY)),
-    ("rows counter", (40, 48), jnp.bfloat16, dict(rounding="stochastic", key=KEY, bit_source="counter")),
-    ("tiles nearest", (2, 32, 48), jnp.float32, dict(block=(16, 16))),
-    ("tiles stochastic", (48, 32), jnp.bfloat16, dict(block=(16, 16), rounding="stochastic", key=KEY)),
-    ("axis0 nearest", (48, 24), jnp.float32, dict(axis=0)),
+    ("rows nearest", (3, 5, 64), jnp.bfloat16, dict(), SMALL),
+    ("rows stochastic", (24, 80), jnp.float32, dict(rounding="stochastic", key=KEY), None),
+    ("tiles nearest", (2, 32, 48), jnp.float32, dict(block=(16, 16)), SMALL),
+    ("tiles counter", (48, 32), jnp.bfloat16,
+     dict(block=(16, 16), rounding="stochastic", key=KEY, bit_source="counter"), None),
     ("axis1 of 3 counter", (3, 32, 20), jnp.bfloat16,
-     dict(axis=1, rounding="stochastic", key=KEY, bit_source="counter")),
+     dict(axis=1, rounding="stochastic", key=KEY, bit_source="counter"), None),
     ("axis0 hadamard stochastic", (48, 40), jnp.bfloat16,
-     dict(axis=0, hadamard_key=HKEY, rounding="stochastic", key=KEY)),
-    ("last hadamard nearest", (20, 48), jnp.float32, dict(hadamard_key=HKEY)),
+     dict(axis=0, hadamard_key=HKEY, rounding="stochastic", key=KEY), SMALL),
+    ("last hadamard nearest", (20, 48), jnp.float32, dict(hadamard_key=HKEY), None),
 ]
 
 
-@pytest.mark.parametrize("name,shape,dtype,kw", CASES, ids=[c[0] for c in CASES])
-def test_interpret_equals_nvfp4_quantize(name, shape, dtype, kw):
+@pytest.mark.parametrize("name,shape,dtype,kw,sizes", CASES, ids=[c[0] for c in CASES])
+def test_interpret_equals_nvfp4_quantize(name, shape, dtype, kw, sizes):
+  """``quantize_reference`` is ``nvfp4.quantize`` (of ``hadamard(x)`` with a Hadamard key) with the
+  bits of ``stochastic_bits``; ``SMALL`` tiles give several programs per axis and ragged edges."""
   x = _data(shape, dtype)
-  got, dec = kq.quantize(x, decoded=True, block_sizes=SMALL, interpret=True, **kw)
+  got, dec = kq.quantize(x, decoded=True, block_sizes=sizes or kq.BlockSizes(), interpret=True, **kw)
   want = kq.quantize_reference(x, **kw)
   _assert_same(got, want)
   # The decoded operand: scaled_elements in bf16, the global scale not applied.
@@ -66,12 +67,16 @@ def test_interpret_equals_nvfp4_quantize(name, shape, dtype, kw):
   _assert_same(dec, want.scaled_elements(jnp.bfloat16))
   np.testing.assert_array_equal(np.asarray(dec, np.float32) * np.float32(want.global_scale),
                                 np.asarray(want.dequantize(jnp.float32)))
-  if "hadamard_key" not in kw:  # the reference is nvfp4.quantize itself
-    bits = None
-    if kw.get("bit_source") == "counter":
-      bits, kw = numerics.counter_bits(KEY, shape), {k: v for k, v in kw.items() if k != "bit_source"}
-      kw.pop("key")
-    _assert_same(got, nvfp4.quantize(x, bits=bits, **kw))
+
+
+def test_stochastic_bits_are_nvfp4s():
+  """The bits ``quantize_reference`` passes are those ``nvfp4.quantize`` draws from a key, and
+  ``numerics.counter_bits``."""
+  x = _data((16, 32), jnp.float32)
+  _assert_same(kq.quantize_reference(x, rounding="stochastic", key=KEY),
+               nvfp4.quantize(x, rounding="stochastic", key=KEY))
+  np.testing.assert_array_equal(kq.stochastic_bits(KEY, (16, 32), "counter"),
+                                numerics.counter_bits(KEY, (16, 32)))
 
 
 @pytest.mark.parametrize("fill", ["zeros", "nan", "inf"])
