@@ -4,33 +4,31 @@ Tables (markdown, last):
 
 1. Singular values of the Newton–Schulz output (Muon's coefficients, 5 steps) on random and
    trained-like matrices, and the relative distance to the fp32 output. ``nvfp4`` is the two-term
-   operand mode the optimizers use; ``nvfp4_1term`` one NVFP4 tensor per operand.
+   operand mode the optimizers use.
 2. Relative error of one product C = A·B (A: 64×K, B: K×64, Gaussian) against float64, as K grows,
    for each operand format with float32 accumulation, and NVFP4 operands with a bfloat16 accumulator
    (partial sums of each 16-element block added into a bf16 running sum, as a low-precision
    accumulator would).
-3. Distance to the fp32 iterate after each Newton–Schulz step (error compounding).
+3. Distance to the fp32 iterate after each Newton–Schulz step (error compounding), also for one
+   NVFP4 tensor per operand (``nvfp4_dot(terms=1)``), whose singular values leave the basin.
 
-  python benchmarks/optim_ns.py [--quick]
+  python -m benchmarks.optim_ns [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
-from optim_lm import init_params, loss_fn, stdlib_bytes  # noqa: E402
+from benchmarks.optim_lm import init_params, loss_fn, stdlib_bytes
+from fp4jax import optim
+from fp4jax.optim import ns
 
-from fp4jax import optim  # noqa: E402
-from fp4jax.optim import ns  # noqa: E402
-
-PRECS = ("fp32", "bf16", "nvfp4", "nvfp4_1term")
+PRECS = ns.PRECISIONS  # ("fp32", "bf16", "nvfp4")
 
 
 def matrices(quick: bool):
@@ -76,7 +74,7 @@ def _bf16_accumulated(a, b):
                      eb.reshape(k // 16, 16, b.shape[1]), precision=jax.lax.Precision.HIGHEST)
   acc = jax.lax.scan(lambda c, p: ((c + p).astype(jnp.bfloat16).astype(jnp.float32), None),
                      jnp.zeros(parts.shape[1:], jnp.float32), parts)[0]
-  return acc * (qa.global_scale * qb.global_scale)
+  return (acc * qa.global_scale) * qb.global_scale
 
 
 def table_k(ks):
@@ -84,8 +82,8 @@ def table_k(ks):
   fns = {
       "bf16 operands, f32 acc": jax.jit(lambda a, b: jnp.dot(a.astype(jnp.bfloat16), b.astype(
           jnp.bfloat16), preferred_element_type=jnp.float32)),
-      "nvfp4 operands, f32 acc": jax.jit(lambda a, b: ns.nvfp4_matmul(a, b, 1)),
-      "nvfp4 two-term, f32 acc": jax.jit(lambda a, b: ns.nvfp4_matmul(a, b, 2)),
+      "nvfp4 operands, f32 acc": jax.jit(lambda a, b: optim.nvfp4_dot(a, b, 1)),
+      "nvfp4 two-term, f32 acc": jax.jit(lambda a, b: optim.nvfp4_dot(a, b, 2)),
       "nvfp4 operands, bf16 acc": jax.jit(_bf16_accumulated),
   }
   rows = []
@@ -103,8 +101,10 @@ def table_k(ks):
 def table_steps(x, steps=5):
   coeffs = optim.MUON_COEFFS
   xs = {}
-  for p in PRECS:
-    mm, gram, square = ns._products(p)
+  one_term = (lambda a, b: optim.nvfp4_dot(a, b, 1), lambda y: optim.nvfp4_gram(y, 1),
+              lambda y: optim.nvfp4_gram(y, 1))
+  for p in (*PRECS, "nvfp4_1term"):
+    mm, gram, square = one_term if p == "nvfp4_1term" else ns._products(p)
     a, b, c = coeffs
     y = x / (jnp.linalg.norm(x) + 1e-8)
     if p.startswith("nvfp4"):
@@ -118,7 +118,8 @@ def table_steps(x, steps=5):
   rows = []
   for i in range(steps):
     ref = xs["fp32"][i]
-    rows.append([float(jnp.linalg.norm(xs[p][i] - ref) / jnp.linalg.norm(ref)) for p in PRECS[1:]]
+    rows.append([float(jnp.linalg.norm(xs[p][i] - ref) / jnp.linalg.norm(ref))
+                 for p in ("bf16", "nvfp4", "nvfp4_1term")]
                 + [float(np.linalg.svd(np.asarray(xs["nvfp4_1term"][i]), compute_uv=False).max())])
   return rows
 
@@ -145,7 +146,7 @@ def main(argv=None):
   for k, errs in krows:
     print(f"| {k} | " + " | ".join(f"{errs[n]:.4f}" for n in names) + " |")
   print(f"\n### Distance to the fp32 iterate after each step ({next(iter(mats))})\n")
-  print("| step | bf16 | nvfp4 (two-term) | nvfp4_1term | nvfp4_1term s_max |\n|---|---|---|---|---|")
+  print("| step | bf16 | nvfp4 (two-term) | one-term operands | one-term s_max |\n|---|---|---|---|---|")
   for i, r in enumerate(srows):
     print(f"| {i + 1} | {r[0]:.3g} | {r[1]:.3g} | {r[2]:.3g} | {r[3]:.3g} |")
   print(f"\n({time.time() - t0:.0f} s)")

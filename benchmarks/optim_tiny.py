@@ -7,7 +7,8 @@ name, with the same data, seed and schedule:
   adamw: optax.adamw                          |  adamw_nvfp4: NVFP4 states
   muon: bf16 Newton–Schulz, float32 states    |  muon_nvfp4: NVFP4 Newton–Schulz + NVFP4 states
 
-  python benchmarks/optim_tiny.py [--steps 200] [--seeds 3] [--workdir /tmp/optim_tiny] [--muon-lr 0.02]
+  python -m benchmarks.optim_tiny [--steps 200] [--seeds 3] [--workdir /tmp/optim_tiny] [--muon-lr 0.02]
+  python -m benchmarks.optim_tiny --tiny     # a CPU smoke run: 10 steps of each optimizer
 
 Needs the built-in Shakespeare corpus (``python -m fp4jax.corpus``; cached under ~/.cache/fp4jax).
 Prints a markdown table of final train loss (mean of the last 10% of logged steps) and eval loss,
@@ -18,17 +19,16 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments import train as launcher  # noqa: E402
-from experiments.compare import run_summary  # noqa: E402
-from experiments.configs.tiny import get_config  # noqa: E402
+from experiments import train as launcher
+from experiments.compare import run_summary
+from experiments.configs.tiny import get_config
+from fp4jax import data
+from fp4jax.train import train
 
 RUNS = {  # name: (optimizer, optimizer_states, newton_schulz)
     "adamw": ("adamw", "fp32", "bf16"),          # optax.adamw
@@ -39,8 +39,6 @@ RUNS = {  # name: (optimizer, optimizer_states, newton_schulz)
 
 
 def run_one(name, steps, workdir, muon_lr, seed=0):
-  from fp4jax import data
-  from fp4jax.train import train
   opt, states, ns = RUNS[name]
   cfg = get_config("bf16")
   with cfg.unlocked():
@@ -70,7 +68,10 @@ def main(argv=None):
   ap.add_argument("--muon-lr", type=float, default=0.02)
   ap.add_argument("--only", default=",".join(RUNS))
   ap.add_argument("--seeds", type=int, default=1)
+  ap.add_argument("--tiny", action="store_true", help="10 steps of each optimizer (CPU smoke run)")
   args = ap.parse_args(argv)
+  if args.tiny:
+    args.steps = 10
   res = {}
   for name in args.only.split(","):
     runs = []

@@ -1,11 +1,13 @@
 """One optimizer update of a GPT-2-small-sized (124M) pytree: adamw_nvfp4 vs optax.adamw, and
 GPU == CPU equality of the NVFP4 state.
 
-  python benchmarks/optim_update.py            # on the GPU (< 2 min)
-  python benchmarks/optim_update.py --small    # CPU-sized smoke run
-  python benchmarks/optim_update.py --muon     # also time muon_nvfp4 against optax.contrib.muon
-  python benchmarks/optim_update.py --variants # where the time goes: (un)grouped leaves, RBG keys,
-                                               # the quantizer alone on every leaf (nearest / SR)
+  python -m benchmarks.optim_update            # on the GPU (< 2 min)
+  python -m benchmarks.optim_update --small    # CPU-sized smoke run
+  python -m benchmarks.optim_update --muon     # also time muon_nvfp4 against optax.contrib.muon
+  python -m benchmarks.optim_update --variants # the quantizer alone on every leaf (nearest / SR)
+  python -m benchmarks.optim_update --skip-equality --busy --runs=optax.adamw,adamw_nvfp4 \
+      --kernel-config=launch_group=1,atomic_slots=16+stats_block_rows=256
+                                               # one adamw_nvfp4 row per AdamKernelConfig
 
 Timing: ``params, state = step(params, state, grads)`` (``tx.update`` + ``optax.apply_updates``),
 jitted with params and state donated, median of ``--iters`` runs after 3 warm-up runs, each ended
@@ -23,6 +25,7 @@ result is not finite. Prints markdown tables last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -32,9 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks.profile_step import busy_by_prefix, busy_ms, kernel_sequence, read_trace, summarize
 from fp4jax import nvfp4, optim
-from fp4jax.kernels import adam_nvfp4 as adam_kernel
 from fp4jax.optim import _common
+
+
+NEAREST = optim.AdamNvfp4Options(mu_rounding="nearest", nu_rounding="nearest")
 
 
 class _QuantizeOnly(optax.GradientTransformation):
@@ -181,8 +187,6 @@ def profile(tx, params, grads, name, steps=5, report=True, top=30, sequence=Fals
   milliseconds per update."""
   import tempfile
 
-  from benchmarks.profile_step import busy_by_prefix, busy_ms, kernel_sequence, read_trace, summarize
-
   step = _step(tx)
   params = jax.tree.map(jnp.copy, params)  # donated below; the caller's params stay valid
   state = tx.init(params)
@@ -207,7 +211,20 @@ def profile(tx, params, grads, name, steps=5, report=True, top=30, sequence=Fals
 
 
 # Kernel name prefixes of the split of device time printed with --busy; the rest is "xla".
-KERNEL_GROUPS = ("adam_nvfp4_stats", "adam_nvfp4_gmax", "adam_nvfp4_encode")
+KERNEL_GROUPS = ("adam_nvfp4_stats", "adam_nvfp4_encode")
+
+
+def parse_kernel_config(text: str) -> optim.AdamKernelConfig:
+  """``"NAME=V[+NAME=V]"`` (``AdamKernelConfig`` field names; evict_hints 0 or 1) as the default
+  config with those fields replaced; ValueError naming the bad item otherwise."""
+  names = [f.name for f in dataclasses.fields(optim.AdamKernelConfig)]
+  changes = {}
+  for item in text.split("+"):
+    name, _, value = item.partition("=")
+    if name not in names or not value.isdigit():
+      raise ValueError(f"{item!r} is not NAME=INT with NAME one of {names}")
+    changes[name] = bool(int(value)) if name == "evict_hints" else int(value)
+  return dataclasses.replace(optim.AdamKernelConfig(), **changes)
 
 
 def _print_timings(rows, n, accel, stacked=False):
@@ -237,17 +254,9 @@ def main(argv=None):
   ap.add_argument("--top", type=int, default=30, help="ops listed by --profile")
   ap.add_argument("--runs", default=None, metavar="NAMES",
                   help="comma-separated names of the rows to time (default: all that the flags add)")
-  ap.add_argument("--sweep", default=None, metavar="RxW,...",
-                  help="also time adamw_nvfp4 at these blocks-per-program x warps of its encode kernel")
-  ap.add_argument("--kernel-config", default=None, metavar="RxW",
-                  help="blocks per program x warps of adamw_nvfp4's Pallas encode kernel, every row")
-  ap.add_argument("--stats-config", default=None, metavar="RxW",
-                  help="the same for the stats kernel")
-  ap.add_argument("--kernel-sweep", default=None, metavar="NAME=V[+NAME=V],...",
-                  help="also time adamw_nvfp4 with these settings of fp4jax.kernels.adam_nvfp4 (one row "
-                       "per comma-separated set), e.g. LAUNCH_GROUP=1,STATS_NUM_WARPS=8+ATOMIC_SLOTS=64")
-  ap.add_argument("--atomic-slots", type=int, default=None, metavar="K",
-                  help="adamw_nvfp4's first pass folds its maxima into K copies (kernel ATOMIC_SLOTS)")
+  ap.add_argument("--kernel-config", default=None, metavar="NAME=V[+NAME=V],...",
+                  help="also time adamw_nvfp4 with these AdamKernelConfig fields replaced (one row per "
+                       "comma-separated set), e.g. launch_group=1,stats_num_warps=8+atomic_slots=16")
   ap.add_argument("--busy", action="store_true",
                   help="also profile each row: the device's busy time per update (no host time)")
   ap.add_argument("--sequence", action="store_true",
@@ -257,7 +266,7 @@ def main(argv=None):
                        "update, the host's per-call cost amortized)")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--skip-equality", action="store_true",
-                  help="timings only (tests/gpu/check_optim.py checks GPU == CPU too)")
+                  help="timings only (tests/gpu/test_optim_gpu.py checks GPU == CPU too)")
   ap.add_argument("--max-mismatch", type=float, default=1e-5,
                   help="largest tolerated share of NVFP4 codes differing GPU vs CPU")
   args = ap.parse_args(argv)
@@ -270,8 +279,7 @@ def main(argv=None):
 
   runs = {"optax.adamw": optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1),
           "adamw_nvfp4": optim.adamw_nvfp4(1e-3),
-          "adamw_nvfp4 (nearest rounding)": optim.adamw_nvfp4(1e-3, rounding="nearest"),
-          "adamw_nvfp4 (bound amax)": optim.adamw_nvfp4(1e-3, amax="bound"),
+          "adamw_nvfp4 (nearest rounding)": optim.adamw_nvfp4(1e-3, options=NEAREST),
           "adamw_nvfp4 (xla)": optim.adamw_nvfp4(1e-3, kernel="xla")}
   if args.muon:
     dims = lambda p: jax.tree.map(  # noqa: E731
@@ -279,11 +287,6 @@ def main(argv=None):
     runs["optax.contrib.muon"] = optax.contrib.muon(0.02, adam_b2=0.95, muon_weight_dimension_numbers=dims)
     runs["muon_nvfp4"] = optim.muon_nvfp4(0.02, muon_mask=optim.default_muon_mask)
   if args.variants:
-    # Grouping is a choice of the XLA path only (the kernels take each leaf on its own).
-    runs["adamw_nvfp4 (xla, grouped leaves)"] = optim.adamw_nvfp4(1e-3, kernel="xla", group_leaves=True)
-    runs["adamw_nvfp4 (xla, ungrouped leaves)"] = optim.adamw_nvfp4(1e-3, kernel="xla",
-                                                                    group_leaves=False)
-    runs["adamw_nvfp4 (rbg keys)"] = optim.adamw_nvfp4(1e-3, prng_impl="rbg")
     runs["quantizer only: every grad leaf, nearest"] = _QuantizeOnly("nearest")
     runs["quantizer only: every grad leaf, stochastic"] = _QuantizeOnly("stochastic")
   if args.runs:
@@ -292,44 +295,26 @@ def main(argv=None):
     if unknown:
       ap.error(f"--runs: unknown {unknown}; known: {sorted(runs)}")
     runs = {w: runs[w] for w in wanted}
-  if args.kernel_config:
-    adam_kernel.BLOCK_ROWS, adam_kernel.NUM_WARPS = (int(x) for x in args.kernel_config.split("x"))
-  if args.stats_config:
-    adam_kernel.STATS_BLOCK_ROWS, adam_kernel.STATS_NUM_WARPS = (
-        int(x) for x in args.stats_config.split("x"))
-  if args.atomic_slots is not None:
-    adam_kernel.ATOMIC_SLOTS = args.atomic_slots
   if args.profile:
     for name in args.profile.split(","):
       profile(runs[name], params, grads, name, top=args.top)
     return 0
-  # Per row, the kernels' module settings it runs with (the kernels read them when traced, and
-  # time_update and profile trace their own jits).
-  default = {k: getattr(adam_kernel, k) for k in adam_kernel.SETTINGS}
-  configs = {}
-  sweep_kernel = "pallas" if accel.platform == "gpu" else "pallas_interpret"  # (a CPU smoke run)
-  for cfg in (args.sweep.split(",") if args.sweep else []):
-    br, nw = (int(x) for x in cfg.split("x"))
-    name = f"adamw_nvfp4 (pallas {cfg})"
-    runs[name] = optim.adamw_nvfp4(1e-3, kernel=sweep_kernel)
-    configs[name] = {**default, "BLOCK_ROWS": br, "NUM_WARPS": nw}
-  for cfg in (args.kernel_sweep.split(",") if args.kernel_sweep else []):
+  kernel = "pallas" if accel.platform == "gpu" else "pallas_interpret"  # (a CPU smoke run)
+  for text in (args.kernel_config.split(",") if args.kernel_config else []):
     try:
-      setting = adam_kernel.parse_settings(cfg)
+      config = parse_kernel_config(text)
     except ValueError as e:
-      ap.error(f"--kernel-sweep: {e}")
-    name = f"adamw_nvfp4 ({cfg})"
-    runs[name], configs[name] = optim.adamw_nvfp4(1e-3, kernel=sweep_kernel), {**default, **setting}
+      ap.error(f"--kernel-config: {e}")
+    runs[f"adamw_nvfp4 ({text})"] = optim.adamw_nvfp4(1e-3, kernel=kernel, kernel_config=config)
   rows, splits, loops, ok = [], {}, {}, True
   for name, tx in runs.items():
-    with adam_kernel.settings(**configs.get(name, default)):
-      ms, piped, comp, nbytes, finite = time_update(tx, params, grads, iters)
-      busy = None
-      if args.busy:
-        busy, splits[name] = profile(tx, params, grads, name, report=False, sequence=args.sequence)
-      if args.loop:
-        loops[name] = time_in_loop(tx, params, grads, args.loop)
-        print(f"  {name}: {loops[name]:.3f} ms per update, {args.loop} updates in one jit", flush=True)
+    ms, piped, comp, nbytes, finite = time_update(tx, params, grads, iters)
+    busy = None
+    if args.busy:
+      busy, splits[name] = profile(tx, params, grads, name, report=False, sequence=args.sequence)
+    if args.loop:
+      loops[name] = time_in_loop(tx, params, grads, args.loop)
+      print(f"  {name}: {loops[name]:.3f} ms per update, {args.loop} updates in one jit", flush=True)
     ok &= finite
     rows.append((name, ms, piped, comp, nbytes, finite, busy))
     print(f"  {name}: {ms:.3f} ms, back to back {piped:.3f} ms (compile {comp:.1f} s), "
@@ -356,7 +341,7 @@ def main(argv=None):
   grads_list = [make_tree(eq_shapes, 10 + i) for i in range(3)]
   eq_rows = []
   for name, tx in (("adamw_nvfp4", optim.adamw_nvfp4(1e-3)),
-                   ("adamw_nvfp4 (nearest)", optim.adamw_nvfp4(1e-3, rounding="nearest"))):
+                   ("adamw_nvfp4 (nearest)", optim.adamw_nvfp4(1e-3, options=NEAREST))):
     w = equality(tx, eq_params, grads_list, accel)
     passed = (w["codes"] <= args.max_mismatch * w["n_codes"] and w["global"] == 0
               and w["fp32_state"] <= 1e-4 and w["updates"] <= 1e-5)

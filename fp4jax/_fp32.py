@@ -97,7 +97,7 @@ def _square_base24(q):
 def sqrt_rn(x):
   """IEEE round-to-nearest-even ``sqrt(x)`` for float32 ``x`` (exact on any backend).
 
-  The backend's ``sqrt`` gives a candidate mantissa R (the H200's is not correctly rounded); two
+  The backend's ``sqrt`` gives a candidate mantissa R (the GPU's is not correctly rounded); two
   rounds of an exact integer test move R to the root's correct rounding: R is it iff
   ``(2R - 1)^2 <= 4 MX < (2R + 1)^2``, with ``MX`` the radicand's mantissa scaled so that
   ``sqrt(MX)`` has 24 bits (no ties: the left sides are odd, ``4 MX`` even). The squares are exact in

@@ -30,6 +30,9 @@ and ``-0.2`` gives code 8, a negative zero), as in Transformer Engine.
 
 Storage: codes are packed two per uint8 along the blocked axis (the last axis for 16×16 tiles),
 the even element in the low nibble; with the E4M3 scales that is 4.5 bits per element, plus 4 bytes.
+
+Functions: ``quantize``, ``dequantize``, ``fake_quant`` (straight-through), ``gemm`` (an NVFP4 GEMM
+as tensor cores compute it), ``hadamard`` (the 16-point random Hadamard transform).
 """
 
 from __future__ import annotations

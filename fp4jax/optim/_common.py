@@ -194,11 +194,12 @@ def state_sharding(state, params_sharding, replicated=None):
     A pytree of shardings with the structure of ``state`` (usable as ``out_shardings``).
 
   Example:
+    >>> from fp4jax import optim
     >>> mesh = jax.make_mesh((1,), ("x",))
     >>> params = {"w": jnp.zeros((64, 64))}
-    >>> tx = fp4jax.optim.adamw_nvfp4(1e-3)
-    >>> shardings = state_sharding(jax.eval_shape(tx.init, params),
-    ...                            {"w": NamedSharding(mesh, PartitionSpec(None, "x"))})
+    >>> tx = optim.adamw_nvfp4(1e-3)
+    >>> shardings = optim.state_sharding(jax.eval_shape(tx.init, params),
+    ...                                  {"w": NamedSharding(mesh, PartitionSpec(None, "x"))})
   """
   shardings, p_def = jax.tree.flatten(params_sharding)
   if not shardings:
