@@ -11,6 +11,13 @@ top level). Prepares the data (``fp4jax.data.prepare``; reused when already ther
 progress line per logged step on stdout when it is not a terminal. Running the same command again
 resumes from the last checkpoint.
 
+A run refuses a workdir another live process trains in, and a resume that changes the run's
+identity (optimizer settings, data, batch size, sequence length, seed) unless
+``--allow_changes=<field>,...`` allows it (recorded in ``<workdir>/config_history.jsonl``).
+SIGTERM / Ctrl-C save a checkpoint at the current step and exit with status 128 + the signal.
+Errors in the command line, config or data print as one ``error:`` message (what is wrong, what to
+do); ``--verbose`` (or ``FP4JAX_VERBOSE=1``) adds the traceback.
+
 Several hosts: start the same command on every host with ``--distributed``; it calls
 ``jax.distributed.initialize()``, which finds the coordinator under SLURM, Open MPI and TPU pods
 (elsewhere set ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``). The
@@ -19,10 +26,13 @@ workdir and the data folder must be on a shared file system; process 0 prepares 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+import sys
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import jax
@@ -31,9 +41,17 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from fp4jax import data
+from fp4jax.checkpoint import CheckpointSaveError, CorruptCheckpointError
+from fp4jax.corpus import CorpusUnavailableError
 from fp4jax.model import ModelConfig
-from fp4jax.recipe import MODULES, Recipe
-from fp4jax.train import OptimizerConfig, TrainConfig, train
+from fp4jax.preemption import TrainingInterrupted
+from fp4jax.recipe import MODULES, Recipe, RecipeNotAvailableError
+from fp4jax.train import NonFiniteLossError, OptimizerConfig, TrainConfig, train
+from fp4jax.workdir import RunLock, RunLockedError
+
+# Errors of the user's command, config, data or run directory: printed as one message.
+USER_ERRORS = (ValueError, OSError, CorpusUnavailableError, RecipeNotAvailableError,
+               RunLockedError, CorruptCheckpointError, CheckpointSaveError, NonFiniteLossError)
 
 
 def define_flags() -> None:
@@ -42,6 +60,38 @@ def define_flags() -> None:
                                   lock_config=True)
   flags.DEFINE_string("workdir", None, "run directory (metrics, checkpoints)")
   flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() first")
+  flags.DEFINE_list("allow_changes", [], "identity fields a resume may change (optimizer, data, "
+                    "batch_size, seq_len, seed, or a field inside one, e.g. "
+                    "optimizer.learning_rate)")
+  flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
+
+
+def report_errors(fn: Callable[[], object], verbose: bool = False) -> object:
+  """Runs ``fn``; a user error exits with ``error: <message>`` (and the traceback if
+  ``verbose``), an interrupted run with its one line and status 128 + the signal."""
+  verbose = verbose or os.environ.get("FP4JAX_VERBOSE", "") not in ("", "0")
+  try:
+    return fn()
+  except TrainingInterrupted as e:
+    print(str(e), file=sys.stderr, flush=True)
+    raise SystemExit(e.exit_code) from None
+  except USER_ERRORS as e:
+    if verbose:
+      traceback.print_exc()
+    hint = "" if verbose else " (--verbose shows the traceback)"
+    print(f"error: {e}{hint}", file=sys.stderr, flush=True)
+    raise SystemExit(1) from None
+
+
+def check_command_line(argv: Sequence[str], example: str, *required: str) -> None:
+  """Exits with a two-line message (what is wrong, an example command) on positional arguments
+  or a missing required flag."""
+  missing = [n for n in required if getattr(flags.FLAGS, n) is None]
+  if len(argv) > 1 or missing:
+    what = (f"unexpected arguments {argv[1:]}" if len(argv) > 1
+            else f"missing {', '.join('--' + n for n in missing)}")
+    print(f"error: {what}\n  e.g. {example}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def typed(cls, values: Mapping, where: str):
@@ -92,7 +142,7 @@ def prepare_data(cfg) -> tuple[str, data.DataMeta]:
   if jax.process_index() == 0:
     print(f"preparing data: corpus {cfg.data.corpus}, tokenizer {cfg.data.tokenizer}", flush=True)
     meta = data.prepare(cfg.data.corpus, cfg.data.dir, tokenizer=cfg.data.tokenizer,
-                        vocab_size=cfg.data.vocab_size)
+                        vocab_size=cfg.data.vocab_size, encoding=cfg.data.encoding)
     out = cfg.data.dir or data.default_out_dir(meta.corpus["name"], cfg.data.tokenizer,
                                                cfg.data.vocab_size)
   if jax.process_count() > 1:
@@ -102,37 +152,44 @@ def prepare_data(cfg) -> tuple[str, data.DataMeta]:
   return str(out), meta
 
 
-def run(cfg, workdir: str | os.PathLike) -> dict:
-  """Trains ``cfg`` in ``workdir`` (resuming if it holds a checkpoint); returns the summary."""
-  typed(Recipe, cfg.recipe.to_dict(), "config.recipe").check_available()  # before the data
-  data_dir, meta = prepare_data(cfg)
-  model_cfg, recipe, opt_cfg, train_cfg = from_config(cfg, meta.vocab_size)
-  data.check_compat(meta, model_cfg.vocab_size, seq_len=train_cfg.seq_len)
+def run(cfg, workdir: str | os.PathLike, allow_changes: Sequence[str] = ()) -> dict:
+  """Trains ``cfg`` in ``workdir`` (resuming if it holds a checkpoint); returns the summary.
+
+  The config is checked (every field, the recipe's availability) before the data is prepared,
+  and the data (``fp4jax.data.check_data``) before the model is built.
+  """
+  from_config(cfg, vocab_size=cfg.model.vocab_size or 256)[1].check_available()
   workdir = Path(workdir)
-  if jax.process_index() == 0:
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(json.dumps(
-        {"config": cfg.to_dict(), "data_dir": data_dir, "vocab_size": model_cfg.vocab_size,
-         "num_params": model_cfg.num_params(), "devices": jax.device_count(),
-         "platform": jax.default_backend()}, indent=1, default=str))
-    modules = ", ".join(f"{k}={getattr(recipe, k)}" for k in MODULES)
-    print(f"training {cfg.name} in {workdir}: recipe {modules}", flush=True)
-  tc = train_cfg
-  train_iter = data.make_iterator(data_dir, "train", tc.seq_len, tc.batch_size, seed=tc.seed)
-  eval_batches = lambda: data.make_iterator(  # noqa: E731
-      data_dir, "validation", tc.seq_len, tc.batch_size, shuffle=False, repeat=False)
-  return train(model_cfg, recipe, opt_cfg, train_cfg, workdir, train_iter, eval_batches)
+  with RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext() as lock:
+    for note in getattr(lock, "notes", ()):
+      print(note, flush=True)
+    data_dir, meta = prepare_data(cfg)
+    model_cfg, recipe, opt_cfg, train_cfg = from_config(cfg, meta.vocab_size)
+    tc = train_cfg
+    data.check_data(data_dir, model_cfg.vocab_size, tc.seq_len, tc.batch_size)
+    if jax.process_index() == 0:
+      modules = ", ".join(f"{k}={getattr(recipe, k)}" for k in MODULES)
+      print(f"training {cfg.name} in {workdir}: recipe {modules}", flush=True)
+    config = {"config": cfg.to_dict(), "data_dir": data_dir, "vocab_size": model_cfg.vocab_size,
+              "num_params": model_cfg.num_params(), "devices": jax.device_count(),
+              "platform": jax.default_backend()}
+    data_info = {"corpus": meta.corpus, "tokenizer": meta.tokenizer,
+                 "vocab_size": meta.vocab_size}
+    train_iter = data.make_iterator(data_dir, "train", tc.seq_len, tc.batch_size, seed=tc.seed)
+    eval_batches = lambda: data.make_iterator(  # noqa: E731
+        data_dir, "validation", tc.seq_len, tc.batch_size, shuffle=False, repeat=False)
+    return train(model_cfg, recipe, opt_cfg, train_cfg, workdir, train_iter, eval_batches,
+                 data_info=data_info, config=config, allow_changes=allow_changes)
 
 
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint operation at INFO
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if flags.FLAGS.workdir is None:
-    raise app.UsageError("--workdir is required")
-  if flags.FLAGS.distributed:
+  fl = flags.FLAGS
+  check_command_line(argv, "python -m experiments.train --config=experiments/configs/tiny.py "
+                     "--workdir=runs/tiny", "config", "workdir")
+  if fl.distributed:
     jax.distributed.initialize()
-  summary = run(flags.FLAGS.config, flags.FLAGS.workdir)
+  summary = report_errors(lambda: run(fl.config, fl.workdir, fl.allow_changes), fl.verbose)
   print(json.dumps(summary))
 
 

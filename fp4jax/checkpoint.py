@@ -1,32 +1,311 @@
-"""Checkpoints of a training run: orbax ``CheckpointManager`` with async saves.
+"""Checkpoints of a training run: orbax ``CheckpointManager`` with async saves and checksums.
 
-A checkpoint holds three items:
+A checkpoint ``<directory>/<step>`` holds three items:
 
 * ``state``: the train state pytree (params, optimizer state — packed NVFP4 moments included,
   as their uint8 codes / e4m3 scales / f32 global scales —, step, RNG key data), restored
   directly into its shardings;
 * ``data``: the input iterator's position (``grain.checkpoint`` for grain iterators; the JSON of
   ``get_state()`` for any other iterator that has ``get_state`` / ``set_state``);
-* ``meta``: JSON describing what produced it (model config, recipe, optimizer), checked on
-  restore: restoring into an incompatible config raises ``IncompatibleCheckpointError``.
+* ``meta``: JSON describing what produced it (``fp4jax.train.run_identity``), compared on resume.
+
+and ``fp4jax_checksums.json``: the size and sha256 of every file of the step, written when the
+save completes (before orbax renames the step into place) and verified before a restore. A step
+that fails verification is reported as corrupt; ``intact_step`` falls back to the newest step that
+verifies, moving the corrupt ones to ``<directory>-corrupt/``. A failed save is reported (``log``)
+and the run goes on; the next save tries again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import grain
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+CHECKSUMS = "fp4jax_checksums.json"
+# Written by orbax after the step's contents are complete (markers and step metadata).
+_UNCHECKED = ("_CHECKPOINT_METADATA", "commit_success.txt")
+_TMP = ".orbax-checkpoint-tmp"
 
 
 class IncompatibleCheckpointError(ValueError):
   """The checkpoint was written by a run whose model, recipe or optimizer differ from this one."""
 
 
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint that must exist (the final one) could not be saved."""
+
+
+class CorruptCheckpointError(RuntimeError):
+  """Every checkpoint of the run failed verification; the message lists what failed."""
+
+
 def _is_grain(it) -> bool:
   return isinstance(it, grain.DatasetIterator)
+
+
+def _files(step_dir: Path) -> list[Path]:
+  return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS
+                and p.name not in _UNCHECKED)
+
+
+def _sha256(path: Path) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 24):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def write_checksums(step_dir: str | os.PathLike) -> None:
+  """Writes ``<step_dir>/fp4jax_checksums.json``: size and sha256 of each file of the step."""
+  step_dir = Path(step_dir)
+  files = {p.relative_to(step_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+           for p in _files(step_dir)}
+  tmp = step_dir / (CHECKSUMS + ".tmp")
+  tmp.write_text(json.dumps({"files": files}, indent=0))
+  os.replace(tmp, step_dir / CHECKSUMS)
+
+
+def verify(step_dir: str | os.PathLike) -> str | None:
+  """Checks a step against its checksums.
+
+  Returns:
+    None if every file is there with its recorded size and sha256; ``"unverified"`` if the step
+    has no checksums (written by an older fp4jax, or stopped between the save and the checksums);
+    otherwise what failed (the file and how).
+  """
+  step_dir = Path(step_dir)
+  path = step_dir / CHECKSUMS
+  if not path.is_file():
+    return "unverified"
+  try:
+    want = json.loads(path.read_text())["files"]
+  except (ValueError, KeyError, TypeError) as e:
+    return f"{path} is unreadable ({e})"
+  for rel, rec in want.items():
+    p = step_dir / rel
+    if not p.is_file():
+      return f"{p} is missing"
+    if p.stat().st_size != rec["bytes"]:
+      return f"{p} has {p.stat().st_size} bytes, {rec['bytes']} when saved"
+    if _sha256(p) != rec["sha256"]:
+      return f"{p} does not match its sha256 (its contents changed after the save)"
+  extra = sorted(set(p.relative_to(step_dir).as_posix() for p in _files(step_dir)) - set(want))
+  return f"{step_dir / extra[0]} was not part of the save" if extra else None
+
+
+def _say(text: str) -> None:
+  if jax.process_index() == 0:
+    print(text, flush=True)
+
+
+class Checkpointer:
+  """Saves and restores train state, data position and run metadata.
+
+  Args:
+    directory: checkpoint folder (created).
+    every: save when ``step % every == 0`` (``save`` saves at any step it is called with).
+    keep: number of checkpoints kept (the newest).
+    async_save: write in a background thread (arrays are copied to host before ``save`` returns,
+      so the state's buffers may be donated right after).
+    log: prints a message (failed saves, corrupt checkpoints); default prints from process 0.
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, every: int, keep: int = 3,
+               async_save: bool = True, log: Callable[[str], None] = _say):
+    if every < 1 or keep < 1:
+      raise ValueError(f"checkpoint every={every} and keep={keep} must be >= 1")
+    self.directory = Path(directory).absolute()
+    self.every = every
+    self.log = log
+    self._saving: list[int] = []  # steps saved by this process, checksums not yet confirmed
+    async_options = ocp.AsyncOptions(post_finalization_callback=self._on_saved) \
+        if async_save else None
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=1,
+                                           enable_async_checkpointing=async_save, create=True,
+                                           async_options=async_options)
+    self._mgr = ocp.CheckpointManager(self.directory, options=options)
+
+  def latest_step(self) -> int | None:
+    """The newest saved step, or None."""
+    return self._mgr.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self._mgr.all_steps())
+
+  def should_save(self, step: int) -> bool:
+    return step % self.every == 0
+
+  # ------------------------------------------------------------------------- saving
+
+  def _on_saved(self) -> None:
+    """orbax's save thread, once a step's files are complete and before the step directory is
+    renamed into place: the checksums become part of the step atomically."""
+    if jax.process_index() != 0:
+      return
+    for step in self._saving:
+      tmp = list(self.directory.glob(f"{step}{_TMP}*"))
+      if len(tmp) == 1 and not (tmp[0] / CHECKSUMS).is_file():
+        write_checksums(tmp[0])
+
+  def _settle(self) -> bool:
+    """Waits for the save in flight; reports a failure; writes checksums the save thread could
+    not. Returns False if a save failed."""
+    ok = True
+    try:
+      self._mgr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 (any storage error: report it, keep training)
+      ok = False
+      self.log(f"warning: saving checkpoint step {self._saving[-1] if self._saving else '?'} "
+               f"to {self.directory} failed ({type(e).__name__}: {e}); training goes on and the "
+               "next save tries again")
+    for step in self._saving:
+      step_dir = self.directory / str(step)
+      if jax.process_index() == 0 and step_dir.is_dir() and not (step_dir / CHECKSUMS).is_file():
+        write_checksums(step_dir)
+    self._saving = []
+    return ok
+
+  def save(self, step: int, state, data_iter=None, meta: dict | None = None) -> bool:
+    """Starts saving ``state`` (and the data position and ``meta``) as ``step``.
+
+    A failure (of this save, or found now of the previous async one) is reported with ``log``
+    and does not raise: the run goes on and the next save tries again.
+
+    Args:
+      step: the number of completed updates.
+      state: the train state pytree of jax Arrays.
+      data_iter: the training data iterator, or None.
+      meta: JSON-able description of the run, compared on restore.
+
+    Returns:
+      True if a save was started.
+    """
+    self._settle()
+    items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta or {})}
+    if data_iter is not None:
+      items.update(_data_save(data_iter))
+    self._saving.append(step)
+    try:
+      started = self._mgr.save(step, args=ocp.args.Composite(**items), force=True)
+    except Exception as e:  # noqa: BLE001
+      self._saving.pop()
+      self.log(f"warning: could not save checkpoint step {step} to {self.directory} "
+               f"({type(e).__name__}: {e}); training goes on and the next save tries again")
+      return False
+    if not self._mgr.is_saving_in_progress():
+      self._settle()
+    return started
+
+  def poll(self) -> None:
+    """Reports a failed background save as soon as it has finished (call it between steps)."""
+    if self._saving and not self._mgr.is_saving_in_progress():
+      self._settle()
+
+  def wait(self) -> bool:
+    """Blocks until pending async saves are on disk; False if one failed (it is reported)."""
+    return self._settle()
+
+  def close(self) -> None:
+    self._settle()
+    self._mgr.close()
+
+  # ------------------------------------------------------------------------- restoring
+
+  def intact_step(self) -> int | None:
+    """The newest step that passes ``verify`` (or has no checksums), or None if there is none.
+
+    Corrupt steps newer than it are reported, with what failed, and moved to
+    ``<directory>-corrupt/<step>`` (so that the run can save those steps again).
+
+    Raises:
+      CorruptCheckpointError: there are steps, and every one is corrupt (nothing is moved).
+    """
+    corrupt = []
+    for step in sorted(self.all_steps(), reverse=True):
+      why = verify(self.directory / str(step))
+      if why is not None and why != "unverified":
+        corrupt.append((step, why))
+        continue
+      if why == "unverified":
+        self.log(f"note: checkpoint {self.directory / str(step)} has no checksums (saved by an "
+                 "older fp4jax, or stopped while writing them): restored unverified")
+      for bad, reason in corrupt:
+        self._quarantine(bad)
+        self.log(f"checkpoint {self.directory / str(bad)} is corrupt: {reason}; moved to "
+                 f"{self.directory}-corrupt/{bad}")
+      if corrupt:
+        self.log(f"falling back to step {step}, the newest intact checkpoint")
+      return step
+    if corrupt:
+      raise CorruptCheckpointError(
+          f"every checkpoint in {self.directory} is corrupt:\n  "
+          + "\n  ".join(f"step {s}: {why}" for s, why in corrupt)
+          + f"\nnothing was restored; to train this run from the start, move {self.directory} "
+          "away (or delete it)")
+    return None
+
+  def _quarantine(self, step: int) -> None:
+    if jax.process_index() == 0:
+      dest = self.directory.parent / f"{self.directory.name}-corrupt" / str(step)
+      dest.parent.mkdir(parents=True, exist_ok=True)
+      if dest.exists():
+        shutil.rmtree(dest)
+      os.rename(self.directory / str(step), dest)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"fp4jax checkpoint {step} moved")
+    self._mgr.reload()
+
+  def read_meta(self, step: int) -> dict:
+    """The ``meta`` saved with ``step``."""
+    return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
+  def restore(self, abstract_state, data_iter=None, meta: dict | None = None,
+              step: int | None = None):
+    """Restores a checkpoint into ``abstract_state``'s shapes, dtypes and shardings.
+
+    Args:
+      abstract_state: pytree of ``jax.ShapeDtypeStruct`` with ``sharding`` set.
+      data_iter: iterator whose position is restored in place (if the checkpoint has one).
+      meta: this run's description; any difference to the saved one raises.
+      step: the step to restore (default ``intact_step()``).
+
+    Returns:
+      ``(step, state)``.
+
+    Raises:
+      FileNotFoundError: no checkpoint.
+      CorruptCheckpointError: every checkpoint is corrupt.
+      IncompatibleCheckpointError: the saved run's meta or tree differs from this run's.
+    """
+    step = self.intact_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    if meta is not None:
+      diffs = _diff(self.read_meta(step), meta)
+      if diffs:
+        raise IncompatibleCheckpointError(
+            f"checkpoint {self.directory}/{step} was written by an incompatible run:\n  "
+            + "\n  ".join(diffs) + "\nuse a fresh workdir, or restore with the saved config")
+    try:
+      restored = self._mgr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state)))
+    except (ValueError, KeyError, TypeError) as e:
+      raise IncompatibleCheckpointError(
+          f"checkpoint {self.directory}/{step} does not fit this run's state "
+          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+    if data_iter is not None:
+      _data_restore(self._mgr, self.directory / str(step), step, data_iter)
+    return step, restored.state
 
 
 def _diff(saved, current, prefix="") -> list[str]:
@@ -40,104 +319,6 @@ def _diff(saved, current, prefix="") -> list[str]:
   return [] if saved == current else [f"{prefix[:-1]}: checkpoint {saved!r}, this run {current!r}"]
 
 
-class Checkpointer:
-  """Saves and restores train state, data position and run metadata.
-
-  Args:
-    directory: checkpoint folder (created).
-    every: save when ``step % every == 0`` (``save(force=True)`` saves at any step).
-    keep: number of checkpoints kept (the newest).
-    async_save: write in a background thread (arrays are copied to host before ``save`` returns,
-      so the state's buffers may be donated right after).
-  """
-
-  def __init__(self, directory: str | os.PathLike, *, every: int, keep: int = 3,
-               async_save: bool = True):
-    if every < 1 or keep < 1:
-      raise ValueError(f"checkpoint every={every} and keep={keep} must be >= 1")
-    self.directory = Path(directory).absolute()
-    self.every = every
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=1,
-                                           enable_async_checkpointing=async_save, create=True)
-    self._mgr = ocp.CheckpointManager(self.directory, options=options)
-
-  def latest_step(self) -> int | None:
-    """The newest saved step, or None."""
-    return self._mgr.latest_step()
-
-  def all_steps(self) -> list[int]:
-    return list(self._mgr.all_steps())
-
-  def should_save(self, step: int) -> bool:
-    return step % self.every == 0
-
-  def save(self, step: int, state, data_iter=None, meta: dict | None = None) -> bool:
-    """Starts saving ``state`` (and the data position and ``meta``) as ``step``.
-
-    Args:
-      step: the number of completed updates.
-      state: the train state pytree of jax Arrays.
-      data_iter: the training data iterator, or None.
-      meta: JSON-able description of the run, compared on restore.
-
-    Returns:
-      True if a save was started.
-    """
-    items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta or {})}
-    if data_iter is not None:
-      items.update(_data_save(data_iter))
-    return self._mgr.save(step, args=ocp.args.Composite(**items), force=True)
-
-  def restore(self, abstract_state, data_iter=None, meta: dict | None = None,
-              step: int | None = None):
-    """Restores a checkpoint into ``abstract_state``'s shapes, dtypes and shardings.
-
-    Args:
-      abstract_state: pytree of ``jax.ShapeDtypeStruct`` with ``sharding`` set.
-      data_iter: iterator whose position is restored in place (if the checkpoint has one).
-      meta: this run's description; any difference to the saved one raises.
-      step: the step to restore (default the newest).
-
-    Returns:
-      ``(step, state)``.
-
-    Raises:
-      FileNotFoundError: no checkpoint.
-      IncompatibleCheckpointError: the saved run's meta or tree differs from this run's.
-    """
-    step = self.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    items = set(self._mgr.item_metadata(step).keys()) if hasattr(self._mgr, "item_metadata") \
-        else {"state", "meta"}
-    saved_meta = self._mgr.restore(step, args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore())).meta
-    if meta is not None:
-      diffs = _diff(saved_meta, meta)
-      if diffs:
-        raise IncompatibleCheckpointError(
-            f"checkpoint {self.directory}/{step} was written by an incompatible run:\n  "
-            + "\n  ".join(diffs) + "\nuse a fresh workdir, or restore with the saved config")
-    try:
-      restored = self._mgr.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state)))
-    except (ValueError, KeyError, TypeError) as e:
-      raise IncompatibleCheckpointError(
-          f"checkpoint {self.directory}/{step} does not fit this run's state (different model, "
-          f"recipe or optimizer?): {e}") from e
-    if data_iter is not None:
-      _data_restore(self._mgr, step, data_iter, items)
-    return step, restored.state
-
-  def wait(self) -> None:
-    """Blocks until pending async saves are on disk."""
-    self._mgr.wait_until_finished()
-
-  def close(self) -> None:
-    self._mgr.wait_until_finished()
-    self._mgr.close()
-
-
 def _data_save(it) -> dict:
   if _is_grain(it):
     return {"data": grain.checkpoint.CheckpointSave(it)}
@@ -146,10 +327,10 @@ def _data_save(it) -> dict:
   return {}
 
 
-def _data_restore(mgr, step, it, items) -> None:
-  if "data" in items and _is_grain(it):
+def _data_restore(mgr, step_dir: Path, step: int, it) -> None:
+  if (step_dir / "data").is_dir() and _is_grain(it):
     mgr.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(it)))
-  elif "data_json" in items and hasattr(it, "set_state"):
+  elif (step_dir / "data_json").is_dir() and hasattr(it, "set_state"):
     state = mgr.restore(step, args=ocp.args.Composite(data_json=ocp.args.JsonRestore())).data_json
     it.set_state(state)
   elif jax.process_index() == 0:

@@ -54,7 +54,8 @@ class CorpusUnavailableError(RuntimeError):
 
 
 def decode_text(data: bytes) -> str:
-  """Bytes as str with LF line ends: UTF-8, else cp1252, else latin-1."""
+  """Bytes of a built-in source's archive as str with LF line ends: UTF-8, else cp1252, else
+  latin-1 (some Gutenberg texts are cp1252). User text goes through the strict ``read_text``."""
   for enc in ("utf-8", "cp1252"):
     try:
       text = data.decode(enc)
@@ -63,6 +64,32 @@ def decode_text(data: bytes) -> str:
       continue
   else:
     text = data.decode("latin-1")
+  return text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read_text(path: str | os.PathLike, encoding: str = "utf-8") -> str:
+  """A user's text file as str with LF line ends, decoded strictly.
+
+  Raises:
+    ValueError: the file is not text in ``encoding``, or holds NUL characters (binary data, or
+      UTF-16/32 text read as UTF-8); the message names the file and the fix.
+  """
+  path = Path(path)
+  data = path.read_bytes()
+  fix = ("convert it to UTF-8, or give its encoding (--encoding=... for `python -m fp4jax.data "
+         "prepare`, --config.data.encoding=... for experiments.train)")
+  bom = data.startswith((b"\xff\xfe", b"\xfe\xff"))
+  try:
+    text = data.decode(encoding)
+  except UnicodeDecodeError as e:
+    what = " (it starts with a UTF-16 byte-order mark)" if bom else ""
+    raise ValueError(f"{path} is not {encoding} text: byte {data[e.start]:#04x} at offset "
+                     f"{e.start}{what}; {fix}") from e
+  except LookupError as e:
+    raise ValueError(f"unknown text encoding {encoding!r} (for {path})") from e
+  if "\0" in text:
+    raise ValueError(f"{path} contains NUL characters: binary data, or UTF-16/32 text read as "
+                     f"{encoding}; remove it from the corpus, or {fix}")
   return text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 
@@ -403,7 +430,7 @@ def text_dir_corpus(path: str | os.PathLike, val_every: int = VAL_EVERY) -> Corp
   """User text: ``path/train`` + ``path/validation`` folders, or ``*.txt`` split by document.
 
   Args:
-    path: a folder of UTF-8 ``.txt`` files (searched recursively).
+    path: a folder of ``.txt`` files (searched recursively; decoded by ``read_text``).
     val_every: without train/validation folders, hold out every ``val_every``-th file.
 
   Returns:

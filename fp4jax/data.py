@@ -10,7 +10,11 @@ Data directory (format_version 1), written by ``prepare`` / ``python -m fp4jax.d
 
 A split is its documents in corpus order, each followed by ``eos_id``, cut into shards of at
 most ``shard_tokens`` tokens (a document may span two shards). ``meta["splits"][split]`` is
-``{"num_tokens", "num_docs", "shards": [{"file", "num_tokens"}]}``.
+``{"num_tokens", "num_docs", "shards": [{"file", "num_tokens", "max_id"}]}`` (``max_id``, the
+largest token id of the shard, is absent in data written before it was recorded).
+
+``check_data`` verifies a data directory against a run before its first step: shard files and
+sizes, one global batch per split, token ids below the model's vocabulary.
 
 Examples are fixed windows: window i of a shard is tokens ``[i*T, i*T + T + 1)``, giving
 ``inputs = w[:-1]`` and ``targets = w[1:]`` (int32, shape [T]). Windows do not cross shards,
@@ -60,7 +64,7 @@ class DataMeta:
     vocab_size: the tokenizer's vocabulary, EOS included; every id is < vocab_size.
     eos_id: the id appended after each document.
     tokenizer: {"kind": "byte" | "bpe" | "file", plus "file", "sha256", "eos_token"}.
-    splits: per split {"num_tokens", "num_docs", "shards": [{"file", "num_tokens"}]}.
+    splits: per split {"num_tokens", "num_docs", "shards": [{"file", "num_tokens", "max_id"}]}.
     corpus: {"name", "fingerprint"} of the text the shards came from.
     licenses: one dict per corpus source (name, package, version, license).
     fingerprint: sha256 of everything that determines the shards (reuse key).
@@ -136,17 +140,72 @@ def longest_shard(meta: DataMeta, split: str) -> int:
   return max((int(s["num_tokens"]) for s in meta._split(split)["shards"]), default=0)
 
 
+def _max_id(path: Path, meta: DataMeta, shard: dict, chunk: int = 1 << 26) -> int:
+  if "max_id" in shard:
+    return int(shard["max_id"])
+  ids = np.memmap(path, meta.np_dtype, "r", shape=(int(shard["num_tokens"]),))
+  return max((int(ids[i:i + chunk].max()) for i in range(0, len(ids), chunk)), default=-1)
+
+
+def check_data(data_dir: str | os.PathLike, vocab_size: int, seq_len: int,
+               global_batch_size: int, splits: Sequence[str] = SPLITS) -> DataMeta:
+  """Checks, before training, that a run can use ``data_dir``.
+
+  Every shard of ``splits`` must exist with the size ``meta.json`` gives; each split must hold at
+  least one global batch of ``seq_len`` windows; every token id must be below ``vocab_size`` (the
+  shard's recorded ``max_id``, else a scan of the shard).
+
+  Args:
+    data_dir: a data directory made by ``prepare``.
+    vocab_size: the model's vocabulary.
+    seq_len: tokens per example.
+    global_batch_size: examples per step over all hosts.
+    splits: the splits the run reads.
+
+  Returns:
+    The data's meta.
+
+  Raises:
+    FileNotFoundError, ValueError: what is wrong, naming the file and the fix.
+  """
+  meta = read_meta(data_dir)
+  check_compat(meta, vocab_size)
+  again = ("prepare the data again (`python -m fp4jax.data prepare --overwrite ...`, or delete "
+           f"{data_dir} and launch again)")
+  for split in splits:
+    try:
+      n = len(TokenWindows(data_dir, split, seq_len))
+    except ValueError as e:
+      raise ValueError(f"{e}; {again}" if "truncated" in str(e) else str(e)) from e
+    if n < global_batch_size:
+      raise ValueError(
+          f"split {split!r} of {data_dir} has {n} windows of seq_len={seq_len} "
+          f"({meta.num_tokens(split)} tokens), fewer than one batch of {global_batch_size}: use "
+          "a smaller batch_size or seq_len, or more text")
+    for shard in meta._split(split)["shards"]:
+      path = Path(data_dir) / shard["file"]
+      top = _max_id(path, meta, shard)
+      if top >= min(vocab_size, meta.vocab_size):
+        whose = ("the model's vocab_size" if top < meta.vocab_size
+                 else "the data's own vocabulary (meta.json)")
+        raise ValueError(f"{path} holds token id {top}, beyond {whose} "
+                         f"{min(vocab_size, meta.vocab_size)}: the shard is damaged or from "
+                         f"another tokenizer; {again}")
+  return meta
+
+
 # --------------------------------------------------------------------------- writing shards
 
 
 def _write_split(tok: tokenizer_lib.Tokenizer, files: Sequence[Path], out: Path, split: str,
-                 dtype: np.dtype, shard_tokens: int, docs_per_call: int = 64) -> dict:
+                 dtype: np.dtype, shard_tokens: int, encoding: str = "utf-8",
+                 docs_per_call: int = 64) -> dict:
   shards: list[dict] = []
   f = None
   total = 0
   try:
     for start in range(0, len(files), docs_per_call):
-      texts = [corpus_lib.decode_text(p.read_bytes()) for p in files[start:start + docs_per_call]]
+      texts = [corpus_lib.read_text(p, encoding) for p in files[start:start + docs_per_call]]
       for ids in tok.encode_batch(texts):
         ids = np.append(ids, tok.eos_id).astype(dtype)
         pos = 0
@@ -154,11 +213,13 @@ def _write_split(tok: tokenizer_lib.Tokenizer, files: Sequence[Path], out: Path,
           if f is None or shards[-1]["num_tokens"] == shard_tokens:
             if f is not None:
               f.close()
-            shards.append({"file": f"{split}-{len(shards):05d}.bin", "num_tokens": 0})
+            shards.append({"file": f"{split}-{len(shards):05d}.bin", "num_tokens": 0,
+                           "max_id": -1})
             f = open(out / shards[-1]["file"], "wb")  # noqa: SIM115
           take = min(len(ids) - pos, shard_tokens - shards[-1]["num_tokens"])
           ids[pos:pos + take].tofile(f)
           shards[-1]["num_tokens"] += take
+          shards[-1]["max_id"] = max(shards[-1]["max_id"], int(ids[pos:pos + take].max()))
           pos += take
         total += len(ids)
   finally:
@@ -196,8 +257,11 @@ def _shards_ok(data_dir: Path, meta: DataMeta) -> bool:
 def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
             out_dir: str | os.PathLike | None = None, *, tokenizer: str = "byte",
             vocab_size: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-            cache_dir: str | os.PathLike | None = None, overwrite: bool = False) -> DataMeta:
+            cache_dir: str | os.PathLike | None = None, overwrite: bool = False,
+            encoding: str = "utf-8") -> DataMeta:
   """Tokenizes a corpus into shards; reuses ``out_dir`` if it already holds the same data.
+
+  A folder that holds the same data with a missing or truncated shard is prepared again.
 
   Run it on one process only (e.g. ``jax.process_index() == 0``) when several share a disk.
 
@@ -211,6 +275,8 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
     shard_tokens: the most tokens per .bin shard.
     cache_dir: the data root for built-in corpora (default ``$FP4JAX_DATA_DIR``).
     overwrite: replace an ``out_dir`` that holds different data instead of raising.
+    encoding: the text files' encoding (decoded strictly: a file that is not text in it, or holds
+      NUL characters, is an error naming it).
 
   Returns:
     The meta of the data directory.
@@ -223,26 +289,31 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
          else default_out_dir(files.name, tokenizer, vocab_size, cache_dir))
   request = {"format_version": FORMAT_VERSION, "corpus": files.fingerprint, "tokenizer": tag,
              "vocab_size": vocab_size, "shard_tokens": shard_tokens}
+  if encoding != "utf-8":
+    request["encoding"] = encoding
   fingerprint = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
+  other = ("use another folder (--config.data.dir for experiments.train, --out for `python -m "
+           "fp4jax.data prepare`), or replace it (`python -m fp4jax.data prepare --overwrite`)")
   if (out / META_FILE).is_file():
     old = read_meta(out)
-    if old.fingerprint == fingerprint and _shards_ok(out, old):
-      return old
-    if not overwrite:
+    if old.fingerprint == fingerprint:
+      if _shards_ok(out, old):
+        return old
+      print(f"{out}: a shard is missing or truncated; preparing the data again", flush=True)
+    elif not overwrite:
       raise ValueError(f"{out} already holds other data ({old.corpus.get('name')}, "
-                       f"{old.tokenizer.get('kind')} tokenizer, vocab {old.vocab_size}); "
-                       "choose another out_dir or pass overwrite=True (--overwrite)")
+                       f"{old.tokenizer.get('kind')} tokenizer, vocab {old.vocab_size}); {other}")
   elif out.exists() and any(out.iterdir()) and not overwrite:
-    raise ValueError(f"{out} is a non-empty folder without {META_FILE}; choose another out_dir")
+    raise ValueError(f"{out} is a non-empty folder without {META_FILE}; {other}")
   tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
   try:
-    train_texts = (corpus_lib.decode_text(p.read_bytes()) for p in files.train)
+    train_texts = (corpus_lib.read_text(p, encoding) for p in files.train)
     tok = tokenizer_lib.make_tokenizer(tokenizer, train_texts, tmp, vocab_size=vocab_size)
     dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
-    splits = {s: _write_split(tok, files.split(s), tmp, s, _DTYPES[dtype], shard_tokens)
-              for s in SPLITS}
+    splits = {s: _write_split(tok, files.split(s), tmp, s, _DTYPES[dtype], shard_tokens,
+                              encoding) for s in SPLITS}
     meta = DataMeta(format_version=FORMAT_VERSION, dtype=dtype, vocab_size=tok.vocab_size,
                     eos_id=tok.eos_id, tokenizer=tok.spec(), splits=splits,
                     corpus={"name": files.name, "fingerprint": files.fingerprint},
@@ -428,7 +499,9 @@ def main(argv: Sequence[str] | None = None) -> None:
   pp.add_argument("--vocab_size", type=int, default=None, help="BPE vocabulary size")
   pp.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS)
   pp.add_argument("--data_dir", default=None, help="data root (default $FP4JAX_DATA_DIR)")
-  pp.add_argument("--overwrite", action="store_true")
+  pp.add_argument("--overwrite", action="store_true",
+                  help="replace an --out folder that holds other data")
+  pp.add_argument("--encoding", default="utf-8", help="encoding of the .txt files")
   pi = sub.add_parser("info", help="print a data dir's summary")
   pi.add_argument("dir")
   a = p.parse_args(argv)
@@ -440,7 +513,8 @@ def main(argv: Sequence[str] | None = None) -> None:
       out = Path(a.out) if a.out else default_out_dir(files.name, a.tokenizer, a.vocab_size,
                                                       a.data_dir)
       meta = prepare(files, out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
-                     shard_tokens=a.shard_tokens, cache_dir=a.data_dir, overwrite=a.overwrite)
+                     shard_tokens=a.shard_tokens, cache_dir=a.data_dir, overwrite=a.overwrite,
+                     encoding=a.encoding)
   except (ValueError, OSError, corpus_lib.CorpusUnavailableError) as e:
     raise SystemExit(f"error: {e}") from e
   print("\n".join(_summary(meta, out)))

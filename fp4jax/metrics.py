@@ -1,6 +1,7 @@
 """Run metrics: JSONL, TensorBoard event files and a live progress bar.
 
 ``MetricsWriter(workdir)`` appends one JSON object per logged step to ``<workdir>/metrics.jsonl``
+(a resumed run first drops the rows after the step it resumes from, so each step has one row)
 and, when ``tensorboardX`` is installed, writes the same scalars as TensorBoard event files under
 ``<workdir>/tb``. On a terminal it shows a live ``rich`` progress bar; elsewhere (output to a file,
 a cluster job) or with ``progress=False`` it prints one line per logged step instead. Only process
@@ -68,6 +69,24 @@ def format_step(step: int, total_steps: int, metrics: dict) -> str:
   return " | ".join(parts)
 
 
+def _truncate(path: Path, last_step: int) -> None:
+  """Keeps the rows of ``path`` up to ``last_step`` (and drops an unfinished last line)."""
+  with open(path) as f:
+    lines = f.readlines()
+  keep = []
+  for line in lines:
+    try:
+      row = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(row, dict) and row.get("step", 0) <= last_step:
+      keep.append(line if line.endswith("\n") else line + "\n")
+  if len(keep) != len(lines):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+
+
 def _clean(v):
   if isinstance(v, float) and not math.isfinite(v):
     return str(v)  # JSON has no NaN/inf; keep them readable
@@ -80,7 +99,8 @@ class MetricsWriter:
   Args:
     workdir: run directory (created).
     total_steps: steps of the run, for the progress bar.
-    initial_step: step the run starts from (after a resume).
+    initial_step: step the run starts from (after a resume); rows of ``metrics.jsonl`` after it
+      (steps that were not checkpointed, and are trained again) are removed.
     progress: show a live progress bar when stdout is a terminal (else, and with False, one
       printed line per ``write``).
     tensorboard: also write TensorBoard event files (needs ``tensorboardX``).
@@ -96,7 +116,10 @@ class MetricsWriter:
     if not self.enabled:
       return
     self.workdir.mkdir(parents=True, exist_ok=True)
-    self._file = open(self.workdir / "metrics.jsonl", "a")
+    path = self.workdir / "metrics.jsonl"
+    if path.is_file():
+      _truncate(path, initial_step)
+    self._file = open(path, "a")
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter

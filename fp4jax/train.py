@@ -16,10 +16,11 @@ averaged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import jax
@@ -32,13 +33,15 @@ from jax.sharding import PartitionSpec as P
 
 from fp4jax import optim
 from fp4jax import sharding as shd
-from fp4jax.checkpoint import Checkpointer
+from fp4jax.checkpoint import Checkpointer, CheckpointSaveError
 from fp4jax.data import to_global_batch
 from fp4jax.layers import Dense
 from fp4jax.loss import LOSS_ROWS, chunked_cross_entropy
 from fp4jax.metrics import MetricsWriter, peak_flops
 from fp4jax.model import ModelConfig, Transformer, projection_dims
+from fp4jax.preemption import StopSignals, TrainingInterrupted
 from fp4jax.recipe import Recipe
+from fp4jax.workdir import RunLock, identity_changes, record_start
 
 SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
@@ -80,10 +83,17 @@ class OptimizerConfig:
       raise ValueError(f"OptimizerConfig.name={self.name!r}: expected one of {OPTIMIZERS}")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"OptimizerConfig.schedule={self.schedule!r}: expected one of {SCHEDULES}")
-    if not self.learning_rate > 0:
-      raise ValueError(f"OptimizerConfig.learning_rate={self.learning_rate}: must be > 0")
-    if self.warmup_steps < 0 or not 0 <= self.decay_fraction <= 1:
-      raise ValueError("OptimizerConfig: warmup_steps must be >= 0 and decay_fraction in [0, 1]")
+    if not 0 < self.learning_rate < math.inf:
+      raise ValueError(f"OptimizerConfig.learning_rate={self.learning_rate}: must be a finite "
+                       "number > 0")
+    for f, lo, hi in (("b1", 0, 1), ("b2", 0, 1), ("min_lr_ratio", 0, 1), ("decay_fraction", 0, 1)):
+      if not lo <= getattr(self, f) <= hi:
+        raise ValueError(f"OptimizerConfig.{f}={getattr(self, f)}: must be in [{lo}, {hi}]")
+    for f in ("eps", "weight_decay", "grad_clip"):
+      if not 0 <= getattr(self, f) < math.inf:
+        raise ValueError(f"OptimizerConfig.{f}={getattr(self, f)}: must be a finite number >= 0")
+    if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+      raise ValueError(f"OptimizerConfig.warmup_steps={self.warmup_steps!r}: must be an int >= 0")
 
 
 def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -397,11 +407,24 @@ class TrainConfig:
                        f"{LOSS_ROWS}")
 
 
-def run_meta(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig) -> dict:
-  """What a checkpoint must agree with to be restored into this run."""
+def run_identity(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
+                 train_cfg: TrainConfig, data: Mapping | None = None) -> dict:
+  """What a run is: saved with each checkpoint and compared when the run resumes.
+
+  A resumed run must have the same model, recipe and optimizer kind (else its checkpoint does not
+  fit); the optimizer's settings, the data, batch size, sequence length and seed may change only
+  when allowed (``fp4jax.workdir.identity_changes``). Schedules of the run (steps, logging,
+  checkpoint and LoRA re-split cadence) and kernel choices may change freely.
+
+  Args:
+    model_cfg, recipe, opt_cfg, train_cfg: the run's configs.
+    data: JSON-able description of the training data (corpus, tokenizer), or None.
+  """
   r = {k: v for k, v in recipe.to_dict().items() if k != "lora_resplit_every"}  # a schedule
   m = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k != "attention"}  # a kernel
-  return {"model": m, "recipe": r, "optimizer": {"name": opt_cfg.name}}
+  return {"model": m, "recipe": r, "optimizer": dataclasses.asdict(opt_cfg),
+          "batch_size": train_cfg.batch_size, "seq_len": train_cfg.seq_len,
+          "seed": train_cfg.seed, "data": dict(data or {})}
 
 
 class StepTimer:
@@ -439,14 +462,48 @@ def _finite_metrics(step: int, metrics, writer: MetricsWriter, ckpt: Checkpointe
   return vals
 
 
+def _say(text: str) -> None:
+  if jax.process_index() == 0:
+    print(text, flush=True)
+
+
+def _position(it) -> str:
+  """The data iterator's position, for the resume line."""
+  if not hasattr(it, "get_state"):
+    return "not saved (this iterator has no get_state)"
+  state = it.get_state()
+  if isinstance(state, Mapping) and all(isinstance(v, int | float | str) for v in state.values()):
+    return " ".join(f"{k}={v}" for k, v in state.items())
+  return repr(state)
+
+
+def _check_eval_data(eval_batches: Callable[[], Iterator]) -> None:
+  """Fails now, not at the first evaluation, if the held-out data yields no batch."""
+  if next(iter(eval_batches()), None) is None:
+    raise ValueError("the evaluation data yields no batch (its split is smaller than one global "
+                     "batch?): use a smaller batch_size or seq_len, more held-out text, or train "
+                     "without evaluation")
+
+
 def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
           train_cfg: TrainConfig, workdir, train_iter: Iterator,
-          eval_batches: Callable[[], Iterator] | None = None, *, mesh=None) -> dict:
+          eval_batches: Callable[[], Iterator] | None = None, *, mesh=None,
+          data_info: Mapping | None = None, config: Mapping | None = None,
+          allow_changes: Sequence[str] = ()) -> dict:
   """Trains (or resumes from ``<workdir>/checkpoints``) and logs to ``<workdir>/metrics.jsonl``.
 
   Progress goes to stdout from process 0: a live bar on a terminal, else one line per logged step
   (step, loss, eval loss, tokens/s, ETA), plus a line when it compiles, evaluates, saves a
-  checkpoint or resumes.
+  checkpoint or resumes ("resumed from step N of S, data position ...").
+
+  What the run guarantees (``README.md``, Reliability):
+
+  * one run per workdir: ``<workdir>/run.lock`` (``fp4jax.workdir.RunLock``);
+  * SIGTERM / SIGINT save a checkpoint at the current step and raise ``TrainingInterrupted``;
+    before the first step of this start, they end the process at once (nothing to save);
+  * a resume restores the newest checkpoint whose checksums verify (corrupt newer ones are
+    reported and moved aside), checks the run's identity (``run_identity``) and truncates
+    ``metrics.jsonl`` to the restored step; a failed save is reported and training goes on.
 
   Args:
     model_cfg: model hyperparameters.
@@ -458,6 +515,11 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
       is checkpointed if it has ``get_state`` / ``set_state`` (grain iterators do).
     eval_batches: returns a fresh iterator over the held-out batches (same batches every call).
     mesh: the device mesh (default ``make_mesh(train_cfg.mesh_shape)``).
+    data_info: JSON-able description of the training data, part of the run's identity.
+    config: JSON-able full config, recorded in ``<workdir>/config.json`` (first start) and
+      ``<workdir>/config_history.jsonl`` (every start).
+    allow_changes: identity fields a resume may change (``fp4jax.workdir.CHANGEABLE``, e.g.
+      "seed", "optimizer.learning_rate"); the changes are recorded in the history.
 
   Returns:
     Summary: ``step``, ``loss`` (last), ``eval_loss`` (last), ``tokens_per_s``, ``mfu``.
@@ -466,7 +528,13 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
     RecipeNotAvailableError: a recipe choice this version cannot run.
     NonFiniteLossError: NaN/Inf loss or gradient norm (the message names the step; checkpoints
       up to the last finite step stay).
+    TrainingInterrupted: SIGTERM or SIGINT; the message says where the checkpoint was saved.
+    RunLockedError: another process trains in ``workdir``.
     IncompatibleCheckpointError: ``workdir`` holds a checkpoint of another model/recipe.
+    RunChangedError: the resumed run's identity changed and ``allow_changes`` does not allow it.
+    CorruptCheckpointError: every checkpoint in ``workdir`` is corrupt.
+    CheckpointSaveError: the final checkpoint could not be saved.
+    ValueError: ``train_cfg.steps`` is not above the checkpoint's step; no evaluation batch.
   """
   recipe.check_available()
   if opt_cfg.name == "muon" and model_cfg.scan_layers:
@@ -474,8 +542,36 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
                      "orthogonalizes 2-D leaves, and scan_layers stacks each run of blocks into "
                      "(L, in, out) leaves")
   workdir = Path(workdir)
-  mesh = mesh if mesh is not None else shd.make_mesh(train_cfg.mesh_shape)
-  tc = train_cfg
+  lock = RunLock(workdir)
+  with contextlib.ExitStack() as stack:
+    if jax.process_index() == 0:
+      stack.enter_context(lock)
+      for note in lock.notes:
+        _say(note)
+    stop = stack.enter_context(StopSignals(
+        _say, "no step had run since this start, so there was nothing to save; the same "
+        "command starts again from the latest checkpoint", lambda: lock.release(force=True)))
+    return _train(model_cfg, recipe, opt_cfg, train_cfg, workdir, train_iter, eval_batches,
+                  mesh, run_identity(model_cfg, recipe, opt_cfg, train_cfg, data_info), config,
+                  allow_changes, stop)
+
+
+def _train(model_cfg, recipe, opt_cfg, tc, workdir, train_iter, eval_batches, mesh, identity,
+           config, allow_changes, stop: StopSignals) -> dict:
+  ckpt = Checkpointer(workdir / "checkpoints", every=tc.checkpoint_every or tc.steps,
+                      keep=tc.keep_checkpoints, log=_say)
+  start = ckpt.intact_step() or 0
+  changes = identity_changes(ckpt.read_meta(start), identity, allow_changes) if start else []
+  if start >= tc.steps:
+    raise ValueError(f"steps={tc.steps} is not above step {start}, where the run in {workdir} "
+                     f"stopped: nothing to train; set steps > {start} to continue it")
+  if jax.process_index() == 0:
+    record_start(workdir, start, config, changes)
+  for c in changes:
+    _say(f"resuming with a changed {c} (allowed; recorded in {workdir / 'config_history.jsonl'})")
+  if eval_batches is not None:
+    _check_eval_data(eval_batches)
+  mesh = mesh if mesh is not None else shd.make_mesh(tc.mesh_shape)
   sharded = any(mesh.shape.get(axis, 1) > 1 for axis in ("fsdp", "tensor"))
   tx = make_optimizer(opt_cfg, recipe, tc.steps, seed=tc.seed, sharded_state=sharded)
   schedule = make_schedule(opt_cfg, tc.steps)
@@ -484,14 +580,10 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
                                     tc.cross_entropy)
   every = recipe.lora_resplit_every if recipe.linear == "nvfp4_lorasvd" else 0
   resplit = make_resplit(graphdef, shardings["params"], tc.seed) if every else None
-  ckpt = Checkpointer(workdir / "checkpoints", every=tc.checkpoint_every or tc.steps,
-                      keep=tc.keep_checkpoints)
-  meta = run_meta(model_cfg, recipe, opt_cfg)
-  start = 0
-  if ckpt.latest_step() is not None:
+  if start:
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             state, shardings)
-    start, state = ckpt.restore(abstract, train_iter, meta)
+    _, state = ckpt.restore(abstract, train_iter, step=start)
   tokens_per_step = tc.batch_size * tc.seq_len
   flops_per_step = model_cfg.flops_per_token(tc.seq_len) * tokens_per_step
   peak = peak_flops(mesh.devices.flat[0])
@@ -500,8 +592,10 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
   writer = MetricsWriter(workdir, tc.steps, start, progress=tc.progress,
                          tensorboard=tc.tensorboard)
   if start:
-    writer.message(f"resumed from step {start} of {tc.steps} ({ckpt.directory})")
+    writer.message(f"resumed from step {start} of {tc.steps}, data position "
+                   f"{_position(train_iter)} ({ckpt.directory / str(start)})")
   timer = StepTimer()
+  saved = start  # the newest step saved by this run (or restored)
 
   def is_eval(n: int) -> bool:
     return eval_batches is not None and ((tc.eval_every and n % tc.eval_every == 0)
@@ -513,10 +607,16 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
   try:
     pending = None  # (step, metrics) of a step not synced: fetched while the next one runs
     for n in range(start + 1, tc.steps + 1):
+      if stop.requested and n > start + 1:  # state is that of step n - 1
+        if pending is not None:
+          _finite_metrics(*pending, writer, ckpt)
+        _stop(stop, n - 1, saved, state, train_iter, identity, ckpt, writer)
       if n == start + 1:
         writer.message(f"step {n}: compiling the train step ({model_cfg.num_params() / 1e6:.2f}M "
                        f"parameters, {mesh.devices.size} device(s))")
       state, m = train_step(state, to_global_batch(next(train_iter), mesh))
+      if n == start + 1:
+        stop.arm()  # compiled: from here on, a signal saves this step's state
       timer.tick()
       if pending is not None:
         summary.update(step=pending[0], loss=_finite_metrics(*pending, writer, ckpt)["loss"])
@@ -543,16 +643,39 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
           vals["eval_loss"] = summary["eval_loss"] = evaluate(
               eval_step, state["params"], eval_batches(), mesh, tc.eval_batches)
         writer.write(n, vals)
+        ckpt.poll()  # reports a failed background save now
       if every and n % every == 0 and n < tc.steps:
         state = {**state, "params": resplit(state["params"], state["step"])}
       if ckpt.should_save(n) or n == tc.steps:
         writer.message(f"step {n}: saving a checkpoint to {ckpt.directory / str(n)}")
-        ckpt.save(n, state, train_iter, meta)
+        if ckpt.save(n, state, train_iter, identity):
+          saved = n
       if is_eval(n) or ckpt.should_save(n):
         timer.reset()
       writer.advance(n)
+    if not ckpt.wait() or ckpt.latest_step() != tc.steps:
+      raise CheckpointSaveError(
+          f"the final checkpoint (step {tc.steps}) could not be saved to {ckpt.directory} (see "
+          f"the warning above); the latest saved is step {ckpt.latest_step()}")
   finally:
     ckpt.close()
     writer.close()
   summary["workdir"] = str(workdir)
   return summary
+
+
+def _stop(stop: StopSignals, n: int, saved: int, state, train_iter, identity, ckpt: Checkpointer,
+          writer: MetricsWriter):
+  """Saves step ``n`` (unless saved already) and raises ``TrainingInterrupted``."""
+  path = ckpt.directory / str(n)
+  if saved != n:
+    writer.message(f"{stop.requested}: saving a checkpoint to {path} before stopping")
+    ckpt.save(n, state, train_iter, identity)
+  if ckpt.wait() and path.is_dir():
+    raise TrainingInterrupted(f"stopped by {stop.requested} at step {n}: checkpoint saved to "
+                              f"{path}; the same command resumes from there", stop.signum, n,
+                              str(path))
+  raise TrainingInterrupted(f"stopped by {stop.requested} at step {n}: the checkpoint could not "
+                            f"be saved (see above); the latest saved is step "
+                            f"{ckpt.latest_step()} in {ckpt.directory}", stop.signum, n,
+                            str(ckpt.directory / str(ckpt.latest_step())))

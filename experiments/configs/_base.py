@@ -7,7 +7,7 @@ Each section is built from a library dataclass, so its fields and defaults are t
   model       fp4jax.model.ModelConfig       vocab_size None: the data's vocabulary, rounded up to 128
   optimizer   fp4jax.train.OptimizerConfig
   (top level) fp4jax.train.TrainConfig       steps, batch_size, seq_len, ..., tensorboard
-  data        the arguments of fp4jax.data.prepare (corpus, tokenizer, vocab_size, dir)
+  data        the arguments of fp4jax.data.prepare (corpus, tokenizer, encoding, vocab_size, dir)
 
 Every field can be set on the command line, e.g. ``--config.steps=20``,
 ``--config.model.scan_layers=True``, ``--config.recipe.bf16_last_blocks=2``,
@@ -62,6 +62,7 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       corpus="shakespeare",   # built-in corpus name or a folder of .txt files
       tokenizer="byte",       # byte | bpe | path of a tokenizer.json
+      encoding="utf-8",       # of the .txt files of a folder corpus
       vocab_size=config_dict.placeholder(int),  # BPE vocabulary
       dir=config_dict.placeholder(str),         # None: the data root's default folder
   ))

@@ -1,0 +1,201 @@
+"""The run directory's bookkeeping: one run at a time, and what a resumed run may change.
+
+``<workdir>/run.lock`` (JSON: host, pid, start time) is held by the process that trains in the
+folder; a second launch is refused, and a lock left by a dead process on this host is taken over.
+A run's identity (model, recipe, optimizer, data, batch size, sequence length, seed; see
+``fp4jax.train.run_identity``) is saved with each checkpoint and compared on resume: a change is
+an error unless the caller allows it, and allowed changes are appended to
+``<workdir>/config_history.jsonl`` with each start of the run. ``<workdir>/config.json`` keeps the
+config of the run's first start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from fp4jax.checkpoint import IncompatibleCheckpointError
+
+LOCK_FILE = "run.lock"
+HISTORY_FILE = "config_history.jsonl"
+CONFIG_FILE = "config.json"
+
+# Identity fields whose change makes a checkpoint unusable (its arrays would not fit), and the
+# sections a resumed run may change when asked to.
+FIXED = ("model", "recipe", "optimizer.name")
+CHANGEABLE = ("optimizer", "data", "batch_size", "seq_len", "seed")
+
+
+class RunLockedError(RuntimeError):
+  """Another live process trains in this run directory."""
+
+
+class RunChangedError(ValueError):
+  """A resumed run's identity differs from its checkpoint's, and the change was not allowed."""
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's process
+    return True
+  return True
+
+
+class RunLock:
+  """An exclusive lock on a run directory; a context manager, re-entrant in one process.
+
+  Args:
+    workdir: the run directory (created).
+
+  Raises (on entry):
+    RunLockedError: another process holds the lock (the message names its host and pid), or the
+      lock file cannot be read.
+  """
+
+  _held: dict[Path, int] = {}  # lock path -> nesting depth, in this process
+
+  def __init__(self, workdir: str | os.PathLike):
+    self.path = (Path(workdir) / LOCK_FILE).absolute()
+    self.notes: list[str] = []
+
+  def __enter__(self) -> RunLock:
+    if self._held.get(self.path):
+      self._held[self.path] += 1
+      return self
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    me = {"host": socket.gethostname(), "pid": os.getpid(),
+          "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for _ in range(3):
+      try:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+      except FileExistsError:
+        self._take_over_if_stale(me)
+        continue
+      with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+      self._held[self.path] = 1
+      return self
+    raise RunLockedError(f"could not take the lock {self.path}: other processes keep taking it")
+
+  def _take_over_if_stale(self, me: dict) -> None:
+    try:
+      holder = json.loads(self.path.read_text())
+      host, pid = holder["host"], int(holder["pid"])
+    except FileNotFoundError:
+      return  # released meanwhile: try again
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise RunLockedError(
+          f"{self.path} exists but cannot be read ({e}); if no run uses {self.path.parent}, "
+          "delete it and launch again") from e
+    if host != me["host"]:
+      raise RunLockedError(
+          f"{self.path.parent} is in use by process {pid} on host {host} (since "
+          f"{holder.get('started', '?')}); two runs in one folder would overwrite each other's "
+          f"checkpoints. Use another --workdir, or delete {self.path} if that run is dead")
+    if pid != me["pid"] and _pid_alive(pid):
+      raise RunLockedError(
+          f"{self.path.parent} is in use by process {pid} on this host (since "
+          f"{holder.get('started', '?')}); two runs in one folder would overwrite each other's "
+          f"checkpoints. Stop that run or use another --workdir")
+    # A dead holder on this host: move its lock aside atomically (one taker wins the rename).
+    stale = self.path.with_name(f"{LOCK_FILE}.stale-{os.getpid()}")
+    try:
+      os.rename(self.path, stale)
+    except FileNotFoundError:
+      return
+    stale.unlink(missing_ok=True)
+    self.notes.append(f"took over the lock of process {pid} (no longer running) on {host}")
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+  def release(self, force: bool = False) -> None:
+    """Releases one level of the lock (all with ``force``); the file is removed when the
+    outermost level exits."""
+    depth = self._held.get(self.path, 0)
+    if depth > 1 and not force:
+      self._held[self.path] = depth - 1
+      return
+    self._held.pop(self.path, None)
+    try:
+      holder = json.loads(self.path.read_text())
+    except (OSError, ValueError):
+      return
+    if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+      self.path.unlink(missing_ok=True)
+
+
+def _diff(saved, current, prefix: str = "") -> list[tuple[str, object, object]]:
+  """``(path, saved, current)`` of every leaf that differs; keys absent from ``saved`` (a
+  checkpoint written before they were recorded) are not compared."""
+  if isinstance(saved, Mapping) and isinstance(current, Mapping):
+    out = []
+    for k in sorted(saved):
+      out += _diff(saved[k], current.get(k, "<absent>"), f"{prefix}{k}.")
+    return out
+  if isinstance(saved, list | tuple) and isinstance(current, list | tuple):
+    saved, current = list(saved), list(current)
+  return [] if saved == current else [(prefix[:-1], saved, current)]
+
+
+def _under(path: str, sections: Iterable[str]) -> bool:
+  return any(path == s or path.startswith(s + ".") for s in sections)
+
+
+def identity_changes(saved: Mapping, current: Mapping, allow: Iterable[str] = ()) -> list[str]:
+  """Compares a checkpoint's run identity with this run's.
+
+  Args:
+    saved: the identity stored with the checkpoint.
+    current: this run's identity.
+    allow: identity fields or sections (of ``CHANGEABLE``, e.g. "seed", "optimizer",
+      "optimizer.learning_rate") that may differ.
+
+  Returns:
+    One line per allowed change, ``"<field>: <saved> -> <current>"``.
+
+  Raises:
+    ValueError: ``allow`` names something that is not changeable.
+    fp4jax.checkpoint.IncompatibleCheckpointError: a ``FIXED`` field differs.
+    RunChangedError: another field differs and is not allowed.
+  """
+  allow = tuple(allow)
+  if bad := [a for a in allow if not _under(a, CHANGEABLE)]:
+    raise ValueError(f"allow_changes {bad}: a resumed run may change only {list(CHANGEABLE)} "
+                     "(or a field inside them, e.g. optimizer.learning_rate)")
+  diffs = _diff(saved, current)
+  fixed = [f"{p}: checkpoint {a!r}, this run {b!r}" for p, a, b in diffs if _under(p, FIXED)]
+  if fixed:
+    raise IncompatibleCheckpointError(
+        "the checkpoint was written by a different model, recipe or optimizer:\n  "
+        + "\n  ".join(fixed) + "\nuse a fresh workdir, or resume with the checkpoint's settings")
+  refused = [(p, a, b) for p, a, b in diffs if not _under(p, allow)]
+  if refused:
+    fields = sorted({p for p, _, _ in refused})
+    raise RunChangedError(
+        "resuming would change the run:\n  "
+        + "\n  ".join(f"{p}: checkpoint {a!r}, this run {b!r}" for p, a, b in refused)
+        + f"\nresume with the checkpoint's settings, use a fresh workdir, or allow the change "
+        f"(--allow_changes={','.join(fields)}; train(..., allow_changes=...))")
+  return [f"{p}: {a!r} -> {b!r}" for p, a, b in diffs]
+
+
+def record_start(workdir: str | os.PathLike, step: int, config: Mapping | None,
+                 changes: list[str]) -> None:
+  """Appends this start of the run to ``config_history.jsonl``; writes ``config.json`` on a fresh
+  start (a resumed run never overwrites it)."""
+  workdir = Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  if config is not None and (step == 0 or not (workdir / CONFIG_FILE).is_file()):
+    (workdir / CONFIG_FILE).write_text(json.dumps(config, indent=1, default=str))
+  entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "host": socket.gethostname(),
+           "pid": os.getpid(), "changes": changes, "config": config}
+  with open(workdir / HISTORY_FILE, "a") as f:
+    f.write(json.dumps(entry, default=str) + "\n")
