@@ -33,8 +33,9 @@ ds tiles: the backward's blocks are multiples of ``ds_tile``.
 
 Everything inside the kernels lowers to Triton for sm_90: no float4 casts (E2M1 and E4M3 encoded
 with comparisons and integer operations), the divisions of the quantizer correctly rounded (PTX
-``div.rn.f32``; ``numerics.div_rn`` in interpret mode and in ``quantize_ds``), power-of-two blocks; see
-tests/test_kernels_attention.py for the CPU-side CUDA lowering check.
+``div.rn.f32``; ``numerics.div_rn`` in ``quantize_ds``; the CPU's division in interpret mode, see
+``_div``), power-of-two blocks; see tests/test_kernels_attention.py for the CPU-side CUDA lowering
+check.
 """
 
 from __future__ import annotations
@@ -74,11 +75,17 @@ def _ptx(op, *args):
       pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]
 
 
-def _div(a, b, on_gpu: bool):
-  """IEEE ``a / b`` (a, b >= 0): PTX ``div.rn.f32`` inside a GPU kernel, else ``numerics.div_rn``."""
-  if on_gpu:
+def _div(a, b, division: str):
+  """``a / b`` for a, b >= 0, correctly rounded by ``division``: ``"ptx"`` (PTX ``div.rn.f32``, inside
+  GPU kernels), ``"exact"`` (``numerics.div_rn``, integer arithmetic) or ``"backend"`` (the backend's
+  IEEE division, for interpret mode on the CPU, where ``div_rn`` inside a kernel compiles for
+  minutes). All three agree unless a subnormal is involved, which the CPU flushes to zero: here only
+  for ds tiles whose amax is below ~3e-35 (S_dec subnormal)."""
+  if division == "ptx":
     return _ptx("div.rn.f32", a, b)
-  return numerics.div_rn(jnp.asarray(a, jnp.float32), b)
+  if division == "exact":
+    return numerics.div_rn(jnp.asarray(a, jnp.float32), b)
+  return jnp.asarray(a, jnp.float32) / b
 
 
 def _tile_max(x, rows: int, cols: int):
@@ -94,7 +101,7 @@ def _expand(s, rows: int, cols: int):
   return jnp.broadcast_to(s[:, None, :, None], (m, rows, n, cols)).reshape(m * rows, n * cols)
 
 
-def _quantize_tile(ds, bits, ds_tile, rounding: str, on_gpu: bool):
+def _quantize_tile(ds, bits, ds_tile, rounding: str, division: str):
   """A 2-D float32 dS tile (whole ``ds_tile``s) -> its NVFP4 quantization decoded to bf16.
 
   ``nvfp4.quantize(t, block=(16, 16), rounding=rounding, bits=bits)`` of each ``ds_tile`` ``t`` then
@@ -107,15 +114,15 @@ def _quantize_tile(ds, bits, ds_tile, rounding: str, on_gpu: bool):
   amax = _tile_max(block_amax, tq // _B, tk // _B)  # per ds tile
   finite = amax <= numerics.F32_MAX
   amax = jnp.where(finite, amax, 0.0)
-  s_enc = jnp.minimum(_div(_E2M1_X_E4M3_MAX, amax, on_gpu), numerics.F32_MAX)
+  s_enc = jnp.minimum(_div(_E2M1_X_E4M3_MAX, amax, division), numerics.F32_MAX)
   s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
-  s_dec = jnp.where(finite, _div(1.0, s_enc, on_gpu), jnp.nan)
+  s_dec = jnp.where(finite, _div(1.0, s_enc, division), jnp.nan)
   per_block = functools.partial(_expand, rows=tq // _B, cols=tk // _B)
   s_enc_b, s_dec_b, finite_b = per_block(s_enc), per_block(s_dec), per_block(finite)
   block_amax = jnp.where(finite_b, block_amax, 0.0)
   dscale, dcode = numerics.e4m3_block_scales(block_amax, s_enc_b * jnp.float32(numerics.INV6))
   dscale = numerics.e4m3_to_f32(dcode)
-  escale = jnp.minimum(_div(1.0, dscale * s_dec_b, on_gpu), numerics.F32_MAX)
+  escale = jnp.minimum(_div(1.0, dscale * s_dec_b, division), numerics.F32_MAX)
   zero_block = (dscale == 0) | ~finite_b
   per_elem = functools.partial(_expand, rows=_B, cols=_B)
   code = numerics.e2m1_codes(x32, per_elem(escale), per_elem(zero_block), rounding, bits,
@@ -188,7 +195,7 @@ def quantize_ds(ds, *, ds_tile=DS_TILE, rounding: str = "stochastic", bits=None)
   lead = ds.shape[:-2]
   flat = ds.reshape(-1, t, s)
   fbits = None if bits is None else bits.reshape(-1, t, s)
-  fn = lambda x, b: _quantize_tile(x, b, ds_tile, rounding, on_gpu=False)
+  fn = lambda x, b: _quantize_tile(x, b, ds_tile, rounding, "exact")
   out = jax.vmap(fn)(flat, fbits) if fbits is not None else jax.vmap(lambda x: fn(x, None))(flat)
   return out.reshape(*lead, t, s)
 
@@ -272,7 +279,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, causal, block_
   lse_ref[...] = m + jnp.log(l)
 
 
-def _ds_tile(q, k, v, do, lse, delta, mask, *, sm_scale, quant, on_gpu):
+def _ds_tile(q, k, v, do, lse, delta, mask, *, sm_scale, quant, division):
   """P (bf16) and the dS operand (bf16) of one (query block, key block) tile of the backward."""
   s = _scores(q, k, sm_scale)
   p = jnp.exp(s - lse[:, None])
@@ -287,7 +294,7 @@ def _ds_tile(q, k, v, do, lse, delta, mask, *, sm_scale, quant, on_gpu):
     bits = None
     if rounding == "stochastic":
       bits = _tile_bits(words[0], words[1], bh, row0, col0, *ds.shape)
-    ds_op = _quantize_tile(ds, bits, ds_tile, rounding, on_gpu).astype(q.dtype)
+    ds_op = _quantize_tile(ds, bits, ds_tile, rounding, division).astype(q.dtype)
   return p.astype(do.dtype), ds_op
 
 
@@ -296,7 +303,7 @@ def _words(w_ref):
 
 
 def _dkdv_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                 sm_scale, causal, block_q, group, n_heads, n_rows, n_keys, pad, ds, on_gpu):
+                 sm_scale, causal, block_q, group, n_heads, n_rows, n_keys, pad, ds, division):
   bk = k_ref.shape[0]
   b, hk, kj = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   col0 = kj * bk
@@ -317,7 +324,7 @@ def _dkdv_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
                    n_cols=n_keys if pad else None)
     quant = None if ds is None else (_words(w_ref), b * n_heads + h, i * block_q, col0, *ds)
     p, ds_op = _ds_tile(q, k, v, do, lse, delta, mask, sm_scale=sm_scale, quant=quant,
-                        on_gpu=on_gpu)
+                        division=division)
     return dk + _dot(ds_op, q, trans_a=True), dv + _dot(p, do, trans_a=True)
 
   def head(g, carry):
@@ -334,7 +341,7 @@ def _dkdv_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
 
 
 def _dq_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, sm_scale, causal,
-               block_k, n_heads, n_rows, n_keys, pad, ds, on_gpu):
+               block_k, n_heads, n_rows, n_keys, pad, ds, division):
   bq = q_ref.shape[0]
   b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   row0 = qi * bq
@@ -350,7 +357,7 @@ def _dq_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *
                    n_cols=n_keys if pad else None)
     quant = None if ds is None else (_words(w_ref), b * n_heads + h, row0, j * block_k, *ds)
     _, ds_op = _ds_tile(q, k, v, do, lse, delta, mask, sm_scale=sm_scale, quant=quant,
-                        on_gpu=on_gpu)
+                        division=division)
     return dq + _dot(ds_op, k)
 
   dq = jnp.zeros(q_ref.shape, jnp.float32)
@@ -491,7 +498,7 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
     ds_tile: (rows, cols) of dS sharing one float32 scale, powers of two >= 16.
     block_q, block_k: tile rows and keys, powers of two (default ``ds_tile``); with NVFP4 dS,
       multiples of ``ds_tile``.
-    num_warps, num_stages: Triton launch settings (default 4 warps, 2 stages).
+    num_warps, num_stages: Triton launch settings (default 4 warps for D <= 64, else 8; 2 stages).
     interpret: run in Pallas interpret mode (CPU).
   """
   _check("attention_bwd", q, k, v, causal, sm_scale)
@@ -526,8 +533,8 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
            else jnp.zeros((2,), jnp.uint32))
   words = lax.bitcast_convert_type(words, jnp.int32)
   common = dict(sm_scale=float(sm_scale), causal=causal, n_heads=h, n_rows=t, n_keys=s, pad=pad,
-                ds=ds, on_gpu=not interpret)
-  params = _params(num_warps or 4, num_stages or 2)
+                ds=ds, division="backend" if interpret else "ptx")
+  params = _params(num_warps or (4 if d <= 64 else 8), num_stages or 2)
   w_spec = pl.BlockSpec((2,), lambda *_: (0,))
 
   all_rows = pl.BlockSpec((None, t_pad, h, d), lambda i, j, kj: (i, 0, 0, 0))

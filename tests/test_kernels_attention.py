@@ -1,0 +1,250 @@
+"""fp4jax.kernels.attention: interpret-mode numerics against a jnp attention that materializes S, P and
+dS, the in-kernel dS quantizer bit for bit against nvfp4.quantize, and the CUDA (Triton) lowering for
+an abstract H200."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import H200
+from jax.experimental import pallas as pl
+
+from fp4jax import nvfp4
+from fp4jax.kernels import attention as A
+from fp4jax.ops.attention import ds_bits, fake_quant_ds
+
+
+def _inputs(b, t, h, hk, d, s=None, seed=0):
+  rng = np.random.default_rng(seed)
+  s = t if s is None else s
+  q = rng.standard_normal((b, t, h, d)) * 1.5
+  k = rng.standard_normal((b, s, hk, d)) * 1.5
+  v = rng.standard_normal((b, s, hk, d))
+  do = rng.standard_normal((b, t, h, d))
+  return tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
+
+
+def _heads(x, h):
+  """[B, S, Hk, D] -> [B, S, H, D]: each key/value head repeated for its query heads."""
+  return jnp.repeat(x, h // x.shape[2], axis=2)
+
+
+def _reference(q, k, v, do, *, causal, ds_rounding=None, key=None, ds_tile=A.DS_TILE):
+  """Attention with materialized S, P and dS, the kernels' numerics: (o, lse, dq, dk, dv).
+
+  ``fp4jax.ops.attention`` holds the op's reference; this one takes the decoded q, k as they are (no
+  quantization of its own), as the kernels do, and gives the log-sum-exp and all three gradients."""
+  b, t, h, d = q.shape
+  scale = d**-0.5
+  kh, vh = _heads(k, h), _heads(v, h)
+  s = jnp.einsum("bthd,bshd->bhts", q, kh, preferred_element_type=jnp.float32) * jnp.float32(scale)
+  if causal:
+    s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+  lse = jax.nn.logsumexp(s, axis=-1)
+  p = jnp.exp(s - lse[..., None])
+  pb = p.astype(jnp.bfloat16)
+  o = jnp.einsum("bhts,bshd->bthd", pb, vh, preferred_element_type=jnp.float32).astype(q.dtype)
+  delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+  dp = jnp.einsum("bthd,bshd->bhts", do, vh, preferred_element_type=jnp.float32)
+  ds = (p * (dp - delta[..., None])) * jnp.float32(scale)
+  if ds_rounding is None:
+    dsq = ds.astype(jnp.bfloat16)
+  else:
+    # fp4jax.ops.attention's reference quantizer (nvfp4.quantize per ds tile) and its bits.
+    bits = ds_bits(key, ds.shape) if ds_rounding == "stochastic" else None
+    dsq = fake_quant_ds(ds, ds_tile=ds_tile, rounding=ds_rounding, bits=bits).astype(jnp.bfloat16)
+  dq = jnp.einsum("bhts,bshd->bthd", dsq, kh, preferred_element_type=jnp.float32)
+  dkh = jnp.einsum("bhts,bthd->bshd", dsq, q, preferred_element_type=jnp.float32)
+  dvh = jnp.einsum("bhts,bthd->bshd", pb, do, preferred_element_type=jnp.float32)
+  group = lambda x: x.reshape(*k.shape[:3], h // k.shape[2], d).sum(3).astype(k.dtype)
+  return o, lse, dq.astype(q.dtype), group(dkh), group(dvh)
+
+
+def _close(got, want, rtol):
+  """Max |got - want| within rtol of max |want| (bf16 outputs, different summation orders)."""
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  assert got.shape == want.shape
+  err = np.abs(got - want).max()
+  assert err <= rtol * np.abs(want).max(), (err, np.abs(want).max())
+
+
+# (B, T, H, Hk, D, causal, block_q, block_k): GQA, T not a multiple of the blocks, block_q != block_k.
+CASES = [
+    (1, 64, 2, 2, 64, True, 32, 32),
+    (1, 80, 4, 2, 64, True, 32, 16),
+    (2, 48, 2, 1, 128, False, 16, 32),
+    (1, 64, 4, 1, 64, False, 64, 16),
+]
+
+
+@pytest.mark.parametrize("b,t,h,hk,d,causal,bq,bk", CASES)
+def test_forward_matches_reference(b, t, h, hk, d, causal, bq, bk):
+  q, k, v, do = _inputs(b, t, h, hk, d, seed=t + d)
+  o, lse = A.attention_fwd(q, k, v, causal=causal, sm_scale=d**-0.5, block_q=bq, block_k=bk,
+                           interpret=True)
+  o_r, lse_r, *_ = _reference(q, k, v, do, causal=causal)
+  assert o.dtype == q.dtype and lse.shape == (b, h, t) and lse.dtype == jnp.float32
+  np.testing.assert_allclose(lse, lse_r, rtol=1e-6, atol=1e-5)
+  _close(o, o_r, 1e-2)  # P in bf16, normalized after P·V instead of before
+
+
+@pytest.mark.parametrize("b,t,h,hk,d,causal,bq,bk", CASES)
+def test_backward_bf16_ds_matches_reference(b, t, h, hk, d, causal, bq, bk):
+  q, k, v, do = _inputs(b, t, h, hk, d, seed=t + d)
+  o, lse, dq_r, dk_r, dv_r = _reference(q, k, v, do, causal=causal)
+  dq, dk, dv = A.attention_bwd(q, k, v, o, lse, do, causal=causal, sm_scale=d**-0.5, block_q=bq,
+                               block_k=bk, interpret=True)
+  assert (dq.dtype, dk.shape, dv.shape) == (q.dtype, k.shape, v.shape)
+  for got, want in ((dq, dq_r), (dk, dk_r), (dv, dv_r)):
+    _close(got, want, 2e-2)
+
+
+@pytest.mark.parametrize("rounding,causal,t,blocks", [
+    ("stochastic", True, 128, (64, 64)),
+    ("nearest", False, 96, (64, 32)),  # padded to 128, two ds tiles of 32 per key block
+])
+def test_backward_nvfp4_ds_matches_reference(rounding, causal, t, blocks):
+  b, h, hk, d = 1, 2, 1, 64
+  ds_tile = (64, 64) if blocks == (64, 64) else (64, 32)
+  q, k, v, do = _inputs(b, t, h, hk, d, seed=7)
+  key = jax.random.key(5)
+  o, lse, dq_r, dk_r, dv_r = _reference(q, k, v, do, causal=causal, ds_rounding=rounding, key=key,
+                                        ds_tile=ds_tile)
+  dq, dk, dv = A.attention_bwd(q, k, v, o, lse, do, causal=causal, sm_scale=d**-0.5,
+                               ds_rounding=rounding, key=key, ds_tile=ds_tile, block_q=blocks[0],
+                               block_k=blocks[1], interpret=True)
+  # dS differs from the reference's in the last bits (summation order), which moves a few E2M1
+  # codes at rounding boundaries; the bf16-dS gradients are far off (quantization error).
+  _, _, dq_bf16, dk_bf16, _ = _reference(q, k, v, do, causal=causal)
+  for got, want, bf16 in ((dq, dq_r, dq_bf16), (dk, dk_r, dk_bf16)):
+    err = np.abs(np.float32(got) - np.float32(want)).max()
+    assert err < 0.25 * np.abs(np.float32(bf16) - np.float32(want)).max(), err
+    _close(got, want, 4e-2)
+  _close(dv, dv_r, 2e-2)
+
+
+def _tile_quantizer_kernel(w_ref, ds_ref, out_ref, *, ds_tile, rounding, row0, col0, bh):
+  """The kernels' dS tile step on one block: rounding bits at (row0, col0), quantize, decode."""
+  m, n = ds_ref.shape
+  bits = None
+  if rounding == "stochastic":
+    k1, k2 = A._words(w_ref)
+    bits = A._tile_bits(k1, k2, bh, row0, col0, m, n)
+  out_ref[...] = A._quantize_tile(ds_ref[...], bits, ds_tile, rounding, "backend")
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_in_kernel_ds_quantizer_is_bit_exact(rounding):
+  """The tile quantizer run inside a Pallas kernel (interpret mode) on a block at an offset, against
+  ``quantize_ds`` of the whole dS with ``ds_rounding_bits``, and both against ``nvfp4.quantize`` of
+  each ds tile: bit for bit. Tiles of zeros, of values near 1e-37 (a subnormal S_dec: only the
+  exact division of ``quantize_ds`` and the GPU's handle it, so not the interpret-mode block), a
+  spread over 10 decades."""
+  rng = np.random.default_rng(1)
+  b, h, t, s = 2, 3, 128, 192
+  x = rng.standard_normal((b, h, t, s)) * 10.0 ** rng.uniform(-8, 2, (b, h, t, s))
+  x[0, 0, :64, :64] = 0.0
+  x[1, 2, 64:, 64:128] *= 1e-37
+  ds = jnp.asarray(x, jnp.float32)
+  key = jax.random.key(11)
+  bits = A.ds_rounding_bits(key, ds.shape) if rounding == "stochastic" else None
+  whole = np.asarray(A.quantize_ds(ds, ds_tile=(64, 32), rounding=rounding, bits=bits), np.float32)
+
+  @jax.jit
+  def per_tile(tile, tbits):
+    t = nvfp4.quantize(tile, block=(16, 16), rounding=rounding, bits=tbits)
+    return nvfp4.dequantize(t, jnp.bfloat16)
+
+  for (bi, hi, i, j) in [(0, 0, 0, 0), (1, 2, 64, 96), (0, 1, 0, 160)]:
+    tile = ds[bi, hi, i:i + 64, j:j + 32]
+    want = per_tile(tile, None if bits is None else bits[bi, hi, i:i + 64, j:j + 32])
+    np.testing.assert_array_equal(whole[bi, hi, i:i + 64, j:j + 32].view(np.uint32),
+                                  np.asarray(want, np.float32).view(np.uint32))
+  # The kernel's code on a 64 x 64 block at (64, 64) of head (0, 1): two ds tiles.
+  words = jax.lax.bitcast_convert_type(jnp.stack(A._key_words(key)), jnp.int32)
+  bi, hi = 0, 1
+  kernel = functools.partial(_tile_quantizer_kernel, ds_tile=(64, 32), rounding=rounding, row0=64,
+                             col0=64, bh=bi * h + hi)
+  got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((64, 64), jnp.bfloat16),
+                       interpret=True)(words, ds[bi, hi, 64:128, 64:128])
+  np.testing.assert_array_equal(np.asarray(got, np.float32).view(np.uint32),
+                                whole[bi, hi, 64:128, 64:128].view(np.uint32))
+
+
+def test_ds_rounding_bits_depend_on_the_element_only():
+  key = jax.random.key(2)
+  bits = np.asarray(A.ds_rounding_bits(key, (2, 3, 32, 64)))
+  k1, k2 = A._key_words(key)
+  tile = np.asarray(A._tile_bits(k1, k2, 1 * 3 + 2, 16, 32, 16, 32))
+  np.testing.assert_array_equal(tile, bits[1, 2, 16:32, 32:64])
+  assert ((bits & 0xFFFFFF) == 1 << 23).all()  # lane_bits: a byte, then the half step
+  byte = bits >> 24
+  assert len(np.unique(byte)) == 256 and abs(byte.mean() - 127.5) < 3
+  # Other heads, other keys: other bits.
+  assert np.mean(bits[0, 0] == bits[0, 1]) < 0.02
+  other = np.asarray(A.ds_rounding_bits(jax.random.key(3), (2, 3, 32, 64)))
+  assert np.mean(other == bits) < 0.02
+
+
+def test_bad_arguments_raise_value_errors():
+  q, k, v, do = _inputs(1, 32, 2, 1, 64)
+  fwd = functools.partial(A.attention_fwd, causal=True, sm_scale=0.125, interpret=True)
+  lse = jnp.zeros((1, 2, 32), jnp.float32)
+  bwd = functools.partial(A.attention_bwd, causal=True, sm_scale=0.125, interpret=True)
+  for call, args, kw, match in [
+      (fwd, (q[0], k, v), {}, r"\[B, T, H, D\]"),
+      (fwd, (q, k[:, :16], v[:, :16]), {}, "causal"),
+      (fwd, (q, k, v[..., :32]), {}, "k .* and v"),
+      (fwd, (q[..., :24], k[..., :24], v[..., :24]), {}, "multiple of 16"),
+      (fwd, (q[:, :, :1], k.repeat(2, 2), v.repeat(2, 2)), {}, "multiple of the key/value heads"),
+      (fwd, (q, k, v), dict(block_q=48), "block_q"),
+      (fwd, (q, k, v), dict(sm_scale=-1.0), "sm_scale"),
+      (bwd, (q, k, v, q, lse[:, :1], do), {}, "lse"),
+      (bwd, (q, k, v, q, lse, do[:, :16]), {}, "do"),
+      (bwd, (q, k, v, q, lse, do), dict(ds_rounding="up"), "rounding"),
+      (bwd, (q, k, v, q, lse, do), dict(ds_rounding="stochastic"), "key"),
+      (bwd, (q, k, v, q, lse, do), dict(ds_rounding="nearest", ds_tile=(24, 64)), "ds_tile"),
+      (bwd, (q, k, v, q, lse, do), dict(ds_rounding="nearest", block_q=32), "multiples of ds_tile"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      call(*args, **kw)
+
+
+# (D, causal, ds_rounding, GQA group): both head dims, dS in bf16 and NVFP4 (both roundings).
+LOWER_CASES = [
+    (64, True, "stochastic", 2),
+    (128, True, "stochastic", 1),
+    (128, False, "nearest", 4),
+    (128, True, None, 2),
+]
+
+
+@pytest.mark.parametrize("d,causal,ds_rounding,group", LOWER_CASES)
+def test_lowers_to_triton_for_h200(triton_modules, d, causal, ds_rounding, group):
+  """The CUDA lowering of jitted forward and backward for an abstract H200 (no GPU): one Triton call
+  forward, two backward (dK/dV and dQ), each verified; the dS quantizer divides with div.rn.f32 and
+  uses no float4/float8 type."""
+  b, t, h = 2, 1024, 8
+  q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((b, t, h // group, d), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+  fwd = jax.jit(functools.partial(A.attention_fwd, causal=causal, sm_scale=d**-0.5))
+  bwd = jax.jit(functools.partial(A.attention_bwd, causal=causal, sm_scale=d**-0.5,
+                                  ds_rounding=ds_rounding))
+  with jax.sharding.use_abstract_mesh(H200):  # abstract values only in here
+    hlo_f = fwd.trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+    hlo_b = bwd.trace(q, k, k, q, lse, q, key=key).lower(lowering_platforms=("cuda",)).as_text()
+  assert hlo_f.count("__gpu$xla.gpu.triton") == 1 and hlo_b.count("__gpu$xla.gpu.triton") == 2
+  assert len(triton_modules) == 3
+  fwd_ir, dkdv_ir, dq_ir = triton_modules
+  assert "@nvfp4_attention_fwd" in fwd_ir and "@nvfp4_attention_dkdv" in dkdv_ir
+  assert "@nvfp4_attention_dq" in dq_ir
+  for ir in triton_modules:
+    assert not re.search(r"f4E2M1|f8E4M3", ir)
+    assert ir.count("tt.dot") >= (1 if ir is fwd_ir else 3) + (ir is fwd_ir)
+  for ir in (dkdv_ir, dq_ir):
+    assert ("div.rn.f32" in ir) == (ds_rounding is not None)
