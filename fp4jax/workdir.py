@@ -183,7 +183,8 @@ def identity_changes(saved: Mapping, current: Mapping, allow: Iterable[str] = ()
         "resuming would change the run:\n  "
         + "\n  ".join(f"{p}: checkpoint {a!r}, this run {b!r}" for p, a, b in refused)
         + f"\nresume with the checkpoint's settings, use a fresh workdir, or allow the change "
-        f"(--allow_changes={','.join(fields)}; train(..., allow_changes=...))")
+        f"(--allow_changes={','.join(fields)} on the command line; train(..., "
+        f"allow_changes={tuple(fields)}))")
   return [f"{p}: {a!r} -> {b!r}" for p, a, b in diffs]
 
 
