@@ -185,12 +185,10 @@ def check_data(data_dir: str | os.PathLike, vocab_size: int, seq_len: int,
     for shard in meta._split(split)["shards"]:
       path = Path(data_dir) / shard["file"]
       top = _max_id(path, meta, shard)
-      if top >= min(vocab_size, meta.vocab_size):
-        whose = ("the model's vocab_size" if top < meta.vocab_size
-                 else "the data's own vocabulary (meta.json)")
-        raise ValueError(f"{path} holds token id {top}, beyond {whose} "
-                         f"{min(vocab_size, meta.vocab_size)}: the shard is damaged or from "
-                         f"another tokenizer; {again}")
+      if top >= meta.vocab_size:  # check_compat made sure vocab_size >= meta.vocab_size
+        raise ValueError(f"{path} holds token id {top}, but the data's vocabulary (meta.json) is "
+                         f"{meta.vocab_size} and the model's {vocab_size}: the shard is damaged "
+                         f"or from another tokenizer; {again}")
   return meta
 
 
