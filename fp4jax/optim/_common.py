@@ -238,9 +238,10 @@ def _fit(sharding, shape):
   """``sharding`` for an array of ``shape``: mesh axes that do not divide their dimension dropped."""
   if not isinstance(sharding, NamedSharding):
     return sharding
-  dims = []
-  for dim, axes in zip(shape, tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))):
+  dims, dropped = [], False
+  for dim, axes in zip(shape, sharding.spec):
     names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    size = math.prod(sharding.mesh.shape[a] for a in names)
-    dims.append(axes if names and dim % size == 0 else None)
-  return NamedSharding(sharding.mesh, PartitionSpec(*dims))
+    fits = dim % math.prod(sharding.mesh.shape[a] for a in names) == 0
+    dims.append(axes if fits else None)
+    dropped |= not fits
+  return NamedSharding(sharding.mesh, PartitionSpec(*dims)) if dropped else sharding
