@@ -349,8 +349,30 @@ def hadamard_matrix(key) -> jax.Array:
   return signs[:, None] * jnp.asarray(h / 4.0)
 
 
+def _butterfly(v):
+  """The Walsh–Hadamard butterfly ``H16 · v`` over a list of 16 equally shaped arrays: strides 1, 2,
+  4, 8, each pair's sum before its difference (Sylvester's order of ``hadamard_matrix``)."""
+  v = list(v)
+  for stride in (1, 2, 4, 8):
+    for i in range(BLOCK):
+      if not i & stride:
+        a, b = v[i], v[i + stride]
+        v[i], v[i + stride] = a + b, a - b
+  return v
+
+
 def hadamard(x, key, axis=-1, *, inverse=False) -> jax.Array:
-  """Random Hadamard transform of each 16-element block of ``x`` along ``axis``.
+  """Random Hadamard transform of each 16-element block of ``x`` along ``axis``, in a fixed order.
+
+  ``y = hadamard_matrix(key)ᵀ · x = H16 · (s ⊙ x) / 4`` per block (``inverse``: ``s ⊙ (H16 · x) / 4``),
+  computed in float32 as a butterfly: the products by the signs ``s`` (exact), then 64 additions
+  with strides 1, 2, 4, 8, each pair's sum before its difference, then the exact ``× 1/4``. Float32
+  subnormal inputs are flushed to zero first.
+
+  The order of the additions is part of the definition: a matrix product (``einsum``) sums in the
+  backend's order, so the rounding of ``H·x``, and with it the NVFP4 codes of the wgrad operands,
+  would differ between CPU and GPU and between XLA and a kernel. With one order, every backend and
+  the fused quantizer kernel (``fp4jax.kernels.nvfp4_quantize``) give the same bits.
 
   Applying it to both operands along their contraction axis leaves their product unchanged
   (the transform is orthonormal), while spreading outliers across each block.
@@ -368,10 +390,13 @@ def hadamard(x, key, axis=-1, *, inverse=False) -> jax.Array:
   axis = axis % x.ndim
   if x.shape[axis] % BLOCK:
     raise ValueError(f"hadamard along axis {axis}: size {x.shape[axis]} is not a multiple of 16")
-  h = hadamard_matrix(key)
-  if inverse:
-    h = h.T
-  xm = jnp.moveaxis(x, axis, -1).astype(jnp.float32)
+  signs = hadamard_matrix(key)[:, 0] * 4.0  # s, exactly ±1
+  xm = jnp.moveaxis(numerics.flush_subnormals(x.astype(jnp.float32)), axis, -1)
   xb = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)
-  yb = jnp.einsum("...i,ij->...j", xb, h, precision=lax.Precision.HIGHEST)
+  v = [xb[..., i] for i in range(BLOCK)]
+  if inverse:
+    v = [y * signs[i] for i, y in enumerate(_butterfly(v))]
+  else:
+    v = _butterfly([y * signs[i] for i, y in enumerate(v)])
+  yb = jnp.stack(v, axis=-1) * jnp.float32(0.25)
   return jnp.moveaxis(yb.reshape(xm.shape), -1, axis).astype(x.dtype)

@@ -31,10 +31,9 @@ Division: ``1 / (dscale · S_dec)`` is PTX ``div.rn.f32`` on the GPU (Triton's `
 rounded) and the CPU's IEEE division in interpret mode: both equal ``numerics.div_rn``. Codes are
 encoded with integer operations (``fp4jax.numerics``): no float4 or float8 casts in the kernels.
 
-Hadamard transform: ``hadamard`` computes ``diag(s)·H16/4`` per block as a butterfly (strides 1, 2, 4,
-8, sum before difference, then the exact ×1/4), an order of float32 additions that every backend
-follows; ``nvfp4.hadamard`` is the same transform as a matrix product, whose summation order is the
-backend's (equal where the sums are exact, e.g. bf16 data of moderate dynamic range).
+Hadamard transform: the kernels run ``nvfp4.hadamard``'s butterfly (strides 1, 2, 4, 8, sum before
+difference, then the exact ×1/4), the same float32 additions in the same order, so the transformed
+operand is the same on every backend and in the kernels.
 """
 
 from __future__ import annotations
@@ -88,24 +87,8 @@ def hadamard_signs(key) -> jax.Array:
   return nvfp4.hadamard_matrix(key)[:, 0] * 4.0
 
 
-def _butterfly(v):
-  """The Walsh–Hadamard butterfly over a list of 16 equally shaped arrays (strides 1, 2, 4, 8)."""
-  v = list(v)
-  for stride in (1, 2, 4, 8):
-    for i in range(BLOCK):
-      if not i & stride:
-        a, b = v[i], v[i + stride]
-        v[i], v[i + stride] = a + b, a - b
-  return v
-
-
 def hadamard(x, key, axis=-1) -> jax.Array:
-  """The random Hadamard transform of ``nvfp4.hadamard`` (per 16-element block along ``axis``), as a
-  butterfly with a fixed order of float32 additions.
-
-  ``y = (H16 · (s ⊙ x)) / 4`` per block, ``s = hadamard_signs(key)``; the butterfly adds with strides
-  1, 2, 4, 8, the sum of each pair before its difference. Float32 subnormal inputs are flushed to
-  zero first.
+  """The transform the kernels fuse: ``nvfp4.hadamard`` of ``x`` in float32 (a fixed-order butterfly).
 
   Args:
     x: float array whose ``axis`` is a multiple of 16.
@@ -115,16 +98,7 @@ def hadamard(x, key, axis=-1) -> jax.Array:
   Returns:
     float32 array shaped like ``x``.
   """
-  x = numerics.flush_subnormals(jnp.asarray(x).astype(jnp.float32))
-  axis = axis % x.ndim
-  if x.shape[axis] % BLOCK:
-    raise ValueError(f"hadamard along axis {axis}: size {x.shape[axis]} is not a multiple of 16")
-  xm = jnp.moveaxis(x, axis, -1)
-  xb = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)
-  s = hadamard_signs(key)
-  y = _butterfly([xb[..., i] * s[i] for i in range(BLOCK)])
-  yb = jnp.stack(y, axis=-1) * jnp.float32(0.25)
-  return jnp.moveaxis(yb.reshape(xm.shape), -1, axis)
+  return nvfp4.hadamard(jnp.asarray(x).astype(jnp.float32), key, axis)
 
 
 def stochastic_bits(key, shape, bit_source="random") -> jax.Array:
@@ -333,7 +307,7 @@ def _slabs(x_ref, s_ref, ok, mid, hadamard_on):
   xs = [numerics.flush_subnormals(_load(_slab_ref(x_ref, i, mid), ok).astype(jnp.float32))
         for i in range(BLOCK)]
   if hadamard_on:
-    xs = _butterfly([x * s_ref[i] for i, x in enumerate(xs)])
+    xs = nvfp4._butterfly([x * s_ref[i] for i, x in enumerate(xs)])  # nvfp4.hadamard's order
     xs = [numerics.flush_subnormals(x * jnp.float32(0.25)) for x in xs]
   return xs
 

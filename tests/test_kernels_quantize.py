@@ -94,12 +94,33 @@ def test_zeros_and_non_finite_as_nvfp4(fill):
     assert np.isnan(float(got.global_scale)) and not np.asarray(got.codes).any()
 
 
-def test_hadamard_is_nvfp4_hadamard_in_a_fixed_order():
-  """The butterfly is nvfp4.hadamard to float32 rounding, and equal where the sums are exact."""
+def _numpy_butterfly(x, signs):
+  """``H16 · (s ⊙ x) / 4`` along the last axis in NumPy float32: strides 1, 2, 4, 8, sum first."""
+  v = [x[..., i] * signs[i] for i in range(16)]
+  for stride in (1, 2, 4, 8):
+    for i in range(16):
+      if not i & stride:
+        v[i], v[i + stride] = v[i] + v[i + stride], v[i] - v[i + stride]
+  return np.stack(v, axis=-1) * np.float32(0.25)
+
+
+def test_hadamard_is_one_fixed_order_of_additions():
+  """``nvfp4.hadamard`` (which the kernels fuse) is the butterfly, bit for bit, on heavy-tailed
+  data where a matrix product's rounding would depend on its summation order; it is the matrix
+  ``hadamard_matrix(key)`` to float32 rounding, and ``hadamard`` here is it in float32."""
   x = _data((64, 32), jnp.float32)
-  np.testing.assert_allclose(kq.hadamard(x, HKEY, 0), nvfp4.hadamard(x, HKEY, 0), rtol=1e-5, atol=1e-5)
-  grid = jax.random.randint(jax.random.key(1), (64, 32), -256, 256).astype(jnp.float32) / 128
-  np.testing.assert_array_equal(kq.hadamard(grid, HKEY, 0), nvfp4.hadamard(grid, HKEY, 0))
+  signs = np.asarray(kq.hadamard_signs(HKEY))
+  want = _numpy_butterfly(np.asarray(x).T.reshape(32, 4, 16), signs).reshape(32, 64).T
+  got = nvfp4.hadamard(x, HKEY, 0)
+  _assert_same(got, jnp.asarray(want))
+  _assert_same(jax.jit(nvfp4.hadamard, static_argnums=2)(x, HKEY, 0), got)
+  _assert_same(kq.hadamard(x.astype(jnp.bfloat16), HKEY, 0),
+               nvfp4.hadamard(x.astype(jnp.bfloat16).astype(jnp.float32), HKEY, 0))
+  h = np.asarray(nvfp4.hadamard_matrix(HKEY), np.float64)
+  matrix = np.einsum("bi,ij->bj", np.asarray(x, np.float64).T.reshape(-1, 16), h).reshape(32, 64).T
+  np.testing.assert_allclose(got, matrix, rtol=1e-5, atol=1e-5 * float(np.abs(matrix).max()))
+  inverse = nvfp4.hadamard(got, HKEY, 0, inverse=True)
+  np.testing.assert_allclose(inverse, x, rtol=1e-5, atol=1e-5 * float(jnp.abs(x).max()))
 
 
 def test_bad_arguments():

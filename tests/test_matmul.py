@@ -1,16 +1,20 @@
-"""fp4jax.ops.nvfp4_matmul: GEMMs against the dequantized reference, the bf16 path, SR, reuse, errors.
+"""fp4jax.ops.nvfp4_matmul: GEMMs against the dequantized reference, the bf16 path, SR, reuse, errors,
+and the quantizer-kernel implementation against the XLA one (bit for bit; CUDA lowering and size).
 
 Compilation dominates on the 2-core CPU, so the checks share a few jitted functions of one shape
 (M = K = N = 32, the token axis as [2, 16]): one for the NVIDIA recipe with its references, one
-called over many keys for the all-stochastic config.
+called over many keys for the all-stochastic config. The configs run the XLA implementation unless
+a test names another.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import H200
 
 from fp4jax import nvfp4
 from fp4jax.ops import (
@@ -21,9 +25,10 @@ from fp4jax.ops import (
 )
 
 M0, M1, K, N = 2, 16, 32, 32
-NVFP4 = MatmulConfig.nvfp4()
+NVFP4 = MatmulConfig.nvfp4(implementation="xla")
 # Every operand stochastically rounded: each GEMM is then unbiased for the *exact* product.
-ALL_SR = MatmulConfig.nvfp4(x_rounding="stochastic", w_rounding="stochastic", x_wgrad_rounding="stochastic")
+ALL_SR = MatmulConfig.nvfp4(x_rounding="stochastic", w_rounding="stochastic", x_wgrad_rounding="stochastic",
+                            implementation="xla")
 N_KEYS = 128
 
 
@@ -71,7 +76,8 @@ def _bits_equal(a, b):
 
 def test_config_presets_validation_and_hashing():
   assert not MatmulConfig.bf16().quantized and not MatmulConfig.bf16().needs_key
-  assert NVFP4.quantized and NVFP4.needs_key and NVFP4 == MatmulConfig()
+  assert NVFP4.quantized and NVFP4.needs_key and NVFP4 == MatmulConfig(implementation="xla")
+  assert MatmulConfig().implementation == "auto"
   assert MatmulConfig.bf16(hadamard=True).needs_key  # Hadamard signs are random
   no_random = MatmulConfig.nvfp4(dy_dgrad_rounding="nearest", dy_wgrad_rounding="nearest", hadamard=False)
   assert no_random.quantized and not no_random.needs_key
@@ -82,6 +88,8 @@ def test_config_presets_validation_and_hashing():
     MatmulConfig(x_rounding="up")
   with pytest.raises(ValueError, match="fwd must be a bool"):
     MatmulConfig(fwd=1)
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    MatmulConfig(implementation="triton")
 
 
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
@@ -176,11 +184,13 @@ def test_hadamard_cancels_in_the_unquantized_wgrad():
   assert not _bits_equal(dw, dw0)  # H was applied (and only changed the f32 rounding)
 
 
-def test_residuals_are_packed_nvfp4():
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+def test_residuals_are_packed_nvfp4(implementation):
   """The backward keeps Q(w) and Q(H·x) packed (uint8 codes + e4m3 scales), no float copy of x or w."""
   x, w, _ = _data(jnp.bfloat16)
+  config = dataclasses.replace(NVFP4, implementation=implementation)
   vjp_fn = jax.eval_shape(lambda x, w: jax.vjp(
-      lambda x, w: nvfp4_matmul(x, w, key=jax.random.key(0), config=NVFP4), x, w)[1], x, w)
+      lambda x, w: nvfp4_matmul(x, w, key=jax.random.key(0), config=config), x, w)[1], x, w)
   leaves = [(tuple(l.shape), l.dtype) for l in jax.tree.leaves(vjp_fn)]
   assert ((K, N // 2), jnp.uint8) in leaves and ((M0 * M1 // 2, K), jnp.uint8) in leaves
   floats = [s for s, d in leaves if jnp.issubdtype(d, jnp.floating) and d != jnp.float8_e4m3fn]
@@ -227,3 +237,79 @@ def test_bad_arguments_raise_clear_errors():
     nvfp4_matmul(x, w, config="nvfp4")
   with pytest.raises(ValueError, match="x must be a floating-point array"):
     nvfp4_matmul(jnp.ones((32, 32), jnp.int32), w, config=MatmulConfig.bf16())
+
+
+# ----------------------------------------------------------------------------------------------
+# The quantizer-kernel implementation
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _both_implementations(x, w, dy, key, config):
+  """(the XLA implementation's y, dx, dw; the kernels' in interpret mode), one program."""
+  impl = lambda name: dataclasses.replace(config, implementation=name)  # noqa: E731
+  return _vjp(x, w, dy, key, impl("xla")), _vjp(x, w, dy, key, impl("pallas_interpret"))
+
+
+KERNEL_CASES = [
+    # Nearest x and w, stochastic dy, the Hadamard transform on the wgrad operands; x 3-D.
+    ("recipe, 3-D x", NVFP4, (M0, M1, K)),
+    # Every forward/dgrad rounding flipped, no Hadamard; x 2-D.
+    ("flipped roundings, no Hadamard, 2-D x",
+     MatmulConfig.nvfp4(x_rounding="stochastic", w_rounding="stochastic", dy_dgrad_rounding="nearest",
+                        hadamard=False), (M0 * M1, K)),
+    # Q(w) for the dgrad only (packed, no decoded forward operand); the Hadamard transform in f32.
+    ("dgrad only", MatmulConfig.nvfp4(fwd=False, wgrad=False), (M0, M1, K)),
+]
+
+
+@pytest.mark.parametrize("name,config,x_shape", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
+def test_kernel_implementation_equals_xla_bit_for_bit(name, config, x_shape):
+  """Forward, dgrad and wgrad of ``implementation="pallas_interpret"`` equal ``"xla"``'s bits: the
+  kernels quantize to the same codes (same keys, same Hadamard order) and the GEMMs are the same."""
+  x, w, dy = _data(jnp.bfloat16)
+  x, dy = x.reshape(*x_shape[:-1], K), dy.reshape(*x_shape[:-1], N)
+  xla, kernels = _both_implementations(x, w, dy, jax.random.key(7), config)
+  for out, a, b in zip(("y", "dx", "dw"), xla, kernels):
+    assert a.shape == b.shape and a.dtype == b.dtype, out
+    assert _bits_equal(a, b), (name, out)
+  exact = _vjp(x, w, dy, None, MatmulConfig.bf16())
+  for out, a, e, quantized in zip(("y", "dx", "dw"), kernels, exact, (config.fwd, config.dgrad, config.wgrad)):
+    assert (_rel(a, e) > 0.05) == quantized, (name, out)  # quantized where the config says, only there
+
+
+def test_auto_is_xla_on_the_cpu_and_kernel_choices_check_their_inputs():
+  x, w = jnp.ones((32, 32)), jnp.ones((32, 32))
+  auto = MatmulConfig.nvfp4()
+  hlo = jax.jit(lambda x, w: nvfp4_matmul(x, w, key=jax.random.key(0), config=auto)).lower(x, w).as_text()
+  assert "custom_call" not in hlo  # neither the kernels nor their interpret-mode loops
+  pallas = MatmulConfig.nvfp4(implementation="pallas")
+  with pytest.raises(ValueError, match="threefry2x32 .*implementation='xla'"):
+    nvfp4_matmul(x, w, key=jax.random.key(0, impl="rbg"), config=pallas)
+  big = jax.ShapeDtypeStruct((2**27, 16), jnp.bfloat16)  # 2**31 elements
+  with pytest.raises(ValueError, match="fewer than 2\\*\\*31 elements"):
+    jax.eval_shape(lambda x: nvfp4_matmul(x, jnp.ones((16, 16)), key=jax.random.key(0), config=pallas), big)
+
+
+def _lowered_vjp(config):
+  """The StableHLO text of ``nvfp4_matmul``'s forward and backward, lowered for an H200."""
+  x = jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((512, 384), jnp.float32)
+  dy = jax.ShapeDtypeStruct((4, 256, 384), jnp.bfloat16)
+  key = jax.random.key(0)
+  with jax.sharding.use_abstract_mesh(H200):
+    lowered = jax.jit(_vjp, static_argnames="config").trace(x, w, dy, key, config=config)
+    hlo = lowered.lower(lowering_platforms=("cuda",)).as_text()
+  return hlo
+
+
+def test_kernel_implementation_lowers_for_h200_to_a_small_program(triton_modules):
+  """The forward and backward with ``implementation="pallas"`` lower to CUDA with two Triton kernels
+  per quantized operand (amax, quantize: five operands), in a program several times smaller than the
+  XLA implementation's integer quantizer graphs, which XLA compiles slowly."""
+  kernels = _lowered_vjp(MatmulConfig.nvfp4(implementation="pallas"))
+  assert kernels.count("__gpu$xla.gpu.triton") == 10 and len(triton_modules) == 10
+  assert sum("@nvfp4_quantize" in m for m in triton_modules) == 5
+  xla = _lowered_vjp(NVFP4)
+  assert "__gpu$xla.gpu.triton" not in xla
+  assert len(kernels.splitlines()) * 5 < len(xla.splitlines()), (len(kernels.splitlines()),
+                                                                  len(xla.splitlines()))

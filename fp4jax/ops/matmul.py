@@ -8,8 +8,20 @@ With ``x: [..., K]`` flattened to ``x_MxK`` (M = tokens) and ``w_KxN``:
 
 H is a 16-point random Hadamard transform on the token axis (it cancels in the product). Every GEMM
 is ``fp4jax.nvfp4.gemm``: the packed operands decoded to bf16 (``e2m1 × e4m3`` is exact there), a
-float32-accumulated dot, then both float32 global scales: an NVFP4 tensor-core GEMM up to summation
-order. The backward keeps packed NVFP4 residuals (``Q(w)``, ``Q(H·x)``), not bf16 copies.
+float32-accumulated dot, then both float32 global scales one at a time: an NVFP4 tensor-core GEMM
+up to summation order.
+
+Two implementations compute the same bits (``MatmulConfig.implementation``): ``"xla"`` quantizes
+with ``nvfp4.quantize`` and decodes inside ``nvfp4.gemm``; ``"pallas"`` quantizes each operand once
+with the kernels of ``fp4jax.kernels.nvfp4_quantize`` (one custom call each, the Hadamard transform
+and the random bits fused), which also write the decoded bf16 operand a GEMM reads at once, so the
+step's program stays small and XLA compiles it quickly.
+
+Residuals: the backward keeps the packed ``Q(w)`` and ``Q(H·x)`` (4.5 bits per element) in both
+implementations and decodes them to bf16 in the backward (one elementwise pass), where a bf16
+matmul keeps bf16 ``x`` and ``w``: the NVFP4 layer's saved activations are 0.28× the bf16 layer's.
+Saving the decoded bf16 instead would save that pass but cost the bf16 layer's memory; the only
+extra traffic of the packed choice is re-reading the packed bytes.
 
 ``nvfp4_matmul_reference`` / ``nvfp4_matmul_vjp_reference`` compute the same products from the same
 quantized values in plain float32 (dequantize, then a HIGHEST-precision dot), so tests can separate
@@ -25,10 +37,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import nvfp4
+from fp4jax import _platform, nvfp4
+from fp4jax.kernels import nvfp4_quantize
 
 _F32 = jnp.float32
 _HIGHEST = lax.Precision.HIGHEST
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
+_KERNEL_MAX_ELEMENTS = 2**31 - 1  # the quantizer kernels' 32-bit addressing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +65,11 @@ class MatmulConfig:
     dy_wgrad_rounding: rounding of ``H·dy`` (1×16 along tokens) in the wgrad.
     hadamard: random Hadamard transform H on the token axis of both wgrad operands (also applied,
       in f32, when ``wgrad`` is False, where it only changes rounding).
+    implementation: which code computes it, with the same bits: ``"xla"`` (``nvfp4.quantize``),
+      ``"pallas"`` (the quantizer kernels of ``fp4jax.kernels.nvfp4_quantize``, CUDA),
+      ``"pallas_interpret"`` (those kernels in interpret mode, for CPU tests), or ``"auto"``:
+      ``"pallas"`` when computations go to a CUDA GPU (``fp4jax._platform.resolve``) and the
+      kernels take the operands (fewer than 2**31 elements each, threefry keys), else ``"xla"``.
   """
 
   fwd: bool = True
@@ -61,11 +81,15 @@ class MatmulConfig:
   x_wgrad_rounding: str = "nearest"
   dy_wgrad_rounding: str = "stochastic"
   hadamard: bool = True
+  implementation: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
-      if f.name.endswith("rounding"):
+      if f.name == "implementation":
+        if v not in IMPLEMENTATIONS:
+          raise ValueError(f"MatmulConfig.implementation must be one of {IMPLEMENTATIONS}, got {v!r}")
+      elif f.name.endswith("rounding"):
         if v not in nvfp4.ROUNDINGS:
           raise ValueError(f"MatmulConfig.{f.name} must be one of {nvfp4.ROUNDINGS}, got {v!r}")
       elif not isinstance(v, bool):
@@ -166,12 +190,33 @@ _NT = ((1,), (1,))  # dy_MxN · w_KxNᵀ
 _TN = ((0,), (0,))  # x_MxKᵀ · dy_MxN
 
 
+def _kernel_quantize(a, rounding, key, config, *, decoded, hadamard_key=None, **layout):
+  """``nvfp4_quantize.quantize`` of one GEMM operand: the tensor ``nvfp4.quantize`` gives with the same
+  key (``bit_source="random"``), and with ``decoded`` its bf16 ``scaled_elements`` (else None)."""
+  out = nvfp4_quantize.quantize(a, rounding=rounding, key=key if rounding == "stochastic" else None,
+                                hadamard_key=hadamard_key, decoded=decoded,
+                                interpret=config.implementation == "pallas_interpret", **layout)
+  return out if decoded else (out, None)
+
+
+def _decoded_gemm(a, b, dims) -> jax.Array:
+  """``nvfp4.gemm`` of two ``(NVFP4Tensor, decoded bf16 or None)`` operands, decoding only the
+  operands that come without their decoded form: the same ops, hence the same bits."""
+  (ta, da), (tb, db) = a, b
+  da = ta.scaled_elements(jnp.bfloat16) if da is None else da
+  db = tb.scaled_elements(jnp.bfloat16) if db is None else db
+  acc = lax.dot_general(da, db, (dims, ((), ())), precision=_HIGHEST, preferred_element_type=_F32)
+  return (acc * ta.global_scale) * tb.global_scale
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _matmul(x_MxK, w_KxN, key, config, x_dtype, w_dtype):
   return _matmul_fwd(x_MxK, w_KxN, key, config, x_dtype, w_dtype)[0]
 
 
 def _matmul_fwd(x_MxK, w_KxN, key, config, x_dtype, w_dtype):
+  if config.implementation != "xla":
+    return _matmul_fwd_kernels(x_MxK, w_KxN, key, config, x_dtype)
   keys = _keys(key, config)
   qw = quantize_w(w_KxN, keys, config) if (config.fwd or config.dgrad) else None
   if config.fwd:
@@ -183,14 +228,45 @@ def _matmul_fwd(x_MxK, w_KxN, key, config, x_dtype, w_dtype):
   return y.astype(x_dtype), (w_res, x_res, keys)
 
 
+def _matmul_fwd_kernels(x_MxK, w_KxN, key, config, x_dtype):
+  """The forward with the quantizer kernels: Q(w) and Q(x) decoded by the kernels for the GEMM,
+  Q(w) and Q(H·x) kept packed for the backward."""
+  keys = _keys(key, config)
+  qw = None
+  if config.fwd or config.dgrad:
+    qw = _kernel_quantize(w_KxN, config.w_rounding, keys["w"], config, decoded=config.fwd, block=(16, 16))
+  if config.fwd:
+    qx = _kernel_quantize(x_MxK, config.x_rounding, keys["x"], config, decoded=True, axis=-1)
+    y = _decoded_gemm(qx, qw, _NN)
+  else:
+    y = _fdot(x_MxK, w_KxN.astype(x_dtype), _NN)
+  w_res = qw[0] if config.dgrad else w_KxN
+  x_res = x_MxK
+  if config.wgrad:
+    x_res = _kernel_quantize(x_MxK, config.x_wgrad_rounding, keys["x_wgrad"], config, decoded=False,
+                             axis=0, hadamard_key=keys["hadamard"] if config.hadamard else None)[0]
+  return y.astype(x_dtype), (w_res, x_res, keys)
+
+
 def _matmul_bwd(config, x_dtype, w_dtype, res, dy_MxN):
   w_res, x_res, keys = res
+  kernels = config.implementation != "xla"
   if config.dgrad:
-    dx = nvfp4.gemm(quantize_dy_dgrad(dy_MxN, keys, config), w_res, _NT)
+    if kernels:
+      qdy = _kernel_quantize(dy_MxN, config.dy_dgrad_rounding, keys["dy_dgrad"], config, decoded=True,
+                             axis=-1)
+      dx = _decoded_gemm(qdy, (w_res, None), _NT)
+    else:
+      dx = nvfp4.gemm(quantize_dy_dgrad(dy_MxN, keys, config), w_res, _NT)
   else:
     dx = _fdot(dy_MxN, w_res.astype(x_dtype), _NT)
   if config.wgrad:
-    dw = nvfp4.gemm(x_res, quantize_dy_wgrad(dy_MxN, keys, config), _TN)
+    if kernels:
+      qdy = _kernel_quantize(dy_MxN, config.dy_wgrad_rounding, keys["dy_wgrad"], config, decoded=True,
+                             axis=0, hadamard_key=keys["hadamard"] if config.hadamard else None)
+      dw = _decoded_gemm((x_res, None), qdy, _TN)
+    else:
+      dw = nvfp4.gemm(x_res, quantize_dy_wgrad(dy_MxN, keys, config), _TN)
   elif config.hadamard:
     dw = lax.dot_general(wgrad_operand(x_res, keys), wgrad_operand(dy_MxN, keys), (_TN, ((), ())),
                          precision=_HIGHEST, preferred_element_type=_F32)
@@ -232,6 +308,28 @@ def _check(x, w, key, config) -> None:
     _keys(None, config)  # raises the key error
 
 
+def _resolve(config: MatmulConfig, sizes, key) -> MatmulConfig:
+  """``config`` with its implementation resolved: ``"auto"`` picks the kernels on a CUDA GPU when
+  they take these operands; an explicit kernel choice that cannot take them raises."""
+  impl = config.implementation
+  if impl == "xla":
+    return config
+  too_large = max(sizes) > _KERNEL_MAX_ELEMENTS
+  # The kernels reproduce jax.random.bits of threefry2x32 keys (JAX's default) only.
+  other_key = config.needs_key and not (str(jax.random.key_impl(key)) == "threefry2x32"
+                                        and jax.config.jax_threefry_partitionable)
+  if impl == "auto":
+    impl = "xla" if too_large or other_key else _platform.resolve(impl, "pallas", "xla")
+  elif too_large:
+    raise ValueError(f"nvfp4_matmul: implementation={impl!r} quantizes operands of fewer than 2**31 "
+                     f"elements; got {max(sizes)}: use implementation='xla'")
+  elif other_key:
+    raise ValueError(f"nvfp4_matmul: implementation={impl!r} draws jax.random.bits of threefry2x32 "
+                     "keys (JAX's default, with jax_threefry_partitionable); got a key of "
+                     f"{jax.random.key_impl(key)}: use implementation='xla'")
+  return dataclasses.replace(config, implementation=impl)
+
+
 def nvfp4_matmul(x, w, *, key=None, config: MatmulConfig) -> jax.Array:
   """``x @ w`` with the forward, dgrad and wgrad GEMMs in NVFP4 as ``config`` says (differentiable).
 
@@ -241,7 +339,8 @@ def nvfp4_matmul(x, w, *, key=None, config: MatmulConfig) -> jax.Array:
     w: ``[K, N]`` weight; quantized from its own dtype (an f32 master weight is quantized directly).
     key: a ``jax.random`` key for stochastic rounding and the Hadamard signs; may be None only when
       ``config.needs_key`` is False. Same key, same bits; use a fresh key per step.
-    config: a ``MatmulConfig`` (``MatmulConfig.nvfp4()`` is NVIDIA's recipe, ``.bf16()`` plain).
+    config: a ``MatmulConfig`` (``MatmulConfig.nvfp4()`` is NVIDIA's recipe, ``.bf16()`` plain); its
+      ``implementation`` chooses the code, not the result.
 
   Returns:
     ``[..., N]`` in ``x``'s dtype (f32 accumulation). Gradients come back in ``x``'s and ``w``'s
@@ -250,11 +349,13 @@ def nvfp4_matmul(x, w, *, key=None, config: MatmulConfig) -> jax.Array:
 
   Raises:
     ValueError: shapes that disagree, K/N/M not a multiple of 16 where a GEMM needs it (M only for
-      the wgrad), non-float inputs, or a missing key.
+      the wgrad), non-float inputs, a missing key, or a kernel implementation that cannot take the
+      operands (2**31 elements or more, a key that is not threefry2x32).
   """
   x, w = jnp.asarray(x), jnp.asarray(w)
   _check(x, w, key, config)
   x_MxK = x.reshape(-1, w.shape[0])
+  config = _resolve(config, (x.size, w.size, x_MxK.shape[0] * w.shape[1]), key)
   y = _matmul(x_MxK, w, key, config, x.dtype, w.dtype)
   return y.reshape(*x.shape[:-1], w.shape[1])
 
