@@ -197,7 +197,10 @@ def _probs_operand(p, config, keys, dtype):
   if not config.quantizes("p"):
     return p.astype(dtype)
   padded = _pad_to(p, (nvfp4.BLOCK,))
-  qp = _quantize(padded, config, "p", keys["p"], block=(1, nvfp4.BLOCK), axis=-1, amax=1.0)
+  # One extra row holding a 1 sets the tensor's amax to 1 (P <= 1) and changes no block of P.
+  one = jnp.zeros((*padded.shape[:-2], 1, padded.shape[-1]), padded.dtype).at[..., 0].set(1.0)
+  qp = _quantize(jnp.concatenate([padded, one], axis=-2), config, "p", keys["p"],
+                 block=(1, nvfp4.BLOCK), axis=-1)
   return _crop(qp.dequantize(dtype), p.shape)
 
 
@@ -249,10 +252,13 @@ def fake_quant_ds(ds, *, scope: str = "tile", ds_tile=(64, 64), rounding: str = 
     a = a.reshape(*lead, a.shape[-2] // rows, rows, a.shape[-1] // cols, cols)
     return jnp.swapaxes(a, -3, -2).reshape(-1, rows, cols)
 
-  def fq(tile, tile_bits):
+  def fq(args):
+    tile, tile_bits = args
     return nvfp4.quantize(tile, block=blk, rounding=rounding, bits=tile_bits).dequantize(_F32)
 
-  y = jax.vmap(fq)(tiles(x), None if b is None else tiles(b))
+  # A loop over the tiles: vmap of the quantizer (per-tile division tables, batched lookups) takes
+  # XLA's CPU compiler minutes, the loop's body a second.
+  y = lax.map(fq, (tiles(x), None if b is None else tiles(b)))
   y = y.reshape(*lead, x.shape[-2] // rows, x.shape[-1] // cols, rows, cols)
   return _crop(jnp.swapaxes(y, -3, -2).reshape(x.shape), ds.shape)
 

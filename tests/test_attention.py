@@ -1,0 +1,387 @@
+"""fp4jax.ops.attention: the bf16 config against jax.nn.dot_product_attention, the NVFP4 forward against
+attention on the dequantized operands, tensor reuse (bit-identical P), dS rounding, GQA, ragged T,
+config switches and errors.
+
+Compilation dominates on the CPU: the checks share a few jitted functions of small shapes
+(B = 1, T = 32, H = 4 query heads over Hk = 2 key/value heads, D = 64).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import jax.test_util
+import numpy as np
+import pytest
+from nvfp4_np_reference import dequantize_ref, quantize_ref
+
+from fp4jax import nvfp4
+from fp4jax.ops import attention as attn
+from fp4jax.ops.attention import (
+    AttentionConfig,
+    ds_bits,
+    ds_scale_error,
+    fake_quant_ds,
+    nvfp4_attention,
+    nvfp4_attention_reference,
+    nvfp4_attention_vjp_reference,
+)
+
+B, T, H, HK, D = 1, 32, 4, 2, 64
+NVFP4 = AttentionConfig.nvfp4()
+BF16 = AttentionConfig.bf16()
+KEY = jax.random.key(7)
+
+
+def _data(t=T, s=None, h=H, hk=HK, dtype=jnp.bfloat16, seed=0):
+  kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+  s = t if s is None else s
+  q = jax.random.normal(kq, (B, t, h, D), jnp.float32).astype(dtype)
+  k = jax.random.normal(kk, (B, s, hk, D), jnp.float32).astype(dtype)
+  v = jax.random.normal(kv, (B, s, hk, D), jnp.float32).astype(dtype)
+  do = jax.random.normal(kd, (B, t, h, D), jnp.float32).astype(dtype)
+  return q, k, v, do
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "config"))
+def _op(q, k, v, do, key, causal=True, config=NVFP4):
+  """(o, dq, dk, dv) of nvfp4_attention (implementation="xla")."""
+  f = lambda q, k, v: nvfp4_attention(q, k, v, causal=causal, key=key, config=config,  # noqa: E731
+                                      implementation="xla")
+  o, vjp = jax.vjp(f, q, k, v)
+  return (o, *vjp(do))
+
+
+@functools.partial(jax.jit, static_argnames=("causal",))
+def _dpa(q, k, v, do, causal=True):
+  """(o, dq, dk, dv) of jax.nn.dot_product_attention (XLA)."""
+  f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,  # noqa: E731
+                                                   implementation="xla")
+  o, vjp = jax.vjp(f, q, k, v)
+  return (o, *vjp(do))
+
+
+_ref_fwd = jax.jit(nvfp4_attention_reference, static_argnames=("causal", "config", "return_stats"))
+_ref_vjp = jax.jit(nvfp4_attention_vjp_reference,
+                   static_argnames=("causal", "config", "return_intermediates"))
+
+
+def _f32(x):
+  return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+def _close(a, b, rtol):
+  """Max error relative to the reference's max magnitude (bf16 outputs: rounding of large entries)."""
+  a, b = _f32(a), _f32(b)
+  err = np.abs(a - b).max() / np.abs(b).max()
+  assert err <= rtol, f"relative max error {err:.3g} > {rtol}"
+
+
+def _rel(a, b):
+  a, b = _f32(a), _f32(b)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@jax.jit
+def _deq(x):
+  return nvfp4.quantize(x, block=(1, 16), axis=-1).dequantize(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+
+def test_config_defaults_and_validation():
+  assert (NVFP4.q, NVFP4.k, NVFP4.v, NVFP4.p, NVFP4.do, NVFP4.ds) == (
+      "nvfp4", "nvfp4", "bf16", "bf16", "bf16", "nvfp4")
+  assert NVFP4.ds_rounding == "stochastic" and NVFP4.needs_key and NVFP4.reuse
+  assert not any(BF16.quantizes(n) for n in attn.OPERANDS) and not BF16.needs_key
+  assert AttentionConfig.nvfp4(ds_tile=[32, 128]).ds_tile == (32, 128)
+  assert hash(AttentionConfig.nvfp4(v="nvfp4")) == hash(AttentionConfig(v="nvfp4"))
+  for bad, match in ((dict(q="fp8"), "AttentionConfig.q"), (dict(ds_rounding="down"), "ds_rounding"),
+                     (dict(reuse=1), "reuse"), (dict(ds_tile=(64, 40)), "multiples of 16"),
+                     (dict(ds_tile=(48, 64)), "powers of two"), (dict(ds_tile=64), "rows, cols")):
+    with pytest.raises(ValueError, match=match):
+      AttentionConfig.nvfp4(**bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# The bf16 config is jax.nn.dot_product_attention; the NVFP4 forward is attention on deq(Q(q)), deq(Q(k))
+
+
+def test_bf16_config_equals_dot_product_attention():
+  q, k, v, do = _data()
+  ours, theirs = _op(q, k, v, do, None, config=BF16), _dpa(q, k, v, do)
+  for a, b in zip(ours, theirs, strict=True):
+    assert a.dtype == b.dtype == jnp.bfloat16
+    _close(a, b, 1e-2)
+
+
+def test_bf16_config_equals_dot_product_attention_full_with_more_keys():
+  q, k, v, do = _data(t=32, s=48)
+  ours, theirs = _op(q, k, v, do, None, causal=False, config=BF16), _dpa(q, k, v, do, causal=False)
+  for a, b in zip(ours, theirs, strict=True):
+    assert a.shape == b.shape
+    _close(a, b, 1e-2)
+
+
+def test_nvfp4_forward_is_attention_on_dequantized_q_k():
+  q, k, v, do = _data()
+  o = _op(q, k, v, do, KEY)[0]
+  _close(o, _dpa(_deq(q), _deq(k), v, do)[0], 1e-2)
+  assert _rel(o, _dpa(q, k, v, do)[0]) > 0.02  # quantization is real
+
+
+def test_gradients_are_straight_through_the_quantizers():
+  """With dS unquantized, the custom_vjp equals autodiff of attention on fake_quant(q), fake_quant(k)
+  (f32 inputs: only summation order differs)."""
+  q, k, v, do = _data(dtype=jnp.float32)
+  config = AttentionConfig.nvfp4(ds="bf16")
+  ours = _op(q, k, v, do, KEY, config=config)
+  theirs = _dpa(_deq(q), _deq(k), v, do)  # _deq: forward values of nvfp4.fake_quant
+  for a, b in zip(ours, theirs, strict=True):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+def test_finite_differences_f32():
+  q, k, v, _ = _data(t=16, h=2, hk=1, dtype=jnp.float32, seed=3)
+  f = lambda q, k, v: nvfp4_attention(q, k, v, config=BF16, implementation="xla")  # noqa: E731
+  jax.test_util.check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-2, rtol=1e-2, eps=1e-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor reuse
+
+
+SR_QK = AttentionConfig.nvfp4(q_rounding="stochastic", k_rounding="stochastic")
+
+
+def test_forward_and_recomputed_probs_bit_identical():
+  """The backward's P, recomputed from the packed Q(q), Q(k) and L (stochastically rounded here:
+  reuse keeps their bits), equals the forward's bit for bit; the vjp reference is the op's backward."""
+  q, k, v, do = _data()
+  _, p_fwd, lse = _ref_fwd(q, k, v, key=KEY, config=SR_QK, return_stats=True)
+  grads, inter = _ref_vjp(q, k, v, do, key=KEY, config=SR_QK, return_intermediates=True)
+  assert p_fwd.shape == (B, H, T, T) and lse.shape == (B, H, T)
+  np.testing.assert_array_equal(p_fwd, inter["p"])
+  np.testing.assert_allclose(p_fwd.sum(-1), 1.0, rtol=1e-5)
+  for a, b in zip(_op(q, k, v, do, KEY, config=SR_QK)[1:], grads, strict=True):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(_f32(a), _f32(b))
+
+
+def test_residuals_are_packed():
+  q, k, v, _ = _data()
+  fwd = lambda config: jax.eval_shape(  # noqa: E731
+      lambda q, k, v: attn._attention_fwd(q, k, v, KEY, True, config, "xla")[1], q, k, v)
+  res = fwd(NVFP4)
+  assert isinstance(res.q, nvfp4.NVFP4Tensor) and isinstance(res.k, nvfp4.NVFP4Tensor)
+  assert res.q.codes.dtype == jnp.uint8 and res.q.codes.shape == (B, T, H, D // 2)
+  assert res.v.dtype == jnp.bfloat16 and res.lse.shape == (B, H, T) and res.lse.dtype == jnp.float32
+  res = fwd(AttentionConfig.nvfp4(v="nvfp4", reuse=False))
+  assert res.q.shape == q.shape and res.q.dtype == q.dtype and isinstance(res.v, nvfp4.NVFP4Tensor)
+
+
+def test_reuse_off():
+  """Without reuse the backward quantizes q and k again from the inputs, with fresh stochastic bits:
+  the same forward, other gradients."""
+  q, k, v, do = _data()
+  on = _op(q, k, v, do, KEY, config=SR_QK)
+  off = _op(q, k, v, do, KEY, config=dataclasses.replace(SR_QK, reuse=False))
+  np.testing.assert_array_equal(_f32(on[0]), _f32(off[0]))  # same forward
+  assert 0 < _rel(off[1], on[1]) < 0.5 and np.isfinite(_f32(off[1])).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# dS quantization
+
+
+def test_ds_stochastic_rounding_is_unbiased():
+  q, k, v, do = _data()
+  ds = _ref_vjp(q, k, v, do, key=KEY, config=SR_QK, return_intermediates=True)[1]["ds"]
+  n = 64
+  draw = jax.jit(lambda key: fake_quant_ds(ds, ds_tile=(16, 16), bits=ds_bits(key, ds.shape)))
+  draws = jnp.stack([draw(key) for key in jax.random.split(jax.random.key(1), n)])
+  single, mean = _rel(draws[0], ds), _rel(draws.mean(0), ds)
+  assert single > 0.1
+  assert mean < 2.0 * single / np.sqrt(n)  # the error of the mean falls as 1/sqrt(n): no bias
+
+
+def test_ds_stochastic_rounding_unbiased_through_dq():
+  q, k, v, do = _data()
+  exact = _op(q, k, v, do, KEY, config=AttentionConfig.nvfp4(ds="bf16"))
+  draws = [_op(q, k, v, do, key)[1:] for key in jax.random.split(jax.random.key(2), 32)]
+  for i in range(3):  # dq, dk, dv
+    mean = jnp.stack([_f32(d[i]) for d in draws]).mean(0)
+    if i == 2:  # dV does not see dS
+      np.testing.assert_array_equal(_f32(draws[0][i]), _f32(exact[3]))
+    else:
+      assert _rel(mean, exact[i + 1]) < 0.45 * _rel(draws[0][i], exact[i + 1])
+
+
+def test_ds_nearest_quantized_per_tile_in_dq_dk():
+  """dQ = deq(Q(dS))·deq(Q(k)) and dK = deq(Q(dS))ᵀ·deq(Q(q)), dS quantized per ds_tile."""
+  q, k, v, do = _data()
+  config = AttentionConfig.nvfp4(ds_rounding="nearest", ds_tile=(32, 16))
+  (dq, dk, _), inter = _ref_vjp(q, k, v, do, config=config, return_intermediates=True)
+  ds = jax.jit(functools.partial(fake_quant_ds, ds_tile=(32, 16), rounding="nearest"))(inter["ds"])
+  ds = ds.astype(jnp.bfloat16)
+  kd = jnp.repeat(_deq(k), H // HK, axis=2)
+  ref_dq = jnp.einsum("bhts,bshd->bthd", ds, kd, preferred_element_type=jnp.float32)
+  ref_dk = jnp.einsum("bhts,bthd->bshd", ds, _deq(q), preferred_element_type=jnp.float32)
+  ref_dk = ref_dk.reshape(B, T, HK, H // HK, D).sum(3)
+  _close(dq, ref_dq, 1e-2)
+  _close(dk, ref_dk, 1e-2)
+
+
+def _np_fake_quant(x):
+  return dequantize_ref(*quantize_ref(np.asarray(x), block=(16, 16)), block=(16, 16))
+
+
+def test_fake_quant_ds_scopes():
+  """Each scope quantizes its parts as tensors of their own (checked against the numpy transcription
+  of Transformer Engine's quantizer); ragged T and S are zero-padded to whole tiles."""
+  ds = jax.random.normal(jax.random.key(0), (2, 2, 48, 80)) * jnp.exp(
+      2 * jax.random.normal(jax.random.key(1), (2, 2, 48, 80)))
+  fq = jax.jit(fake_quant_ds, static_argnames=("scope", "ds_tile", "rounding"))
+  whole = fq(ds, scope="tensor", rounding="nearest")
+  np.testing.assert_array_equal(whole, _np_fake_quant(ds))
+  np.testing.assert_array_equal(fq(ds, scope="matrix", rounding="nearest")[1, 0], _np_fake_quant(ds[1, 0]))
+  tile = fq(ds, ds_tile=(32, 32), rounding="nearest")  # 48 x 80 in 32 x 32 tiles
+  for b, h, rows, cols in ((1, 0, slice(32, 48), slice(64, 80)), (0, 1, slice(0, 32), slice(32, 64))):
+    np.testing.assert_array_equal(tile[b, h, rows, cols], _np_fake_quant(ds[b, h, rows, cols]))
+  assert _rel(tile, ds) < _rel(whole, ds)  # finer second-level scales: less error
+  with pytest.raises(ValueError, match="scope"):
+    fake_quant_ds(ds, scope="row", rounding="nearest")
+  with pytest.raises(ValueError, match="bits"):
+    fake_quant_ds(ds)
+
+
+def test_ds_scale_error():
+  q, k, v, do = _data(t=64, h=2, hk=2)
+  config = AttentionConfig.nvfp4(ds_tile=(32, 32))
+  err = jax.jit(functools.partial(ds_scale_error, config=config))(q, k, v, do, key=KEY)
+  assert set(err) == set(attn.SCALE_SCOPES)
+  assert float(err["matrix"]["vs_matrix"]) == 0.0
+  for scope, e in err.items():
+    assert 0.05 < float(e["ds_rel"]) < 0.4, scope
+    np.testing.assert_allclose(e["ds_snr_db"], -20 * np.log10(float(e["ds_rel"])), rtol=1e-5)
+    assert 0.05 < float(e["dq_rel"]) < 0.4 and 0.05 < float(e["dk_rel"]) < 0.4, scope
+  assert float(err["tile"]["ds_rel"]) <= 1.05 * float(err["matrix"]["ds_rel"])
+
+
+# ----------------------------------------------------------------------------------------------
+# GQA, ragged T, config switches
+
+
+def test_gqa_equals_repeated_kv_heads():
+  q, k, v, do = _data(dtype=jnp.float32)
+  rep = lambda x: jnp.repeat(x, H // HK, axis=2)  # noqa: E731
+  o, dq, dk, dv = _op(q, k, v, do, KEY)
+  o_r, dq_r, dk_r, dv_r = _op(q, rep(k), rep(v), do, KEY)
+  np.testing.assert_allclose(o, o_r, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(dq, dq_r, rtol=1e-5, atol=1e-5)
+  group_sum = lambda x: x.reshape(B, T, HK, H // HK, D).sum(3)  # noqa: E731
+  np.testing.assert_allclose(dk, group_sum(dk_r), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dv, group_sum(dv_r), rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_t_equals_zero_padded_problem():
+  """T not a multiple of 16 (nor of a ds tile) gives the first T rows of the problem padded with zero
+  tokens and a zero cotangent: zeros change no amax, and the rounding bits depend on position only."""
+  t = 20
+  q, k, v, do = _data(t=t, dtype=jnp.float32)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, T - t), (0, 0), (0, 0)))  # noqa: E731
+  ragged = _op(q, k, v, do, KEY)
+  padded = _op(pad(q), pad(k), pad(v), pad(do), KEY)
+  for a, b in zip(ragged, padded, strict=True):
+    np.testing.assert_allclose(a, b[:, :t], rtol=1e-5, atol=1e-6)
+
+
+def test_config_switches_each_operand():
+  q, k, v, do = _data()
+  base = _op(q, k, v, do, KEY)
+  with_v = _op(q, k, v, do, KEY, config=AttentionConfig.nvfp4(v="nvfp4"))
+  _close(with_v[0], _dpa(_deq(q), _deq(k), _deq(v), do)[0], 1e-2)
+  assert _rel(with_v[0], base[0]) > 0.02 and _rel(with_v[1], base[1]) > 0.02  # O and dP = dO·Vᵀ
+  with_p = _op(q, k, v, do, KEY, config=AttentionConfig.nvfp4(p="nvfp4"))
+  assert _rel(with_p[0], base[0]) > 0.02 and _rel(with_p[3], base[3]) > 0.02
+  with_do = _op(q, k, v, do, KEY, config=AttentionConfig.nvfp4(do="nvfp4"))
+  np.testing.assert_array_equal(_f32(with_do[0]), _f32(base[0]))
+  assert _rel(with_do[3], base[3]) > 0.02
+  plain_qk = _op(q, k, v, do, KEY, config=AttentionConfig.nvfp4(q="bf16", k="bf16"))
+  _close(plain_qk[0], _dpa(q, k, v, do)[0], 1e-2)
+
+
+def test_quantized_p_delta_uses_unquantized_p():
+  """With P quantized, δ = rowsum(dO∘(P·V)) with the unquantized P, so each row of dS sums to 0."""
+  q, k, v, do = _data()
+  (_, _, _), inter = _ref_vjp(q, k, v, do, key=KEY, return_intermediates=True,
+                             config=AttentionConfig.nvfp4(p="nvfp4"))
+  ds = inter["ds"]
+  assert float(jnp.abs(ds.sum(-1)).max()) < 1e-2 * float(jnp.abs(ds).sum(-1).max())
+
+
+def test_auto_is_xla_on_cpu():
+  q, k, v, _ = _data()
+  jaxpr = lambda impl: str(jax.make_jaxpr(  # noqa: E731
+      lambda q, k, v: nvfp4_attention(q, k, v, key=KEY, implementation=impl))(q, k, v))
+  assert jaxpr("auto") == jaxpr("xla") != jaxpr("pallas_interpret")
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+
+
+@pytest.mark.parametrize("shapes, kwargs, match", [
+    (((B, T, H * D), (B, T, HK, D), (B, T, HK, D)), {}, "4-D"),
+    (((B, T, H, 32), (B, T, HK, 32), (B, T, HK, 32)), {}, "head dim D = 32"),
+    (((B, T, 3, D), (B, T, 2, D), (B, T, 2, D)), {}, "not a multiple"),
+    (((B, T, H, D), (2, T, HK, D), (2, T, HK, D)), {}, "batch"),
+    (((B, T, H, D), (B, T, HK, D), (B, 16, HK, D)), {}, "same shape"),
+    (((B, T, H, D), (B, 48, HK, D), (B, 48, HK, D)), {}, "T == S"),
+    (((B, T, H, D), (B, T, HK, D), (B, T, HK, D)), dict(key=None), "needs `key`"),
+    (((B, T, H, D), (B, T, HK, D), (B, T, HK, D)), dict(implementation="cudnn"), "implementation"),
+    (((B, T, H, D), (B, T, HK, D), (B, T, HK, D)),
+     dict(implementation="pallas", config=AttentionConfig.nvfp4(p="nvfp4")), "config.p"),
+    (((B, T, H, D), (B, T, HK, D), (B, T, HK, D)), dict(config="nvfp4"), "AttentionConfig"),
+])
+def test_bad_inputs(shapes, kwargs, match):
+  q, k, v = (jnp.zeros(s, jnp.bfloat16) for s in shapes)
+  with pytest.raises(ValueError, match=match):
+    nvfp4_attention(q, k, v, **{"key": KEY, **kwargs})
+
+
+def test_dtype_mismatch():
+  q, k, v, _ = _data()
+  with pytest.raises(ValueError, match="dtype"):
+    nvfp4_attention(q.astype(jnp.float32), k, v, key=KEY)
+
+
+# ----------------------------------------------------------------------------------------------
+# In a model
+
+
+def test_jit_grad_through_a_tiny_attention_block():
+  c = H * D // 4
+  kx, kw, ko = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (B, T, c), jnp.float32)
+  params = {"qkv": jax.random.normal(kw, (c, (H + 2 * HK) * D)) * c**-0.5,
+            "out": jax.random.normal(ko, (H * D, c)) * (H * D) ** -0.5}
+
+  def loss(params, key):
+    qkv = (x @ params["qkv"]).astype(jnp.bfloat16)
+    q, k, v = jnp.split(qkv, [H * D, (H + HK) * D], axis=-1)
+    o = nvfp4_attention(q.reshape(B, T, H, D), k.reshape(B, T, HK, D), v.reshape(B, T, HK, D), key=key)
+    y = o.reshape(B, T, H * D).astype(jnp.float32) @ params["out"]
+    return jnp.mean((y - x) ** 2)
+
+  step = jax.jit(jax.value_and_grad(loss))
+  losses = []
+  for key in jax.random.split(jax.random.key(1), 4):
+    value, grads = step(params, key)
+    assert all(np.isfinite(_f32(g)).all() and float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
+    params = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+    losses.append(float(value))
+  assert losses[-1] < losses[0]
