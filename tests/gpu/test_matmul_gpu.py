@@ -4,16 +4,22 @@
 
 For fixed inputs and keys, on the GPU and on the CPU backend of the same process:
 
-1. every quantized GEMM operand (packed codes, E4M3 scales, global scale) bit for bit, except after
-   the Hadamard transform, whose float32 sums may be ordered differently (then at most 0.1% of
-   codes may flip at rounding ties, and H·x itself agrees to 1e-6);
-2. forward, dgrad and wgrad of ``nvfp4_matmul`` (float32 inputs) within float32 accumulation
-   tolerance, and far (> 1e-2) from the unquantized product: the quantization was not folded away;
-3. ``Fp4Dense`` and ``LoraSvdDense`` (bf16 activations, params built on the CPU): output and every
-   parameter and input gradient within bf16 output tolerance.
+1. every quantized GEMM operand (packed codes, E4M3 scales, global scale) bit for bit, the Hadamard
+   transform's float32 H·x included (``nvfp4.hadamard`` adds in one fixed order), from the XLA
+   implementation on the GPU and, from the quantizer kernels (``implementation="pallas"``), on the
+   GPU against the XLA implementation on the CPU;
+2. forward, dgrad and wgrad of ``nvfp4_matmul`` (float32 inputs) with either implementation on the
+   GPU, against the XLA implementation on the CPU, within float32 accumulation tolerance (the same
+   operands; only the GEMM's summation order may differ), and far (> 1e-2) from the unquantized
+   product: the quantization was not folded away;
+3. ``Fp4Dense`` and ``LoraSvdDense`` (bf16 activations, params built on the CPU, the default
+   ``implementation="auto"``: the kernels on the GPU, XLA on the CPU): output and every parameter
+   and input gradient within bf16 output tolerance.
 
 float32 GEMMs run at full precision on the GPU too (tests/conftest.py sets "highest"), not TF32.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -40,38 +46,48 @@ def inputs(dtype):
   return x.astype(dtype), w.astype(np.float32), dy.astype(dtype)
 
 
+def _operands(x, w, dy, key, config):
+  """The quantized operands of the three GEMMs (what each GEMM multiplies), by ``config``'s
+  implementation (``"xla"`` or ``"pallas"``), and the XLA implementation's float32 H·x."""
+  keys = matmul._keys(key, config)
+  x2, dy2 = x.reshape(-1, K), dy.reshape(-1, N)
+  if config.implementation == "xla":
+    ops = {"x (fwd, 1x16 along K)": matmul.quantize_x(x2, keys, config),
+           "w (fwd+dgrad, 16x16)": matmul.quantize_w(w, keys, config),
+           "dy (dgrad, 1x16 along N, SR)": matmul.quantize_dy_dgrad(dy2, keys, config),
+           "H.x (wgrad, along tokens)": matmul.quantize_x_wgrad(x2, keys, config),
+           "H.dy (wgrad, along tokens, SR)": matmul.quantize_dy_wgrad(dy2, keys, config)}
+    if config.hadamard:
+      ops["H.x f32 (before quantization)"] = matmul.wgrad_operand(x2, keys)
+    return ops
+  q = lambda a, r, k, **kw: matmul._kernel_quantize(a, r, keys[k], config, decoded=False, **kw)[0]  # noqa: E731
+  hkey = keys["hadamard"] if config.hadamard else None
+  return {"x (fwd, 1x16 along K)": q(x2, config.x_rounding, "x", axis=-1),
+          "w (fwd+dgrad, 16x16)": q(w, config.w_rounding, "w", block=(16, 16)),
+          "dy (dgrad, 1x16 along N, SR)": q(dy2, config.dy_dgrad_rounding, "dy_dgrad", axis=-1),
+          "H.x (wgrad, along tokens)": q(x2, config.x_wgrad_rounding, "x_wgrad", axis=0, hadamard_key=hkey),
+          "H.dy (wgrad, along tokens, SR)": q(dy2, config.dy_wgrad_rounding, "dy_wgrad", axis=0,
+                                              hadamard_key=hkey)}
+
+
 def operand_rows(dev, cpu):
-  """The quantized operands of the three GEMMs (what each GEMM multiplies), GPU vs CPU."""
+  """Every operand bit for bit: XLA on the GPU and the kernels on the GPU, each against the CPU."""
   x, w, dy = inputs(np.float32)
   key = jax.random.key(KEY_SEED)
   rows, ok = [], True
-
-  def operands(x, w, dy, key, config):
-    keys = matmul._keys(key, config)
-    x2, dy2 = x.reshape(-1, K), dy.reshape(-1, N)
-    return {"x (fwd, 1x16 along K)": matmul.quantize_x(x2, keys, config),
-            "w (fwd+dgrad, 16x16)": matmul.quantize_w(w, keys, config),
-            "dy (dgrad, 1x16 along N, SR)": matmul.quantize_dy_dgrad(dy2, keys, config),
-            "H.x (wgrad, along tokens)": matmul.quantize_x_wgrad(x2, keys, config),
-            "H.dy (wgrad, along tokens, SR)": matmul.quantize_dy_wgrad(dy2, keys, config),
-            "H.x f32 (before quantization)": matmul.wgrad_operand(x2, keys)}
-
-  for config, tag in ((NVFP4, ""), (MatmulConfig.nvfp4(hadamard=False), " [no Hadamard]")):
-    f = lambda x, w, dy, key, config=config: operands(x, w, dy, key, config)  # noqa: E731
-    g, c = on(dev, f, x, w, dy, key), on(cpu, f, x, w, dy, key)
-    for name in g:
-      if tag and ("H." not in name or "f32" in name):
-        continue
-      if "f32" in name:
-        r = rel(g[name], c[name])
-        rows.append((name + tag, f"rel {r:.1e}", "≤ 1e-6"))
-        ok &= r <= 1e-6
-        continue
-      n_bad = sum(bits_differ(u, v) for u, v in zip(jax.tree.leaves(g[name]), jax.tree.leaves(c[name])))
-      n_codes = int(np.prod(g[name].codes.shape)) * 2
-      limit = n_codes // 1000 if ("H." in name and not tag) else 0
-      rows.append((name + tag, f"{n_bad} of {n_codes} differ", f"≤ {limit}"))
-      ok &= n_bad <= limit
+  for base, tag in ((NVFP4, ""), (MatmulConfig.nvfp4(hadamard=False), " [no Hadamard]")):
+    want = on(cpu, lambda *a, c=base: _operands(*a, dataclasses.replace(c, implementation="xla")),
+              x, w, dy, key)
+    for impl in ("xla", "pallas"):
+      config = dataclasses.replace(base, implementation=impl)
+      got = on(dev, lambda *a, c=config: _operands(*a, c), x, w, dy, key)
+      for name in got:
+        if tag and "H." not in name:
+          continue
+        n_bad = sum(bits_differ(u, v) for u, v in zip(jax.tree.leaves(got[name]), jax.tree.leaves(want[name])))
+        n = int(np.prod(got[name].shape)) if "f32" in name else int(np.prod(got[name].codes.shape)) * 2
+        rows.append((f"{name}{tag}, {impl} on the GPU", f"{n_bad} of {n} differ", "0"))
+        ok &= n_bad == 0
   return rows, ok
 
 
@@ -85,17 +101,20 @@ def matmul_rows(dev, cpu):
     return (y, *vjp(dy))
 
   unq = on(cpu, lambda x, w, dy: fwd_bwd(x, w, dy, None, MatmulConfig.bf16()), x, w, dy)
-  for config, name in ((NVFP4, "nvfp4"), (MatmulConfig.nvfp4(hadamard=False), "nvfp4, no Hadamard"),
-                       (MatmulConfig.bf16(), "bf16")):
-    f = lambda x, w, dy, key, config=config: fwd_bwd(x, w, dy, key, config)  # noqa: E731
-    g, c = on(dev, f, x, w, dy, key), on(cpu, f, x, w, dy, key)
-    for out, gv, cv, uv in zip(("y", "dx", "dw"), g, c, unq):
-      r, r_unq = rel(gv, cv), rel(gv, uv)
-      tol = 1e-4 if (out == "dw" and config.hadamard) else 1e-5
-      quantized = {"y": config.fwd, "dx": config.dgrad, "dw": config.wgrad}[out]
-      rows.append((f"{name}: {out}", f"rel {r:.1e} (bits differ: {bits_differ(gv, cv)})",
-                   f"≤ {tol:.0e}; vs unquantized {r_unq:.3f}" + (" (> 1e-2)" if quantized else "")))
-      ok &= r <= tol and (r_unq > 1e-2 if quantized else True)
+  for base, name in ((NVFP4, "nvfp4"), (MatmulConfig.nvfp4(hadamard=False), "nvfp4, no Hadamard"),
+                     (MatmulConfig.bf16(), "bf16")):
+    xla = dataclasses.replace(base, implementation="xla")
+    c = on(cpu, lambda x, w, dy, key, config=xla: fwd_bwd(x, w, dy, key, config), x, w, dy, key)
+    for impl in ("xla", "pallas"):
+      config = dataclasses.replace(base, implementation=impl)
+      g = on(dev, lambda x, w, dy, key, config=config: fwd_bwd(x, w, dy, key, config), x, w, dy, key)
+      for out, gv, cv, uv in zip(("y", "dx", "dw"), g, c, unq):
+        r, r_unq = rel(gv, cv), rel(gv, uv)
+        tol = 1e-4 if (out == "dw" and config.hadamard) else 1e-5
+        quantized = {"y": config.fwd, "dx": config.dgrad, "dw": config.wgrad}[out]
+        rows.append((f"{name}, {impl} on the GPU: {out}", f"rel {r:.1e} (bits differ: {bits_differ(gv, cv)})",
+                     f"≤ {tol:.0e}; vs unquantized {r_unq:.3f}" + (" (> 1e-2)" if quantized else "")))
+        ok &= r <= tol and (r_unq > 1e-2 if quantized else True)
   return rows, ok
 
 
