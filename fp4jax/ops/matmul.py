@@ -190,12 +190,18 @@ _NT = ((1,), (1,))  # dy_MxN · w_KxNᵀ
 _TN = ((0,), (0,))  # x_MxKᵀ · dy_MxN
 
 
+# Jitted, so that the operands of one shape (every block's projection, in a model) share one traced
+# and lowered quantizer: the step's program calls it, rather than repeating its kernels.
+_quantize_kernels = jax.jit(nvfp4_quantize.quantize, static_argnames=(
+    "block", "axis", "rounding", "bit_source", "decoded", "block_sizes", "interpret"))
+
+
 def _kernel_quantize(a, rounding, key, config, *, decoded, hadamard_key=None, **layout):
   """``nvfp4_quantize.quantize`` of one GEMM operand: the tensor ``nvfp4.quantize`` gives with the same
   key (``bit_source="random"``), and with ``decoded`` its bf16 ``scaled_elements`` (else None)."""
-  out = nvfp4_quantize.quantize(a, rounding=rounding, key=key if rounding == "stochastic" else None,
-                                hadamard_key=hadamard_key, decoded=decoded,
-                                interpret=config.implementation == "pallas_interpret", **layout)
+  out = _quantize_kernels(a, rounding=rounding, key=key if rounding == "stochastic" else None,
+                          hadamard_key=hadamard_key, decoded=decoded,
+                          interpret=config.implementation == "pallas_interpret", **layout)
   return out if decoded else (out, None)
 
 

@@ -1,0 +1,208 @@
+r"""Time from launch to the first train step, by phase, and the size of the program XLA compiles.
+
+  python -m benchmarks.compile_time                            # 20m and 125m, bf16 vs fp4_linear
+  python -m benchmarks.compile_time --runs=125m:bf16,125m:fp4_linear:xla,125m:fp4_linear:pallas --scan
+  python -m benchmarks.compile_time --lower-for=cuda           # on the CPU: only trace and lower, for an H200
+  python -m benchmarks.compile_time --tiny                     # CPU check of the script (tiny model)
+
+A run is ``SIZE:RECIPE[:IMPL]``: a model size (``20m``, ``125m``: experiments/configs' models;
+``tiny``), a recipe of ``fp4jax.recipe``, and the implementation of its NVFP4 GEMMs
+(``MatmulConfig.implementation``: ``auto``, ``xla``, ``pallas``, ``pallas_interpret``; default
+``--matmul``). Per run, on one device: the train state's initialization, then the train step of
+``fp4jax.train.make_train_step``, jitted with the state's shardings, traced, lowered and compiled by
+XLA under ``jax.set_mesh`` (each phase timed alone), the first step, and the median of ``--steps``
+further steps; with the line counts of the StableHLO module and of the optimized HLO. "first step"
+is the sum of the phases up to and including the first step's run. No persistent compilation cache
+is used unless JAX's configuration sets one (the header says which).
+
+``--lower-for=cuda`` builds nothing on the device: the state is abstract and the step is traced and
+lowered for an H200 (an abstract mesh), so the program sizes of the GPU implementations, the Pallas
+kernels' included, can be compared on a CPU. Choices that ``"auto"`` resolves by the platform of the
+default device (attention, the loss) keep the CPU's there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fp4jax import sharding as shd
+from fp4jax.model import ModelConfig
+from fp4jax.ops.matmul import IMPLEMENTATIONS, MatmulConfig
+from fp4jax.recipe import get_recipe
+from fp4jax.train import (
+    OptimizerConfig,
+    abstract_model,
+    init_state,
+    make_optimizer,
+    make_schedule,
+    make_train_step,
+)
+
+# experiments/configs' models (here so that the benchmark runs without ml_collections), and a tiny one.
+SIZES = {
+    "tiny": dict(d_model=64, n_layers=2, n_heads=4, vocab_size=384),
+    "20m": dict(d_model=384, n_layers=6, n_heads=6, vocab_size=8192),
+    "125m": dict(d_model=768, n_layers=12, n_heads=12, vocab_size=32768),
+}
+H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+
+
+@contextlib.contextmanager
+def matmul_implementation(impl: str):
+  """Models built inside get ``implementation=impl`` in their ``MatmulConfig.nvfp4()`` (the model
+  builds its NVFP4 matmuls with that preset)."""
+  preset = MatmulConfig.__dict__["nvfp4"]
+  MatmulConfig.nvfp4 = classmethod(lambda cls, **kw: preset.__func__(cls, **{"implementation": impl, **kw}))
+  try:
+    yield
+  finally:
+    MatmulConfig.nvfp4 = preset
+
+
+def _lines(text: str | None) -> int:
+  return text.count("\n") if text else 0
+
+
+def _timed(fn):
+  t0 = time.perf_counter()
+  out = fn()
+  return out, time.perf_counter() - t0
+
+
+def _setup(size, recipe_name, scan):
+  cfg = ModelConfig(**SIZES[size], scan_layers=scan)
+  recipe = get_recipe(recipe_name)
+  opt = OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
+  return cfg, recipe, make_optimizer(opt, recipe, 1000), make_schedule(opt, 1000)
+
+
+def run_on_device(size, recipe_name, impl, args) -> dict:
+  """Every phase on the default device, as a training run does them."""
+  cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan)
+  mesh = shd.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  with matmul_implementation(impl):
+    (graphdef, state, shardings), t_init = _timed(
+        lambda: jax.block_until_ready(init_state(cfg, recipe, tx, mesh)))
+  bsh = NamedSharding(mesh, P(shd.BATCH_AXES, None))
+  step = jax.jit(make_train_step(graphdef, tx, schedule), in_shardings=(shardings, {"inputs": bsh, "targets": bsh}),
+                 out_shardings=(shardings, shd.replicated(mesh)), donate_argnums=0)
+  rng = np.random.default_rng(0)
+  toks = rng.integers(0, cfg.vocab_size, (args.batch, args.seq + 1), dtype=np.int32)
+  batch = {"inputs": jax.device_put(toks[:, :-1], bsh), "targets": jax.device_put(toks[:, 1:], bsh)}
+  with jax.set_mesh(mesh):
+    traced, t_trace = _timed(lambda: step.trace(state, batch))
+    lowered, t_lower = _timed(traced.lower)
+    compiled, t_compile = _timed(lowered.compile)
+  (state, metrics), t_first = _timed(lambda: jax.block_until_ready(compiled(state, batch)))
+  times = []
+  for _ in range(args.steps):
+    (state, metrics), t = _timed(lambda state=state: jax.block_until_ready(compiled(state, batch)))
+    times.append(t)
+  loss = float(metrics["loss"])
+  return dict(init_s=t_init, trace_s=t_trace, lower_s=t_lower, compile_s=t_compile, first_step_s=t_first,
+              to_first_step_s=t_init + t_trace + t_lower + t_compile + t_first,
+              step_ms=1e3 * statistics.median(times) if times else math.nan,
+              stablehlo_lines=_lines(lowered.as_text()), hlo_lines=_lines(compiled.as_text()),
+              loss=loss, ok=math.isfinite(loss))
+
+
+def lower_for(platform, size, recipe_name, impl, args) -> dict:
+  """Trace and lower the step for ``platform`` (an abstract H200 mesh), from an abstract state."""
+  if platform != "cuda":
+    raise ValueError(f"--lower-for: only 'cuda' (an H200) is known, got {platform!r}")
+  cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan)
+  with matmul_implementation(impl):
+    (graphdef, params), t_init = _timed(lambda: abstract_model(cfg, recipe))
+  rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
+           "opt_state": jax.eval_shape(tx.init, params), "rng": rng}
+  tokens = jax.ShapeDtypeStruct((args.batch, args.seq), jnp.int32)
+  mesh = AbstractMesh((1, 1, 1), shd.AXES, axis_types=(AxisType.Auto,) * 3, abstract_device=H200)
+  step = jax.jit(make_train_step(graphdef, tx, schedule))
+  with jax.sharding.use_abstract_mesh(mesh):
+    traced, t_trace = _timed(lambda: step.trace(state, {"inputs": tokens, "targets": tokens}))
+    lowered, t_lower = _timed(lambda: traced.lower(lowering_platforms=(platform,)))
+  text = lowered.as_text()
+  return dict(init_s=t_init, trace_s=t_trace, lower_s=t_lower, stablehlo_lines=_lines(text),
+              triton_calls=text.count("__gpu$xla.gpu.triton"), ok=True)
+
+
+def _parse(spec: str, default_impl: str):
+  parts = spec.split(":")
+  if len(parts) not in (2, 3) or parts[0] not in SIZES:
+    raise ValueError(f"--runs: {spec!r} is not SIZE:RECIPE[:IMPL] with SIZE one of {', '.join(SIZES)}")
+  impl = parts[2] if len(parts) == 3 else default_impl
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"--runs: {spec!r}: IMPL must be one of {IMPLEMENTATIONS}")
+  return parts[0], parts[1], impl
+
+
+COLUMNS = [("init_s", "init s", "{:.2f}"), ("trace_s", "trace s", "{:.2f}"), ("lower_s", "lower s", "{:.2f}"),
+           ("compile_s", "XLA compile s", "{:.2f}"), ("first_step_s", "first step s", "{:.2f}"),
+           ("to_first_step_s", "launch to first step s", "{:.1f}"), ("step_ms", "step ms", "{:.2f}"),
+           ("stablehlo_lines", "StableHLO lines", "{:,}"), ("hlo_lines", "HLO lines", "{:,}"),
+           ("triton_calls", "Triton calls", "{}")]
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--runs", default=None, help="SIZE:RECIPE[:IMPL],... (default 20m and 125m, bf16 and "
+                 "fp4_linear; --tiny: the tiny model)")
+  p.add_argument("--matmul", default="auto", choices=IMPLEMENTATIONS,
+                 help="the NVFP4 GEMMs' implementation of runs that name none")
+  p.add_argument("--batch", type=int, default=None, help="batch (default 16; --tiny 2)")
+  p.add_argument("--seq", type=int, default=None, help="sequence length (default 1024; --tiny 32)")
+  p.add_argument("--steps", type=int, default=None, help="timed steps after the first (default 10; --tiny 2)")
+  p.add_argument("--scan", action="store_true", help="lax.scan over the blocks (not unrolled)")
+  p.add_argument("--lower-for", default=None, help="'cuda': only trace and lower, for an H200")
+  p.add_argument("--tiny", action="store_true", help="CPU check of the script: tiny model and shapes")
+  args = p.parse_args(argv)
+  args.batch = args.batch or (2 if args.tiny else 16)
+  args.seq = args.seq or (32 if args.tiny else 1024)
+  args.steps = args.steps if args.steps is not None else (2 if args.tiny else 10)
+  sizes = ("tiny",) if args.tiny else ("20m", "125m")
+  runs = args.runs or ",".join(f"{s}:{r}" for s in sizes for r in ("bf16", "fp4_linear"))
+  try:
+    specs = [_parse(s, args.matmul) for s in runs.split(",") if s]
+  except ValueError as e:
+    p.error(str(e))
+
+  dev = jax.devices()[0]
+  where = f"lowered for {args.lower_for} (H200)" if args.lower_for else f"{dev.device_kind} ({dev.platform})"
+  print(f"{where}; jax {jax.__version__}; batch {args.batch} x seq {args.seq}; scan {args.scan}; "
+        f"persistent compilation cache: {jax.config.jax_compilation_cache_dir or 'none'}", flush=True)
+  rows = []
+  for size, recipe, impl in specs:
+    name = f"{size}:{recipe}:{impl}"
+    try:
+      if args.lower_for:
+        row = lower_for(args.lower_for, size, recipe, impl, args)
+      else:
+        row = run_on_device(size, recipe, impl, args)
+    except Exception as e:  # report and go on with the other runs
+      print(f"{name}: FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
+      row = {"ok": False}
+    rows.append((name, row))
+    print(json.dumps({"run": name, **row}), flush=True)
+
+  cols = [c for c in COLUMNS if any(c[0] in r for _, r in rows)]
+  print("\n| run | " + " | ".join(c[1] for c in cols) + " |\n|---|" + "---:|" * len(cols))
+  for name, r in rows:
+    cells = [fmt.format(r[k]) if k in r else "–" for k, _, fmt in cols]
+    print(f"| {name} | " + " | ".join(cells) + " |" + ("" if r["ok"] else " failed"))
+  return 0 if all(r["ok"] for _, r in rows) else 1
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
