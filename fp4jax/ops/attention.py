@@ -2,7 +2,9 @@
 
 Layout: q ``[B, T, H, D]``, k and v ``[B, S, Hk, D]``, ``H % Hk == 0`` (query head ``h`` reads key/value
 head ``h // (H // Hk)``), D in {64, 128}. With ``Q(·)`` NVFP4 quantization (``fp4jax.nvfp4``) and
-``deq(·)`` its ``dequantize`` to the inputs' dtype, the default ``AttentionConfig.nvfp4()`` computes::
+``deq(·)`` its ``dequantize`` to the inputs' dtype (exact in float32; in bf16 one rounding of the
+float32 product of codes and scales, the operands the flash kernels take), the default
+``AttentionConfig.nvfp4()`` computes::
 
   forward   S  = deq(Q(q))·deq(Q(k))ᵀ / √D             1×16 blocks along D, one global scale per tensor
             L  = logsumexp_rows(S)  (f32);  P = exp(S − L);  O = P·V
@@ -42,7 +44,6 @@ OPERANDS = ("q", "k", "v", "p", "do", "ds")
 HEAD_DIMS = (64, 128)
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
 SCALE_SCOPES = ("tile", "matrix", "tensor")
-_ROUNDINGS = ("nearest", "stochastic")
 # One key per random choice, in a fixed order so that a config switch never moves another's bits.
 _KEY_NAMES = ("q", "k", "v", "p", "do", "ds", "q_bwd", "k_bwd")
 
@@ -93,8 +94,8 @@ class AttentionConfig:
       if getattr(self, name) not in FORMATS:
         raise ValueError(f"AttentionConfig.{name} must be one of {FORMATS}, got {getattr(self, name)!r}")
       rounding = getattr(self, f"{name}_rounding")
-      if rounding not in _ROUNDINGS:
-        raise ValueError(f"AttentionConfig.{name}_rounding must be one of {_ROUNDINGS}, got {rounding!r}")
+      if rounding not in nvfp4.ROUNDINGS:
+        raise ValueError(f"AttentionConfig.{name}_rounding must be one of {nvfp4.ROUNDINGS}, got {rounding!r}")
     if not isinstance(self.reuse, bool):
       raise ValueError(f"AttentionConfig.reuse must be a bool, got {self.reuse!r}")
     tile = _check_tile(self.ds_tile, "AttentionConfig.ds_tile")
@@ -230,8 +231,8 @@ def fake_quant_ds(ds, *, scope: str = "tile", ds_tile=(64, 64), rounding: str = 
   """
   if scope not in SCALE_SCOPES:
     raise ValueError(f"fake_quant_ds: scope must be one of {SCALE_SCOPES}, got {scope!r}")
-  if rounding not in _ROUNDINGS:
-    raise ValueError(f"fake_quant_ds: rounding must be one of {_ROUNDINGS}, got {rounding!r}")
+  if rounding not in nvfp4.ROUNDINGS:
+    raise ValueError(f"fake_quant_ds: rounding must be one of {nvfp4.ROUNDINGS}, got {rounding!r}")
   ds = jnp.asarray(ds, _F32)
   if ds.ndim < 2:
     raise ValueError(f"fake_quant_ds: ds must be [..., T, S], got shape {ds.shape}")
