@@ -9,7 +9,8 @@ Forward table, one GEMM ``x_MxK · w_KxN`` with bf16 ``x`` and ``w``, bf16 outpu
 
 - ``bf16``: ``jnp.dot`` with float32 accumulation, cast to bf16 (the peer).
 - ``nvfp4 GEMM``: the dot of the two decoded NVFP4 operands (bf16) with float32 accumulation and
-  the two global scales, what ``nvfp4_matmul`` runs after quantizing.
+  the two global scales, what ``nvfp4_matmul`` runs after quantizing (``precision=HIGHEST``, as
+  ``nvfp4.gemm``; also with the default precision, which must not be faster for bf16 operands).
 - ``nvfp4 fwd``: ``nvfp4_matmul``'s forward GEMM with the quantizer kernels
   (``implementation="pallas"``): Q(x; 1×16) and Q(w; 16×16), each with its decoded operand, then
   the GEMM above; with ``--xla`` also the XLA implementation.
@@ -81,12 +82,13 @@ def forward_row(name, m, k, n, impls, time):
   (qx, dx), (qw, dw) = (kq.quantize(x, decoded=True, interpret=interpret),
                         kq.quantize(w, block=(16, 16), decoded=True, interpret=interpret))
 
-  @jax.jit
-  def gemm(a, b, sa, sb):
-    acc = lax.dot_general(a, b, _NN, preferred_element_type=jnp.float32)
+  def gemm(a, b, sa, sb, precision):
+    acc = lax.dot_general(a, b, _NN, precision=precision, preferred_element_type=jnp.float32)
     return ((acc * sa) * sb).astype(jnp.bfloat16)
 
-  row["nvfp4 GEMM"] = time(gemm, dx, dw, qx.global_scale, qw.global_scale)
+  scales = (qx.global_scale, qw.global_scale)
+  row["nvfp4 GEMM"] = time(jax.jit(functools.partial(gemm, precision=lax.Precision.HIGHEST)), dx, dw, *scales)
+  row["nvfp4 GEMM, default precision"] = time(jax.jit(functools.partial(gemm, precision=None)), dx, dw, *scales)
   del qx, dx, qw, dw
   for impl in impls:
     # The forward GEMM alone: nothing quantized for a backward.

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import H200
+from jax.sharding import AbstractMesh
 
-from fp4jax import nvfp4
+from fp4jax import _platform, nvfp4
 from fp4jax.ops import (
   MatmulConfig,
   nvfp4_matmul,
@@ -288,6 +289,20 @@ def test_auto_is_xla_on_the_cpu_and_kernel_choices_check_their_inputs():
   big = jax.ShapeDtypeStruct((2**27, 16), jnp.bfloat16)  # 2**31 elements
   with pytest.raises(ValueError, match="fewer than 2\\*\\*31 elements"):
     jax.eval_shape(lambda x: nvfp4_matmul(x, jnp.ones((16, 16)), key=jax.random.key(0), config=pallas), big)
+
+
+def test_auto_takes_the_kernels_on_one_cuda_device_only(monkeypatch):
+  """``"auto"`` on a CUDA GPU: the kernels, unless the mesh has several devices (they would see
+  gathered operands) or the key is not threefry (their bits are threefry's)."""
+  monkeypatch.setattr(_platform, "default_platform", lambda: "cuda")
+  two_h200s = AbstractMesh((2,), ("x",), abstract_device=H200.abstract_device)
+  x, w = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((32, 32), jnp.float32)
+  threefry, rbg = jax.random.key(0), jax.random.key(0, impl="rbg")
+  for mesh, key, kernels in ((H200, threefry, True), (two_h200s, threefry, False), (H200, rbg, False)):
+    f = lambda x, w, key: nvfp4_matmul(x, w, key=key, config=MatmulConfig.nvfp4())  # noqa: E731
+    with jax.sharding.use_abstract_mesh(mesh):
+      hlo = jax.jit(f).trace(x, w, key).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("__gpu$xla.gpu.triton" in hlo) == kernels, (mesh, key)
 
 
 def _lowered_vjp(config):

@@ -68,8 +68,9 @@ class MatmulConfig:
     implementation: which code computes it, with the same bits: ``"xla"`` (``nvfp4.quantize``),
       ``"pallas"`` (the quantizer kernels of ``fp4jax.kernels.nvfp4_quantize``, CUDA),
       ``"pallas_interpret"`` (those kernels in interpret mode, for CPU tests), or ``"auto"``:
-      ``"pallas"`` when computations go to a CUDA GPU (``fp4jax._platform.resolve``) and the
-      kernels take the operands (fewer than 2**31 elements each, threefry keys), else ``"xla"``.
+      ``"pallas"`` when computations go to a CUDA GPU (``fp4jax._platform.resolve``), the mesh in
+      context (``jax.set_mesh``) has one device, and the kernels take the operands (fewer than
+      2**31 elements each, threefry keys), else ``"xla"``.
   """
 
   fwd: bool = True
@@ -325,7 +326,10 @@ def _resolve(config: MatmulConfig, sizes, key) -> MatmulConfig:
   other_key = config.needs_key and not (str(jax.random.key_impl(key)) == "threefry2x32"
                                         and jax.config.jax_threefry_partitionable)
   if impl == "auto":
-    impl = "xla" if too_large or other_key else _platform.resolve(impl, "pallas", "xla")
+    # The kernels quantize whole tensors: on a mesh of several devices XLA would gather the sharded
+    # operands around every call, so "auto" keeps XLA's partitioned quantizer there.
+    sharded = jax.sharding.get_abstract_mesh().size > 1
+    impl = "xla" if too_large or other_key or sharded else _platform.resolve(impl, "pallas", "xla")
   elif too_large:
     raise ValueError(f"nvfp4_matmul: implementation={impl!r} quantizes operands of fewer than 2**31 "
                      f"elements; got {max(sizes)}: use implementation='xla'")
