@@ -34,8 +34,9 @@ from flax import nnx
 
 from fp4jax import _platform
 from fp4jax.layers import Dense, MixedMatmul, NVFP4Matmul
+from fp4jax.ops.attention import AttentionConfig, nvfp4_attention
 from fp4jax.ops.matmul import MatmulConfig
-from fp4jax.recipe import Recipe, RecipeNotAvailableError
+from fp4jax.recipe import Recipe
 from fp4jax.sharding import BATCH_AXES
 
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
@@ -293,6 +294,20 @@ class DotProductAttention:
     return _attention(q, k, v, attention_impl(self.cfg), fallback=self.cfg.attention == "auto")
 
 
+@dataclasses.dataclass(frozen=True)
+class NVFP4Attention:
+  """Causal ``fp4jax.ops.nvfp4_attention`` with ``config``: the attention op of ``attention="nvfp4"``.
+
+  ``op(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, key)`` -> (B, T, N, H) in q's dtype; ``key`` draws the
+  stochastic rounding of dS (a fresh key per step and block, as the projections take).
+  """
+
+  config: AttentionConfig
+
+  def __call__(self, q, k, v, *, key=None):
+    return nvfp4_attention(q, k, v, causal=True, key=key, config=self.config)
+
+
 class Attention(nnx.Module):
   """Causal grouped-query self-attention with RoPE and optional QK-norm.
 
@@ -301,15 +316,13 @@ class Attention(nnx.Module):
     recipe: the precision recipe.
     precision: the projections' precision (``Recipe.block_linear``).
     rngs: parameter RNGs.
-    attention_op: ``op(q, k, v, *, key)`` computing causal attention from RoPE'd heads (default
+    attention_op: ``op(q, k, v, *, key)`` computing causal attention from RoPE'd heads (default:
+      ``NVFP4Attention(recipe.attention_config())`` for NVFP4 attention, else
       ``DotProductAttention(cfg)``).
   """
 
   def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs,
                attention_op: Callable | None = None):
-    if recipe.attention != "bf16":
-      raise RecipeNotAvailableError(f"Recipe attention={recipe.attention!r} is not available yet: "
-                                    "the model's attention has no NVFP4 path")
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.hdim
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     self.qkv = make_projection(d, (n + 2 * k) * h, precision, recipe, cfg, cfg.init_std, rngs)
@@ -318,7 +331,10 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(h, cfg.norm_eps)
       self.k_norm = RMSNorm(h, cfg.norm_eps)
     self.cfg = cfg
-    self.attention_op = DotProductAttention(cfg) if attention_op is None else attention_op
+    if attention_op is None:
+      config = recipe.attention_config()
+      attention_op = DotProductAttention(cfg) if config is None else NVFP4Attention(config)
+    self.attention_op = attention_op
 
   def __call__(self, x_BxTxD, key):
     cfg = self.cfg
@@ -421,7 +437,8 @@ class Transformer(nnx.Module):
     cfg: model hyperparameters.
     recipe: precision recipe (``Recipe.block_linear`` gives each block's projections).
     rngs: parameter RNGs.
-    attention_op: the attention op of every block (default ``DotProductAttention(cfg)``; see
+    attention_op: the attention op of every block (default: ``NVFP4Attention`` when the recipe's
+      attention is NVFP4, else ``DotProductAttention(cfg)``; see
       ``Attention``).
   """
 
@@ -429,7 +446,7 @@ class Transformer(nnx.Module):
                attention_op: Callable | None = None):
     self.cfg, self.recipe = cfg, recipe
     precisions = [recipe.block_linear(i, cfg.n_layers) for i in range(cfg.n_layers)]
-    self.needs_key = any(p != "bf16" for p in precisions)
+    self.needs_key = any(p != "bf16" for p in precisions) or recipe.attention != "bf16"
     self.segments = _runs(precisions)
     self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs)
     blocks = [Block(cfg, recipe, p, rngs, attention_op) for p in precisions]

@@ -3,13 +3,18 @@
 The four modules are pluggable and cumulative (docs/DESIGN.md, "The linear recipe")::
 
   linear            bf16 | nvfp4 | nvfp4_lorasvd   every projection of every block
-  attention         bf16 | nvfp4                   the QKᵀ / dS products of attention
+  attention         bf16 | nvfp4                   the QKᵀ / dS products of attention (with tensor reuse)
   optimizer_states  fp32 | nvfp4                   AdamW moments
   newton_schulz     bf16 | nvfp4                   the Muon / ROOT orthogonalization matmuls
 
 Embeddings, the LM head, norms and softmax always stay high precision. ``bf16_first_blocks`` and
 ``bf16_last_blocks`` keep the linear layers of the first/last k Transformer blocks in BF16 (NVIDIA
 keeps ~15% of the linear layers, mostly the last blocks, in BF16).
+
+``attention_pv``, ``attention_ds`` and ``attention_reuse`` are the attention ablations of the
+loss-gap study (``fp4jax.ops.AttentionConfig``): the P·V / dO·Vᵀ / Pᵀ·dO operands (V, P, dO) in
+NVFP4 instead of BF16, dS in BF16 instead of NVFP4, and Q, K re-quantized in the backward instead of
+reused. Each is one flag, e.g. ``--config.recipe.attention_ds=bf16``.
 
 Named presets: ``bf16``, ``fp4_linear``, ``fp4_linear_lorasvd``, ``fp4_full_stack``
 (``get_recipe(name)``). A choice this version cannot run yet raises ``RecipeNotAvailableError``
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from fp4jax.ops.attention import AttentionConfig
+
 LINEAR_CHOICES = ("bf16", "nvfp4", "nvfp4_lorasvd")
 ATTENTION_CHOICES = ("bf16", "nvfp4")
 OPTIMIZER_STATE_CHOICES = ("fp32", "nvfp4")
@@ -27,9 +34,7 @@ NEWTON_SCHULZ_CHOICES = ("bf16", "nvfp4")
 MODULES = ("linear", "attention", "optimizer_states", "newton_schulz")  # what a preset sets
 
 # Choices that this version cannot train with yet, and why.
-_NOT_AVAILABLE = {
-    ("attention", "nvfp4"): "the model's attention has no NVFP4 path",
-}
+_NOT_AVAILABLE: dict[tuple[str, str], str] = {}
 
 
 class RecipeNotAvailableError(NotImplementedError):
@@ -50,6 +55,12 @@ class Recipe:
     lora_rank: rank of the BF16 low-rank branch when ``linear == "nvfp4_lorasvd"``.
     lora_resplit_every: re-split every LoRA-SVD projection (new top-r SVD of ``W_res + A·B``) every
       this many steps; 0 splits once at init (Metis). Adam moments are kept across a re-split.
+    attention_pv: with ``attention="nvfp4"``, the operands V, P and dO of P·V, dO·Vᵀ and Pᵀ·dO:
+      ``"bf16"`` (the method: the sensitive branches protected) or ``"nvfp4"`` (ablation).
+    attention_ds: with ``attention="nvfp4"``, dS in dQ = dS·K and dK = dSᵀ·Q: ``"nvfp4"`` (the
+      method, stochastic rounding) or ``"bf16"`` (ablation).
+    attention_reuse: with ``attention="nvfp4"``, the backward reuses the forward's packed Q(q),
+      Q(k) (True, the method) or re-quantizes q and k (False, ablation).
   """
 
   linear: str = "bf16"
@@ -60,6 +71,9 @@ class Recipe:
   bf16_last_blocks: int = 0
   lora_rank: int = 16
   lora_resplit_every: int = 0
+  attention_pv: str = "bf16"
+  attention_ds: str = "nvfp4"
+  attention_reuse: bool = True
 
   def __post_init__(self):
     for field, choices in (("linear", LINEAR_CHOICES), ("attention", ATTENTION_CHOICES),
@@ -72,6 +86,11 @@ class Recipe:
       value = getattr(self, field)
       if not isinstance(value, int) or value < 0:
         raise ValueError(f"Recipe.{field}={value!r}: expected a non-negative int")
+    for field in ("attention_pv", "attention_ds"):
+      if getattr(self, field) not in ATTENTION_CHOICES:
+        raise ValueError(f"Recipe.{field}={getattr(self, field)!r}: expected one of {ATTENTION_CHOICES}")
+    if not isinstance(self.attention_reuse, bool):
+      raise ValueError(f"Recipe.attention_reuse={self.attention_reuse!r}: expected a bool")
     if self.linear == "nvfp4_lorasvd" and self.lora_rank < 1:
       raise ValueError("Recipe.lora_rank must be >= 1 when linear='nvfp4_lorasvd'")
 
@@ -90,6 +109,14 @@ class Recipe:
     if block < self.bf16_first_blocks or block >= n_blocks - self.bf16_last_blocks:
       return "bf16"
     return self.linear
+
+  def attention_config(self):
+    """The ``fp4jax.ops.AttentionConfig`` of ``attention="nvfp4"`` (None for BF16 attention):
+    ``AttentionConfig.nvfp4()`` with the ablation fields applied."""
+    if self.attention == "bf16":
+      return None
+    pv = self.attention_pv
+    return AttentionConfig.nvfp4(v=pv, p=pv, do=pv, ds=self.attention_ds, reuse=self.attention_reuse)
 
   def check_available(self) -> Recipe:
     """Raises ``RecipeNotAvailableError`` if a chosen module cannot be trained with yet.

@@ -352,7 +352,8 @@ def test_pallas_interpret_runs_the_kernels_on_the_same_operands():
 
 @pytest.mark.parametrize("shapes, kwargs, match", [
     (((B, T, H * D), (B, T, HK, D), (B, T, HK, D)), {}, "4-D"),
-    (((B, T, H, 32), (B, T, HK, 32), (B, T, HK, 32)), {}, "head dim D = 32"),
+    (((B, T, H, 24), (B, T, HK, 24), (B, T, HK, 24)), {}, "head dim D = 24"),
+    (((B, T, H, 32), (B, T, HK, 32), (B, T, HK, 32)), dict(implementation="pallas"), "head dims"),
     (((B, T, 3, D), (B, T, 2, D), (B, T, 2, D)), {}, "not a multiple"),
     (((B, T, H, D), (2, T, HK, D), (2, T, HK, D)), {}, "batch"),
     (((B, T, H, D), (B, T, HK, D), (B, 16, HK, D)), {}, "same shape"),
@@ -367,6 +368,18 @@ def test_bad_inputs(shapes, kwargs, match):
   q, k, v = (jnp.zeros(s, jnp.bfloat16) for s in shapes)
   with pytest.raises(ValueError, match=match):
     nvfp4_attention(q, k, v, **{"key": KEY, **kwargs})
+
+
+def test_head_dim_16_on_the_xla_path():
+  """The XLA path takes any head dim that is a multiple of 16 (a tiny model's D = 16): the forward
+  equals bf16 attention on the decoded operands, as at D = 64."""
+  q, k, v = (jax.random.normal(jax.random.key(i), (B, T, H, 16), jnp.float32) for i in range(3))
+  k, v = k[:, :, :HK], v[:, :, :HK]
+  out = nvfp4_attention(q, k, v, key=KEY, config=AttentionConfig.nvfp4(), implementation="auto")
+  qd = nvfp4.dequantize(nvfp4.quantize(q))
+  kd = nvfp4.dequantize(nvfp4.quantize(k))
+  ref = jax.nn.dot_product_attention(qd, kd, v, is_causal=True, implementation="xla")
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
 
 
 def test_dtype_mismatch():

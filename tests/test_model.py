@@ -11,9 +11,10 @@ from fp4jax import _platform, layers
 from fp4jax import sharding as shd
 from fp4jax.layers import MixedMatmul, NVFP4Matmul
 from fp4jax.loss import chunked_cross_entropy, cross_entropy
-from fp4jax.model import ModelConfig, Transformer, attention_impl, projection_dims, rope
+from fp4jax.model import NVFP4Attention, ModelConfig, Transformer, attention_impl, projection_dims, rope
+from fp4jax.ops.attention import AttentionConfig
 from fp4jax.ops import MatmulConfig, mixed_matmul
-from fp4jax.recipe import Recipe, RecipeNotAvailableError, get_recipe
+from fp4jax.recipe import Recipe, get_recipe
 
 CFG = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                   dtype="float32")
@@ -165,9 +166,28 @@ def test_nvfp4_forward_is_close_to_bf16_with_same_weights():
   assert 0 < rel < 0.2  # quantized (not bit-equal) but close
 
 
-def test_attention_nvfp4_raises_not_available():
-  with pytest.raises(RecipeNotAvailableError, match="not available yet"):
-    _model(recipe=Recipe(attention="nvfp4"))
+def test_attention_nvfp4_runs_the_nvfp4_op_with_its_ablations():
+  """recipe attention='nvfp4': every block's attention op is nvfp4_attention with the recipe's
+  AttentionConfig; the model needs a key, trains (finite gradients) and differs from bf16 attention."""
+  recipe = Recipe(attention="nvfp4", attention_ds="bf16", attention_reuse=False)
+  m = _model(recipe=recipe)
+  assert m.needs_key
+  op = m.blocks[0].attn.attention_op
+  assert isinstance(op, NVFP4Attention)
+  assert op.config == AttentionConfig.nvfp4(ds="bf16", reuse=False)
+  tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, CFG.vocab_size)
+  with pytest.raises(ValueError, match="key"):
+    m(tokens)
+  g, p = nnx.split(m)
+
+  def loss(p, key):
+    return jnp.mean(nnx.merge(g, p)(tokens, key=key) ** 2)
+
+  value, grads = jax.jit(jax.value_and_grad(loss))(p, jax.random.key(1))
+  assert np.isfinite(float(value))
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(grads))
+  bf16 = _model()
+  assert not np.allclose(np.asarray(bf16(tokens)), np.asarray(m(tokens, key=jax.random.key(1))))
 
 
 @pytest.mark.parametrize("kw,match", [

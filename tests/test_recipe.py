@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from fp4jax import recipe as recipe_lib
-from fp4jax.recipe import Recipe, RecipeNotAvailableError, get_recipe
+from fp4jax.ops.attention import AttentionConfig
+from fp4jax.recipe import Recipe, get_recipe
 
 
 def test_presets_are_cumulative():
@@ -57,12 +58,17 @@ def test_bf16_exempt_blocks():
     r.block_linear(6, 6)
 
 
-def test_attention_nvfp4_is_not_available_yet():
-  with pytest.raises(RecipeNotAvailableError, match="attention='nvfp4' is not available yet"):
-    Recipe(attention="nvfp4").check_available()
-  with pytest.raises(RecipeNotAvailableError, match="not available yet"):
-    get_recipe("fp4_full_stack").check_available()
-  assert isinstance(RecipeNotAvailableError("x"), NotImplementedError)
+def test_attention_config_of_the_recipe():
+  assert get_recipe("fp4_linear").attention_config() is None
+  assert get_recipe("fp4_full_stack").check_available().attention_config() == AttentionConfig.nvfp4()
+  pv = Recipe(attention="nvfp4", attention_pv="nvfp4").attention_config()
+  assert pv.v == pv.p == pv.do == "nvfp4" and pv.ds == "nvfp4" and pv.reuse
+  assert Recipe(attention="nvfp4", attention_ds="bf16", attention_reuse=False).attention_config() == \
+      AttentionConfig.nvfp4(ds="bf16", reuse=False)
+  with pytest.raises(ValueError, match="attention_ds"):
+    Recipe(attention_ds="fp8")
+  with pytest.raises(ValueError, match="attention_reuse"):
+    Recipe(attention_reuse="yes")
 
 
 def test_available_modules_pass():

@@ -1,5 +1,15 @@
 """Differentiable NVFP4 ops (``custom_vjp``), each beside its pure-jnp reference."""
 
+from fp4jax.ops.attention import (
+    AttentionConfig,
+    AttentionResiduals,
+    ds_bits,
+    ds_scale_error,
+    fake_quant_ds,
+    nvfp4_attention,
+    nvfp4_attention_reference,
+    nvfp4_attention_vjp_reference,
+)
 from fp4jax.ops.mixed import mixed_matmul, mixed_matmul_split, mixed_matmul_vjp_reference
 from fp4jax.ops.matmul import (
     MatmulConfig,
@@ -9,6 +19,14 @@ from fp4jax.ops.matmul import (
 )
 
 __all__ = [
+    "AttentionConfig",
+    "AttentionResiduals",
+    "ds_bits",
+    "ds_scale_error",
+    "fake_quant_ds",
+    "nvfp4_attention",
+    "nvfp4_attention_reference",
+    "nvfp4_attention_vjp_reference",
     "MatmulConfig",
     "mixed_matmul",
     "mixed_matmul_split",

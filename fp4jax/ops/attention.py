@@ -1,7 +1,8 @@
 """NVFP4 attention with a ``custom_vjp``: QKᵀ and the backward's dS products in NVFP4, with tensor reuse.
 
 Layout: q ``[B, T, H, D]``, k and v ``[B, S, Hk, D]``, ``H % Hk == 0`` (query head ``h`` reads key/value
-head ``h // (H // Hk)``), D in {64, 128}. With ``Q(·)`` NVFP4 quantization (``fp4jax.nvfp4``) and
+head ``h // (H // Hk)``), D a multiple of 16 (64 or 128 for the flash kernels). With ``Q(·)`` NVFP4
+quantization (``fp4jax.nvfp4``) and
 ``deq(·)`` its ``dequantize`` to the inputs' dtype (exact in float32; in bf16 one rounding of the
 float32 product of codes and scales, the operands the flash kernels take), the default
 ``AttentionConfig.nvfp4()`` computes::
@@ -36,12 +37,13 @@ from jax import lax
 
 from fp4jax import _platform, nvfp4
 from fp4jax.kernels import attention as attention_kernels
+from fp4jax.kernels import nvfp4_quantize
 
 _F32 = jnp.float32
 _HIGHEST = lax.Precision.HIGHEST
 FORMATS = ("bf16", "nvfp4")
 OPERANDS = ("q", "k", "v", "p", "do", "ds")
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)  # the flash kernels' head dims; the XLA path takes any multiple of 16
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
 SCALE_SCOPES = ("tile", "matrix", "tensor")
 # One key per random choice, in a fixed order so that a config switch never moves another's bits.
@@ -163,17 +165,21 @@ def ds_bits(key, shape) -> jax.Array:
   return attention_kernels.ds_rounding_bits(key, (b, h, t, s + -s % 4))[..., :s]
 
 
-def _quantize(x, config, name, key, **kw) -> nvfp4.NVFP4Tensor:
+def _quantize(x, config, name, key, impl="xla", **kw) -> nvfp4.NVFP4Tensor:
+  """``nvfp4.quantize`` of one operand; on the kernel paths the same bits from one Pallas quantizer
+  call over the whole tensor (``fp4jax.kernels.nvfp4_quantize``)."""
   stochastic = config.stochastic(name)
-  return nvfp4.quantize(x, rounding=getattr(config, f"{name}_rounding"),
-                        key=key if stochastic else None, **kw)
+  kw.update(rounding=getattr(config, f"{name}_rounding"), key=key if stochastic else None)
+  if impl in ("pallas", "pallas_interpret"):
+    return nvfp4_quantize.quantize(x, interpret=impl == "pallas_interpret", **kw)
+  return nvfp4.quantize(x, **kw)
 
 
-def _operand(x, config, name, keys, key_name=None):
+def _operand(x, config, name, keys, key_name=None, impl="xla"):
   """``x`` quantized (1×16 along the last axis, D) when ``config`` says so, else ``x`` itself."""
   if not config.quantizes(name):
     return x
-  return _quantize(x, config, name, keys[key_name or name], block=(1, nvfp4.BLOCK), axis=-1)
+  return _quantize(x, config, name, keys[key_name or name], impl, block=(1, nvfp4.BLOCK), axis=-1)
 
 
 def _decoded(x, dtype):
@@ -330,11 +336,12 @@ def _forward(q, k, v, keys, causal, config):
   return o.astype(dtype), AttentionResiduals(qt, kt, vt, o_delta.astype(dtype), lse, None), p
 
 
-def _bwd_operands(res: AttentionResiduals, keys, config):
+def _bwd_operands(res: AttentionResiduals, keys, config, impl="xla"):
   """The decoded q, k, v of the backward: the forward's packed tensors, or re-quantized without reuse."""
   qt, kt = res.q, res.k
   if not config.reuse:
-    qt, kt = _operand(qt, config, "q", keys, "q_bwd"), _operand(kt, config, "k", keys, "k_bwd")
+    qt = _operand(qt, config, "q", keys, "q_bwd", impl)
+    kt = _operand(kt, config, "k", keys, "k_bwd", impl)
   dtype = res.o.dtype
   return _decoded(qt, dtype), _decoded(kt, dtype), _decoded(res.v, dtype)
 
@@ -381,7 +388,7 @@ def _attention_fwd(q, k, v, key, causal, config, impl):
     o, res, _ = _forward(q, k, v, keys, causal, config)
     return o, res._replace(key=key)
   dtype = q.dtype
-  qt, kt, vt = (_operand(x, config, name, keys) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+  qt, kt, vt = (_operand(x, config, name, keys, impl=impl) for x, name in ((q, "q"), (k, "k"), (v, "v")))
   o, lse = attention_kernels.attention_fwd(
       _decoded(qt, dtype), _decoded(kt, dtype), _decoded(vt, dtype), causal=causal,
       sm_scale=1.0 / math.sqrt(q.shape[-1]), interpret=impl == "pallas_interpret")
@@ -396,8 +403,8 @@ def _attention_bwd(causal, config, impl, res: AttentionResiduals, do):
   if impl == "xla":
     (dq, dk, dv), _ = _backward(res, do, keys, causal, config)
   else:
-    qd, kd, vd = _bwd_operands(res, keys, config)
-    dod = _decoded(_operand(do.astype(qd.dtype), config, "do", keys), qd.dtype)
+    qd, kd, vd = _bwd_operands(res, keys, config, impl)
+    dod = _decoded(_operand(do.astype(qd.dtype), config, "do", keys, impl=impl), qd.dtype)
     dq, dk, dv = attention_kernels.attention_bwd(
         qd, kd, vd, res.o, res.lse, dod, causal=causal, sm_scale=1.0 / math.sqrt(qd.shape[-1]),
         ds_rounding=config.ds_rounding if config.quantizes("ds") else None, key=keys["ds"],
@@ -436,8 +443,9 @@ def _check(q, k, v, key, causal, config) -> None:
     raise ValueError(f"nvfp4_attention: q and k have different batch sizes; got {shapes}")
   if d != dk:
     raise ValueError(f"nvfp4_attention: q and k have different head dims; got {shapes}")
-  if d not in HEAD_DIMS:
-    raise ValueError(f"nvfp4_attention: head dim D = {d} is not supported, expected one of {HEAD_DIMS}")
+  if d == 0 or d % nvfp4.BLOCK:
+    raise ValueError(f"nvfp4_attention: head dim D = {d} is not a positive multiple of {nvfp4.BLOCK} "
+                     f"(the NVFP4 blocks run along D); got {shapes}")
   if hk == 0 or h % hk:
     raise ValueError(f"nvfp4_attention: the {h} query heads are not a multiple of the {hk} key/value "
                      f"heads; got {shapes}")
@@ -477,13 +485,14 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
     implementation: ``"xla"`` (the jnp reference, ``nvfp4_attention_reference``), ``"pallas"`` (the
       flash kernels of ``fp4jax.kernels.attention``, CUDA), ``"pallas_interpret"`` (the kernels in
       interpret mode, for tests) or ``"auto"``: ``"pallas"`` when computations go to a CUDA GPU and
-      the kernels take ``config`` (all but a quantized P), else ``"xla"``.
+      the kernels take ``config`` and D (all but a quantized P; D in {64, 128}), else ``"xla"``.
 
   Returns:
     ``[B, T, H, D]`` in q's dtype; gradients in the dtypes of q, k and v.
 
   Raises:
-    ValueError: inputs that are not 4-D or disagree (batch, head dim, k vs v), D not in {64, 128},
+    ValueError: inputs that are not 4-D or disagree (batch, head dim, k vs v), D not a multiple of
+      16 (or, for the kernels, not in {64, 128}),
       H not a multiple of Hk, causal with T != S, a missing key, or an implementation that does not
       take the config.
 
@@ -510,11 +519,16 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
     raise ValueError(f"nvfp4_attention: implementation must be one of {IMPLEMENTATIONS}, got "
                      f"{implementation!r}")
   impl = implementation
+  head_dim = q.shape[-1]
   if impl == "auto":
-    impl = _platform.resolve(impl, "pallas", "xla") if _kernel_supports(config) else "xla"
+    kernels_ok = _kernel_supports(config) and head_dim in HEAD_DIMS
+    impl = _platform.resolve(impl, "pallas", "xla") if kernels_ok else "xla"
   elif impl != "xla" and not _kernel_supports(config):
     raise ValueError(f"nvfp4_attention: implementation={impl!r} does not take config.p='nvfp4' (δ "
                      "needs the unquantized P·V); use implementation='xla'")
+  elif impl != "xla" and head_dim not in HEAD_DIMS:
+    raise ValueError(f"nvfp4_attention: implementation={impl!r} takes head dims {HEAD_DIMS}, got "
+                     f"D = {head_dim}; use implementation='xla'")
   return _attention(q, k, v, key, causal, config, impl)
 
 
