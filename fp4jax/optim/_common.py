@@ -42,9 +42,24 @@ def block_axis(shape) -> int | None:
 
 
 def stores_nvfp4(shape, min_size: int) -> bool:
-  """The storage rule of the module docstring: is a state leaf of ``shape`` stored as NVFP4?"""
+  """The storage rule of the module docstring: is a state leaf of ``shape`` stored as NVFP4?
+
+  Empty leaves never are (whatever ``min_size``): they have no block to scale.
+  """
   shape = tuple(shape)
-  return block_axis(shape) is not None and math.prod(shape) >= min_size
+  return block_axis(shape) is not None and math.prod(shape) >= max(min_size, 1)
+
+
+def concrete_float(x) -> float | None:
+  """``x`` as a Python float when its value is known while tracing, else None.
+
+  Hyperparameters are Python numbers, except under ``optax.inject_hyperparams``, where they are
+  arrays of the optimizer state (tracers inside a jit): those take the paths that need no static
+  value.
+  """
+  if isinstance(x, jax.core.Tracer):
+    return None
+  return float(x)
 
 
 def check_min_size(min_size):

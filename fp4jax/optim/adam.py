@@ -19,8 +19,10 @@ hash that XLA fuses into the quantizer (``fp4jax.numerics.counter_bits``). docs/
 The NVFP4 leaves are updated by plain jnp that XLA fuses and partitions (``kernel="xla"``) or by two
 Pallas Triton kernels (``fp4jax.kernels.adam_nvfp4``, the default on a CUDA GPU); both give the same
 state bits. Leaves that the storage rule keeps in float32 (``fp4jax.optim._common``) run
-``optax.scale_by_adam``'s arithmetic unchanged, and with ``quantize=False`` the transformation equals
-optax's bit for bit.
+``optax.scale_by_adam``'s arithmetic unchanged on float32 moments, whatever the parameters' dtype.
+With ``quantize=False``, ``adamw_nvfp4`` is therefore ``optax.adamw`` bit for bit on float32
+parameters; on bfloat16 ones it is ``optax.adamw`` whose ``init`` was given float32 copies of the
+parameters (``optax.adamw`` alone keeps its moments in the parameters' dtype).
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ def scale_by_adam_nvfp4(
     eps_root: added inside the square root, as in optax.
     nesterov: Nesterov momentum, as ``optax.scale_by_adam(nesterov=True)``.
     quantize: store moments as NVFP4 where the storage rule allows; ``False`` gives
-      ``optax.scale_by_adam`` exactly.
+      ``optax.scale_by_adam`` bit for bit with float32 moments (module docstring).
     options: the storage knobs (``AdamNvfp4Options``).
     seed: stochastic rounding uses ``fold_in(key(seed), count)``: deterministic, nothing to store.
     kernel: how NVFP4 leaves are updated: ``"pallas"`` (two Pallas Triton kernels,
@@ -144,7 +146,9 @@ def scale_by_adam_nvfp4(
       kernels in interpret mode, for CPU tests) or ``"auto"``: ``"pallas"`` when computations go to
       a CUDA GPU by default, else ``"xla"``. Both give the same state bits. The kernels take leaves
       blocked along their last axis (others use the XLA path) and see whole leaves: under a mesh
-      that shards the state (FSDP, tensor parallel) use ``"xla"``, which XLA partitions.
+      that shards the state (FSDP, tensor parallel) use ``"xla"``, which XLA partitions. The
+      kernels compile ``b1``, ``b2``, ``eps`` and ``eps_root`` in: traced values (from
+      ``optax.inject_hyperparams`` under ``jax.jit``) take the XLA path.
     kernel_config: the kernels' launch settings.
 
   Returns:
@@ -169,9 +173,15 @@ def scale_by_adam_nvfp4(
   min_size, clip_update = options.min_size, options.clip_update
   mu_rounding, nu_rounding = options.mu_rounding, options.nu_rounding
   stochastic = "stochastic" in (mu_rounding, nu_rounding)
-  hyper = adam_kernel.AdamHyper(b1=b1, b2=b2, eps=eps, eps_root=eps_root, nesterov=nesterov,
-                                clip_update=clip_update, mu_rounding=mu_rounding,
-                                nu_rounding=nu_rounding)
+  # The kernels compile Adam's constants in; traced ones (optax.inject_hyperparams under jit) take
+  # the XLA path, which gives the same bits.
+  constants = [_common.concrete_float(x) for x in (b1, b2, eps, eps_root)]
+  hyper = None if None in constants else adam_kernel.AdamHyper(
+      *constants, nesterov=nesterov, clip_update=clip_update, mu_rounding=mu_rounding,
+      nu_rounding=nu_rounding)
+  # numerics.adam_direction reads eps_root only to choose its square root (the stored √v when
+  # eps_root is 0); a traced eps_root takes the general one, sqrt(v + eps_root * bc2).
+  eps_root_choice = 1.0 if constants[3] is None else constants[3]
 
   def init_fn(params):
     zeros = lambda p: _common.zeros_state(p.shape, min_size, quantize)  # noqa: E731
@@ -200,7 +210,7 @@ def scale_by_adam_nvfp4(
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(quantized))]
     impl = _platform.resolve(kernel, "pallas", "xla")
     fused = []
-    if impl != "xla":
+    if impl != "xla" and hyper is not None:
       fused = [i for i in q_idx if adam_kernel.supports(mu_leaves[i])
                and adam_kernel.supports(nu_leaves[i])]
       q_idx = [i for i in q_idx if i not in fused]
@@ -240,7 +250,7 @@ def scale_by_adam_nvfp4(
     # the GPU, which would move the stored state's global scales.
     s = numerics.sqrt_rn(v)
     u = numerics.adam_direction(m, v, s, g32, numerics.bias_factors(b1, b2, eps_root, count_inc),
-                                b1, eps, eps_root, nesterov, _clip_bound(count_inc))
+                                b1, eps, eps_root_choice, nesterov, _clip_bound(count_inc))
     nu_new = _common.encode(s, nu_rounding, key, lane=1)
     mu_new = _common.encode(m, mu_rounding, key, lane=0)
     return u.astype(g.dtype), mu_new, nu_new
@@ -290,13 +300,22 @@ def adamw_nvfp4(
     quantize, options, seed, kernel, kernel_config: as ``scale_by_adam_nvfp4``.
 
   Returns:
-    An optax transformation; with ``quantize=False`` it equals ``optax.adamw`` bit for bit.
+    An optax transformation. With ``quantize=False`` it equals ``optax.adamw`` bit for bit on
+    float32 parameters; its moments are float32 for every parameter dtype, so on bfloat16
+    parameters it equals ``optax.adamw`` initialized on float32 copies of them.
+
+  Every numeric argument can be injected (``optax.inject_hyperparams``; give
+  ``hyperparam_dtype=jnp.float32`` for bfloat16 parameters, or optax rounds the injected values to
+  bfloat16), and the transformation composes with ``optax.MultiSteps``, ``optax.chain`` and
+  ``optax.masked``.
 
   Example:
     >>> tx = adamw_nvfp4(learning_rate=3e-3)
     >>> params = {"w": jnp.zeros((64, 64))}
     >>> updates, state = tx.update(params, tx.init(params), params)
     >>> params = optax.apply_updates(params, updates)
+    >>> scheduled = optax.inject_hyperparams(adamw_nvfp4)(learning_rate=optax.linear_schedule(
+    ...     0.0, 3e-3, 100))
 
   References:
     Loshchilov & Hutter, `Decoupled Weight Decay Regularization

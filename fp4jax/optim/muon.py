@@ -57,11 +57,14 @@ def scale_by_orthogonalized_momentum(
       ``±quantile(|M|, q)`` before orthogonalizing (the part above is dropped). None: off.
 
   Returns:
-    An ``optax.GradientTransformation``; every leaf must be 2-D.
+    An ``optax.GradientTransformation``; every leaf must be 2-D (empty ones get empty updates).
+    Its numeric arguments may be arrays (``optax.inject_hyperparams``): a traced ``ns_steps``
+    loops with ``lax.fori_loop``, and ``outlier_quantile`` is checked when its value is known.
   """
   if ns_precision not in PRECISIONS:
     raise ValueError(f"ns_precision must be one of {PRECISIONS}, got {ns_precision!r}")
-  if outlier_quantile is not None and not 0.0 < outlier_quantile <= 1.0:
+  q = None if outlier_quantile is None else _common.concrete_float(outlier_quantile)
+  if q is not None and not 0.0 < q <= 1.0:
     raise ValueError(f"outlier_quantile must be in (0, 1], got {outlier_quantile!r}")
 
   def init_fn(params):
@@ -73,6 +76,8 @@ def scale_by_orthogonalized_momentum(
     return ScaleByMuonNvfp4State(count=jnp.zeros([], jnp.int32), mu=_common.map_params(zeros, params))
 
   def orthogonalize(m_hat):
+    if m_hat.size == 0:
+      return jnp.zeros(m_hat.shape, jnp.float32)
     if outlier_quantile is not None:
       thr = jnp.quantile(jnp.abs(m_hat), outlier_quantile) + 1e-9
       m_hat = jnp.clip(m_hat, -thr, thr)
@@ -124,7 +129,11 @@ def scale_by_muon_nvfp4(
 
   (with Nesterov; ``NS(mu_hat)`` without), with ``NS`` the quintic Newton–Schulz iteration of
   ``fp4jax.optim.newton_schulz``. With ``ns_precision="fp32"`` it computes
-  ``optax.contrib.scale_by_muon``.
+  ``optax.contrib.scale_by_muon``: the momentum bit for bit, the update to float32 rounding (the same
+  products, summed in another order). The momentum is float32 (or ``mu_dtype``) for every parameter
+  dtype, where optax keeps it in the parameters' dtype: on bfloat16 parameters the equality is with
+  optax's transformation initialized on float32 copies of them. Updates take the gradients' dtype.
+  Empty leaves get empty updates.
 
   Args:
     ns_coeffs: quintic coefficients ``(a, b, c)``, the same at every step.
@@ -154,9 +163,12 @@ def scale_by_muon_nvfp4(
 def scale_by_shape(consistent_rms: float | None = None) -> optax.GradientTransformation:
   """Muon's shape scale of a (fan_in, fan_out) update: ``sqrt(max(1, fan_out / fan_in))`` (Jordan),
   or with ``consistent_rms`` (e.g. 0.2, Moonshot) ``consistent_rms * sqrt(max(fan_in, fan_out))``.
+  Empty updates pass through.
   """
   def scale(u):
     fan_in, fan_out = u.shape
+    if u.size == 0:
+      return u
     if consistent_rms is None:
       return u * jnp.sqrt(jnp.maximum(1.0, fan_out / fan_in)).astype(u.dtype)
     return u * jnp.asarray(consistent_rms * max(fan_in, fan_out) ** 0.5, u.dtype)
@@ -247,7 +259,10 @@ def muon_nvfp4(
       "pallas_interpret").
 
   Returns:
-    An ``optax.partition`` transformation (state: ``optax.PartitionState``).
+    An ``optax.partition`` transformation (state: ``optax.PartitionState``). Every numeric
+    argument can be injected (``optax.inject_hyperparams``; pass callables such as
+    ``muon_mask`` in ``static_args``), and it composes with ``optax.MultiSteps``, ``optax.chain``
+    and ``optax.masked``.
 
   Example:
     >>> tx = muon_nvfp4(learning_rate=0.02)

@@ -116,13 +116,13 @@ def newton_schulz(x_MxN, coeffs: Sequence[float] = MUON_COEFFS, steps: int = 5, 
   Args:
     x_MxN: a 2-D array (any float dtype; computed in float32).
     coeffs: the quintic's ``(a, b, c)``, used at every step.
-    steps: number of iterations.
+    steps: number of iterations (an int, or an int array when it is a traced hyperparameter).
     precision: ``"fp32"``, ``"bf16"`` or ``"nvfp4"`` operands for every matmul (module docstring).
     eps: added to the Frobenius norm before normalizing.
 
   Returns:
     A float32 array of the shape of ``x_MxN`` whose singular values are near 1 (roughly in
-    [0.7, 1.2] for Muon's coefficients), with ``x``'s singular vectors.
+    [0.7, 1.2] for Muon's coefficients), with ``x``'s singular vectors (empty for an empty ``x``).
 
   Example:
     >>> x = jax.random.normal(jax.random.key(0), (64, 128))
@@ -140,6 +140,8 @@ def newton_schulz(x_MxN, coeffs: Sequence[float] = MUON_COEFFS, steps: int = 5, 
     raise ValueError(f"coeffs must be (a, b, c), got {coeffs!r}")
   x = jnp.asarray(x_MxN, jnp.float32)
   m, n = x.shape
+  if x.size == 0:
+    return x
   transposed = m > n
   if transposed:
     x = x.T
@@ -156,9 +158,11 @@ def newton_schulz(x_MxN, coeffs: Sequence[float] = MUON_COEFFS, steps: int = 5, 
     x = jnp.pad(x, ((0, pad(x.shape[0])), (0, pad(x.shape[1]))))
     x = lax.fori_loop(0, steps, step, x)
     x = x[: min(m, n), : max(m, n)]
-  else:
+  elif isinstance(steps, int):
     for i in range(steps):
       x = step(i, x)
+  else:  # an array (optax.inject_hyperparams): a loop of as many steps
+    x = lax.fori_loop(0, steps, step, x)
   return x.T if transposed else x
 
 

@@ -130,7 +130,9 @@ def root(
       "pallas_interpret").
 
   Returns:
-    An ``optax.partition`` transformation.
+    An ``optax.partition`` transformation. Every numeric argument can be injected
+    (``optax.inject_hyperparams``), and it composes with ``optax.MultiSteps``, ``optax.chain`` and
+    ``optax.masked``.
 
   Example:
     >>> tx = root(learning_rate=0.02)

@@ -1,0 +1,238 @@
+"""Every fp4jax.optim transformation under optax's wrappers and on unusual leaves.
+
+Wrappers: ``optax.inject_hyperparams``, ``optax.MultiSteps``, ``optax.chain``, ``optax.masked``.
+Leaves: empty ((0,), (0, 4), (4, 0)), scalar, odd shapes, None, float32 and bfloat16, and one
+(64, 64) leaf that takes the NVFP4 path (moments stored as NVFP4 for AdamW; the AdamW side of Muon
+and ROOT). Newton–Schulz runs in float32 here (its NVFP4 products have their own tests).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from optax.contrib import MuonDimensionNumbers
+
+from fp4jax import nvfp4, optim
+
+LR = 1e-2
+
+# name -> (factory, arguments, whether every leaf must be 2-D)
+TRANSFORMS = {
+    "adamw_nvfp4": (optim.adamw_nvfp4, dict(learning_rate=LR), False),
+    "scale_by_adam_nvfp4": (optim.scale_by_adam_nvfp4, dict(), False),
+    "muon_nvfp4": (optim.muon_nvfp4, dict(learning_rate=LR, ns_precision="fp32"), False),
+    "scale_by_muon_nvfp4": (optim.scale_by_muon_nvfp4, dict(ns_precision="fp32"), True),
+    "root": (optim.root, dict(learning_rate=LR, ns_precision="fp32"), False),
+    "scale_by_root_nvfp4": (optim.scale_by_root_nvfp4, dict(ns_precision="fp32"), True),
+}
+
+
+def _params(dtype, matrices_only):
+  key = jax.random.key(0)
+  shapes = {"w": (24, 40), "odd": (3, 5), "e04": (0, 4), "e40": (4, 0)}
+  if not matrices_only:  # "embed": NVFP4 moments (AdamW; the AdamW side of Muon and ROOT)
+    shapes.update({"embed": (64, 64), "e0": (0,), "scalar": (), "v17": (17,), "t": (3, 5, 7)})
+  params = {k: (0.1 * jax.random.normal(jax.random.fold_in(key, i), s)).astype(dtype)
+            for i, (k, s) in enumerate(shapes.items())}
+  params["none"] = None
+  return params
+
+
+def _grads(params, step):
+  return jax.tree.map(lambda p: jnp.sin(p.astype(jnp.float32) * 7.0 + step).astype(p.dtype), params)
+
+
+def _make(name, wrapper, params):
+  factory, kwargs, _ = TRANSFORMS[name]
+  if wrapper == "inject_hyperparams":
+    return optax.inject_hyperparams(factory)(**kwargs)
+  tx = factory(**kwargs)
+  if wrapper == "MultiSteps":
+    return optax.MultiSteps(tx, every_k_schedule=2)
+  if wrapper == "chain":
+    return optax.chain(optax.clip_by_global_norm(1.0), tx)
+  if wrapper == "masked":  # the odd matrix and the vector left out
+    return optax.masked(tx, jax.tree.map(lambda p: p.shape not in ((3, 5), (17,)), params))
+  return tx
+
+
+def _spec(tree):
+  is_leaf = lambda x: isinstance(x, nvfp4.NVFP4Tensor)  # noqa: E731
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
+  return treedef, [jax.tree.map(lambda a: (a.shape, a.dtype), x) for x in leaves]
+
+
+def _run(tx, params, steps, jit=True):
+  state = tx.init(params)
+  update = jax.jit(tx.update) if jit else tx.update
+  specs, out = [_spec(state)], []
+  for step in range(steps):
+    updates, state = update(_grads(params, step), state, params)
+    specs.append(_spec(state))
+    out.append(updates)
+    params = optax.apply_updates(params, updates)
+  return out, state, specs
+
+
+@pytest.mark.parametrize("wrapper", ["none", "inject_hyperparams", "MultiSteps", "chain", "masked"])
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_transform_under_wrapper_on_odd_leaves(name, wrapper):
+  params = _params(jnp.float32, TRANSFORMS[name][2])
+  updates, _, specs = _run(_make(name, wrapper, params), params, steps=2)
+  assert all(s == specs[0] for s in specs), "the state's structure, shapes or dtypes changed"
+  for u in updates:
+    assert u["none"] is None
+    for k, p in params.items():
+      if p is not None and not isinstance(u[k], optax.MaskedNode):
+        assert u[k].shape == p.shape, k
+        assert np.all(np.isfinite(np.asarray(u[k], np.float32))), k
+  if wrapper == "MultiSteps":  # the first step accumulates, the second applies
+    assert not np.any(np.asarray(updates[0]["w"])) and np.any(np.asarray(updates[1]["w"]))
+  else:
+    assert np.any(np.asarray(updates[-1]["w"]))
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_bfloat16_params(name):
+  params = _params(jnp.bfloat16, TRANSFORMS[name][2])
+  for wrapper in ("none", "MultiSteps"):
+    updates, _, specs = _run(_make(name, wrapper, params), params, steps=2)
+    assert all(s == specs[0] for s in specs)
+    for u in updates:
+      assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(u))
+
+
+@pytest.mark.parametrize("name", ["adamw_nvfp4", "muon_nvfp4", "root"])
+def test_jit_equals_no_jit(name):
+  params = _params(jnp.float32, False)
+  tx = _make(name, "none", params)
+  (u_jit,), s_jit, _ = _run(tx, params, steps=1)
+  (u_eager,), s_eager, _ = _run(tx, params, steps=1, jit=False)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), u_jit, u_eager)
+  assert _spec(s_jit) == _spec(s_eager)
+
+
+@pytest.mark.parametrize("name", ["adamw_nvfp4", "muon_nvfp4", "root"])
+def test_injected_hyperparameters_take_effect(name):
+  """Injected constants give the plain transformation's updates (to float32 rounding: optax turns
+  them into float32 arrays); a learning rate set to 0 in the state stops the updates, and the
+  decays and the weight decay are injectable too."""
+  params = _params(jnp.float32, False)
+  tx = _make(name, "inject_hyperparams", params)
+  hyper = tx.init(params).hyperparams
+  decays = {"adamw_nvfp4": ("b1", "b2", "weight_decay"), "muon_nvfp4": ("beta", "adam_b1", "adam_b2"),
+            "root": ("beta", "weight_decay", "adam_b2", "outlier_quantile")}[name]
+  assert {"learning_rate", *decays} <= set(hyper)
+  (u_inj,), _, _ = _run(tx, params, steps=1)
+  (u_plain,), _, _ = _run(_make(name, "none", params), params, steps=1)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), u_inj, u_plain)
+
+  step = jax.jit(tx.update)
+  state = tx.init(params)
+  state.hyperparams["learning_rate"] = jnp.zeros_like(state.hyperparams["learning_rate"])
+  u, state = step(_grads(params, 0), state, params)
+  assert not any(np.any(np.asarray(x)) for x in jax.tree.leaves(u))
+  state.hyperparams["learning_rate"] = jnp.asarray(LR, jnp.float32)
+  u_first, _ = step(_grads(params, 1), state, params)
+  state.hyperparams[decays[0]] = jnp.asarray(0.5, jnp.float32)
+  u_other, _ = step(_grads(params, 1), state, params)
+  assert not np.array_equal(np.asarray(u_first["w"]), np.asarray(u_other["w"]))
+
+
+def test_traced_adam_constants_and_ns_steps():
+  """b1, b2, eps, eps_root and ns_steps as traced arrays: the paths with static Python logic
+  (the kernels' compiled constants, the choice of square root, the Newton–Schulz loop) are not
+  taken, and the result is the constant one's."""
+  params = {"w": jax.random.normal(jax.random.key(1), (64, 64))}
+  g = _grads(params, 0)
+  for eps_root in (0.0, 1e-12):
+    plain = optim.scale_by_adam_nvfp4(eps_root=eps_root, kernel="pallas_interpret")
+    injected = optax.inject_hyperparams(optim.scale_by_adam_nvfp4)(eps_root=eps_root,
+                                                                    kernel="pallas_interpret")
+    u1, s1 = jax.jit(plain.update)(g, plain.init(params))
+    u2, s2 = jax.jit(injected.update)(g, injected.init(params))
+    np.testing.assert_allclose(u2["w"], u1["w"], rtol=1e-5)
+    assert np.mean(np.asarray(s1.mu["w"].codes) != np.asarray(s2.inner_state.mu["w"].codes)) < 0.02
+  x = jax.random.normal(jax.random.key(2), (20, 40))
+  for precision in ("fp32", "nvfp4"):
+    traced = jax.jit(lambda x, n, p=precision: optim.newton_schulz(x, steps=n, precision=p))
+    np.testing.assert_allclose(traced(x, 5), optim.newton_schulz(x, steps=5, precision=precision),
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0), (0, 0)])
+def test_newton_schulz_and_shape_scale_of_empty_matrices(shape):
+  x = jnp.zeros(shape)
+  for precision in ("fp32", "nvfp4"):
+    assert optim.newton_schulz(x, precision=precision).shape == shape
+  assert optim.scale_by_shape().update({"w": x}, None)[0]["w"].shape == shape
+  tx = optim.muon_nvfp4(LR)  # NVFP4 Newton–Schulz, the default
+  params = {"w": x, "v": jnp.ones((16, 32))}
+  u, _ = jax.jit(tx.update)(params, tx.init(params), params)
+  assert u["w"].shape == shape and np.all(np.isfinite(np.asarray(u["v"])))
+
+
+def test_empty_leaves_keep_float32_moments_at_min_size_0():
+  assert not optim.stores_nvfp4((0, 64), 0) and optim.stores_nvfp4((1, 16), 0)
+  params = {"e": jnp.zeros((0, 64)), "w": jnp.ones((16, 64))}
+  tx = optim.adamw_nvfp4(LR, options=optim.AdamNvfp4Options(min_size=0))
+  state = tx.init(params)
+  assert state[0].mu["e"].dtype == jnp.float32 and isinstance(state[0].mu["w"], nvfp4.NVFP4Tensor)
+  u, _ = jax.jit(tx.update)(params, state, params)
+  assert u["e"].shape == (0, 64)
+
+
+def test_bad_outlier_quantile_still_raises():
+  with pytest.raises(ValueError, match="outlier_quantile must be in"):
+    optim.scale_by_root_nvfp4(outlier_quantile=1.5)
+  with pytest.raises(ValueError, match="outlier_quantile must be in"):
+    optim.scale_by_root_nvfp4(outlier_quantile=jnp.asarray(0.0))
+
+
+def _f32(tree):
+  return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
+def _same_bits(a, b):
+  np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_quantize_false_on_bfloat16_params_equals_optax_adamw_with_float32_moments(nesterov):
+  """The documented equality: moments are float32 for every parameter dtype, so on bfloat16
+  parameters adamw_nvfp4(quantize=False) is optax.adamw initialized on float32 copies, bit for
+  bit (optax.adamw alone keeps bfloat16 moments)."""
+  params = {"w": (0.1 * jax.random.normal(jax.random.key(0), (64, 64))).astype(jnp.bfloat16),
+            "b": jnp.ones((7,), jnp.bfloat16)}
+  ours = optim.adamw_nvfp4(LR, weight_decay=0.1, nesterov=nesterov, quantize=False)
+  ref = optax.adamw(LR, b1=0.9, b2=0.95, weight_decay=0.1, nesterov=nesterov)
+  assert ref.init(params)[0].mu["w"].dtype == jnp.bfloat16  # what plain optax does
+  s1, s2, p1, p2 = ours.init(params), ref.init(_f32(params)), params, params
+  up1, up2 = jax.jit(ours.update), jax.jit(ref.update)
+  for step in range(3):
+    g = _grads(params, step)
+    u1, s1 = up1(g, s1, p1)
+    u2, s2 = up2(g, s2, p2)
+    p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+    jax.tree.map(_same_bits, (u1, p1, s1[0].mu, s1[0].nu), (u2, p2, s2[0].mu, s2[0].nu))
+  assert p1["w"].dtype == jnp.bfloat16 and s1[0].mu["w"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp32_muon_momentum_equals_optax_bit_for_bit(dtype):
+  """scale_by_muon_nvfp4(ns_precision="fp32"): the momentum is optax.contrib.scale_by_muon's bit for
+  bit (on bfloat16 parameters: optax's initialized on float32 copies), the update agrees to float32
+  rounding and takes the gradients' dtype."""
+  params = {"a": jax.random.normal(jax.random.key(4), (24, 40)).astype(dtype)}
+  ours = optim.scale_by_muon_nvfp4(ns_precision="fp32")
+  dims = lambda p: jax.tree.map(lambda _: MuonDimensionNumbers(), p)  # noqa: E731
+  ref = optax.contrib.scale_by_muon(weight_dimension_numbers=dims)
+  s1, s2 = ours.init(params), ref.init(_f32(params))
+  for step in range(3):
+    g = _grads(params, step)
+    (u1, s1), (u2, s2) = jax.jit(ours.update)(g, s1), jax.jit(ref.update)(g, s2)
+    _same_bits(s1.mu["a"], s2.mu["a"])
+    assert u1["a"].dtype == dtype
+    tol = 5e-6 if dtype == jnp.float32 else 2 ** -8
+    np.testing.assert_allclose(np.asarray(u1["a"], np.float32), u2["a"], atol=tol, rtol=tol)
