@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from fp4jax import optim
 from fp4jax import sharding as shd
+from fp4jax import telemetry
 from fp4jax.checkpoint import Checkpointer, CheckpointSaveError
 from fp4jax.data import to_global_batch
 from fp4jax.layers import Dense
@@ -375,6 +376,9 @@ class TrainConfig:
     progress: a live progress bar when stdout is a terminal; elsewhere (a log file, a cluster
       job) one line per logged step.
     tensorboard: TensorBoard event files under ``<workdir>/tb`` (needs tensorboardX).
+    telemetry_every: every this many steps, before the step, log each module's NVFP4 quantization
+      error on the step's state and batch (``fp4jax.telemetry``; ``telemetry/...`` metrics and
+      ``telemetry_time_s``, its cost). 0: off.
   """
 
   steps: int
@@ -391,6 +395,7 @@ class TrainConfig:
   mesh_shape: tuple[int, int, int] = (1, -1, 1)
   progress: bool = True
   tensorboard: bool = True
+  telemetry_every: int = 0
 
   def __post_init__(self):
     for f in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches",
@@ -402,6 +407,9 @@ class TrainConfig:
                        f"grad_accum={self.grad_accum}")
     if self.eval_every < 0 or self.checkpoint_every < 0:
       raise ValueError("TrainConfig: eval_every and checkpoint_every must be >= 0")
+    if not isinstance(self.telemetry_every, int) or self.telemetry_every < 0:
+      raise ValueError(f"TrainConfig.telemetry_every={self.telemetry_every!r}: expected an int "
+                       ">= 0 (0: off)")
     if self.cross_entropy not in LOSS_ROWS:
       raise ValueError(f"TrainConfig.cross_entropy={self.cross_entropy!r}: expected one of "
                        f"{LOSS_ROWS}")
@@ -578,6 +586,8 @@ def _train(model_cfg, recipe, opt_cfg, tc, workdir, train_iter, eval_batches, me
   graphdef, state, shardings = init_state(model_cfg, recipe, tx, mesh, tc.seed)
   train_step, eval_step = jit_steps(graphdef, tx, schedule, shardings, mesh, tc.grad_accum,
                                     tc.cross_entropy)
+  tele = (telemetry.jit_telemetry(model_cfg, recipe, opt_cfg, shardings, mesh,
+                                  cross_entropy=tc.cross_entropy) if tc.telemetry_every else None)
   every = recipe.lora_resplit_every if recipe.linear == "nvfp4_lorasvd" else 0
   resplit = make_resplit(graphdef, shardings["params"], tc.seed) if every else None
   if start:
@@ -601,8 +611,12 @@ def _train(model_cfg, recipe, opt_cfg, tc, workdir, train_iter, eval_batches, me
     return eval_batches is not None and ((tc.eval_every and n % tc.eval_every == 0)
                                          or n == tc.steps)
 
+  def is_telemetry(n: int) -> bool:
+    return tele is not None and n % tc.telemetry_every == 0
+
   def should_log(n: int) -> bool:
-    return n == start + 1 or n % tc.log_every == 0 or is_eval(n) or n == tc.steps
+    return (n == start + 1 or n % tc.log_every == 0 or is_eval(n) or is_telemetry(n)
+            or n == tc.steps)
 
   try:
     pending = None  # (step, metrics) of a step not synced: fetched while the next one runs
@@ -614,7 +628,14 @@ def _train(model_cfg, recipe, opt_cfg, tc, workdir, train_iter, eval_batches, me
       if n == start + 1:
         writer.message(f"step {n}: compiling the train step ({model_cfg.num_params() / 1e6:.2f}M "
                        f"parameters, {mesh.devices.size} device(s))")
-      state, m = train_step(state, to_global_batch(next(train_iter), mesh))
+      batch = to_global_batch(next(train_iter), mesh)
+      tele_vals = None
+      if is_telemetry(n):  # on the state and batch of step n, before the step donates the state
+        if n <= start + tc.telemetry_every:
+          writer.message(f"step {n}: compiling the telemetry")
+        tele_vals = telemetry.measure(tele, state, batch)
+        timer.reset()
+      state, m = train_step(state, batch)
       if n == start + 1:
         stop.arm()  # compiled: from here on, a signal saves this step's state
       timer.tick()
@@ -642,7 +663,7 @@ def _train(model_cfg, recipe, opt_cfg, tc, workdir, train_iter, eval_batches, me
           writer.message(f"step {n}: evaluating ({tc.eval_batches} batches)")
           vals["eval_loss"] = summary["eval_loss"] = evaluate(
               eval_step, state["params"], eval_batches(), mesh, tc.eval_batches)
-        writer.write(n, vals)
+        writer.write(n, {**vals, **(tele_vals or {})})
         ckpt.poll()  # reports a failed background save now
       if every and n % every == 0 and n < tc.steps:
         state = {**state, "params": resplit(state["params"], state["step"])}

@@ -1,0 +1,396 @@
+"""Quantization telemetry: how far NVFP4 moves each tensor of a training step, per module.
+
+``make_telemetry(model_cfg, recipe, opt_cfg)`` returns a pure function ``(state, batch) -> {name:
+float32 scalar}`` over the train state of ``fp4jax.train`` and one batch. It runs the model's
+forward and backward on the batch with the step's key (the train step's own rounding bits), records
+the tensors that NVFP4 quantizes, and measures for each ``x`` and its quantization
+``x̂ = deq(Q(x))``::
+
+  rel_err = ‖x̂ − x‖ / ‖x‖          snr_db = −20 · log10(rel_err)      (0 and inf when x = 0)
+
+Every block projection is measured with NVIDIA's recipe (its own ``MatmulConfig`` where the run
+quantizes it, ``MatmulConfig.nvfp4()`` where it does not, so a BF16 run shows what quantizing it
+would cost). Names are ``telemetry/<module>/<tensor>_{rel_err,snr_db}``::
+
+  module                 tensor  x                                  Q
+  blocks.{i}.attn.qkv,   w       the kernel (W_res with LoRA-SVD)   16×16 tiles; the error is
+  blocks.{i}.attn.o,                                                relative to the effective weight
+  blocks.{i}.mlp.gate_up,                                           W_res + A·B
+  blocks.{i}.mlp.down    x       the projection's input             1×16 along K (forward operand)
+                         dy      the gradient of its output         1×16 along N, stochastic (dgrad)
+                         dx      dy·Wᵀ                              the dgrad GEMM Q(dy)·Q(W)ᵀ
+                         dw      xᵀ·dy                              the wgrad GEMM Q(H·x)ᵀ·Q(H·dy)
+  blocks.{i}.attn        q, k    RoPE'd queries and keys            1×16 along the head dim
+                         ds      the backward's dS (head dim 64     ``fp4jax.ops.attention``
+                                 or 128; the first examples)        ``ds_scale_error``, "tile" scope
+  <parameter module>     mu, nu  Adam's m and √v of the update      1×16, stochastic, as
+                                 this batch makes                   ``fp4jax.optim`` stores them
+
+The Adam moments: NVFP4 storage keeps only x̂, so ``x`` is the float32 moment that the next update
+computes (``m = b1·m̂_old + (1 − b1)·g``, ``√v = sqrt(b2·v̂_old + (1 − b2)·g²``, with this batch's
+gradient clipped as the optimizer clips it), and the error is that of storing it. Float32 states
+are measured the same way (what NVFP4 storage would lose). Only leaves that the storage rule
+stores as NVFP4 are measured; under ``scan_layers`` a moment's module is ``blocks.{j}``, the j-th
+run of stacked blocks (one global scale covers the run). Muon's momentum is float32 and not
+measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fp4jax import nvfp4, optim
+from fp4jax.layers import Dense, NVFP4Matmul
+from fp4jax.loss import chunked_cross_entropy
+from fp4jax.model import ModelConfig, Transformer
+from fp4jax.ops import attention as attention_ops
+from fp4jax.ops.matmul import MatmulConfig, nvfp4_matmul_vjp_reference
+from fp4jax.recipe import Recipe
+from fp4jax.sharding import BATCH_AXES
+
+PREFIX = "telemetry/"
+# dS telemetry materializes (B, H, T, T) scores: it looks at this many sequences of the batch.
+ATTENTION_EXAMPLES = 4
+_F32 = jnp.float32
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _fq(x, block, axis, rounding, key):
+  """deq(Q(x)) in float32."""
+  key = key if rounding == "stochastic" else None
+  return nvfp4.quantize(x, block=block, axis=axis, rounding=rounding, key=key).dequantize(_F32)
+
+
+class _Recorder:
+  """Collects the tensors of one traced forward; ``taps`` (zeros added to each probed output) turn
+  the outputs' cotangents into gradients of the loss."""
+
+  def __init__(self, taps: Mapping | None):
+    self.taps, self.seen = taps, {}
+
+  def add(self, name: str, y, **tensors):
+    self.seen[name] = {**tensors, "y": y}
+    return y if self.taps is None else y + self.taps[name]
+
+
+class _ProbedMatmul:
+  """A Dense's matmul that records its input (a plain object: nnx keeps it as static data)."""
+
+  def __init__(self, inner: Callable, name: str, recorder: _Recorder):
+    self.inner, self.name, self.recorder = inner, name, recorder
+
+  def __call__(self, x, kernel, *, key=None):
+    return self.recorder.add(self.name, self.inner(x, kernel, key=key), x=x)
+
+
+class _ProbedAttention:
+  """An attention op that records its q, k, v."""
+
+  def __init__(self, inner: Callable, name: str, recorder: _Recorder):
+    self.inner, self.name, self.recorder = inner, name, recorder
+
+  def __call__(self, q, k, v, *, key=None):
+    return self.recorder.add(self.name, self.inner(q, k, v, key=key), q=q, k=k, v=v)
+
+
+def _projections(model: Transformer):
+  """``(name, Dense)`` of every block projection, e.g. ``("blocks.3.mlp.down", dense)``."""
+  for path, module in nnx.iter_modules(model):
+    if isinstance(module, Dense) and path and path[0] == "blocks":
+      yield ".".join(map(str, path)), module
+
+
+def _attentions(model: Transformer):
+  for i, block in enumerate(model.blocks):
+    yield f"blocks.{i}.attn", block.attn
+
+
+def _unstack(params, segments):
+  """Parameters of a ``scan_layers`` model as those of the unrolled one (``blocks/{i}``)."""
+  blocks = {}
+  for j, (start, stop) in enumerate(segments):
+    for i in range(start, stop):
+      blocks[i] = jax.tree.map(lambda a, i=i - start: a[i], params["blocks"][j])
+  return {**params, "blocks": blocks}
+
+
+def _adam_states(opt_state):
+  """The Adam states (``mu``, ``nu`` trees like the params) inside an optimizer state."""
+  is_adam = lambda x: all(hasattr(x, f) for f in ("count", "mu", "nu"))  # noqa: E731
+  return [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s)]
+
+
+def _block_axis(shape) -> int:
+  return max(ax for ax, n in enumerate(shape) if n % nvfp4.BLOCK == 0 and n > 0)
+
+
+def _name(path, segments=None) -> tuple[str, str]:
+  """(module, tensor prefix) of a parameter path: ``blocks.0.attn.qkv`` and ``""`` for its kernel,
+  ``lora_a.`` for its LoRA factor. With ``segments`` (``scan_layers``), ``blocks/{j}`` is named
+  after the blocks it stacks, ``blocks.0-3``."""
+  keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+  if segments is not None and keys[0] == "blocks":
+    start, stop = segments[keys[1]]
+    keys[1] = f"{start}-{stop - 1}"
+  leaf = keys[-1]
+  return ".".join(map(str, keys[:-1])), "" if leaf in ("kernel", "embedding") else f"{leaf}."
+
+
+def _matmul_config(dense: Dense) -> MatmulConfig:
+  inner = dense.matmul.inner if isinstance(dense.matmul, _ProbedMatmul) else dense.matmul
+  return inner.config if isinstance(inner, NVFP4Matmul) else MatmulConfig.nvfp4()
+
+
+def _attention_config(op) -> attention_ops.AttentionConfig:
+  config = getattr(op, "config", None)
+  return config if isinstance(config, attention_ops.AttentionConfig) else \
+      attention_ops.AttentionConfig.nvfp4()
+
+
+def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
+                   cross_entropy: str = "auto",
+                   attention_examples: int = ATTENTION_EXAMPLES) -> Callable:
+  """The telemetry function of a run (module docstring): ``(state, batch) -> {name: scalar}``.
+
+  Args:
+    model_cfg, recipe: the run's model and recipe (``state["params"]`` is that model's pure dict).
+    opt_cfg: the run's ``fp4jax.train.OptimizerConfig`` (Adam's ``b1``, ``b2`` and ``grad_clip``);
+      None skips the Adam moments.
+    cross_entropy: the loss's pass over the logits (``fp4jax.train.loss_fn``).
+    attention_examples: sequences of the batch that the dS telemetry looks at.
+
+  Returns:
+    A pure function of the train state ``{"step", "params", "opt_state", "rng"}`` and a batch
+    ``{"inputs", "targets"}``, returning float32 scalars named ``telemetry/<module>/<metric>``
+    (and ``telemetry/loss``, the batch's loss). Jit it (``jit_telemetry``).
+  """
+  cfg = dataclasses.replace(model_cfg, scan_layers=False, remat=False)
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, recipe, rngs=nnx.Rngs(0)))
+  graphdef, _ = nnx.split(abstract)
+  segments = abstract.segments
+  hdim_ok = cfg.hdim in attention_ops.HEAD_DIMS
+
+  def forward(params, taps, inputs, targets, key):
+    """Loss and recorded tensors of the unrolled model with probes (taps: zeros or None)."""
+    if model_cfg.scan_layers:
+      params = _unstack(params, segments)
+    model = nnx.merge(graphdef, params)
+    rec = _Recorder(taps)
+    for name, dense in _projections(model):
+      dense.matmul = _ProbedMatmul(dense.matmul, name, rec)
+    for name, attn in _attentions(model):
+      attn.attention_op = _ProbedAttention(attn.attention_op, name, rec)
+    x_BxTxD = model.features(inputs, key=key)
+    loss = chunked_cross_entropy(x_BxTxD, model.lm_head.kernel[...], targets, rows=cross_entropy)
+    return loss, rec.seen
+
+  def telemetry(state, batch):
+    params, inputs, targets = state["params"], batch["inputs"], batch["targets"]
+    key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+    shapes = jax.eval_shape(lambda p: forward(p, None, inputs, targets, key)[1], params)
+    taps = {n: jnp.zeros(s["y"].shape, s["y"].dtype) for n, s in shapes.items()}
+    loss, vjp, seen = jax.vjp(lambda p, t: forward(p, t, inputs, targets, key), params, taps,
+                              has_aux=True)
+    grads, dys = vjp(jnp.ones((), loss.dtype))
+    base = jax.random.fold_in(key, 0x7E1E)
+    keys = (jax.random.fold_in(base, i) for i in itertools.count())
+    model = nnx.merge(graphdef, _unstack(params, segments) if model_cfg.scan_layers else params)
+    quant, products, ds = _Jobs(), [], []
+    for name, dense in _projections(model):
+      config = _matmul_config(dense)
+      w = dense.kernel[...].astype(_F32)
+      x = seen[name]["x"].reshape(-1, dense.in_features)
+      dy = dys[name].reshape(-1, dense.out_features).astype(x.dtype)
+      quant.add(f"{name}/w", _tiles(w), (16, 16), config.w_rounding, next(keys),
+                ref_norm=_norm(dense.effective_kernel()))
+      quant.add(f"{name}/x", _rows(x, -1), (1, 16), config.x_rounding, next(keys))
+      quant.add(f"{name}/dy", _rows(dy, -1), (1, 16), config.dy_dgrad_rounding, next(keys))
+      products.append((name, config, x, dense.kernel[...], dy, next(keys)))
+    for name, attn in _attentions(model):
+      config = _attention_config(attn.attention_op)
+      q, k, v = (seen[name][t] for t in ("q", "k", "v"))
+      quant.add(f"{name}/q", _rows(q, -1), (1, 16), config.q_rounding, next(keys))
+      quant.add(f"{name}/k", _rows(k, -1), (1, 16), config.k_rounding, next(keys))
+      if hdim_ok:
+        n = min(attention_examples, inputs.shape[0])
+        ds.append((name, config, (q[:n], k[:n], v[:n], dys[name][:n].astype(q.dtype), next(keys))))
+    if opt_cfg is not None:
+      _add_moments(quant, state["opt_state"], grads, opt_cfg, keys,
+                   segments if model_cfg.scan_layers else None)
+    out = {PREFIX + "loss": loss.astype(_F32)}
+    for metric, (err, ref) in {**quant.run(), **_run_products(products), **_run_ds(ds)}.items():
+      rel = jnp.where(ref > 0, err / jnp.where(ref > 0, ref, 1.0), 0.0)
+      out[f"{PREFIX}{metric}_rel_err"] = rel
+      out[f"{PREFIX}{metric}_snr_db"] = -20.0 * jnp.log10(rel)
+    return out
+
+  return telemetry
+
+
+# Every measurement is a pair (‖x̂ − x‖, ‖x‖). Tensors are brought to one shape per kind of
+# measurement (zero padding changes neither the amax nor any nonzero block) and measured with one
+# ``lax.map`` per kind: XLA compiles each NVFP4 quantizer slowly, so one program per kind, not one
+# per tensor shape (a ``jax.vmap`` of the quantizers compiles more slowly still).
+
+
+def _norm(x) -> jax.Array:
+  return jnp.linalg.norm(jnp.asarray(x, _F32).ravel())
+
+
+def _rows(x, axis: int):
+  """``x`` as (blocks, 16) float32 rows: each row one 1×16 block along ``axis``."""
+  return jnp.moveaxis(jnp.asarray(x, _F32), axis, -1).reshape(-1, nvfp4.BLOCK)
+
+
+def _tiles(w_KxN):
+  """A (K, N) matrix as (tiles · 16, 16) rows: each run of 16 rows one 16×16 tile."""
+  k, n = w_KxN.shape
+  b = nvfp4.BLOCK
+  return w_KxN.reshape(k // b, b, n // b, b).transpose(0, 2, 1, 3).reshape(-1, b)
+
+
+def _pad_stack(arrays, shape):
+  return jnp.stack([jnp.pad(a, [(0, s - d) for s, d in zip(shape, a.shape, strict=True)])
+                    for a in arrays])
+
+
+class _Jobs:
+  """Quantization-error measurements of (blocks, 16) rows, grouped by (block, rounding)."""
+
+  def __init__(self):
+    self.groups: dict = {}
+
+  def add(self, metric: str, rows, block, rounding: str, key, ref_norm=None):
+    self.groups.setdefault((block, rounding), []).append((metric, rows, key, ref_norm))
+
+  def run(self) -> dict:
+    out = {}
+    for (block, rounding), jobs in self.groups.items():
+      n = max(rows.shape[0] for _, rows, _, _ in jobs)
+      stacked = _pad_stack([rows for _, rows, _, _ in jobs], (n, nvfp4.BLOCK))
+
+      def one(a, block=block, rounding=rounding):
+        rows, key = a
+        x_hat = _fq(rows, block, -1, rounding, key)
+        return _norm(x_hat - rows), _norm(rows)
+
+      errs, refs = lax.map(one, (stacked, jnp.stack([k for _, _, k, _ in jobs])))
+      for i, (metric, _, _, ref_norm) in enumerate(jobs):
+        out[metric] = (errs[i], refs[i] if ref_norm is None else ref_norm)
+    return out
+
+
+def _run_products(products) -> dict:
+  """``dx`` and ``dw``: the dgrad and wgrad GEMMs of each projection from quantized operands
+  (``nvfp4_matmul_vjp_reference``) against the exact float32 products."""
+  out = {}
+  for config in dict.fromkeys(c for _, c, *_ in products):
+    jobs = [p for p in products if p[1] == config]
+    m = jobs[0][2].shape[0]
+    k = max(x.shape[1] for _, _, x, *_ in jobs)
+    n = max(w.shape[1] for _, _, _, w, _, _ in jobs)
+    xs = _pad_stack([x for _, _, x, *_ in jobs], (m, k))
+    ws = _pad_stack([w for _, _, _, w, _, _ in jobs], (k, n))
+    dys = _pad_stack([dy for *_, dy, _ in jobs], (m, n))
+
+    def one(a, config=config):
+      x, w, dy, key = a
+      dx_q, dw_q = nvfp4_matmul_vjp_reference(x, w, dy, key=key, config=config)
+      x32, w32, dy32 = x.astype(_F32), w.astype(_F32), dy.astype(_F32)
+      dx = jnp.dot(dy32, w32.T, precision=_HIGHEST)
+      dw = jnp.dot(x32.T, dy32, precision=_HIGHEST)
+      return _norm(dx_q - dx), _norm(dx), _norm(dw_q - dw), _norm(dw)
+
+    r = lax.map(one, (xs, ws, dys, jnp.stack([p[-1] for p in jobs])))
+    for i, (name, *_) in enumerate(jobs):
+      out[f"{name}/dx"] = (r[0][i], r[1][i])
+      out[f"{name}/dw"] = (r[2][i], r[3][i])
+  return out
+
+
+def _run_ds(ds) -> dict:
+  """``ds`` (and its products ``ds_dq``, ``ds_dk``): ``ds_scale_error``'s "tile" scope, the dS
+  quantization of the attention op, per block."""
+  out = {}
+  for config in dict.fromkeys(c for _, c, _ in ds):
+    jobs = [d for d in ds if d[1] == config]
+
+    def one(a, config=config):
+      q, k, v, do, key = a
+      tile = attention_ops.ds_scale_error(q, k, v, do, key=key, config=config)["tile"]
+      return tile["ds_rel"], tile["dq_rel"], tile["dk_rel"]
+
+    args = tuple(jnp.stack(xs) for xs in zip(*(a for _, _, a in jobs), strict=True))
+    r = lax.map(one, args)
+    for i, (name, _, _) in enumerate(jobs):
+      for j, metric in enumerate(("ds", "ds_dq", "ds_dk")):
+        out[f"{name}/{metric}"] = (r[j][i], jnp.ones((), _F32))
+  return out
+
+
+def _add_moments(quant: _Jobs, opt_state, grads, opt_cfg, keys, segments) -> None:
+  """Adam's fresh ``m`` and ``√v`` (this batch's gradient, clipped as the optimizer clips it) of
+  every leaf that NVFP4 storage applies to, quantized as ``fp4jax.optim`` stores them."""
+  if opt_cfg.grad_clip > 0:
+    norm = optax.tree.norm(grads)
+    scale = jnp.where(norm < opt_cfg.grad_clip, 1.0, opt_cfg.grad_clip / norm)
+    grads = jax.tree.map(lambda g: g * scale, grads)
+  b1, b2 = opt_cfg.b1, opt_cfg.b2
+  is_q = lambda x: isinstance(x, nvfp4.NVFP4Tensor)  # noqa: E731
+  for state in _adam_states(opt_state):
+    mus = jax.tree_util.tree_flatten_with_path(state.mu, is_leaf=is_q)[0]
+    nus = jax.tree.leaves(state.nu, is_leaf=is_q)
+    for (path, mu), nu in zip(mus, nus, strict=True):
+      if not (is_q(mu) or optim.stores_nvfp4(mu.shape, optim.DEFAULT_MIN_SIZE)):
+        continue
+      g = _at(grads, path).astype(_F32)
+      m_old = mu.dequantize(_F32) if is_q(mu) else mu
+      v_old = jnp.square(nu.dequantize(_F32)) if is_q(nu) else nu
+      m = b1 * m_old + (1 - b1) * g
+      s = jnp.sqrt(b2 * v_old + (1 - b2) * g * g)
+      axis = mu.axis if is_q(mu) else _block_axis(mu.shape)
+      module, prefix = _name(path, segments)
+      quant.add(f"{module}/{prefix}mu", _rows(m, axis), (1, 16), "stochastic", next(keys))
+      quant.add(f"{module}/{prefix}nu", _rows(s, axis), (1, 16), "stochastic", next(keys))
+
+
+def _at(tree, path):
+  for k in path:
+    tree = tree[getattr(k, "key", getattr(k, "idx", k))]
+  return tree
+
+
+def jit_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg, shardings, mesh, *,
+                  cross_entropy: str = "auto") -> Callable:
+  """``make_telemetry`` jitted with the train state's shardings (not donated) and the batch split
+  over the mesh's batch axes; the outputs are replicated."""
+  fn = jax.jit(make_telemetry(model_cfg, recipe, opt_cfg, cross_entropy=cross_entropy),
+               in_shardings=(shardings, {k: NamedSharding(mesh, P(BATCH_AXES, None))
+                                         for k in ("inputs", "targets")}),
+               out_shardings=NamedSharding(mesh, P()))
+
+  def run(state, batch):
+    with jax.set_mesh(mesh):
+      return fn(state, batch)
+
+  return run
+
+
+def measure(telemetry: Callable, state, batch) -> dict[str, float]:
+  """Runs ``telemetry`` and waits for it: its values as floats, plus ``telemetry_time_s`` (the
+  call's wall time, compilation included on the first call)."""
+  start = time.perf_counter()
+  values = {k: float(v) for k, v in jax.device_get(telemetry(state, batch)).items()}
+  values["telemetry_time_s"] = time.perf_counter() - start
+  return values

@@ -1,0 +1,113 @@
+"""fp4jax.telemetry: per-module NVFP4 quantization error, in the train loop and on its own."""
+
+import math
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax import data, nvfp4, telemetry
+from fp4jax import sharding as shd
+from fp4jax.metrics import read_jsonl
+from fp4jax.model import ModelConfig
+from fp4jax.recipe import get_recipe
+from fp4jax.train import OptimizerConfig, TrainConfig, init_state, make_optimizer, train
+
+T, B = 32, 8
+PROJECTIONS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  import pydoc_data.topics
+  text = tmp_path_factory.mktemp("text")
+  for i, (name, body) in enumerate(sorted(pydoc_data.topics.topics.items())[:20]):
+    (text / f"{i:03d}-{name}.txt").write_text(body)
+  out = tmp_path_factory.mktemp("tokens") / "pydoc-byte"
+  data.prepare(str(text), out, tokenizer="byte")
+  return str(out)
+
+
+def _check_pairs(row: dict) -> None:
+  """Every rel_err has its snr_db = -20 log10(rel_err); every value finite."""
+  for k, v in row.items():
+    if k.startswith("telemetry/") and k.endswith("_rel_err"):
+      assert math.isfinite(v) and v > 0, (k, v)
+      assert row[k[:-len("rel_err")] + "snr_db"] == pytest.approx(-20 * math.log10(v), rel=1e-4)
+
+
+def test_train_loop_logs_telemetry_every_n_steps(data_dir, tmp_path):
+  model = ModelConfig(vocab_size=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      dtype="float32")
+  tc = TrainConfig(steps=4, batch_size=B, seq_len=T, log_every=3, telemetry_every=2,
+                   mesh_shape=(1, 1, 1), progress=False, cross_entropy="xla")
+  it = data.make_iterator(data_dir, "train", T, B, seed=0)
+  train(model, get_recipe("bf16"), OptimizerConfig(warmup_steps=2), tc, tmp_path, it)
+  rows = {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl")}
+  assert sorted(rows) == [1, 2, 3, 4]
+  for step, row in rows.items():
+    assert any(k.startswith("telemetry/") for k in row) == (step % 2 == 0), step
+  for step in (2, 4):
+    row = rows[step]
+    _check_pairs(row)
+    assert row["telemetry_time_s"] > 0
+    # Measured on the step's own state, batch and key: its loss is the step's loss.
+    assert row["telemetry/loss"] == pytest.approx(row["loss"], abs=1e-5)
+    for i in range(2):
+      for p in PROJECTIONS:
+        m = f"telemetry/blocks.{i}.{p}"
+        # A BF16 run's weights, activations and gradients under NVIDIA's recipe: ~0.1 each.
+        assert 0.08 < row[f"{m}/w_rel_err"] < 0.13, (m, row[f"{m}/w_rel_err"])
+        for t in ("x", "dy", "dx", "dw", "mu", "nu"):
+          assert 0.03 < row[f"{m}/{t}_rel_err"] < 0.3, (m, t, row[f"{m}/{t}_rel_err"])
+      for t in ("q", "k"):
+        assert 0.05 < row[f"telemetry/blocks.{i}.attn/{t}_rel_err"] < 0.15
+    # Head dim 16: no dS telemetry (the NVFP4 attention op takes head dims 64 and 128).
+    assert not any("/ds" in k for k in row)
+    for m in ("embed", "lm_head"):
+      assert 0.03 < row[f"telemetry/{m}/mu_rel_err"] < 0.3
+  names = {re.sub(r"_(rel_err|snr_db)$", "", k) for k in rows[2] if k.startswith("telemetry/")}
+  assert len(names) == 1 + 2 * (4 * 7 + 2) + 2 * 2  # loss; per block 4 projections x
+  # (w, x, dy, dx, dw, mu, nu) and q, k; embed and lm_head mu, nu
+  tb = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+  assert tb and b"telemetry/blocks.1.mlp.down/w_rel_err" in tb[0].read_bytes()
+
+
+def test_nvfp4_states_lorasvd_attention_and_scanned_blocks():
+  """NVFP4 Adam states (measured on the fresh moments), LoRA-SVD weights (error relative to the
+  effective weight), dS of a head-dim-64 attention, and scan_layers' stacked blocks."""
+  model = ModelConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=2, dtype="bfloat16",
+                      scan_layers=True)
+  opt = OptimizerConfig()
+  mesh = shd.make_mesh((1, 1, 1))
+  recipe = get_recipe("fp4_linear_lorasvd", optimizer_states="nvfp4")
+  tx = make_optimizer(opt, recipe, 10)
+  _, state, shardings = init_state(model, recipe, tx, mesh)
+  rng = np.random.default_rng(0)
+  batch = {k: jnp.asarray(rng.integers(0, 256, (4, 64)), jnp.int32) for k in ("inputs", "targets")}
+  fn = telemetry.jit_telemetry(model, recipe, opt, shardings, mesh, cross_entropy="xla")
+  row = telemetry.measure(fn, state, batch)
+  _check_pairs(row)
+  for i in range(2):
+    assert 0.15 < row[f"telemetry/blocks.{i}.attn/ds_rel_err"] < 0.35
+    for t in ("ds_dq", "ds_dk"):
+      assert 0.1 < row[f"telemetry/blocks.{i}.attn/{t}_rel_err"] < 0.4
+  # The stacked moments of the run of blocks 0-1 (one leaf, one global scale), NVFP4 stored.
+  assert isinstance(state["opt_state"][1][0].mu["blocks"][0]["mlp"]["down"]["kernel"],
+                    nvfp4.NVFP4Tensor)
+  for t in ("mu", "nu", "lora_b.mu"):
+    assert 0.05 < row[f"telemetry/blocks.0-1.mlp.down/{t}_rel_err"] < 0.3
+  # W_res's error relative to W_eff = W_res + A·B; below the error of quantizing W_eff itself.
+  up = state["params"]["blocks"][0]["mlp"]["gate_up"]
+  w_res = np.asarray(up["kernel"][1])
+  w_eff = w_res + np.asarray(up["lora_a"][1]) @ np.asarray(up["lora_b"][1])
+  err = lambda w: np.linalg.norm(nvfp4.fake_quant(jnp.asarray(w), block=(16, 16)) - w)  # noqa: E731
+  got = row["telemetry/blocks.1.mlp.gate_up/w_rel_err"]
+  assert got == pytest.approx(err(w_res) / np.linalg.norm(w_eff), rel=1e-4)
+  assert got < err(w_eff) / np.linalg.norm(w_eff)
+
+
+def test_telemetry_every_must_be_a_non_negative_int():
+  with pytest.raises(ValueError, match="telemetry_every"):
+    TrainConfig(steps=1, batch_size=1, seq_len=1, telemetry_every=-1)
