@@ -1,0 +1,188 @@
+r"""Evaluate a run's latest checkpoint on any text: mean loss and perplexity.
+
+  python -m experiments.evaluate --workdir=runs/tiny --text=FOLDER_OR_CORPUS \
+      [--split=validation|all] [--max_tokens=N] [--batch_size=N] [--out=results.jsonl]
+
+Restores the newest intact checkpoint of ``--workdir`` (``fp4jax.checkpoint``), tokenizes the text
+with the run's tokenizer (its data folder's ``meta.json``, recorded in ``<workdir>/config.json``)
+and computes the mean next-token loss over windows of the run's ``seq_len`` (window i is tokens
+``[i·T, i·T + T + 1)`` of the documents, each followed by EOS, as ``fp4jax.data`` cuts them) with
+the train loop's evaluation step. ``--text`` is:
+
+* a built-in corpus name (``shakespeare``, ``mix``): its ``validation`` split by default, the
+  documents held out from training (``--split=all`` adds the training documents);
+* a folder of ``.txt`` files: evaluated whole by default; ``--split=validation`` takes the
+  documents that training on that folder holds out (``fp4jax.corpus.text_dir_corpus``);
+* one ``.txt`` file: evaluated whole.
+
+Prints one line (loss, perplexity, tokens, step); ``--out`` appends it as a JSON line.
+Evaluation runs on one device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app, flags, logging
+
+from experiments import train as launcher
+from fp4jax import corpus as corpus_lib
+from fp4jax import data
+from fp4jax import sharding as shd
+from fp4jax import tokenizer as tokenizer_lib
+from fp4jax.checkpoint import Checkpointer
+from fp4jax.train import abstract_model, jit_steps, make_optimizer, make_schedule
+
+SPLITS = ("validation", "all")
+
+
+def define_flags() -> None:
+  flags.DEFINE_string("workdir", None, "run directory of experiments.train")
+  flags.DEFINE_string("text", None, "built-in corpus name, folder of .txt files, or a .txt file")
+  flags.DEFINE_enum("split", None, SPLITS, "validation (default for a corpus) or all (default "
+                    "for a folder or file)")
+  flags.DEFINE_integer("max_tokens", None, "evaluate at most this many tokens")
+  flags.DEFINE_integer("batch_size", None, "windows per batch (default: the run's batch size)")
+  flags.DEFINE_string("encoding", None, "encoding of the .txt files (default: the run's)")
+  flags.DEFINE_string("out", None, "append the result as a JSON line to this file")
+  flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
+
+
+def read_run(workdir: str | os.PathLike) -> dict:
+  """``<workdir>/config.json``, with a clear error for a missing run."""
+  workdir = Path(workdir)
+  if not workdir.is_dir():
+    raise FileNotFoundError(f"no run at {workdir}: the folder does not exist")
+  path = workdir / "config.json"
+  if not path.is_file():
+    raise FileNotFoundError(f"{workdir} is not a run of experiments.train (no config.json)")
+  return json.loads(path.read_text())
+
+
+def documents(text: str, split: str | None) -> tuple[list[Path], str]:
+  """The text files of ``--text`` and the split they were taken from (see the module docstring)."""
+  if text in corpus_lib.CORPORA:
+    files = corpus_lib.builtin_corpus(text)
+    split = split or "validation"
+    return list(files.validation if split == "validation" else files.train + files.validation), \
+        split
+  path = Path(text)
+  if path.is_file():
+    if split == "validation":
+      raise ValueError(f"--split=validation needs a corpus or a folder; {path} is one file "
+                       "(evaluated whole)")
+    return [path], "all"
+  if not path.is_dir():
+    raise FileNotFoundError(f"--text={text}: neither a built-in corpus "
+                            f"{sorted(corpus_lib.CORPORA)} nor an existing folder or .txt file")
+  split = split or "all"
+  if split == "validation":
+    return list(corpus_lib.text_dir_corpus(path).validation), split
+  files = sorted(path.rglob("*.txt"))
+  if not files:
+    raise ValueError(f"{path} holds no .txt files")
+  return files, split
+
+
+def windows(tok: tokenizer_lib.Tokenizer, files: Sequence[Path], seq_len: int,
+            encoding: str = "utf-8", shard_tokens: int = data.DEFAULT_SHARD_TOKENS) -> np.ndarray:
+  """(N, seq_len + 1) int32 windows of the documents, each followed by EOS, as ``fp4jax.data``
+  cuts a split: consecutive windows of a shard of ``shard_tokens`` tokens, overlapping by one."""
+  ids = [np.append(tok.encode_batch([corpus_lib.read_text(f, encoding)])[0], tok.eos_id)
+         for f in files]
+  stream = np.concatenate(ids).astype(np.int32)
+  out = []
+  for s in range(0, len(stream), shard_tokens):
+    shard = stream[s:s + shard_tokens]
+    n = max(len(shard) - 1, 0) // seq_len
+    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    out.append(shard[idx])
+  w = np.concatenate(out) if out else np.zeros((0, seq_len + 1), np.int32)
+  if not len(w):
+    raise ValueError(f"the text has {len(stream)} tokens, fewer than one window of seq_len + 1 = "
+                     f"{seq_len + 1}")
+  return w
+
+
+def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
+             max_tokens: int | None = None, batch_size: int | None = None,
+             encoding: str | None = None) -> dict:
+  """Loss and perplexity of the latest checkpoint of ``workdir`` on ``text``.
+
+  Returns:
+    ``{"workdir", "step", "text", "split", "loss", "perplexity", "tokens", "windows",
+    "seq_len"}``; ``loss`` is the mean over the windows' target tokens (nats).
+  """
+  run = read_run(workdir)
+  cfg = ml_collections.ConfigDict(run["config"])
+  model_cfg, recipe, opt_cfg, tc = launcher.from_config(cfg, run["vocab_size"])
+  ckpt_dir = Path(workdir) / "checkpoints"
+  if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+    raise FileNotFoundError(f"run {workdir} has no checkpoint yet (nothing in {ckpt_dir})")
+  if cfg.data.tokenizer == "byte":
+    tok = tokenizer_lib.ByteTokenizer()
+  else:
+    tok = data.load_tokenizer(run["data_dir"])
+  files, split = documents(text, split)
+  # Built-in corpora are stored as UTF-8; user text is in the run's (or the given) encoding.
+  enc = "utf-8" if text in corpus_lib.CORPORA else encoding or cfg.data.encoding
+  w = windows(tok, files, tc.seq_len, enc)
+  if max_tokens is not None:
+    if max_tokens < tc.seq_len:
+      raise ValueError(f"--max_tokens={max_tokens} is less than one window (seq_len "
+                       f"{tc.seq_len})")
+    w = w[:max_tokens // tc.seq_len]
+
+  mesh = shd.make_mesh((1, 1, 1))
+  tx = make_optimizer(opt_cfg, recipe, tc.steps, seed=tc.seed)
+  graphdef, params = abstract_model(model_cfg, recipe)
+  rep = shd.replicated(mesh)
+  abstract = {"step": jax.ShapeDtypeStruct((), np.int32), "params": params,
+              "opt_state": jax.eval_shape(tx.init, params),
+              "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))}
+  shardings = jax.tree.map(lambda _: rep, abstract)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), abstract)
+  ckpt = Checkpointer(ckpt_dir, every=1)
+  try:
+    step, state = ckpt.restore(abstract)
+  finally:
+    ckpt.close()
+  _, eval_step = jit_steps(graphdef, tx, make_schedule(opt_cfg, tc.steps), shardings, mesh,
+                           cross_entropy=tc.cross_entropy)
+  b = batch_size or tc.batch_size
+  total = 0.0
+  for i in range(0, len(w), b):
+    chunk = w[i:i + b]
+    batch = data.to_global_batch({"inputs": chunk[:, :-1], "targets": chunk[:, 1:]}, mesh)
+    total += float(eval_step(state["params"], batch)) * len(chunk)
+  loss = total / len(w)
+  return {"workdir": str(workdir), "step": int(step), "text": str(text), "split": split,
+          "loss": loss, "perplexity": math.exp(loss), "tokens": int(w.shape[0] * tc.seq_len),
+          "windows": int(w.shape[0]), "seq_len": tc.seq_len}
+
+
+def main(argv):
+  logging.set_verbosity(logging.WARNING)
+  fl = flags.FLAGS
+  launcher.check_command_line(argv, "python -m experiments.evaluate --workdir=runs/tiny "
+                              "--text=shakespeare", "workdir", "text")
+  r = launcher.report_errors(lambda: evaluate(fl.workdir, fl.text, fl.split, fl.max_tokens,
+                                              fl.batch_size, fl.encoding), fl.verbose)
+  print(f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | {r['tokens']:,} tokens "
+        f"({r['windows']} windows of {r['seq_len']}) | {r['text']} ({r['split']}) | step "
+        f"{r['step']} of {r['workdir']}", flush=True)
+  if fl.out:
+    with open(fl.out, "a") as f:
+      f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,96 @@
+"""experiments.evaluate: a run's checkpoint on any text, and its errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments import evaluate as ev
+from experiments import train as launcher
+from experiments.configs import tiny
+from fp4jax import data
+from fp4jax.metrics import read_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+T, B = 32, 4
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """A tiny run trained 3 steps on a folder of real text (CPython's docs), evaluated at the end
+  on every whole batch of its validation split."""
+  import pydoc_data.topics
+  root = tmp_path_factory.mktemp("eval")
+  text = root / "text"
+  text.mkdir()
+  for i, (name, body) in enumerate(sorted(pydoc_data.topics.topics.items())[:20]):
+    (text / f"{i:03d}-{name}.txt").write_text(body)
+  cfg = tiny.get_config()
+  cfg.update(steps=3, batch_size=B, seq_len=T, eval_batches=1000, checkpoint_every=0,
+             mesh_shape=(1, 1, 1), progress=False, tensorboard=False, cross_entropy="xla")
+  cfg.model.update(d_model=32, n_layers=1, n_heads=2)
+  cfg.data.update(corpus=str(text), dir=str(root / "tokens"))
+  launcher.run(cfg, root / "run")
+  return root / "run", text, str(root / "tokens")
+
+
+def test_own_validation_split_equals_the_train_loops_eval_loss(run):
+  workdir, text, tokens = run
+  eval_loss = read_jsonl(workdir / "metrics.jsonl")[-1]["eval_loss"]
+  whole = data.num_windows(tokens, "validation", T) // B * B  # the loop's whole batches
+  r = ev.evaluate(workdir, str(text), split="validation", max_tokens=whole * T)
+  assert r["step"] == 3 and r["windows"] == whole and r["split"] == "validation"
+  assert r["loss"] == pytest.approx(eval_loss, abs=1e-4)
+  # The folder whole (default split), with a last partial batch: a different, sensible loss.
+  r = ev.evaluate(workdir, str(text), batch_size=3)
+  assert r["split"] == "all" and r["windows"] > whole and abs(r["loss"] - eval_loss) < 0.5
+  assert r["perplexity"] == pytest.approx(2.718281828 ** r["loss"])
+
+
+def test_cli_prints_and_appends_a_json_line(run, tmp_path):
+  workdir, text, _ = run
+  out = tmp_path / "r.jsonl"
+  cmd = [sys.executable, "-m", "experiments.evaluate", f"--workdir={workdir}",
+         f"--text={text / '000-assert.txt'}", "--max_tokens=64", f"--out={out}"]
+  r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "loss " in r.stdout and "perplexity" in r.stdout and "64 tokens" in r.stdout
+  row = json.loads(out.read_text())
+  assert row["tokens"] == 64 and row["step"] == 3 and row["split"] == "all"
+  bad = subprocess.run(cmd[:3] + [f"--workdir={tmp_path / 'nope'}", f"--text={text}"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 1 and bad.stderr.startswith("error: no run at ")
+  assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_errors_name_the_problem(run, tmp_path):
+  workdir, text, _ = run
+  with pytest.raises(FileNotFoundError, match="no run at"):
+    ev.evaluate(tmp_path / "nope", str(text))
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(FileNotFoundError, match="not a run of experiments.train"):
+    ev.evaluate(tmp_path / "empty", str(text))
+  fresh = tmp_path / "fresh"
+  fresh.mkdir()
+  shutil.copy(workdir / "config.json", fresh / "config.json")
+  with pytest.raises(FileNotFoundError, match="has no checkpoint yet"):
+    ev.evaluate(fresh, str(text))
+  with pytest.raises(FileNotFoundError, match="neither a built-in corpus"):
+    ev.evaluate(workdir, str(tmp_path / "no-text"))
+  (tmp_path / "none").mkdir()
+  with pytest.raises(ValueError, match="holds no .txt files"):
+    ev.evaluate(workdir, str(tmp_path / "none"))
+  binary = tmp_path / "binary"
+  binary.mkdir()
+  (binary / "a.txt").write_bytes("héllo".encode("utf-16"))
+  with pytest.raises(ValueError, match="a.txt is not utf-8 text"):
+    ev.evaluate(workdir, str(binary))
+  short = tmp_path / "short.txt"
+  short.write_text("tiny")
+  with pytest.raises(ValueError, match="fewer than one window"):
+    ev.evaluate(workdir, str(short))
+  with pytest.raises(ValueError, match="needs a corpus or a folder"):
+    ev.evaluate(workdir, str(short), split="validation")
