@@ -20,6 +20,8 @@ declare -A CMD=(
   [optim_update]="python3 -m benchmarks.optim_update"
   [cross_entropy]="python3 -m benchmarks.cross_entropy"
   [attention]="python3 -m benchmarks.attention"
+  [gemm]="python3 -m benchmarks.gemm"
+  [compile_time]="python3 -m benchmarks.compile_time"
   [train_step]="python3 -m benchmarks.train_step"
   [profile_step]="python3 -m benchmarks.profile_step"
 )
