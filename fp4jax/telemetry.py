@@ -3,7 +3,8 @@
 ``make_telemetry(model_cfg, recipe, opt_cfg)`` returns a pure function ``(state, batch) -> {name:
 float32 scalar}`` over the train state of ``fp4jax.train`` and one batch. It runs the model's
 forward and backward on the batch with the step's key (the train step's own rounding bits), records
-the tensors that NVFP4 quantizes, and measures for each ``x`` and its quantization
+the tensors that NVFP4 quantizes (probes on each projection's matmul and each attention op; a
+``scan_layers`` model runs unrolled), and measures for each ``x`` and its quantization
 ``x̂ = deq(Q(x))``::
 
   rel_err = ‖x̂ − x‖ / ‖x‖          snr_db = −20 · log10(rel_err)      (0 and inf when x = 0)
@@ -21,8 +22,10 @@ would cost). Names are ``telemetry/<module>/<tensor>_{rel_err,snr_db}``::
                          dx      dy·Wᵀ                              the dgrad GEMM Q(dy)·Q(W)ᵀ
                          dw      xᵀ·dy                              the wgrad GEMM Q(H·x)ᵀ·Q(H·dy)
   blocks.{i}.attn        q, k    RoPE'd queries and keys            1×16 along the head dim
-                         ds      the backward's dS (head dim 64     ``fp4jax.ops.attention``
-                                 or 128; the first examples)        ``ds_scale_error``, "tile" scope
+                         ds      the backward's dS, on the first    the op's ``AttentionConfig``:
+                                 ``ATTENTION_EXAMPLES`` sequences   ``fp4jax.ops.attention``'s
+                         ds_dq,  dS·K and dSᵀ·Q from Q(dS)          ``ds_scale_error``, "tile" scope
+                         ds_dk
   <parameter module>     mu, nu  Adam's m and √v of the update      1×16, stochastic, as
                                  this batch makes                   ``fp4jax.optim`` stores them
 
@@ -30,9 +33,10 @@ The Adam moments: NVFP4 storage keeps only x̂, so ``x`` is the float32 moment t
 computes (``m = b1·m̂_old + (1 − b1)·g``, ``√v = sqrt(b2·v̂_old + (1 − b2)·g²``, with this batch's
 gradient clipped as the optimizer clips it), and the error is that of storing it. Float32 states
 are measured the same way (what NVFP4 storage would lose). Only leaves that the storage rule
-stores as NVFP4 are measured; under ``scan_layers`` a moment's module is ``blocks.{j}``, the j-th
-run of stacked blocks (one global scale covers the run). Muon's momentum is float32 and not
-measured.
+stores as NVFP4 are measured; under ``scan_layers`` a moment's module is ``blocks.{a}-{b}``, the
+run of stacked blocks a..b (one global scale covers the run). Muon's momentum is float32 and not
+measured. The whole measurement is one jitted function, called every N steps
+(``TrainConfig.telemetry_every``), outside the train step.
 """
 
 from __future__ import annotations
@@ -179,7 +183,7 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
   abstract = nnx.eval_shape(lambda: Transformer(cfg, recipe, rngs=nnx.Rngs(0)))
   graphdef, _ = nnx.split(abstract)
   segments = abstract.segments
-  hdim_ok = cfg.hdim in attention_ops.HEAD_DIMS
+  hdim_ok = cfg.hdim % nvfp4.BLOCK == 0  # the attention reference's head dims
 
   def forward(params, taps, inputs, targets, key):
     """Loss and recorded tensors of the unrolled model with probes (taps: zeros or None)."""

@@ -63,49 +63,61 @@ def test_train_loop_logs_telemetry_every_n_steps(data_dir, tmp_path):
           assert 0.03 < row[f"{m}/{t}_rel_err"] < 0.3, (m, t, row[f"{m}/{t}_rel_err"])
       for t in ("q", "k"):
         assert 0.05 < row[f"telemetry/blocks.{i}.attn/{t}_rel_err"] < 0.15
-    # Head dim 16: no dS telemetry (the NVFP4 attention op takes head dims 64 and 128).
-    assert not any("/ds" in k for k in row)
+      for t in ("ds", "ds_dq", "ds_dk"):
+        assert 0.1 < row[f"telemetry/blocks.{i}.attn/{t}_rel_err"] < 0.4
     for m in ("embed", "lm_head"):
       assert 0.03 < row[f"telemetry/{m}/mu_rel_err"] < 0.3
   names = {re.sub(r"_(rel_err|snr_db)$", "", k) for k in rows[2] if k.startswith("telemetry/")}
-  assert len(names) == 1 + 2 * (4 * 7 + 2) + 2 * 2  # loss; per block 4 projections x
-  # (w, x, dy, dx, dw, mu, nu) and q, k; embed and lm_head mu, nu
+  assert len(names) == 1 + 2 * (4 * 7 + 5) + 2 * 2  # loss; per block 4 projections x
+  # (w, x, dy, dx, dw, mu, nu) and q, k, ds, ds_dq, ds_dk; embed and lm_head mu, nu
   tb = list((tmp_path / "tb").glob("events.out.tfevents.*"))
   assert tb and b"telemetry/blocks.1.mlp.down/w_rel_err" in tb[0].read_bytes()
 
 
-def test_nvfp4_states_lorasvd_attention_and_scanned_blocks():
-  """NVFP4 Adam states (measured on the fresh moments), LoRA-SVD weights (error relative to the
-  effective weight), dS of a head-dim-64 attention, and scan_layers' stacked blocks."""
-  model = ModelConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=2, dtype="bfloat16",
-                      scan_layers=True)
-  opt = OptimizerConfig()
+def _measure(model, recipe, opt=None):
   mesh = shd.make_mesh((1, 1, 1))
-  recipe = get_recipe("fp4_linear_lorasvd", optimizer_states="nvfp4")
-  tx = make_optimizer(opt, recipe, 10)
+  tx = make_optimizer(opt or OptimizerConfig(), recipe, 10)
   _, state, shardings = init_state(model, recipe, tx, mesh)
   rng = np.random.default_rng(0)
-  batch = {k: jnp.asarray(rng.integers(0, 256, (4, 64)), jnp.int32) for k in ("inputs", "targets")}
+  batch = {k: jnp.asarray(rng.integers(0, 256, (2, 32)), jnp.int32) for k in ("inputs", "targets")}
   fn = telemetry.jit_telemetry(model, recipe, opt, shardings, mesh, cross_entropy="xla")
   row = telemetry.measure(fn, state, batch)
   _check_pairs(row)
-  for i in range(2):
-    assert 0.15 < row[f"telemetry/blocks.{i}.attn/ds_rel_err"] < 0.35
-    for t in ("ds_dq", "ds_dk"):
-      assert 0.1 < row[f"telemetry/blocks.{i}.attn/{t}_rel_err"] < 0.4
-  # The stacked moments of the run of blocks 0-1 (one leaf, one global scale), NVFP4 stored.
-  assert isinstance(state["opt_state"][1][0].mu["blocks"][0]["mlp"]["down"]["kernel"],
+  return state, row
+
+
+def test_nvfp4_adam_states_attention_and_scanned_blocks():
+  """NVFP4 Adam states (measured on the fresh moments), dS of NVFP4 attention, and the stacked
+  blocks of scan_layers."""
+  model = ModelConfig(vocab_size=256, d_model=64, n_layers=3, n_heads=2, dtype="bfloat16",
+                      scan_layers=True)
+  recipe = get_recipe("bf16", optimizer_states="nvfp4", attention="nvfp4")
+  state, row = _measure(model, recipe, OptimizerConfig())
+  assert isinstance(state["opt_state"][1][0].mu["blocks"][0]["attn"]["qkv"]["kernel"],
                     nvfp4.NVFP4Tensor)
-  for t in ("mu", "nu", "lora_b.mu"):
-    assert 0.05 < row[f"telemetry/blocks.0-1.mlp.down/{t}_rel_err"] < 0.3
-  # W_res's error relative to W_eff = W_res + A·B; below the error of quantizing W_eff itself.
+  for i in range(3):
+    attn = f"telemetry/blocks.{i}.attn"
+    for t, lo, hi in (("ds", 0.15, 0.35), ("ds_dq", 0.1, 0.4), ("ds_dk", 0.1, 0.4),
+                      ("q", 0.05, 0.15), ("k", 0.05, 0.15)):
+      assert lo < row[f"{attn}/{t}_rel_err"] < hi, (i, t)
+    assert 0.08 < row[f"{attn}.qkv/w_rel_err"] < 0.13
+  # The stacked moments of blocks 0-2 (one leaf, one global scale).
+  for t in ("mu", "nu"):
+    assert 0.05 < row[f"telemetry/blocks.0-2.attn.qkv/{t}_rel_err"] < 0.3
+
+
+def test_lorasvd_weight_error_is_relative_to_the_effective_weight():
+  model = ModelConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=4, dtype="bfloat16")
+  state, row = _measure(model, get_recipe("fp4_linear_lorasvd"))
   up = state["params"]["blocks"][0]["mlp"]["gate_up"]
-  w_res = np.asarray(up["kernel"][1])
-  w_eff = w_res + np.asarray(up["lora_a"][1]) @ np.asarray(up["lora_b"][1])
+  w_res = np.asarray(up["kernel"])
+  w_eff = w_res + np.asarray(up["lora_a"]) @ np.asarray(up["lora_b"])
   err = lambda w: np.linalg.norm(nvfp4.fake_quant(jnp.asarray(w), block=(16, 16)) - w)  # noqa: E731
-  got = row["telemetry/blocks.1.mlp.gate_up/w_rel_err"]
+  got = row["telemetry/blocks.0.mlp.gate_up/w_rel_err"]
   assert got == pytest.approx(err(w_res) / np.linalg.norm(w_eff), rel=1e-4)
+  # The low-rank branch holds the dominant directions: less error than quantizing W_eff.
   assert got < err(w_eff) / np.linalg.norm(w_eff)
+  assert not any("mu_rel_err" in k for k in row)  # no optimizer config: no moments
 
 
 def test_telemetry_every_must_be_a_non_negative_int():
