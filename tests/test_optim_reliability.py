@@ -96,10 +96,13 @@ def test_transform_under_wrapper_on_odd_leaves(name, wrapper):
 @pytest.mark.parametrize("name", list(TRANSFORMS))
 def test_bfloat16_params(name):
   params = _params(jnp.bfloat16, TRANSFORMS[name][2])
-  updates, _, specs = _run(_make(name, "none", params), params, steps=2)
-  assert all(s == specs[0] for s in specs)
-  for u in updates:
-    assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(u))
+  # Injected into bfloat16 parameters, optax's hyperparameters are bfloat16 arrays.
+  wrappers = ("none", "inject_hyperparams") if name == "adamw_nvfp4" else ("none",)
+  for wrapper in wrappers:
+    updates, _, specs = _run(_make(name, wrapper, params), params, steps=2)
+    assert all(s == specs[0] for s in specs)
+    for u in updates:
+      assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(u))
 
 
 def test_jit_equals_no_jit():

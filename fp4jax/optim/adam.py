@@ -292,6 +292,11 @@ def adamw_nvfp4(
 
   with ``u_t`` the update of ``scale_by_adam_nvfp4`` and ``λ`` the weight decay.
 
+  Every numeric argument can be injected (``optax.inject_hyperparams``; give
+  ``hyperparam_dtype=jnp.float32`` for bfloat16 parameters, or optax rounds the injected values to
+  bfloat16; a callable ``mask`` goes in ``static_args``), and the transformation composes with ``optax.MultiSteps``, ``optax.chain`` and
+  ``optax.masked``.
+
   Args:
     learning_rate: a float or an optax schedule.
     b1, b2, eps, eps_root, nesterov: as ``optax.adamw``.
@@ -303,11 +308,6 @@ def adamw_nvfp4(
     An optax transformation. With ``quantize=False`` it equals ``optax.adamw`` bit for bit on
     float32 parameters; its moments are float32 for every parameter dtype, so on bfloat16
     parameters it equals ``optax.adamw`` initialized on float32 copies of them.
-
-  Every numeric argument can be injected (``optax.inject_hyperparams``; give
-  ``hyperparam_dtype=jnp.float32`` for bfloat16 parameters, or optax rounds the injected values to
-  bfloat16), and the transformation composes with ``optax.MultiSteps``, ``optax.chain`` and
-  ``optax.masked``.
 
   Example:
     >>> tx = adamw_nvfp4(learning_rate=3e-3)
