@@ -45,12 +45,12 @@ from fp4jax.checkpoint import CheckpointSaveError, CorruptCheckpointError
 from fp4jax.corpus import CorpusUnavailableError
 from fp4jax.model import ModelConfig
 from fp4jax.preemption import TrainingInterrupted
-from fp4jax.recipe import MODULES, Recipe, RecipeNotAvailableError
+from fp4jax.recipe import MODULES, Recipe
 from fp4jax.train import NonFiniteLossError, OptimizerConfig, TrainConfig, train
 from fp4jax.workdir import RunLock, RunLockedError
 
 # Errors of the user's command, config, data or run directory: printed as one message.
-USER_ERRORS = (ValueError, OSError, CorpusUnavailableError, RecipeNotAvailableError,
+USER_ERRORS = (ValueError, OSError, CorpusUnavailableError,
                RunLockedError, CorruptCheckpointError, CheckpointSaveError, NonFiniteLossError)
 
 
@@ -155,10 +155,10 @@ def prepare_data(cfg) -> tuple[str, data.DataMeta]:
 def run(cfg, workdir: str | os.PathLike, allow_changes: Sequence[str] = ()) -> dict:
   """Trains ``cfg`` in ``workdir`` (resuming if it holds a checkpoint); returns the summary.
 
-  The config is checked (every field, the recipe's availability) before the data is prepared,
+  The config is checked (every field) before the data is prepared,
   and the data (``fp4jax.data.check_data``) before the model is built.
   """
-  from_config(cfg, vocab_size=cfg.model.vocab_size or 256)[1].check_available()
+  from_config(cfg, vocab_size=cfg.model.vocab_size or 256)
   workdir = Path(workdir)
   with RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext() as lock:
     for note in getattr(lock, "notes", ()):

@@ -17,8 +17,7 @@ NVFP4 instead of BF16, dS in BF16 instead of NVFP4, and Q, K re-quantized in the
 reused. Each is one flag, e.g. ``--config.recipe.attention_ds=bf16``.
 
 Named presets: ``bf16``, ``fp4_linear``, ``fp4_linear_lorasvd``, ``fp4_full_stack``
-(``get_recipe(name)``). A choice this version cannot run yet raises ``RecipeNotAvailableError``
-from ``Recipe.check_available()`` (``fp4jax.train.train`` calls it) — never a silent fallback.
+(``get_recipe(name)``).
 """
 
 from __future__ import annotations
@@ -32,14 +31,6 @@ ATTENTION_CHOICES = ("bf16", "nvfp4")
 OPTIMIZER_STATE_CHOICES = ("fp32", "nvfp4")
 NEWTON_SCHULZ_CHOICES = ("bf16", "nvfp4")
 MODULES = ("linear", "attention", "optimizer_states", "newton_schulz")  # what a preset sets
-
-# Choices that this version cannot train with yet, and why.
-_NOT_AVAILABLE: dict[tuple[str, str], str] = {}
-
-
-class RecipeNotAvailableError(NotImplementedError):
-  """A recipe choice whose implementation is not available yet in this version of fp4jax."""
-
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
@@ -118,19 +109,6 @@ class Recipe:
     pv = self.attention_pv
     return AttentionConfig.nvfp4(v=pv, p=pv, do=pv, ds=self.attention_ds, reuse=self.attention_reuse)
 
-  def check_available(self) -> Recipe:
-    """Raises ``RecipeNotAvailableError`` if a chosen module cannot be trained with yet.
-
-    Returns:
-      ``self``, so that ``get_recipe(name).check_available()`` chains.
-    """
-    for field in MODULES:
-      reason = _NOT_AVAILABLE.get((field, getattr(self, field)))
-      if reason:
-        raise RecipeNotAvailableError(
-            f"Recipe {field}={getattr(self, field)!r} is not available yet: {reason}")
-    return self
-
   def replace(self, **changes) -> Recipe:
     """A copy with ``changes`` applied (validated)."""
     return dataclasses.replace(self, **changes)
@@ -157,7 +135,7 @@ def get_recipe(name: str, **overrides) -> Recipe:
     **overrides: fields to change, e.g. ``bf16_last_blocks=2``.
 
   Returns:
-    The ``Recipe`` (not checked for availability; call ``check_available()``).
+    The ``Recipe``.
   """
   if name not in PRESETS:
     raise ValueError(f"unknown recipe {name!r}: expected one of {sorted(PRESETS)}")

@@ -533,7 +533,6 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
     Summary: ``step``, ``loss`` (last), ``eval_loss`` (last), ``tokens_per_s``, ``mfu``.
 
   Raises:
-    RecipeNotAvailableError: a recipe choice this version cannot run.
     NonFiniteLossError: NaN/Inf loss or gradient norm (the message names the step; checkpoints
       up to the last finite step stay).
     TrainingInterrupted: SIGTERM or SIGINT; the message says where the checkpoint was saved.
@@ -544,7 +543,6 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
     CheckpointSaveError: the final checkpoint could not be saved.
     ValueError: ``train_cfg.steps`` is not above the checkpoint's step; no evaluation batch.
   """
-  recipe.check_available()
   if opt_cfg.name == "muon" and model_cfg.scan_layers:
     raise ValueError("OptimizerConfig.name='muon' needs ModelConfig.scan_layers=False: Muon "
                      "orthogonalizes 2-D leaves, and scan_layers stacks each run of blocks into "

@@ -1,4 +1,4 @@
-"""fp4jax.recipe: presets, validation, BF16-exempt blocks, 'not available yet' errors."""
+"""fp4jax.recipe: presets, validation, BF16-exempt blocks, the attention config."""
 
 import dataclasses
 
@@ -60,7 +60,7 @@ def test_bf16_exempt_blocks():
 
 def test_attention_config_of_the_recipe():
   assert get_recipe("fp4_linear").attention_config() is None
-  assert get_recipe("fp4_full_stack").check_available().attention_config() == AttentionConfig.nvfp4()
+  assert get_recipe("fp4_full_stack").attention_config() == AttentionConfig.nvfp4()
   pv = Recipe(attention="nvfp4", attention_pv="nvfp4").attention_config()
   assert pv.v == pv.p == pv.do == "nvfp4" and pv.ds == "nvfp4" and pv.reuse
   assert Recipe(attention="nvfp4", attention_ds="bf16", attention_reuse=False).attention_config() == \
@@ -69,13 +69,6 @@ def test_attention_config_of_the_recipe():
     Recipe(attention_ds="fp8")
   with pytest.raises(ValueError, match="attention_reuse"):
     Recipe(attention_reuse="yes")
-
-
-def test_available_modules_pass():
-  assert get_recipe("bf16").check_available() == get_recipe("bf16")
-  assert get_recipe("fp4_linear").check_available().linear == "nvfp4"
-  assert get_recipe("fp4_linear_lorasvd").check_available().linear == "nvfp4_lorasvd"
-  assert get_recipe("bf16", optimizer_states="nvfp4", newton_schulz="nvfp4").check_available()
 
 
 def test_presets_set_exactly_the_modules():

@@ -7,8 +7,7 @@ full stack). Command, on a cluster (one process per host, under SLURM / Open MPI
       --workdir=/shared/runs/3b --distributed --config.mesh_shape='(-1,8,1)' \
       --config.data.corpus=/shared/text --config.data.dir=/shared/tokens
 
-Hardware: 64+ H200/B200 (data x FSDP); a recipe whose module is not available yet (NVFP4
-attention) raises at start.
+Hardware: 64+ H200/B200 (data x FSDP).
 Tokens: 30500 steps x 1024 x 2048 = 64B.
 Expected time and loss: not measured here (paper: full-stack gap 1.47%).
 """
