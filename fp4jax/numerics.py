@@ -293,6 +293,21 @@ def adam_direction(m, v, s, g32, factors, b1: float, eps: float, eps_root: float
 LANES = 2  # tensors one key's hash serves (Adam's m and √v)
 
 
+def hadamard16_butterfly(v: list) -> list:
+  """The Walsh–Hadamard butterfly ``H16 · v`` over a list of 16 equally shaped arrays: strides 1, 2,
+  4, 8, each pair's sum before its difference (Sylvester's order). The fixed order of the additions
+  is what makes ``fp4jax.nvfp4.hadamard`` the same bits on every backend and in the kernels."""
+  v = list(v)
+  if len(v) != 16:
+    raise ValueError(f"hadamard16_butterfly takes 16 arrays, got {len(v)}")
+  for stride in (1, 2, 4, 8):
+    for i in range(16):
+      if not i & stride:
+        a, b = v[i], v[i + stride]
+        v[i], v[i + stride] = a + b, a - b
+  return v
+
+
 def _mix32(x):
   """A bijective 32-bit integer finalizer (Wellons' "lowbias32": xorshift-multiply)."""
   x = x ^ (x >> 16)

@@ -138,7 +138,10 @@ def _check_layout(shape, block, axis):
           f"block=(1, 16) along axis {axis}: size {shape[axis]} is not a multiple of 16 (shape {shape})")
 
 
-def _normalize(shape, block, axis) -> tuple[tuple[int, int], int]:
+def block_layout(shape, block, axis) -> tuple[tuple[int, int], int]:
+  """The checked layout of an NVFP4 tensor of ``shape``: ``(block, axis)`` with ``block`` (1, 16) or
+  (16, 16) and ``axis`` non-negative (the last axis for 16×16 tiles). Raises ``ValueError`` naming
+  the problem for any other block, an axis out of range, or an axis that is not a multiple of 16."""
   try:
     block = tuple(int(b) for b in block)
   except TypeError:
@@ -239,7 +242,7 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"quantize needs a floating-point array, got dtype {x.dtype}")
-  block, axis = _normalize(x.shape, block, axis)
+  block, axis = block_layout(x.shape, block, axis)
   if rounding not in ROUNDINGS:
     raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
   if rounding == "stochastic" and key is None and bits is None:
@@ -349,18 +352,6 @@ def hadamard_matrix(key) -> jax.Array:
   return signs[:, None] * jnp.asarray(h / 4.0)
 
 
-def _butterfly(v):
-  """The Walsh–Hadamard butterfly ``H16 · v`` over a list of 16 equally shaped arrays: strides 1, 2,
-  4, 8, each pair's sum before its difference (Sylvester's order of ``hadamard_matrix``)."""
-  v = list(v)
-  for stride in (1, 2, 4, 8):
-    for i in range(BLOCK):
-      if not i & stride:
-        a, b = v[i], v[i + stride]
-        v[i], v[i + stride] = a + b, a - b
-  return v
-
-
 def hadamard(x, key, axis=-1, *, inverse=False) -> jax.Array:
   """Random Hadamard transform of each 16-element block of ``x`` along ``axis``, in a fixed order.
 
@@ -395,8 +386,8 @@ def hadamard(x, key, axis=-1, *, inverse=False) -> jax.Array:
   xb = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)
   v = [xb[..., i] for i in range(BLOCK)]
   if inverse:
-    v = [y * signs[i] for i, y in enumerate(_butterfly(v))]
+    v = [y * signs[i] for i, y in enumerate(numerics.hadamard16_butterfly(v))]
   else:
-    v = _butterfly([y * signs[i] for i, y in enumerate(v)])
+    v = numerics.hadamard16_butterfly([y * signs[i] for i, y in enumerate(v)])
   yb = jnp.stack(v, axis=-1) * jnp.float32(0.25)
   return jnp.moveaxis(yb.reshape(xm.shape), -1, axis).astype(x.dtype)

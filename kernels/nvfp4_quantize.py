@@ -307,7 +307,7 @@ def _slabs(x_ref, s_ref, ok, mid, hadamard_on):
   xs = [numerics.flush_subnormals(_load(_slab_ref(x_ref, i, mid), ok).astype(jnp.float32))
         for i in range(BLOCK)]
   if hadamard_on:
-    xs = nvfp4._butterfly([x * s_ref[i] for i, x in enumerate(xs)])  # nvfp4.hadamard's order
+    xs = numerics.hadamard16_butterfly([x * s_ref[i] for i, x in enumerate(xs)])  # nvfp4.hadamard's order
     xs = [numerics.flush_subnormals(x * jnp.float32(0.25)) for x in xs]
   return xs
 
@@ -477,7 +477,7 @@ def _check(x, block, axis, rounding, key, bit_source, hadamard_key):
 def _normalize(shape, block, axis):
   """``nvfp4.quantize``'s checks of ``block`` and ``axis`` (its own function: the same errors, and
   nothing traced)."""
-  return nvfp4._normalize(tuple(shape), block, axis)
+  return nvfp4.block_layout(tuple(shape), block, axis)
 
 
 def _threefry_key(key) -> bool:
