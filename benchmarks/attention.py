@@ -6,7 +6,8 @@ r"""NVFP4 attention (``fp4jax.ops.attention``) against cuDNN and XLA bf16 attent
 Rows, all in one run on the same inputs (bf16, layout [B, T, H, D]):
 
 - ``nvfp4``: ``nvfp4_attention(..., config=AttentionConfig.nvfp4(), implementation="pallas")``: the
-  quantization of q and k (XLA) and the flash kernels, dS quantized per 64x64 tile, stochastic.
+  quantization of q and k (the Pallas quantizer) and the flash kernels, dS quantized per 64x64
+  tile, stochastic.
 - ``kernels (bf16 dS)``: ``fp4jax.kernels.attention`` alone on the bf16 inputs, dS in bf16: the
   kernels' cost without quantization.
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)``, no mask
