@@ -12,7 +12,7 @@ operands that the caller has already decoded:
   the query blocks of every query head of its key/value head) and one per query block (dQ), each
   recomputing ``P = exp(S - lse)`` with the forward's dot, ``dP = dO·Vᵀ`` and
   ``dS = (P ∘ (dP - δ)) * sm_scale``. With ``ds_rounding`` set, dS is quantized to NVFP4 inside the
-  tile (``quantize_ds``) and its decoded bf16 values are the operand of ``dQ = dS·K`` and
+  tile and its decoded bf16 values are the operand of ``dQ = dS·K`` and
   ``dK = dSᵀ·Q``; otherwise dS is cast to bf16. ``dV = Pᵀ·dO`` with P in bf16. Both kernels use the
   same tiles, so they quantize dS identically.
 
@@ -23,7 +23,7 @@ of the blocks (the arrays are padded, padding keys get P = 0, padding rows dS = 
 T == S. q and k are the decoded NVFP4 operands ``nvfp4.dequantize(Q(q), bf16)``; any bf16 (or f16)
 arrays work.
 
-dS quantization (``quantize_ds``): each ``ds_tile`` of the ``[T, S]`` dS matrix of one (b, h) is
+dS quantization (its jnp reference is ``fp4jax.ops.attention.fake_quant_ds``): each ``ds_tile`` of the ``[T, S]`` dS matrix of one (b, h) is
 quantized as a tensor of its own by ``nvfp4.quantize(tile, block=(16, 16))`` (Transformer Engine's
 order: tile amax, ``S_enc = 2688 / amax``, E4M3 scales of 16×16 blocks, E2M1 codes) and decoded as
 ``nvfp4.dequantize(·, bf16)`` does (``code * scale * S_dec`` in float32, then bf16). Stochastic
@@ -33,7 +33,7 @@ ds tiles: the backward's blocks are multiples of ``ds_tile``.
 
 Everything inside the kernels lowers to Triton for sm_90: no float4 casts (E2M1 and E4M3 encoded
 with comparisons and integer operations), the divisions of the quantizer correctly rounded (PTX
-``div.rn.f32``; ``numerics.div_rn`` in ``quantize_ds``; the CPU's division in interpret mode, see
+``div.rn.f32``; the CPU's division in interpret mode, see
 ``_div``), power-of-two blocks; see tests/test_kernels_attention.py for the CPU-side CUDA lowering
 check.
 """
@@ -167,37 +167,6 @@ def ds_rounding_bits(key, shape) -> jax.Array:
   bh = jnp.arange(b_ * h_, dtype=jnp.uint32)
   bits = jax.vmap(lambda i: _tile_bits(k1, k2, i, 0, 0, t, s))(bh)
   return bits.reshape(b_, h_, t, s)
-
-
-def quantize_ds(ds, *, ds_tile=DS_TILE, rounding: str = "stochastic", bits=None) -> jax.Array:
-  """dS ``[..., T, S]`` quantized to NVFP4 per ``ds_tile`` and decoded to bf16: the kernels' code.
-
-  Each ``ds_tile`` of the last two axes is quantized as ``nvfp4.quantize(tile, block=(16, 16),
-  rounding=rounding, bits=bits_of_tile)`` would (its own tile amax and S_enc) and decoded as
-  ``nvfp4.dequantize(·, jnp.bfloat16)``. T and S must be multiples of the tile.
-
-  Args:
-    ds: float32 ``[..., T, S]``.
-    ds_tile: (rows, cols) of the tiles with one float32 scale, multiples of 16.
-    rounding: ``"nearest"`` or ``"stochastic"``.
-    bits: uint32 bits shaped like ``ds`` for stochastic rounding (e.g. ``ds_rounding_bits``).
-
-  Returns:
-    bf16 array shaped like ``ds``.
-  """
-  _check_ds(ds_tile, rounding)
-  ds = jnp.asarray(ds, jnp.float32)
-  t, s = ds.shape[-2:]
-  if t % ds_tile[0] or s % ds_tile[1]:
-    raise ValueError(f"quantize_ds: dS {ds.shape[-2:]} is not a whole number of ds_tile {ds_tile}")
-  if rounding == "stochastic" and (bits is None or bits.shape != ds.shape or bits.dtype != jnp.uint32):
-    raise ValueError("quantize_ds: stochastic rounding needs uint32 `bits` shaped like ds")
-  lead = ds.shape[:-2]
-  flat = ds.reshape(-1, t, s)
-  fbits = None if bits is None else bits.reshape(-1, t, s)
-  fn = lambda x, b: _quantize_tile(x, b, ds_tile, rounding, "exact")
-  out = jax.vmap(fn)(flat, fbits) if fbits is not None else jax.vmap(lambda x: fn(x, None))(flat)
-  return out.reshape(*lead, t, s)
 
 
 def _check_ds(ds_tile, rounding):
@@ -485,7 +454,8 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
 
   ``P = exp(S - lse)`` recomputed with the forward's ``S``, ``dP = dO·Vᵀ``, ``δ = rowsum(dO ∘ O)``,
   ``dS = (P ∘ (dP - δ)) * sm_scale`` in float32; ``dQ = dS·K``, ``dK = dSᵀ·Q`` with dS cast to
-  bf16, or quantized to NVFP4 per ``ds_tile`` and decoded (``quantize_ds``); ``dV = Pᵀ·dO`` with P
+  bf16, or quantized to NVFP4 per ``ds_tile`` and decoded (``fp4jax.ops.attention.fake_quant_ds``);
+  ``dV = Pᵀ·dO`` with P
   in bf16. f32 accumulation; dK and dV sum over the query heads of each key/value head.
 
   Args:

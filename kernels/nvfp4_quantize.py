@@ -87,20 +87,6 @@ def hadamard_signs(key) -> jax.Array:
   return nvfp4.hadamard_matrix(key)[:, 0] * 4.0
 
 
-def hadamard(x, key, axis=-1) -> jax.Array:
-  """The transform the kernels fuse: ``nvfp4.hadamard`` of ``x`` in float32 (a fixed-order butterfly).
-
-  Args:
-    x: float array whose ``axis`` is a multiple of 16.
-    key: the ``jax.random`` key of the sign vector (as ``nvfp4.hadamard``).
-    axis: the transformed axis.
-
-  Returns:
-    float32 array shaped like ``x``.
-  """
-  return nvfp4.hadamard(jnp.asarray(x).astype(jnp.float32), key, axis)
-
-
 def stochastic_bits(key, shape, bit_source="random") -> jax.Array:
   """The uint32 rounding bits ``quantize`` draws from ``key``: ``jax.random.bits(key, shape, uint32)``
   (``"random"``, what ``nvfp4.quantize(key=key)`` draws) or ``numerics.counter_bits(key, shape)``
@@ -114,11 +100,11 @@ def stochastic_bits(key, shape, bit_source="random") -> jax.Array:
 
 def quantize_reference(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None,
                        bit_source="random", hadamard_key=None, decoded=False):
-  """``quantize`` in plain jnp: ``nvfp4.quantize`` of ``x`` (or of ``hadamard(x, hadamard_key, axis)``)
+  """``quantize`` in plain jnp: ``nvfp4.quantize`` of ``x`` (or of ``nvfp4.hadamard`` of ``x`` in float32)
   with ``stochastic_bits(key, x.shape, bit_source)``. Arguments and results as ``quantize``."""
   x = jnp.asarray(x)
   if hadamard_key is not None:
-    x = hadamard(x, hadamard_key, axis)
+    x = nvfp4.hadamard(x.astype(jnp.float32), hadamard_key, axis)
   bits = None
   if rounding == "stochastic" and key is not None:
     bits = stochastic_bits(key, x.shape, bit_source)
@@ -452,7 +438,7 @@ def _flat_view(size, elements):
 def _check(x, block, axis, rounding, key, bit_source, hadamard_key):
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"quantize needs a floating-point array, got dtype {x.dtype}")
-  block, axis = _normalize(x.shape, block, axis)
+  block, axis = nvfp4.block_layout(tuple(x.shape), block, axis)
   if rounding not in nvfp4.ROUNDINGS:
     raise ValueError(f"rounding must be one of {nvfp4.ROUNDINGS}, got {rounding!r}")
   if bit_source not in BIT_SOURCES:
@@ -472,12 +458,6 @@ def _check(x, block, axis, rounding, key, bit_source, hadamard_key):
   if x.size >= 2**31:
     raise ValueError(f"quantize: {x.size} elements; the kernels address at most 2**31 - 1")
   return block, axis
-
-
-def _normalize(shape, block, axis):
-  """``nvfp4.quantize``'s checks of ``block`` and ``axis`` (its own function: the same errors, and
-  nothing traced)."""
-  return nvfp4.block_layout(tuple(shape), block, axis)
 
 
 def _threefry_key(key) -> bool:
@@ -500,7 +480,7 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
   ``quantize(x, block=b, axis=a, rounding=r, key=k)`` equals ``nvfp4.quantize(x, block=b, axis=a,
   rounding=r, key=k)``; with ``bit_source="counter"`` it equals ``nvfp4.quantize(x, ...,
   bits=numerics.counter_bits(k, x.shape))``, and with ``hadamard_key=h`` it quantizes
-  ``hadamard(x, h, axis)`` (float32) instead of ``x`` (``quantize_reference`` spells this out).
+  ``nvfp4.hadamard`` of ``x`` in float32 instead of ``x`` (``quantize_reference`` spells this out).
 
   Not differentiable (its codes are integers): ``x`` is taken under ``stop_gradient``, which gives
   ``nvfp4.quantize``'s zero derivative.

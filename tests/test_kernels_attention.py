@@ -139,9 +139,9 @@ def _tile_quantizer_kernel(w_ref, ds_ref, out_ref, *, ds_tile, rounding, row0, c
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_in_kernel_ds_quantizer_is_bit_exact(rounding):
   """The tile quantizer run inside a Pallas kernel (interpret mode) on a block at an offset, against
-  ``quantize_ds`` of the whole dS with ``ds_rounding_bits``, and both against ``nvfp4.quantize`` of
+  ``fake_quant_ds`` of the whole dS with ``ds_rounding_bits``, and both against ``nvfp4.quantize`` of
   each ds tile: bit for bit. Tiles of zeros, of values near 1e-37 (a subnormal S_dec: only the
-  exact division of ``quantize_ds`` and the GPU's handle it, so not the interpret-mode block), a
+  exact division of ``fake_quant_ds`` and the GPU's handle it, so not the interpret-mode block), a
   spread over 10 decades."""
   rng = np.random.default_rng(1)
   b, h, t, s = 2, 3, 128, 192
@@ -151,7 +151,8 @@ def test_in_kernel_ds_quantizer_is_bit_exact(rounding):
   ds = jnp.asarray(x, jnp.float32)
   key = jax.random.key(11)
   bits = A.ds_rounding_bits(key, ds.shape) if rounding == "stochastic" else None
-  whole = np.asarray(A.quantize_ds(ds, ds_tile=(64, 32), rounding=rounding, bits=bits), np.float32)
+  whole = np.asarray(fake_quant_ds(ds, ds_tile=(64, 32), rounding=rounding, bits=bits)
+                     .astype(jnp.bfloat16), np.float32)
 
   @jax.jit
   def per_tile(tile, tbits):

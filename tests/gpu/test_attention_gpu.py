@@ -5,7 +5,7 @@
 - ``nvfp4_attention(implementation="pallas")`` (the kernels) equals ``implementation="xla"`` (the
   reference, run on the GPU too) within accumulation tolerance: O, dQ, dK, dV.
 - The quantized operands are bit-equal to the CPU's: the decoded Q(q), Q(k) of the op, the dS
-  rounding bits, and the in-kernel dS tile quantizer (PTX ``div.rn.f32``) against ``quantize_ds`` on
+  rounding bits, and the in-kernel dS tile quantizer (PTX ``div.rn.f32``) against ``fake_quant_ds`` on
   the CPU.
 - The scores of the forward's tiles and the backward's tiles are bit-identical (the same dot on the
   same decoded q, k), so the backward's P recompute is the forward's.
@@ -118,8 +118,6 @@ def test_in_kernel_ds_quantizer_equals_cpu(rounding):
     bits = None
     if rounding == "stochastic":
       bits = A.ds_rounding_bits(key, (1, bh + 1, t, s))[0, bh]
-    # fake_quant_ds (tile by tile in lax.map) is the same quantizer as A.quantize_ds, whose vmap over
-    # a whole (T, S) matrix takes XLA's CPU compiler minutes at this size.
     return fake_quant_ds(ds, ds_tile=A.DS_TILE, rounding=rounding, bits=bits).astype(jnp.bfloat16)
 
   want = _on(cpu, whole, ds)
