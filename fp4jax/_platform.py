@@ -18,10 +18,15 @@ def default_platform() -> str:
   return "rocm" if "rocm" in version else "cuda"
 
 
-def resolve(impl: str, kernel: str, fallback: str = "xla") -> str:
+def resolve(impl: str, kernel: str, fallback: str = "xla", *, whole_arrays: bool = False) -> str:
   """The one "auto" rule of every op with a GPU kernel: ``impl`` unchanged unless it is ``"auto"``,
   which becomes ``kernel`` when computations go to a CUDA GPU by default (``default_platform``),
-  else ``fallback``. Ops check their own shape limits on top of this rule."""
+  else ``fallback``. ``whole_arrays``: the kernel takes whole (unsharded) arrays, a ``pallas_call``
+  that XLA does not partition, so under a mesh of several devices (``jax.set_mesh``) "auto" keeps
+  ``fallback``, which XLA partitions, rather than gathering the operands around every call. Ops
+  check their own shape limits on top of this rule."""
   if impl != "auto":
     return impl
+  if whole_arrays and jax.sharding.get_abstract_mesh().size > 1:
+    return fallback
   return kernel if default_platform() == "cuda" else fallback

@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import jax.test_util
 import numpy as np
 import pytest
+from conftest import H200
+from jax.sharding import AbstractMesh
 from nvfp4_np_reference import dequantize_ref, quantize_ref
 
-from fp4jax import nvfp4
+from fp4jax import _platform, nvfp4
 from fp4jax.ops import attention as attn
 from fp4jax.ops.attention import (
     AttentionConfig,
@@ -327,6 +329,19 @@ def test_auto_is_xla_on_cpu():
   jaxpr = lambda impl: str(jax.make_jaxpr(  # noqa: E731
       lambda q, k, v: nvfp4_attention(q, k, v, key=KEY, implementation=impl))(q, k, v))
   assert jaxpr("auto") == jaxpr("xla") != jaxpr("pallas_interpret")
+
+
+def test_auto_takes_the_kernels_on_one_cuda_device_only(monkeypatch):
+  """``"auto"`` on a CUDA GPU: the flash kernels, unless the mesh has several devices (the kernels
+  take whole arrays; XLA would gather them around every call) or D is not a kernel head dim."""
+  monkeypatch.setattr(_platform, "default_platform", lambda: "cuda")
+  two_h200s = AbstractMesh((2,), ("x",), abstract_device=H200.abstract_device)
+  for mesh, d, kernels in ((H200, 64, True), (two_h200s, 64, False), (H200, 32, False)):
+    q = jax.ShapeDtypeStruct((1, 64, 2, d), jnp.bfloat16)
+    f = lambda q, k, v: nvfp4_attention(q, k, v, key=KEY)  # noqa: E731
+    with jax.sharding.use_abstract_mesh(mesh):
+      hlo = jax.jit(f).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("__gpu$xla.gpu.triton" in hlo) == kernels, (mesh, d)
 
 
 def test_pallas_interpret_runs_the_kernels_on_the_same_operands():

@@ -484,8 +484,9 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
     config: an ``AttentionConfig``: ``.nvfp4()`` (the default) or ``.bf16()``.
     implementation: ``"xla"`` (the jnp reference, ``nvfp4_attention_reference``), ``"pallas"`` (the
       flash kernels of ``fp4jax.kernels.attention``, CUDA), ``"pallas_interpret"`` (the kernels in
-      interpret mode, for tests) or ``"auto"``: ``"pallas"`` when computations go to a CUDA GPU and
-      the kernels take ``config`` and D (all but a quantized P; D in {64, 128}), else ``"xla"``.
+      interpret mode, for tests) or ``"auto"``: ``"pallas"`` when computations go to a CUDA GPU, the
+      mesh in context has one device and the kernels take ``config`` and D (all but a quantized P;
+      D in {64, 128}), else ``"xla"``.
 
   Returns:
     ``[B, T, H, D]`` in q's dtype; gradients in the dtypes of q, k and v.
@@ -522,7 +523,7 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
   head_dim = q.shape[-1]
   if impl == "auto":
     kernels_ok = _kernel_supports(config) and head_dim in HEAD_DIMS
-    impl = _platform.resolve(impl, "pallas", "xla") if kernels_ok else "xla"
+    impl = _platform.resolve(impl, "pallas", "xla", whole_arrays=True) if kernels_ok else "xla"
   elif impl != "xla" and not _kernel_supports(config):
     raise ValueError(f"nvfp4_attention: implementation={impl!r} does not take config.p='nvfp4' (δ "
                      "needs the unquantized P·V); use implementation='xla'")

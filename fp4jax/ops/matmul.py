@@ -326,10 +326,8 @@ def _resolve(config: MatmulConfig, sizes, key) -> MatmulConfig:
   other_key = config.needs_key and not (str(jax.random.key_impl(key)) == "threefry2x32"
                                         and jax.config.jax_threefry_partitionable)
   if impl == "auto":
-    # The kernels quantize whole tensors: on a mesh of several devices XLA would gather the sharded
-    # operands around every call, so "auto" keeps XLA's partitioned quantizer there.
-    sharded = jax.sharding.get_abstract_mesh().size > 1
-    impl = "xla" if too_large or other_key or sharded else _platform.resolve(impl, "pallas", "xla")
+    impl = "xla" if too_large or other_key else _platform.resolve(impl, "pallas", "xla",
+                                                                   whole_arrays=True)
   elif too_large:
     raise ValueError(f"nvfp4_matmul: implementation={impl!r} quantizes operands of fewer than 2**31 "
                      f"elements; got {max(sizes)}: use implementation='xla'")
