@@ -7,14 +7,18 @@ operands that the caller has already decoded:
   over key blocks (stopping at the diagonal when causal) with an online softmax in float32:
   ``S = dot(q, kᵀ) * sm_scale`` (bf16 operands, f32 accumulation), ``O = P·V`` with P in bf16,
   ``lse = m + log(l)``.
-- ``attention_bwd(q, k, v, o, lse, do, *, causal, sm_scale, ds_rounding, key) -> (dq, dk, dv)``:
-  ``δ = rowsum(dO ∘ O)`` (one XLA pass), then two kernels, one per key block (dK, dV, looping over
-  the query blocks of every query head of its key/value head) and one per query block (dQ), each
-  recomputing ``P = exp(S - lse)`` with the forward's dot, ``dP = dO·Vᵀ`` and
-  ``dS = (P ∘ (dP - δ)) * sm_scale``. With ``ds_rounding`` set, dS is quantized to NVFP4 inside the
-  tile and its decoded bf16 values are the operand of ``dQ = dS·K`` and
-  ``dK = dSᵀ·Q``; otherwise dS is cast to bf16. ``dV = Pᵀ·dO`` with P in bf16. Both kernels use the
-  same tiles, so they quantize dS identically.
+- ``attention_bwd(q, k, v, o, lse, do, *, causal, sm_scale, ds_rounding, key, dq_accumulation)
+  -> (dq, dk, dv)``:
+  ``δ = rowsum(dO ∘ O)`` (one XLA pass), then one kernel per key block (dK, dV, looping over the
+  query blocks of every query head of its key/value head) that recomputes ``P = exp(S - lse)`` with
+  the forward's dot, ``dP = dO·Vᵀ`` and ``dS = (P ∘ (dP - δ)) * sm_scale``. With ``ds_rounding``
+  set, dS is quantized to NVFP4 inside the tile and its decoded bf16 values are the operand of
+  ``dQ = dS·K`` and ``dK = dSᵀ·Q``; otherwise dS is cast to bf16. ``dV = Pᵀ·dO`` with P in bf16.
+  dQ comes one of two ways (``dq_accumulation``): ``"recompute"``, a second kernel per query block
+  that forms every dS tile again (the same tiles, so the same quantization) and sums ``dS·K`` over
+  the key blocks in registers; or ``"atomic"``, the key-block kernel itself adds each tile's
+  ``dS·K`` to a float32 dQ in global memory with atomic adds (FlashAttention-2's scheme): each dS
+  tile is formed and quantized once, but the order of dQ's float32 sums varies from run to run.
 
 Layout: q ``[B, T, H, D]``, k and v ``[B, S, Hk, D]`` with ``H % Hk == 0`` (query head ``h`` reads
 key/value head ``h // (H // Hk)``; dK and dV sum over a group's query heads), D a multiple of 16 up
@@ -52,6 +56,7 @@ from jax.experimental.pallas import triton as plgpu
 from fp4jax import numerics
 
 ROUNDINGS = ("nearest", "stochastic")
+DQ_ACCUMULATIONS = ("recompute", "atomic")
 DS_TILE = (64, 64)
 _B = 16  # dS is quantized in 16x16 blocks
 _E2M1_X_E4M3_MAX = 2688.0  # 6 * 448: S_enc = 2688 / amax
@@ -271,8 +276,11 @@ def _words(w_ref):
   return tuple(lax.bitcast_convert_type(w_ref[i], jnp.uint32) for i in range(2))
 
 
-def _dkdv_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                 sm_scale, causal, block_q, group, n_heads, n_rows, n_keys, pad, ds, division):
+def _dkdv_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, sm_scale, causal,
+                 block_q, group, n_heads, n_rows, n_keys, pad, ds, division, atomic_dq):
+  """dK and dV of one key block; with ``atomic_dq`` also ``dQ += dS·K`` per tile, by atomic adds to
+  the float32 dQ (``out_refs = (dq_in, dk, dv, dq)``, dq aliasing dq_in; else ``(dk, dv)``)."""
+  dk_ref, dv_ref, dq_ref = (out_refs[1], out_refs[2], out_refs[3]) if atomic_dq else (*out_refs, None)
   bk = k_ref.shape[0]
   b, hk, kj = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   col0 = kj * bk
@@ -294,6 +302,8 @@ def _dkdv_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
     quant = None if ds is None else (_words(w_ref), b * n_heads + h, i * block_q, col0, *ds)
     p, ds_op = _ds_tile(q, k, v, do, lse, delta, mask, sm_scale=sm_scale, quant=quant,
                         division=division)
+    if dq_ref is not None:
+      plgpu.atomic_add(dq_ref, (rows, h, slice(None)), _dot(ds_op, k))
     return dk + _dot(ds_op, q, trans_a=True), dv + _dot(p, do, trans_a=True)
 
   def head(g, carry):
@@ -447,16 +457,28 @@ def _round_up(n, m):
 
 def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
                   ds_rounding: str | None = None, key=None, ds_tile=DS_TILE,
-                  block_q: int | None = None, block_k: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None,
-                  interpret: bool = False):
+                  dq_accumulation: str = "recompute", block_q: int | None = None,
+                  block_k: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None, interpret: bool = False):
   """Flash attention backward: ``(dq, dk, dv)`` shaped and typed like q, k, v.
 
   ``P = exp(S - lse)`` recomputed with the forward's ``S``, ``dP = dO·Vᵀ``, ``δ = rowsum(dO ∘ O)``,
   ``dS = (P ∘ (dP - δ)) * sm_scale`` in float32; ``dQ = dS·K``, ``dK = dSᵀ·Q`` with dS cast to
   bf16, or quantized to NVFP4 per ``ds_tile`` and decoded (``fp4jax.ops.attention.fake_quant_ds``);
-  ``dV = Pᵀ·dO`` with P
-  in bf16. f32 accumulation; dK and dV sum over the query heads of each key/value head.
+  ``dV = Pᵀ·dO`` with P in bf16. f32 accumulation; dK and dV sum over the query heads of each
+  key/value head.
+
+  ``dq_accumulation`` chooses how dQ is summed over the key blocks; dK and dV are computed the same
+  way by either:
+
+  - ``"recompute"``: a second kernel, one program per query block, forms S, P, dP and dS again (and
+    quantizes dS again, to the same values) and sums ``dS·K`` over the key blocks in registers.
+    Deterministic: the same inputs give the same bits.
+  - ``"atomic"``: the dK/dV kernel adds each tile's ``dS·K`` to a zeroed float32 ``[B, T, H, D]``
+    dQ with atomic adds, which is cast to q's dtype at the end. Each dS tile is formed and quantized
+    once and dQ needs no kernel of its own, but the order of dQ's float32 sums depends on the order
+    in which the programs run, so dQ is not bit-reproducible from run to run (the difference is
+    float32 rounding, before the cast); dK and dV are.
 
   Args:
     q, k, v: the forward's operands (``attention_fwd``).
@@ -466,12 +488,26 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
     ds_rounding: None (dS in bf16), ``"nearest"`` or ``"stochastic"`` (NVFP4 dS).
     key: a jax.random key, for stochastic rounding (bits from ``ds_rounding_bits``).
     ds_tile: (rows, cols) of dS sharing one float32 scale, powers of two >= 16.
+    dq_accumulation: ``"recompute"`` (default) or ``"atomic"``, see above.
     block_q, block_k: tile rows and keys, powers of two (default ``ds_tile``); with NVFP4 dS,
       multiples of ``ds_tile``.
     num_warps, num_stages: Triton launch settings (default 4 warps for D <= 64, else 8; 2 stages).
-    interpret: run in Pallas interpret mode (CPU).
+    interpret: run in Pallas interpret mode (CPU; the programs run one after another, so the atomic
+      adds of ``"atomic"`` are plain adds in a fixed order there).
+
+  Returns:
+    ``(dq, dk, dv)``: ``[B, T, H, D]`` q.dtype, ``[B, S, Hk, D]`` k.dtype, ``[B, S, Hk, D]`` v.dtype.
+
+  Example (the backward of ``attention_fwd``'s ``(o, lse)``, NVFP4 dS, one dS quantization)::
+
+    o, lse = attention_fwd(q, k, v, causal=True, sm_scale=d**-0.5)
+    dq, dk, dv = attention_bwd(q, k, v, o, lse, do, causal=True, sm_scale=d**-0.5,
+                               ds_rounding="stochastic", key=key, dq_accumulation="atomic")
   """
   _check("attention_bwd", q, k, v, causal, sm_scale)
+  if dq_accumulation not in DQ_ACCUMULATIONS:
+    raise ValueError(f"attention_bwd: dq_accumulation must be one of {DQ_ACCUMULATIONS}, got "
+                     f"{dq_accumulation!r}")
   _check_blocks("attention_bwd", block_q=block_q, block_k=block_k, num_warps=num_warps)
   b, t, h, d = q.shape
   s, hk = k.shape[1], k.shape[2]
@@ -510,16 +546,31 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
   all_rows = pl.BlockSpec((None, t_pad, h, d), lambda i, j, kj: (i, 0, 0, 0))
   kv_block = pl.BlockSpec((None, bk, None, d), lambda i, j, kj: (i, kj, j, 0))
   rows_all_heads = pl.BlockSpec((None, h, t_pad), lambda i, j, kj: (i, 0, 0))
-  dk, dv = pl.pallas_call(
-      functools.partial(_dkdv_kernel, block_q=bq, group=group, **common),
-      out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+  atomic = dq_accumulation == "atomic"
+  inputs = [words, q, k, v, do, lse, delta]
+  in_specs = [w_spec, all_rows, kv_block, kv_block, all_rows, rows_all_heads, rows_all_heads]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  out_specs = [kv_block, kv_block]
+  if atomic:  # every program adds into the whole float32 dQ of its batch element
+    inputs.append(jnp.zeros(q.shape, jnp.float32))
+    in_specs.append(all_rows)
+    out_shape.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    out_specs.append(all_rows)
+  grads = pl.pallas_call(
+      functools.partial(_dkdv_kernel, block_q=bq, group=group, atomic_dq=atomic, **common),
+      out_shape=tuple(out_shape),
       grid=(b, hk, s_pad // bk),
-      in_specs=[w_spec, all_rows, kv_block, kv_block, all_rows, rows_all_heads, rows_all_heads],
-      out_specs=(kv_block, kv_block),
+      in_specs=in_specs,
+      out_specs=tuple(out_specs),
+      input_output_aliases={len(inputs) - 1: 2} if atomic else {},
       compiler_params=params,
       interpret=interpret,
-      name="nvfp4_attention_dkdv",
-  )(words, q, k, v, do, lse, delta)
+      name="nvfp4_attention_dkdv_dq" if atomic else "nvfp4_attention_dkdv",
+  )(*inputs)
+  if atomic:
+    dk, dv, dq = grads
+    return dq[:, :t].astype(q.dtype), dk[:, :s], dv[:, :s]
+  dk, dv = grads
 
   q_block = pl.BlockSpec((None, bq, None, d), lambda i, j, qi: (i, qi, j, 0))
   kv_all = pl.BlockSpec((None, s_pad, None, d), lambda i, j, qi: (i, 0, j // group, 0))

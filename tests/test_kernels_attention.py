@@ -116,14 +116,54 @@ def test_backward_nvfp4_ds_matches_reference(rounding, causal, t, blocks):
   dq, dk, dv = A.attention_bwd(q, k, v, o, lse, do, causal=causal, sm_scale=d**-0.5,
                                ds_rounding=rounding, key=key, ds_tile=ds_tile, block_q=blocks[0],
                                block_k=blocks[1], interpret=True)
-  # dS differs from the reference's in the last bits (summation order), which moves a few E2M1
-  # codes at rounding boundaries; the bf16-dS gradients are far off (quantization error).
-  _, _, dq_bf16, dk_bf16, _ = _reference(q, k, v, do, causal=causal)
-  for got, want, bf16 in ((dq, dq_r, dq_bf16), (dk, dk_r, dk_bf16)):
-    err = np.abs(np.float32(got) - np.float32(want)).max()
-    assert err < 0.25 * np.abs(np.float32(bf16) - np.float32(want)).max(), err
-    _close(got, want, 4e-2)
-  _close(dv, dv_r, 2e-2)
+  _check_nvfp4_grads((dq, dk, dv), (dq_r, dk_r, dv_r), _reference(q, k, v, do, causal=causal)[2:])
+
+
+def _check_nvfp4_grads(got, want, bf16):
+  """NVFP4-dS gradients against the reference's. dS differs from the reference's in the last bits
+  (summation order), which moves a few E2M1 codes at rounding boundaries; the bf16-dS gradients
+  ``bf16`` are far off (quantization error)."""
+  for g, w, b in zip(got[:2], want[:2], bf16[:2], strict=True):
+    err = np.abs(np.float32(g) - np.float32(w)).max()
+    assert err < 0.25 * np.abs(np.float32(b) - np.float32(w)).max(), err
+    _close(g, w, 4e-2)
+  _close(got[2], want[2], 2e-2)
+
+
+# (B, T, H, Hk, D, causal, block_q, block_k, ds_rounding, ds_tile): GQA in each, causal and full,
+# T not a multiple of the blocks, dS in bf16 and NVFP4 (both roundings).
+ATOMIC_CASES = [
+    (1, 80, 4, 2, 64, True, 32, 16, None, None),
+    (1, 128, 4, 2, 64, True, 64, 64, "stochastic", (64, 64)),
+    (2, 96, 2, 1, 64, False, 64, 32, "nearest", (64, 32)),  # padded to 128
+]
+
+
+@pytest.mark.parametrize("b,t,h,hk,d,causal,bq,bk,rounding,ds_tile", ATOMIC_CASES)
+def test_backward_atomic_dq_matches_reference_and_recompute(b, t, h, hk, d, causal, bq, bk, rounding,
+                                                           ds_tile):
+  """``dq_accumulation="atomic"`` (one kernel, dQ by atomic adds) against the reference with the
+  tolerances of the two-kernel tests; dK and dV bit for bit those of ``"recompute"`` (the same
+  computation), dQ within a bf16 rounding of its dQ (only the float32 summation order differs)."""
+  q, k, v, do = _inputs(b, t, h, hk, d, seed=t + h)
+  key = jax.random.key(9)
+  o, lse, *want = _reference(q, k, v, do, causal=causal, ds_rounding=rounding, key=key,
+                             ds_tile=ds_tile or A.DS_TILE)
+  bwd = functools.partial(A.attention_bwd, q, k, v, o, lse, do, causal=causal, sm_scale=d**-0.5,
+                          ds_rounding=rounding, key=key, ds_tile=ds_tile or A.DS_TILE, block_q=bq,
+                          block_k=bk, interpret=True)
+  atomic, recompute = bwd(dq_accumulation="atomic"), bwd(dq_accumulation="recompute")
+  assert [(x.shape, x.dtype) for x in atomic] == [(x.shape, x.dtype) for x in (q, k, v)]
+  if rounding is None:
+    for got, w in zip(atomic, want, strict=True):
+      _close(got, w, 2e-2)
+  else:
+    _check_nvfp4_grads(atomic, want, _reference(q, k, v, do, causal=causal)[2:])
+  for got, other in zip(atomic[1:], recompute[1:], strict=True):
+    np.testing.assert_array_equal(np.asarray(got, np.float32).view(np.uint32),
+                                  np.asarray(other, np.float32).view(np.uint32))
+  dq_a, dq_r = np.asarray(atomic[0], np.float32), np.asarray(recompute[0], np.float32)
+  np.testing.assert_allclose(dq_a, dq_r, rtol=2**-7, atol=1e-3 * np.abs(dq_r).max())
 
 
 def _tile_quantizer_kernel(w_ref, ds_ref, out_ref, *, ds_tile, rounding, row0, col0, bh):
@@ -209,6 +249,7 @@ def test_bad_arguments_raise_value_errors():
       (bwd, (q, k, v, q, lse, do), dict(ds_rounding="stochastic"), "key"),
       (bwd, (q, k, v, q, lse, do), dict(ds_rounding="nearest", ds_tile=(24, 64)), "ds_tile"),
       (bwd, (q, k, v, q, lse, do), dict(ds_rounding="nearest", block_q=32), "multiples of ds_tile"),
+      (bwd, (q, k, v, q, lse, do), dict(dq_accumulation="sum"), "dq_accumulation"),
   ]:
     with pytest.raises(ValueError, match=match):
       call(*args, **kw)
@@ -249,3 +290,29 @@ def test_lowers_to_triton_for_h200(triton_modules, d, causal, ds_rounding, group
     assert ir.count("tt.dot") >= (1 if ir is fwd_ir else 3) + (ir is fwd_ir)
   for ir in (dkdv_ir, dq_ir):
     assert ("div.rn.f32" in ir) == (ds_rounding is not None)
+
+
+@pytest.mark.parametrize("d,causal,ds_rounding,group", [(64, True, "stochastic", 2),
+                                                        (128, False, None, 1)])
+def test_atomic_backward_lowers_to_triton_for_h200(triton_modules, d, causal, ds_rounding, group):
+  """``dq_accumulation="atomic"`` lowers for an abstract H200 to one verified Triton call whose dQ
+  output aliases the zeroed float32 dQ operand, adding float32 tiles with ``atomic_rmw fadd``."""
+  b, t, h = 2, 1024, 8
+  q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((b, t, h // group, d), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+  bwd = jax.jit(functools.partial(A.attention_bwd, causal=causal, sm_scale=d**-0.5,
+                                  ds_rounding=ds_rounding, dq_accumulation="atomic"))
+  with jax.sharding.use_abstract_mesh(H200):
+    hlo = bwd.trace(q, k, k, q, lse, q, key=key).lower(lowering_platforms=("cuda",)).as_text()
+  assert hlo.count("__gpu$xla.gpu.triton") == 1 and len(triton_modules) == 1
+  call = next(line for line in hlo.splitlines() if "__gpu$xla.gpu.triton" in line)
+  assert "output_operand_alias<output_tuple_indices = [2]" in call
+  assert f"tensor<{b}x{t}x{h}x{d}xf32>)" in call  # the float32 dQ is the third output
+  (ir,) = triton_modules
+  assert "@nvfp4_attention_dkdv_dq" in ir and not re.search(r"f4E2M1|f8E4M3", ir)
+  adds = re.findall(r"tt\.atomic_rmw fadd, .*: \(tensor<(\d+)x(\d+)x!tt\.ptr<f32>>", ir)
+  assert adds and all(int(n) == d for _, n in adds)
+  assert ir.count("tt.dot") >= 5  # S, dP, dV, dK, dQ
+  assert ("div.rn.f32" in ir) == (ds_rounding is not None)
