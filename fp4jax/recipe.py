@@ -46,6 +46,9 @@ class Recipe:
     lora_rank: rank of the BF16 low-rank branch when ``linear == "nvfp4_lorasvd"``.
     lora_resplit_every: re-split every LoRA-SVD projection (new top-r SVD of ``W_res + A·B``) every
       this many steps; 0 splits once at init (Metis). Adam moments are kept across a re-split.
+    lora_lr_scale: the low-rank branch's learning rate (``lora_a``, ``lora_b``) as a multiple of
+      the run's: their updates are scaled by it after the optimizer (weight decay included, as a
+      learning rate scales it). 1.0 leaves the optimizer as it is; 0.0 freezes the branch.
     attention_pv: with ``attention="nvfp4"``, the operands V, P and dO of P·V, dO·Vᵀ and Pᵀ·dO:
       ``"bf16"`` (the method: the sensitive branches protected) or ``"nvfp4"`` (ablation).
     attention_ds: with ``attention="nvfp4"``, dS in dQ = dS·K and dK = dSᵀ·Q: ``"nvfp4"`` (the
@@ -62,6 +65,7 @@ class Recipe:
   bf16_last_blocks: int = 0
   lora_rank: int = 16
   lora_resplit_every: int = 0
+  lora_lr_scale: float = 1.0
   attention_pv: str = "bf16"
   attention_ds: str = "nvfp4"
   attention_reuse: bool = True
@@ -77,6 +81,9 @@ class Recipe:
       value = getattr(self, field)
       if not isinstance(value, int) or value < 0:
         raise ValueError(f"Recipe.{field}={value!r}: expected a non-negative int")
+    if (isinstance(self.lora_lr_scale, bool) or not isinstance(self.lora_lr_scale, int | float)
+        or not 0 <= self.lora_lr_scale < float("inf")):
+      raise ValueError(f"Recipe.lora_lr_scale={self.lora_lr_scale!r}: expected a finite number >= 0")
     for field in ("attention_pv", "attention_ds"):
       if getattr(self, field) not in ATTENTION_CHOICES:
         raise ValueError(f"Recipe.{field}={getattr(self, field)!r}: expected one of {ATTENTION_CHOICES}")

@@ -126,14 +126,24 @@ def _decay_mask(params):
   return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
+LORA_PARAMS = ("lora_a", "lora_b")  # the low-rank branch's parameters (fp4jax.layers.Dense)
+
+
+def _lora_mask(params):
+  """True for the leaves of the LoRA-SVD branch (a key ``lora_a`` or ``lora_b`` in their path)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: any(getattr(k, "key", None) in LORA_PARAMS for k in path), params)
+
+
 def make_optimizer(cfg: OptimizerConfig, recipe: Recipe, total_steps: int,
                    seed: int = 0, sharded_state: bool = False) -> optax.GradientTransformation:
   """The optimizer of a run: clipping, then AdamW or Muon, with the recipe's state format.
 
   Args:
     cfg: optimizer config.
-    recipe: ``optimizer_states`` ("fp32"/"nvfp4") and ``newton_schulz`` ("bf16"/"nvfp4", Muon's
-      Newton–Schulz operands).
+    recipe: ``optimizer_states`` ("fp32"/"nvfp4"), ``newton_schulz`` ("bf16"/"nvfp4", Muon's
+      Newton–Schulz operands) and ``lora_lr_scale`` (the LoRA-SVD branch's updates times this;
+      at 1.0 the chain has no such step).
     total_steps: for the schedule.
     seed: seed of the stochastic rounding of NVFP4 optimizer states.
     sharded_state: the mesh shards parameters and optimizer state (FSDP or tensor parallel): NVFP4
@@ -159,6 +169,8 @@ def make_optimizer(cfg: OptimizerConfig, recipe: Recipe, total_steps: int,
   else:
     tx = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                      mask=_decay_mask)
+  if recipe.lora_lr_scale != 1.0:
+    tx = optax.chain(tx, optax.masked(optax.scale(recipe.lora_lr_scale), _lora_mask))
   if cfg.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
   return tx

@@ -1,0 +1,407 @@
+r"""The loss-gap study: BF16 against each NVFP4 module and the full stack, on one config.
+
+  python -m experiments.study --config=experiments/configs/20m.py --workdir=runs/study \
+      --arms=all|NAME,NAME [--config.steps=N ...] [--eval_tokens=N] [--collect=experiments/results/NAME]
+
+``ARMS`` is the study: each arm is a recipe preset of ``fp4jax.recipe`` with recipe overrides, an
+optional optimizer override (the Muon arms) and a seed; everything else is the config's, so the
+arms share the data, the schedule and (at equal seed) the data order and the initialization. Every
+arm trains with the launcher (``experiments.train.run``) in ``<workdir>/<arm>``: a finished arm is
+reused, an interrupted one resumes. It logs the per-module quantization error every
+``telemetry_every`` steps (``fp4jax.telemetry``; the config's value, or ``steps // 10`` when it is
+0), and its final checkpoint is evaluated on the held-out split of the corpus
+(``experiments.evaluate``; cached in ``<workdir>/<arm>/eval.json``).
+
+After the arms of the command, every finished arm of the workdir goes into
+``<workdir>/study.jsonl`` (one line per arm) and ``<workdir>/table.md``, printed too. The gap of an
+arm is ``100 · (L − L̄) / L̄`` on the held-out loss, against the mean ``L̄`` of the bf16 seeds; the
+spread of those seeds (min–max and standard deviation, in % of ``L̄``) is the noise floor.
+``--collect=DIR`` copies the small logs (each arm's ``metrics.jsonl``, ``config.json`` and
+``eval.json``, ``study.json``, ``study.jsonl``, ``table.md``) into ``DIR`` (e.g.
+``experiments/results/<name>``, read by ``notebooks/loss_gap.ipynb``).
+
+One arm per command (``--arms=fp4_linear``) fits a machine that limits the length of a command;
+the table then grows with each. ``<workdir>/study.json`` records the study's config: a workdir of a
+study with another config (model, data, steps, ...) is refused.
+
+The recipe cannot switch the random Hadamard transform or the stochastic rounding of the linear
+layers (the model builds every NVFP4 projection with ``MatmulConfig.nvfp4()``), so the study has
+no RHT-off or SR-off arm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from experiments import evaluate as evaluate_lib
+from experiments import train as launcher
+from experiments.compare import run_summary
+from fp4jax import data
+from fp4jax.recipe import MODULES, PRESETS, Recipe
+from fp4jax.train import NonFiniteLossError, OptimizerConfig
+
+STUDY_FILE = "study.json"
+ROWS_FILE = "study.jsonl"
+TABLE_FILE = "table.md"
+EVAL_FILE = "eval.json"
+ARM_LOGS = ("metrics.jsonl", "config.json", EVAL_FILE)
+# Config fields that do not change what a run computes: a study may resume with others.
+VOLATILE = ("progress", "tensorboard")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  """One arm of the study.
+
+  Attributes:
+    name: the arm's folder under the study's workdir and its row in the table.
+    preset: the recipe preset (``fp4jax.recipe.PRESETS``); it sets the recipe's modules.
+    recipe: recipe fields set after the preset. ``lora_resplit_every`` may be negative: ``-n``
+      re-splits n times over the run (every ``steps // n`` steps).
+    optimizer: ``OptimizerConfig`` fields set on the config's.
+    seed: the run's seed (initialization, data order, rounding bits).
+    group: ``bf16`` (the reference seeds), ``module``, ``muon``, ``attention`` or ``lorasvd``.
+    baseline: the arm an ablation is read against.
+    what: what the arm measures.
+  """
+
+  name: str
+  preset: str
+  recipe: Mapping = dataclasses.field(default_factory=dict)
+  optimizer: Mapping = dataclasses.field(default_factory=dict)
+  seed: int = 0
+  group: str = "module"
+  baseline: str = "bf16_s0"
+  what: str = ""
+
+
+def _lora(name: str, what: str, **recipe) -> Arm:
+  return Arm(name, "fp4_linear_lorasvd", recipe, group="lorasvd", baseline="fp4_linear_lorasvd",
+             what=what)
+
+
+def _attn(name: str, what: str, **recipe) -> Arm:
+  return Arm(name, "fp4_full_stack", recipe, group="attention", baseline="fp4_full_stack",
+             what=what)
+
+
+ARMS: tuple[Arm, ...] = (
+    *(Arm(f"bf16_s{s}", "bf16", seed=s, group="bf16", baseline="",
+          what=f"the reference, seed {s}: the seeds' spread is the noise floor") for s in range(3)),
+    Arm("fp4_linear", "fp4_linear", what="every block projection in NVFP4 (NVIDIA's recipe: 1x16 "
+        "activations and gradients, 16x16 weight tiles, SR on gradients, Hadamard on the wgrad)"),
+    Arm("fp4_linear_lorasvd", "fp4_linear_lorasvd", baseline="fp4_linear",
+        what="the same with the BF16 low-rank branch (LoRA-SVD, rank 16, split once at init)"),
+    Arm("lorasvd_states", "fp4_linear_lorasvd", {"optimizer_states": "nvfp4"},
+        baseline="fp4_linear_lorasvd", what="LoRA-SVD linear layers + AdamW moments in NVFP4"),
+    Arm("fp4_full_stack", "fp4_full_stack", baseline="lorasvd_states",
+        what="LoRA-SVD linear + NVFP4 AdamW states + NVFP4 attention (QK^T and dS, tensor reuse)"),
+    Arm("muon_bf16", "bf16", optimizer={"name": "muon"}, group="muon", baseline="bf16_s0",
+        what="Muon (AdamW on embedding, head, vectors) with BF16 Newton-Schulz operands"),
+    Arm("muon_nvfp4", "bf16", {"newton_schulz": "nvfp4"}, {"name": "muon"}, group="muon",
+        baseline="muon_bf16", what="Muon with NVFP4 Newton-Schulz operands (fp32 accumulation)"),
+    _attn("pv_quantized", "V, P, dO in NVFP4 too: P.V, dO.V^T, P^T.dO quantized, not protected",
+          attention_pv="nvfp4"),
+    _attn("ds_bf16", "dS in BF16: dQ = dS.K and dK = dS^T.Q unquantized", attention_ds="bf16"),
+    _attn("no_reuse", "the backward re-quantizes q and k instead of reusing Q(q), Q(k)",
+          attention_reuse=False),
+    _lora("lorasvd_resplit10", "re-split the branch 10 times over the run (top-r SVD of the "
+          "trained weight)", lora_resplit_every=-10),
+    _lora("lorasvd_rank4", "rank 4 instead of 16", lora_rank=4),
+    _lora("lorasvd_rank32", "rank 32 instead of 16", lora_rank=32),
+    _lora("lorasvd_lr0", "the branch frozen at its init split (learning rate x0)",
+          lora_lr_scale=0.0),
+    _lora("lorasvd_lr4", "the branch's learning rate x4", lora_lr_scale=4.0),
+)
+ARM_NAMES = tuple(a.name for a in ARMS)
+_BY_NAME = {a.name: a for a in ARMS}
+
+
+def select_arms(spec: str | Sequence[str]) -> list[Arm]:
+  """The arms of ``--arms``: ``all`` or names separated by commas, in the order of ``ARMS``.
+
+  Raises:
+    ValueError: an unknown or repeated name, or none.
+  """
+  names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
+  if names == ["all"]:
+    return list(ARMS)
+  unknown = [n for n in names if n not in _BY_NAME]
+  if unknown or not names or len(set(names)) != len(names):
+    what = f"unknown arm(s) {unknown}" if unknown else "give distinct arm names"
+    raise ValueError(f"--arms={','.join(names)}: {what}; the arms are all, or some of: "
+                     f"{', '.join(ARM_NAMES)}")
+  return [a for a in ARMS if a.name in names]
+
+
+def telemetry_every(cfg) -> int:
+  """The config's ``telemetry_every``, or ``steps // 10`` (at least 1) when it is 0."""
+  return cfg.telemetry_every or max(1, cfg.steps // 10)
+
+
+def arm_config(cfg, arm: Arm, telemetry: bool = True):
+  """The config of ``arm``: ``cfg`` with the preset's modules, the arm's recipe and optimizer
+  fields, its seed and the study's telemetry (``telemetry_every(cfg)``; off without
+  ``telemetry``); checked (``ValueError``) like the launcher's."""
+  recipe_fields = {f.name for f in dataclasses.fields(Recipe)}
+  opt_fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+  if arm.preset not in PRESETS or set(arm.recipe) - recipe_fields or set(arm.optimizer) - opt_fields:
+    raise ValueError(f"arm {arm.name}: unknown preset or field (preset {arm.preset!r}, recipe "
+                     f"{dict(arm.recipe)}, optimizer {dict(arm.optimizer)})")
+  c = cfg.copy_and_resolve_references()
+  preset = PRESETS[arm.preset]
+  recipe = {**{k: getattr(preset, k) for k in MODULES}, **arm.recipe}
+  if recipe.get("lora_resplit_every", 0) < 0:
+    recipe["lora_resplit_every"] = max(1, c.steps // -recipe["lora_resplit_every"])
+  c.recipe.update(recipe)
+  c.optimizer.update(dict(arm.optimizer))
+  c.seed = arm.seed
+  c.telemetry_every = telemetry_every(c) if telemetry else 0
+  launcher.from_config(c, vocab_size=c.model.vocab_size or 256)
+  return c
+
+
+def _identity(cfg) -> dict:
+  c = cfg.to_dict()
+  for k in VOLATILE:
+    c.pop(k, None)
+  return c
+
+
+def check_workdir(cfg, workdir: Path) -> None:
+  """Records the study's config in ``<workdir>/study.json``, or checks it against the recorded one.
+
+  Raises:
+    ValueError: the workdir holds a study of another config (the differing fields are named).
+  """
+  path = workdir / STUDY_FILE
+  mine = _identity(cfg)
+  if not path.is_file():
+    workdir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"config": mine}, indent=1) + "\n")
+    return
+  theirs = json.loads(path.read_text())["config"]
+  diffs = sorted(_diff_keys(theirs, mine))
+  if diffs:
+    shown = "; ".join(f"{k}: study {a!r}, this command {b!r}" for k, a, b in diffs[:6])
+    raise ValueError(f"{workdir} holds a study of another config ({shown}{' ...' * (len(diffs) > 6)})"
+                     f": use another --workdir, or the study's settings ({path})")
+
+
+def _diff_keys(a, b, prefix=""):
+  if isinstance(a, Mapping) and isinstance(b, Mapping):
+    for k in sorted(set(a) | set(b)):
+      yield from _diff_keys(a.get(k, "<absent>"), b.get(k, "<absent>"), f"{prefix}{k}.")
+  elif (list(a) if isinstance(a, list | tuple) else a) != (list(b) if isinstance(b, list | tuple)
+                                                          else b):
+    yield prefix[:-1], a, b
+
+
+def is_finished(workdir: Path, steps: int) -> bool:
+  return (workdir / "checkpoints" / str(steps)).is_dir()
+
+
+def evaluate_arm(workdir: Path, corpus: str, steps: int, max_tokens: int | None,
+                 batch_size: int | None) -> dict:
+  """Held-out loss of a finished arm (``experiments.evaluate``), cached in ``eval.json`` for its
+  step and settings."""
+  path = workdir / EVAL_FILE
+  key = {"step": steps, "text": corpus, "max_tokens": max_tokens}
+  if path.is_file():
+    cached = json.loads(path.read_text())
+    if all(cached.get(k) == v for k, v in key.items()):
+      return cached
+  r = evaluate_lib.evaluate(workdir, corpus, "validation", max_tokens, batch_size)
+  r.update(key)
+  path.write_text(json.dumps(r, indent=1) + "\n")
+  return r
+
+
+def run_arm(cfg, arm: Arm, workdir: Path, eval_tokens: int | None = None,
+            eval_batch_size: int | None = None, telemetry: bool = True) -> str:
+  """Trains (or reuses, or resumes) one arm and evaluates it; returns its status ("trained",
+  "reused" or "diverged")."""
+  c = arm_config(cfg, arm, telemetry)
+  run_dir = workdir / arm.name
+  status = "reused"
+  if not is_finished(run_dir, c.steps):
+    status = "trained"
+    try:
+      launcher.run(c, run_dir)
+    except NonFiniteLossError as e:
+      print(f"{arm.name}: {e}", flush=True)
+      (run_dir / "diverged.json").write_text(json.dumps({"error": str(e)}) + "\n")
+      return "diverged"
+  (run_dir / "diverged.json").unlink(missing_ok=True)
+  evaluate_arm(run_dir, c.data.corpus, c.steps, eval_tokens, eval_batch_size)
+  return status
+
+
+def arm_row(cfg, arm: Arm, workdir: Path) -> dict | None:
+  """The study's row of one arm (None if it has not run): losses, tokens, throughput, epochs."""
+  run_dir = workdir / arm.name
+  c = arm_config(cfg, arm)
+  diverged = (run_dir / "diverged.json").is_file()
+  if not diverged and not (run_dir / EVAL_FILE).is_file():
+    return None
+  s = run_summary(run_dir)
+  run = json.loads((run_dir / "config.json").read_text())
+  meta = data.read_meta(run["data_dir"])
+  tokens = c.steps * c.batch_size * c.seq_len
+  ev = {} if diverged else json.loads((run_dir / EVAL_FILE).read_text())
+  step_time = s.get("step_time_s", math.nan)
+  recipe = {**{k: c.recipe[k] for k in MODULES}, **dict(arm.recipe)}
+  if "lora_resplit_every" in arm.recipe:
+    recipe["lora_resplit_every"] = c.recipe.lora_resplit_every
+  return {"arm": arm.name, "status": "diverged" if diverged else "ok", "group": arm.group,
+          "baseline": arm.baseline, "preset": arm.preset, "recipe": recipe,
+          "optimizer": c.optimizer.name, "seed": arm.seed,
+          "eval_loss": ev.get("loss", math.nan), "eval_tokens": ev.get("tokens", 0),
+          "train_loss": s.get("train_loss", math.nan), "step": s.get("step", 0),
+          "tokens": tokens, "params": run["num_params"],
+          "tokens_per_s": c.batch_size * c.seq_len / step_time if step_time > 0 else math.nan,
+          "epochs": tokens / meta.splits["train"]["num_tokens"], "step_time_s": step_time,
+          "platform": run.get("platform"), "devices": run.get("devices")}
+
+
+def add_gaps(rows: list[dict]) -> dict:
+  """Adds ``gap_pct`` (eval loss against the bf16 seed mean) to every row; returns the noise
+  floor ``{"n", "mean", "min", "max", "std", "spread_pct", "std_pct"}`` of the bf16 seeds
+  (``spread_pct``: (max − min) / mean in %; ``std``: sample standard deviation, 0 for one seed)."""
+  ref = [r["eval_loss"] for r in rows
+         if r["group"] == "bf16" and r["status"] == "ok" and math.isfinite(r["eval_loss"])]
+  if not ref:
+    for r in rows:
+      r["gap_pct"] = math.nan
+    return {"n": 0}
+  mean = sum(ref) / len(ref)
+  std = statistics.stdev(ref) if len(ref) > 1 else 0.0
+  for r in rows:
+    r["gap_pct"] = 100 * (r["eval_loss"] - mean) / mean
+  return {"n": len(ref), "mean": mean, "min": min(ref), "max": max(ref), "std": std,
+          "spread_pct": 100 * (max(ref) - min(ref)) / mean, "std_pct": 100 * std / mean}
+
+
+def _fmt(x: float, spec: str) -> str:
+  return format(x, spec) if isinstance(x, int | float) and math.isfinite(x) else "–"
+
+
+def table(rows: list[dict], floor: dict, title: str = "") -> str:
+  """The Markdown table of the study: one line per arm and the bf16 seeds' noise floor."""
+  lines = [title, ""] if title else []
+  if floor.get("n"):
+    lines.append(f"bf16 reference: mean eval loss {floor['mean']:.4f} over {floor['n']} seed(s), "
+                 f"min–max {floor['min']:.4f}–{floor['max']:.4f} (spread {floor['spread_pct']:.2f}% "
+                 f"of the mean, std {floor['std_pct']:.2f}%): gaps inside that spread are noise.")
+  else:
+    lines.append("no bf16 seed has finished: no gaps yet.")
+  lines += ["", "| arm | recipe | seed | eval loss | gap % | train loss | tokens | params | tokens/s "
+            "| epochs | step ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    mods = [f"{k}={v}" for k, v in r["recipe"].items() if k not in MODULES or v not in ("bf16", "fp32")]
+    if r["optimizer"] != "adamw":
+      mods.append(f"optimizer={r['optimizer']}")
+    eval_loss = "diverged" if r["status"] == "diverged" else _fmt(r["eval_loss"], ".4f")
+    lines.append(f"| {r['arm']} | {', '.join(mods) or 'bf16'} | {r['seed']} | {eval_loss} | "
+                 f"{_fmt(r['gap_pct'], '+.2f')} | {_fmt(r['train_loss'], '.4f')} | "
+                 f"{r['tokens']:,} | {r['params']:,} | {_fmt(r['tokens_per_s'], ',.0f')} | "
+                 f"{_fmt(r['epochs'], '.3g')} | {_fmt(1000 * r['step_time_s'], '.0f')} |")
+  return "\n".join(lines)
+
+
+def write_results(cfg, workdir: Path) -> tuple[list[dict], str]:
+  """Writes ``study.jsonl`` and ``table.md`` from every finished arm of ``workdir``."""
+  rows = [r for a in ARMS if (r := arm_row(cfg, a, workdir)) is not None]
+  floor = add_gaps(rows)
+  with open(workdir / ROWS_FILE, "w") as f:
+    for r in rows:
+      f.write(json.dumps({**r, "noise_floor": floor}) + "\n")
+  platform = rows[0]["platform"] if rows else "?"
+  title = (f"Loss-gap study: config {cfg.name}, {cfg.steps} steps x {cfg.batch_size} x "
+           f"{cfg.seq_len} tokens, corpus {cfg.data.corpus}, on {platform}; eval loss on the "
+           "held-out split.")
+  text = table(rows, floor, title)
+  (workdir / TABLE_FILE).write_text(text + "\n")
+  return rows, text
+
+
+def collect(workdir: Path, dest: Path) -> list[Path]:
+  """Copies the study's small logs into ``dest`` (replacing its arm folders); returns the files."""
+  dest.mkdir(parents=True, exist_ok=True)
+  out = []
+  for name in (STUDY_FILE, ROWS_FILE, TABLE_FILE):
+    if (workdir / name).is_file():
+      out.append(Path(shutil.copy2(workdir / name, dest / name)))
+  for arm in ARM_NAMES:
+    src = workdir / arm
+    if not (src / "metrics.jsonl").is_file():
+      continue
+    shutil.rmtree(dest / arm, ignore_errors=True)
+    (dest / arm).mkdir()
+    out += [Path(shutil.copy2(src / f, dest / arm / f)) for f in ARM_LOGS if (src / f).is_file()]
+  return out
+
+
+def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int | None = None,
+          eval_batch_size: int | None = None, collect_to: str | Path | None = None,
+          telemetry: bool = True) -> list[dict]:
+  """Runs the selected arms, then writes (and optionally collects) the study's rows and table.
+
+  Returns:
+    The rows of ``study.jsonl`` (every finished arm of the workdir).
+  """
+  workdir = Path(workdir)
+  selected = select_arms(arms)
+  for arm in selected:  # every arm's config is checked before any trains
+    arm_config(cfg, arm)
+  check_workdir(cfg, workdir)
+  for i, arm in enumerate(selected, 1):
+    print(f"=== arm {arm.name} ({i}/{len(selected)}): {workdir / arm.name} — {arm.what}",
+          flush=True)
+    t0 = time.perf_counter()
+    status = run_arm(cfg, arm, workdir, eval_tokens, eval_batch_size, telemetry)
+    ev = json.loads((workdir / arm.name / EVAL_FILE).read_text()) if status != "diverged" else {}
+    print(f"=== arm {arm.name}: {status} in {time.perf_counter() - t0:.0f} s, eval loss "
+          f"{ev.get('loss', math.nan):.4f}", flush=True)
+  rows, text = write_results(cfg, workdir)
+  print("\n" + text, flush=True)
+  if collect_to is not None:
+    files = collect(workdir, Path(collect_to))
+    print(f"\ncollected {len(files)} files into {collect_to}", flush=True)
+  return rows
+
+
+def define_flags() -> None:
+  config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
+  flags.DEFINE_string("workdir", None, "the study's folder: one run folder per arm")
+  flags.DEFINE_string("arms", None, f"all, or some of: {','.join(ARM_NAMES)}")
+  flags.DEFINE_integer("eval_tokens", None, "evaluate at most this many held-out tokens")
+  flags.DEFINE_integer("eval_batch_size", None, "evaluation batch (default: the run's)")
+  flags.DEFINE_string("collect", None, "copy the small logs into this folder")
+  flags.DEFINE_bool("telemetry", True, "log the per-module quantization error (--notelemetry: off)")
+  flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
+
+
+def main(argv):
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint operation at INFO
+  fl = flags.FLAGS
+  launcher.check_command_line(argv, "python -m experiments.study --config=experiments/configs/"
+                              "tiny.py --workdir=runs/study --arms=all", "config", "workdir",
+                              "arms")
+  launcher.report_errors(lambda: study(fl.config, fl.workdir, fl.arms, fl.eval_tokens,
+                                       fl.eval_batch_size, fl.collect, fl.telemetry), fl.verbose)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

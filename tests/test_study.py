@@ -1,0 +1,173 @@
+"""experiments.study: the arm table, the gap arithmetic, a two-arm study with --collect and reuse;
+the LoRA-SVD branch's learning-rate scale (Recipe.lora_lr_scale) in the optimizer."""
+
+import json
+import math
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from experiments import study as st
+from experiments import train as launcher
+from experiments.configs import tiny
+from fp4jax.recipe import MODULES, PRESETS, get_recipe
+from fp4jax.train import OptimizerConfig, _lora_mask, abstract_model, make_optimizer, make_schedule
+
+
+def test_every_arm_builds_a_valid_config():
+  cfg = tiny.get_config()
+  assert len(set(st.ARM_NAMES)) == len(st.ARMS)
+  for arm in st.ARMS:
+    c = st.arm_config(cfg, arm)
+    _, recipe, opt, tc = launcher.from_config(c, vocab_size=256)
+    for k in MODULES:
+      assert getattr(recipe, k) == arm.recipe.get(k, getattr(PRESETS[arm.preset], k)), arm.name
+    for k, v in arm.recipe.items():
+      if k != "lora_resplit_every":
+        assert getattr(recipe, k) == v, arm.name
+    for k, v in arm.optimizer.items():
+      assert getattr(opt, k) == v, arm.name
+    assert tc.seed == arm.seed and tc.telemetry_every == cfg.steps // 10
+    assert arm.baseline in ("", *st.ARM_NAMES), arm.name
+  assert [a.seed for a in st.ARMS if a.group == "bf16"] == [0, 1, 2]
+  resplit = st.arm_config(cfg, st.select_arms("lorasvd_resplit10")[0])
+  assert resplit.recipe.lora_resplit_every == cfg.steps // 10
+  assert st.arm_config(cfg, st.ARMS[0], telemetry=False).telemetry_every == 0
+
+
+def test_select_arms():
+  assert [a.name for a in st.select_arms("all")] == list(st.ARM_NAMES)
+  # The order of ARMS, whatever the order of the flag.
+  assert [a.name for a in st.select_arms("fp4_linear,bf16_s1")] == ["bf16_s1", "fp4_linear"]
+  with pytest.raises(ValueError, match=r"unknown arm\(s\) \['nope'\].*fp4_full_stack"):
+    st.select_arms("fp4_linear,nope")
+  with pytest.raises(ValueError, match="distinct"):
+    st.select_arms("fp4_linear,fp4_linear")
+
+
+def _row(arm, loss, group="module", status="ok"):
+  return {"arm": arm, "status": status, "group": group, "recipe": {"linear": "nvfp4"},
+          "optimizer": "adamw", "seed": 0, "eval_loss": loss, "train_loss": loss + 0.1,
+          "tokens": 1000, "params": 10, "tokens_per_s": 5.0, "epochs": 0.5, "step_time_s": 0.2}
+
+
+def test_gaps_against_the_bf16_seed_mean_and_their_spread():
+  ref = [2.0, 2.1, 2.3]
+  rows = [_row(f"bf16_s{i}", v, "bf16") for i, v in enumerate(ref)]
+  rows += [_row("fp4_linear", 2.2), _row("fp4_full_stack", math.nan, status="diverged")]
+  floor = st.add_gaps(rows)
+  mean = sum(ref) / 3
+  assert floor["n"] == 3 and floor["mean"] == pytest.approx(mean)
+  assert (floor["min"], floor["max"]) == (2.0, 2.3)
+  assert floor["spread_pct"] == pytest.approx(100 * 0.3 / mean)
+  assert floor["std_pct"] == pytest.approx(100 * statistics.stdev(ref) / mean)
+  assert rows[3]["gap_pct"] == pytest.approx(100 * (2.2 - mean) / mean)
+  assert sum(r["gap_pct"] for r in rows[:3]) == pytest.approx(0, abs=1e-9)
+  assert math.isnan(rows[4]["gap_pct"])
+  text = st.table(rows, floor)
+  assert f"spread {100 * 0.3 / mean:.2f}%" in text
+  assert f"| fp4_linear | linear=nvfp4 | 0 | 2.2000 | {100 * (2.2 - mean) / mean:+.2f} |" in text
+  assert "| fp4_full_stack | linear=nvfp4 | 0 | diverged | – |" in text
+  # Without a finished bf16 seed there is no reference.
+  rows = [_row("fp4_linear", 2.2)]
+  assert st.add_gaps(rows) == {"n": 0} and math.isnan(rows[0]["gap_pct"])
+  assert "no bf16 seed" in st.table(rows, {"n": 0})
+
+
+def _small_config(steps=3):
+  cfg = tiny.get_config()
+  cfg.update(steps=steps, batch_size=4, seq_len=32, eval_batches=1, checkpoint_every=0,
+             mesh_shape=(1, 1, 1), progress=False, tensorboard=False, cross_entropy="xla")
+  cfg.model.update(d_model=32, n_layers=1, n_heads=2)
+  return cfg
+
+
+def test_two_arms_collect_and_reuse(tmp_path, capsys):
+  cfg = _small_config()
+  work, dest = tmp_path / "study", tmp_path / "results"
+  rows = st.study(cfg, work, "bf16_s0,bf16_s1", eval_tokens=256, collect_to=dest, telemetry=False)
+  out = capsys.readouterr().out
+  assert "=== arm bf16_s0 (1/2)" in out and "=== arm bf16_s1: trained" in out
+  assert [r["arm"] for r in rows] == ["bf16_s0", "bf16_s1"]
+  evals = [json.loads((work / a / st.EVAL_FILE).read_text()) for a in ("bf16_s0", "bf16_s1")]
+  assert all(e["step"] == 3 and e["split"] == "validation" and e["tokens"] == 256 for e in evals)
+  assert evals[0]["loss"] != evals[1]["loss"]  # two seeds
+  mean = (evals[0]["loss"] + evals[1]["loss"]) / 2
+  lines = [json.loads(x) for x in (dest / st.ROWS_FILE).read_text().splitlines()]
+  assert [r["arm"] for r in lines] == ["bf16_s0", "bf16_s1"]
+  for r, e in zip(lines, evals, strict=True):
+    assert r["eval_loss"] == e["loss"] and r["gap_pct"] == pytest.approx(100 * (e["loss"] - mean) / mean)
+    assert r["tokens"] == 3 * 4 * 32 and r["seed"] == int(r["arm"][-1]) and r["params"] > 0
+    assert r["noise_floor"]["n"] == 2 and r["epochs"] > 0 and r["step_time_s"] > 0
+  table = (dest / st.TABLE_FILE).read_text()
+  assert f"mean eval loss {mean:.4f} over 2 seed(s)" in table
+  assert table.count("| bf16_s") == 2
+  for arm in ("bf16_s0", "bf16_s1"):
+    assert sorted(p.name for p in (dest / arm).iterdir()) == sorted(st.ARM_LOGS)
+  assert (dest / st.STUDY_FILE).is_file()
+
+  # A finished arm is reused (not trained again); a study of another config is refused.
+  before = (work / "bf16_s0" / "metrics.jsonl").read_text()
+  again = st.study(cfg, work, "bf16_s0", eval_tokens=256, telemetry=False)
+  assert "=== arm bf16_s0: reused" in capsys.readouterr().out
+  assert (work / "bf16_s0" / "metrics.jsonl").read_text() == before
+  assert [r["eval_loss"] for r in again] == [e["loss"] for e in evals]
+  with pytest.raises(ValueError, match="another config.*steps: study 3, this command 4"):
+    st.study(_small_config(steps=4), work, "bf16_s0", telemetry=False)
+
+
+def _toy_params():
+  k = jax.random.split(jax.random.key(0), 4)
+  return {"blocks": {0: {"qkv": {"kernel": jax.random.normal(k[0], (16, 32)),
+                                 "lora_a": jax.random.normal(k[1], (16, 4)),
+                                 "lora_b": jax.random.normal(k[2], (4, 32))}}},
+          "norm": {"scale": jnp.ones(16)}, "embed": {"embedding": jax.random.normal(k[3], (8, 16))}}
+
+
+def _updates(tx, params, steps=3):
+  state, out = tx.init(params), None
+  for i in range(steps):
+    grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)), params)
+    out, state = tx.update(grads, state, params)
+  return out
+
+
+@pytest.mark.parametrize("opt", ["adamw", "muon"])
+def test_lora_lr_scale(opt):
+  cfg = OptimizerConfig(name=opt, learning_rate=1e-2, warmup_steps=0)
+  params = _toy_params()
+  is_lora = _lora_mask(params)
+  assert sorted(jax.tree.leaves(jax.tree.map(int, is_lora))) == [0, 0, 0, 1, 1]
+  base = _updates(make_optimizer(cfg, get_recipe("fp4_linear_lorasvd"), 10), params)
+  if opt == "adamw":  # 1.0 is the plain optimizer: clip + optax.adamw, bit for bit
+    plain = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                        optax.adamw(make_schedule(cfg, 10), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                    weight_decay=cfg.weight_decay,
+                                    mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+    jax.tree.map(np.testing.assert_array_equal, base, _updates(plain, params))
+  for scale in (0.0, 0.5):
+    tx = make_optimizer(cfg, get_recipe("fp4_linear_lorasvd", lora_lr_scale=scale), 10)
+    got = _updates(tx, params)
+    jax.tree.map(lambda g, b, m, s=scale: np.testing.assert_allclose(g, b * s if m else b, rtol=1e-6),
+                 got, base, is_lora)
+  frozen = get_recipe("fp4_linear_lorasvd", lora_lr_scale=0.0)
+  new = optax.apply_updates(params, _updates(make_optimizer(cfg, frozen, 10), params))
+  np.testing.assert_array_equal(new["blocks"][0]["qkv"]["lora_a"], params["blocks"][0]["qkv"]["lora_a"])
+  assert not np.array_equal(new["blocks"][0]["qkv"]["kernel"], params["blocks"][0]["qkv"]["kernel"])
+
+
+def test_lora_mask_finds_every_branch_of_the_model():
+  cfg = tiny.get_config()
+  model_cfg, recipe, _, _ = launcher.from_config(cfg, vocab_size=256)
+  _, params = abstract_model(model_cfg, get_recipe("fp4_linear_lorasvd"))
+  paths = [jax.tree_util.keystr(p) for p, m in jax.tree_util.tree_leaves_with_path(_lora_mask(params)) if m]
+  projections = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
+                 if "kernel" in jax.tree_util.keystr(p) and "blocks" in jax.tree_util.keystr(p)]
+  assert len(paths) == 2 * len(projections) > 0
+  assert all("lora_a" in p or "lora_b" in p for p in paths)
+  with pytest.raises(ValueError, match="lora_lr_scale"):
+    recipe.replace(lora_lr_scale=-1.0)
