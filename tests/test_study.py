@@ -171,3 +171,9 @@ def test_lora_mask_finds_every_branch_of_the_model():
   assert all("lora_a" in p or "lora_b" in p for p in paths)
   with pytest.raises(ValueError, match="lora_lr_scale"):
     recipe.replace(lora_lr_scale=-1.0)
+
+
+def test_study_md_lists_every_arm():
+  text = (st.Path(st.__file__).parent / "STUDY.md").read_text()
+  missing = [a for a in st.ARM_NAMES if f"`{a}`" not in text]
+  assert not missing
