@@ -32,7 +32,9 @@ Storage: codes are packed two per uint8 along the blocked axis (the last axis fo
 the even element in the low nibble; with the E4M3 scales that is 4.5 bits per element, plus 4 bytes.
 
 Functions: ``quantize``, ``dequantize``, ``fake_quant`` (straight-through), ``gemm`` (an NVFP4 GEMM
-as tensor cores compute it), ``hadamard`` (the 16-point random Hadamard transform).
+as tensor cores compute it, emulated on bf16 ones), ``scaled_matmul_gemm`` (the same GEMM through
+``jax.nn.scaled_matmul``, for GPUs with FP4 tensor cores), ``hadamard`` (the 16-point random Hadamard
+transform).
 """
 
 from __future__ import annotations
@@ -320,6 +322,56 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, contracting=((1,), (0,))) -> jax.Array:
   acc = lax.dot_general(a.scaled_elements(jnp.bfloat16), b.scaled_elements(jnp.bfloat16),
                         (contracting, ((), ())), precision=lax.Precision.HIGHEST,
                         preferred_element_type=jnp.float32)
+  return (acc * a.global_scale) * b.global_scale
+
+
+def scaled_matmul_operand(t: NVFP4Tensor, contracting_axis: int) -> tuple[jax.Array, jax.Array]:
+  """A 2-D NVFP4 tensor as an operand of ``jax.nn.scaled_matmul``: the contraction axis last.
+
+  Returns ``(elements, scales)``: ``elements`` ``[R, K]`` in ``float4_e2m1fn`` (the stored codes,
+  bitcast: an E2M1 code is the float4_e2m1fn bit pattern) and ``scales`` ``[R, K // 16]`` in
+  ``float8_e4m3fn``, one per 16 consecutive elements along K, where K is the tensor's
+  ``contracting_axis`` and R its other axis. ``elements * repeat(scales, 16)`` is
+  ``scaled_elements()`` laid out with K last; the global scale is not included.
+
+  A ``(1, 16)`` tensor must be blocked along the contraction; a ``(16, 16)`` tile's scale is repeated
+  over its 16 rows (the layout of cuDNN's block-scaled GEMM, which scales 1×16 blocks along K).
+
+  Raises:
+    ValueError: a tensor that is not 2-D, or 1×16 blocks across the contraction axis.
+  """
+  if t.ndim != 2:
+    raise ValueError(f"scaled_matmul_operand: needs a 2-D NVFP4 tensor, got shape {t.shape}")
+  k_axis = contracting_axis % 2
+  if t.block == (1, BLOCK) and t.axis != k_axis:
+    raise ValueError(f"scaled_matmul_operand: 1x16 blocks along axis {t.axis} cannot feed a contraction "
+                     f"over axis {k_axis}: an NVFP4 GEMM needs its blocks along the contraction")
+  codes = _unpack(t.codes, t.axis).astype(jnp.uint4)
+  elements = lax.bitcast_convert_type(codes, jnp.float4_e2m1fn)
+  scales = t.scales
+  if t.block == (BLOCK, BLOCK):
+    scales = jnp.repeat(scales, BLOCK, axis=1 - k_axis)
+  if k_axis == 0:
+    elements, scales = elements.T, scales.T
+  return elements, scales
+
+
+def scaled_matmul_gemm(a: NVFP4Tensor, b: NVFP4Tensor, contracting=((1,), (0,))) -> jax.Array:
+  """``gemm`` through ``jax.nn.scaled_matmul``: FP4 tensor cores where the device has them.
+
+  The packed operands go to ``jax.nn.scaled_matmul`` as ``float4_e2m1fn`` elements with
+  ``float8_e4m3fn`` scales per 16 elements along the contraction (``scaled_matmul_operand``), which
+  lowers to cuDNN's block-scaled GEMM on CUDA (FP4 tensor cores of compute capability 10 and up) and
+  to an exact dequantize-then-dot elsewhere; the two global scales are then applied one at a time,
+  as in ``gemm``. Every product of decoded elements is exact in float32, so the result equals
+  ``gemm``'s up to the order of the float32 summation.
+
+  Args/Returns: as ``gemm``.
+  """
+  (ka,), (kb,) = contracting
+  ea, sa = scaled_matmul_operand(a, ka)
+  eb, sb = scaled_matmul_operand(b, kb)
+  acc = jax.nn.scaled_matmul(ea[None], eb[None], sa[None], sb[None], preferred_element_type=jnp.float32)[0]
   return (acc * a.global_scale) * b.global_scale
 
 

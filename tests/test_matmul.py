@@ -260,6 +260,8 @@ KERNEL_CASES = [
                         hadamard=False), (M0 * M1, K)),
     # Q(w) for the dgrad only (packed, no decoded forward operand); the Hadamard transform in f32.
     ("dgrad only", MatmulConfig.nvfp4(fwd=False, wgrad=False), (M0, M1, K)),
+    # The GEMMs through jax.nn.scaled_matmul: the kernels then write no decoded operand.
+    ("scaled_matmul GEMMs", MatmulConfig.nvfp4(gemm="scaled_matmul"), (M0, M1, K)),
 ]
 
 
@@ -328,3 +330,98 @@ def test_kernel_implementation_lowers_for_h200_to_a_small_program(triton_modules
   assert "__gpu$xla.gpu.triton" not in xla
   assert len(kernels.splitlines()) * 5 < len(xla.splitlines()), (len(kernels.splitlines()),
                                                                   len(xla.splitlines()))
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMMs through jax.nn.scaled_matmul (FP4 tensor cores; on the CPU, its dequantize-then-dot lowering)
+
+
+@pytest.mark.parametrize("block,axis,k_axis", [((1, 16), 1, 1), ((1, 16), 0, 0), ((16, 16), 1, 1),
+                                               ((16, 16), 1, 0)])
+def test_scaled_matmul_operand_layout(block, axis, k_axis):
+  """``elements * repeat(scales, 16)`` along K is the tensor's ``scaled_elements`` with K last, exactly:
+  the float4 bitcast of the codes, and a 16×16 tile's scale repeated over its rows."""
+  x = jax.random.normal(jax.random.key(3), (48, 64)) * 3.0
+  t = nvfp4.quantize(x, block=block, axis=axis)
+  elements, scales = nvfp4.scaled_matmul_operand(t, k_axis)
+  assert elements.dtype == jnp.float4_e2m1fn and scales.dtype == jnp.float8_e4m3fn
+  rows, k = (48, 64) if k_axis == 1 else (64, 48)
+  assert elements.shape == (rows, k) and scales.shape == (rows, k // 16)
+  got = elements.astype(jnp.float32) * jnp.repeat(scales.astype(jnp.float32), 16, axis=1)
+  want = t.scaled_elements(jnp.float32)
+  np.testing.assert_array_equal(got, want if k_axis == 1 else want.T)
+  with pytest.raises(ValueError, match="blocks along the contraction"):
+    nvfp4.scaled_matmul_operand(nvfp4.quantize(x, axis=1 - k_axis), k_axis) if block == (1, 16) else (
+        nvfp4.scaled_matmul_operand(nvfp4.quantize(x, axis=0), 1))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+def test_scaled_matmul_gemms_equal_decoded_gemms(implementation):
+  """``gemm="scaled_matmul"`` gives the decoded GEMMs' forward, dgrad and wgrad up to float32
+  summation order (on the CPU, ``jax.nn.scaled_matmul`` dequantizes and dots in float32)."""
+  x, w, dy = _data(jnp.float32)
+  key = jax.random.key(5)
+  decoded = MatmulConfig.nvfp4(gemm="decoded", implementation=implementation)
+  native = dataclasses.replace(decoded, gemm="scaled_matmul")
+  for name, a, b in zip(("y", "dx", "dw"), _jit_vjp(x, w, dy, key, config=native),
+                        _jit_vjp(x, w, dy, key, config=decoded)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))), err_msg=name)
+
+
+def _count_primitives(jaxpr, names) -> dict:
+  """How many equations of each primitive in ``names`` a closed jaxpr holds, sub-jaxprs included
+  (printed jaxprs show a jitted sub-jaxpr once however often it is called)."""
+  counts = dict.fromkeys(names, 0)
+
+  def walk(jx):
+    for eqn in jx.eqns:
+      if eqn.primitive.name in counts:
+        counts[eqn.primitive.name] += 1
+      for v in eqn.params.values():
+        for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+          if hasattr(sub, "eqns"):
+            walk(sub)
+          elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+            walk(sub.jaxpr)
+
+  walk(jaxpr.jaxpr)
+  return counts
+
+
+def test_gemm_auto_takes_scaled_matmul_on_fp4_tensor_cores_only(monkeypatch):
+  """``gemm="auto"`` is ``scaled_matmul`` where ``_platform.fp4_tensor_cores()`` (a CUDA GPU of
+  compute capability >= 10): the forward, dgrad and wgrad are three ``jax.nn.scaled_matmul`` calls
+  next to the quantizer kernels, and lower to cuDNN's block-scaled GEMM custom call; on an H200
+  (9.0) the GEMMs stay decoded."""
+  monkeypatch.setattr(_platform, "default_platform", lambda: "cuda")
+  x, w = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((32, 32), jnp.float32)
+  dy, key = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16), jax.random.key(0)
+  names = ("scaled_matmul_wrapper", "pallas_call")
+  for fp4_cores in (True, False):
+    monkeypatch.setattr(_platform, "fp4_tensor_cores", lambda v=fp4_cores: v)
+    with jax.sharding.use_abstract_mesh(H200):
+      jaxpr = jax.make_jaxpr(functools.partial(_vjp, config=MatmulConfig.nvfp4()))(x, w, dy, key)
+    counts = _count_primitives(jaxpr, names)
+    assert counts["scaled_matmul_wrapper"] == (3 if fp4_cores else 0), counts
+    assert counts["pallas_call"] >= 5, counts  # the quantizer kernels, either way
+  # The CUDA lowering (XLA's quantizers: the Pallas kernels need an abstract H200 to lower on the CPU,
+  # and scaled_matmul's custom partitioning cannot lower under an abstract mesh).
+  hlo = _jit_vjp.trace(x, w, dy, key, config=MatmulConfig.nvfp4(implementation="xla", gemm="scaled_matmul")).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "__op$block_scaled_dot" in hlo  # (GEMMs of one shape share one lowered function)
+
+
+def test_fp4_tensor_cores_reads_the_compute_capability(monkeypatch):
+  class Client:
+    platform_version = "cuda 12090"
+
+  class Device:
+    platform, client = "gpu", Client()
+
+    def __init__(self, cc):
+      self.compute_capability = cc
+
+  assert not _platform.fp4_tensor_cores()  # the CPU
+  for cc, fp4_cores in (("9.0", False), ("10.0", True), ("12.0", True), ("8.9", False)):
+    monkeypatch.setattr(_platform, "_default_device", lambda cc=cc: Device(cc))
+    assert _platform.fp4_tensor_cores() == fp4_cores, cc

@@ -15,7 +15,10 @@ Two implementations compute the same bits (``MatmulConfig.implementation``): ``"
 with ``nvfp4.quantize`` and decodes inside ``nvfp4.gemm``; ``"pallas"`` quantizes each operand once
 with the kernels of ``fp4jax.kernels.nvfp4_quantize`` (one custom call each, the Hadamard transform
 and the random bits fused), which also write the decoded bf16 operand a GEMM reads at once, so the
-step's program stays small and XLA compiles it quickly.
+step's program stays small and XLA compiles it quickly. ``MatmulConfig.gemm`` chooses how the
+GEMMs multiply: decoded bf16 operands on bf16 tensor cores (Hopper: exact emulation), or the packed
+operands through ``jax.nn.scaled_matmul`` (``nvfp4.scaled_matmul_gemm``) on GPUs with FP4 tensor
+cores (compute capability 10.0 and up), picked by default from the device.
 
 Residuals: the backward keeps the packed ``Q(w)`` and ``Q(H·x)`` (4.5 bits per element) in both
 implementations and decodes them to bf16 in the backward (one elementwise pass), where a bf16
@@ -43,6 +46,7 @@ from fp4jax.kernels import nvfp4_quantize
 _F32 = jnp.float32
 _HIGHEST = lax.Precision.HIGHEST
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
+GEMMS = ("auto", "decoded", "scaled_matmul")
 _KERNEL_MAX_ELEMENTS = 2**31 - 1  # the quantizer kernels' 32-bit addressing
 
 
@@ -71,6 +75,13 @@ class MatmulConfig:
       ``"pallas"`` when computations go to a CUDA GPU (``fp4jax._platform.resolve``), the mesh in
       context (``jax.set_mesh``) has one device, and the kernels take the operands (fewer than
       2**31 elements each, threefry keys), else ``"xla"``.
+    gemm: how each quantized GEMM multiplies, with the same result up to float32 summation order:
+      ``"decoded"`` (the operands decoded exactly to bf16, a bf16 tensor-core GEMM with float32
+      accumulation: ``nvfp4.gemm``; Hopper and every other device), ``"scaled_matmul"`` (the packed
+      operands as float4_e2m1fn elements and float8_e4m3fn scales into ``jax.nn.scaled_matmul``:
+      ``nvfp4.scaled_matmul_gemm``, cuDNN's block-scaled GEMM on FP4 tensor cores), or ``"auto"``:
+      ``"scaled_matmul"`` on a CUDA GPU of compute capability 10.0 or more
+      (``fp4jax._platform.fp4_tensor_cores``), else ``"decoded"``.
   """
 
   fwd: bool = True
@@ -83,6 +94,7 @@ class MatmulConfig:
   dy_wgrad_rounding: str = "stochastic"
   hadamard: bool = True
   implementation: str = "auto"
+  gemm: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -90,6 +102,9 @@ class MatmulConfig:
       if f.name == "implementation":
         if v not in IMPLEMENTATIONS:
           raise ValueError(f"MatmulConfig.implementation must be one of {IMPLEMENTATIONS}, got {v!r}")
+      elif f.name == "gemm":
+        if v not in GEMMS:
+          raise ValueError(f"MatmulConfig.gemm must be one of {GEMMS}, got {v!r}")
       elif f.name.endswith("rounding"):
         if v not in nvfp4.ROUNDINGS:
           raise ValueError(f"MatmulConfig.{f.name} must be one of {nvfp4.ROUNDINGS}, got {v!r}")
@@ -206,10 +221,20 @@ def _kernel_quantize(a, rounding, key, config, *, decoded, hadamard_key=None, **
   return out if decoded else (out, None)
 
 
-def _decoded_gemm(a, b, dims) -> jax.Array:
-  """``nvfp4.gemm`` of two ``(NVFP4Tensor, decoded bf16 or None)`` operands, decoding only the
-  operands that come without their decoded form: the same ops, hence the same bits."""
+def _gemm(a, b, dims, config) -> jax.Array:
+  """One quantized GEMM of two ``NVFP4Tensor``s, as ``config.gemm`` says."""
+  if config.gemm == "scaled_matmul":
+    return nvfp4.scaled_matmul_gemm(a, b, dims)
+  return nvfp4.gemm(a, b, dims)
+
+
+def _kernel_gemm(a, b, dims, config) -> jax.Array:
+  """``_gemm`` of two ``(NVFP4Tensor, decoded bf16 or None)`` operands from the quantizer kernels:
+  ``nvfp4.gemm``'s ops on the decoded forms, decoding only the operands that come without theirs
+  (the same ops, hence the same bits), or ``scaled_matmul`` of the packed tensors."""
   (ta, da), (tb, db) = a, b
+  if config.gemm == "scaled_matmul":
+    return nvfp4.scaled_matmul_gemm(ta, tb, dims)
   da = ta.scaled_elements(jnp.bfloat16) if da is None else da
   db = tb.scaled_elements(jnp.bfloat16) if db is None else db
   acc = lax.dot_general(da, db, (dims, ((), ())), precision=_HIGHEST, preferred_element_type=_F32)
@@ -227,7 +252,7 @@ def _matmul_fwd(x_MxK, w_KxN, key, config, x_dtype, w_dtype):
   keys = _keys(key, config)
   qw = quantize_w(w_KxN, keys, config) if (config.fwd or config.dgrad) else None
   if config.fwd:
-    y = nvfp4.gemm(quantize_x(x_MxK, keys, config), qw, _NN)
+    y = _gemm(quantize_x(x_MxK, keys, config), qw, _NN, config)
   else:
     y = _fdot(x_MxK, w_KxN.astype(x_dtype), _NN)
   w_res = qw if config.dgrad else w_KxN
@@ -239,12 +264,14 @@ def _matmul_fwd_kernels(x_MxK, w_KxN, key, config, x_dtype):
   """The forward with the quantizer kernels: Q(w) and Q(x) decoded by the kernels for the GEMM,
   Q(w) and Q(H·x) kept packed for the backward."""
   keys = _keys(key, config)
+  decoded = config.gemm == "decoded"
   qw = None
   if config.fwd or config.dgrad:
-    qw = _kernel_quantize(w_KxN, config.w_rounding, keys["w"], config, decoded=config.fwd, block=(16, 16))
+    qw = _kernel_quantize(w_KxN, config.w_rounding, keys["w"], config, decoded=config.fwd and decoded,
+                          block=(16, 16))
   if config.fwd:
-    qx = _kernel_quantize(x_MxK, config.x_rounding, keys["x"], config, decoded=True, axis=-1)
-    y = _decoded_gemm(qx, qw, _NN)
+    qx = _kernel_quantize(x_MxK, config.x_rounding, keys["x"], config, decoded=decoded, axis=-1)
+    y = _kernel_gemm(qx, qw, _NN, config)
   else:
     y = _fdot(x_MxK, w_KxN.astype(x_dtype), _NN)
   w_res = qw[0] if config.dgrad else w_KxN
@@ -258,22 +285,23 @@ def _matmul_fwd_kernels(x_MxK, w_KxN, key, config, x_dtype):
 def _matmul_bwd(config, x_dtype, w_dtype, res, dy_MxN):
   w_res, x_res, keys = res
   kernels = config.implementation != "xla"
+  decoded = config.gemm == "decoded"
   if config.dgrad:
     if kernels:
-      qdy = _kernel_quantize(dy_MxN, config.dy_dgrad_rounding, keys["dy_dgrad"], config, decoded=True,
+      qdy = _kernel_quantize(dy_MxN, config.dy_dgrad_rounding, keys["dy_dgrad"], config, decoded=decoded,
                              axis=-1)
-      dx = _decoded_gemm(qdy, (w_res, None), _NT)
+      dx = _kernel_gemm(qdy, (w_res, None), _NT, config)
     else:
-      dx = nvfp4.gemm(quantize_dy_dgrad(dy_MxN, keys, config), w_res, _NT)
+      dx = _gemm(quantize_dy_dgrad(dy_MxN, keys, config), w_res, _NT, config)
   else:
     dx = _fdot(dy_MxN, w_res.astype(x_dtype), _NT)
   if config.wgrad:
     if kernels:
-      qdy = _kernel_quantize(dy_MxN, config.dy_wgrad_rounding, keys["dy_wgrad"], config, decoded=True,
+      qdy = _kernel_quantize(dy_MxN, config.dy_wgrad_rounding, keys["dy_wgrad"], config, decoded=decoded,
                              axis=0, hadamard_key=keys["hadamard"] if config.hadamard else None)
-      dw = _decoded_gemm((x_res, None), qdy, _TN)
+      dw = _kernel_gemm((x_res, None), qdy, _TN, config)
     else:
-      dw = nvfp4.gemm(x_res, quantize_dy_wgrad(dy_MxN, keys, config), _TN)
+      dw = _gemm(x_res, quantize_dy_wgrad(dy_MxN, keys, config), _TN, config)
   elif config.hadamard:
     dw = lax.dot_general(wgrad_operand(x_res, keys), wgrad_operand(dy_MxN, keys), (_TN, ((), ())),
                          precision=_HIGHEST, preferred_element_type=_F32)
@@ -316,8 +344,12 @@ def _check(x, w, key, config) -> None:
 
 
 def _resolve(config: MatmulConfig, sizes, key) -> MatmulConfig:
-  """``config`` with its implementation resolved: ``"auto"`` picks the kernels on a CUDA GPU when
-  they take these operands; an explicit kernel choice that cannot take them raises."""
+  """``config`` with its implementation and GEMM resolved: ``"auto"`` picks the kernels on a CUDA
+  GPU when they take these operands (an explicit kernel choice that cannot take them raises), and
+  ``scaled_matmul`` GEMMs on a GPU with FP4 tensor cores."""
+  if config.gemm == "auto":
+    gemm = "scaled_matmul" if _platform.fp4_tensor_cores() else "decoded"
+    config = dataclasses.replace(config, gemm=gemm)
   impl = config.implementation
   if impl == "xla":
     return config
