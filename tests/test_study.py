@@ -4,6 +4,8 @@ the LoRA-SVD branch's learning-rate scale (Recipe.lora_lr_scale) in the optimize
 import json
 import math
 import statistics
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +49,21 @@ def test_select_arms():
     st.select_arms("fp4_linear,nope")
   with pytest.raises(ValueError, match="distinct"):
     st.select_arms("fp4_linear,fp4_linear")
+
+
+def test_cli_errors(tmp_path):
+  repo = st.Path(st.__file__).parents[1]
+
+  def run(*args):
+    cmd = [sys.executable, "-m", "experiments.study", f"--workdir={tmp_path / 's'}", *args]
+    return subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=120)
+
+  r = run("--config=experiments/configs/tiny.py", "--arms=fp4,bf16_s0")
+  assert r.returncode == 1 and r.stderr.startswith("error: --arms=fp4,bf16_s0: unknown arm(s) ['fp4']")
+  assert all(a in r.stderr for a in st.ARM_NAMES)
+  r = run(f"--config={tmp_path / 'nope.py'}", "--arms=all")
+  assert r.returncode == 1 and "nope.py" in r.stderr and "No such file" in r.stderr
+  assert not (tmp_path / "s").exists()
 
 
 def _row(arm, loss, group="module", status="ok"):
