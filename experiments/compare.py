@@ -33,6 +33,7 @@ def define_flags() -> None:
   flags.DEFINE_list("recipes", ["bf16", "fp4_linear"],
                     "recipes to compare; the first is the reference")
   flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
+  launcher.define_cache_flag()
 
 
 def run_summary(workdir: str | Path, tail: float = 0.1) -> dict:
@@ -116,6 +117,7 @@ def main(argv):
   launcher.check_command_line(argv, "python -m experiments.compare --config=experiments/configs/"
                               "tiny.py --recipes=bf16,fp4_linear --workdir=runs/compare",
                               "config", "workdir")
+  launcher.enable_compilation_cache(fl.compilation_cache)
   results = launcher.report_errors(lambda: compare(fl.config, fl.recipes, fl.workdir),
                                    fl.verbose)
   table = gap_table(results)

@@ -53,6 +53,7 @@ def define_flags() -> None:
   flags.DEFINE_string("encoding", None, "encoding of the .txt files (default: the run's)")
   flags.DEFINE_string("out", None, "append the result as a JSON line to this file")
   flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
+  launcher.define_cache_flag()
 
 
 def read_run(workdir: str | os.PathLike) -> dict:
@@ -173,6 +174,7 @@ def main(argv):
   fl = flags.FLAGS
   launcher.check_command_line(argv, "python -m experiments.evaluate --workdir=runs/tiny "
                               "--text=shakespeare", "workdir", "text")
+  launcher.enable_compilation_cache(fl.compilation_cache)
   r = launcher.report_errors(lambda: evaluate(fl.workdir, fl.text, fl.split, fl.max_tokens,
                                               fl.batch_size, fl.encoding), fl.verbose)
   print(f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | {r['tokens']:,} tokens "

@@ -14,6 +14,9 @@ resumes from the last checkpoint.
 A run refuses a workdir another live process trains in, and a resume that changes the run's
 identity (optimizer settings, data, batch size, sequence length, seed) unless
 ``--allow_changes=<field>,...`` allows it (recorded in ``<workdir>/config_history.jsonl``).
+Compiled programs are kept in JAX's persistent compilation cache (``--compilation_cache``, default
+``$FP4JAX_CACHE`` or ``~/.cache/fp4jax/xla``; empty turns it off), so a resumed run, another seed
+of the same config, or a second launch skips most of XLA's compilation.
 SIGTERM / Ctrl-C save a checkpoint at the current step and exit with status 128 + the signal.
 Errors in the command line, config or data print as one ``error:`` message (what is wrong, what to
 do); ``--verbose`` (or ``FP4JAX_VERBOSE=1``) adds the traceback.
@@ -64,6 +67,34 @@ def define_flags() -> None:
                     "batch_size, seq_len, seed, or a field inside one, e.g. "
                     "optimizer.learning_rate)")
   flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
+  define_cache_flag()
+
+
+def default_cache_dir() -> str:
+  """``$FP4JAX_CACHE`` if set, else ``~/.cache/fp4jax/xla``."""
+  return os.environ.get("FP4JAX_CACHE") or str(Path.home() / ".cache" / "fp4jax" / "xla")
+
+
+def define_cache_flag() -> None:
+  flags.DEFINE_string("compilation_cache", default_cache_dir(),
+                      "directory of JAX's persistent compilation cache (empty: off)")
+
+
+def enable_compilation_cache(path: str | os.PathLike | None) -> None:
+  """Points JAX's persistent compilation cache at ``path`` (created if missing); None or "" leaves
+  JAX's setting alone. Programs that took at least ``jax_persistent_cache_min_compile_time_secs``
+  (1 s by default) to compile are written there and loaded instead of recompiled by any later
+  process that builds the same program on the same backend and JAX version. A directory that cannot
+  be created is reported and the run goes on without the cache."""
+  if not path:
+    return
+  path = Path(path).expanduser()
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    print(f"compilation cache off: cannot create {path}: {e}", file=sys.stderr, flush=True)
+    return
+  jax.config.update("jax_compilation_cache_dir", str(path))
 
 
 def report_errors(fn: Callable[[], object], verbose: bool = False) -> object:
@@ -189,6 +220,7 @@ def main(argv):
                      "--workdir=runs/tiny", "config", "workdir")
   if fl.distributed:
     jax.distributed.initialize()
+  enable_compilation_cache(fl.compilation_cache)
   summary = report_errors(lambda: run(fl.config, fl.workdir, fl.allow_changes), fl.verbose)
   print(json.dumps(summary))
 

@@ -6,6 +6,14 @@ import os
 if os.environ.get("FP4JAX_GPU_TESTS") != "1":
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The launchers' persistent compilation cache: one fresh folder per test session (shared by the
+# launcher subprocesses of the tests), never the user's ~/.cache.
+if "FP4JAX_CACHE" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+  os.environ["FP4JAX_CACHE"] = tempfile.mkdtemp(prefix="fp4jax-test-xla-cache-")
+  atexit.register(shutil.rmtree, os.environ["FP4JAX_CACHE"], ignore_errors=True)
 
 import jax  # noqa: E402
 

@@ -247,9 +247,11 @@ def test_launcher_cli_writes_metrics(tmp_path):
          "--config.model.n_layers=1", "--config.batch_size=4", "--config.seq_len=16",
          "--config.mesh_shape=(1,1,1)", f"--config.data.corpus={text_dir}",
          f"--config.data.dir={tmp_path / 'tokens'}", "--config.tensorboard=False",
-         "--config.recipe.bf16_last_blocks=1", "--config.cross_entropy=xla"]
+         "--config.recipe.bf16_last_blocks=1", "--config.cross_entropy=xla",
+         f"--compilation_cache={tmp_path / 'xla_cache'}"]
   r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
+  assert any((tmp_path / "xla_cache").iterdir())  # the compiled step, for the resume below
   rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
   assert [row["step"] for row in rows] == [1, 2, 4]
   assert not (tmp_path / "run" / "tb").exists()
