@@ -11,7 +11,10 @@ The model is ``experiments/configs/125m.py``'s (d=768, 12 blocks, vocab 32768; a
 runs ``--warmup`` untimed steps after compilation, then ``--steps`` timed steps on batches
 already on the device. MFU = (6·N + 12·L·T·D_attn)·tokens/s / (peak · devices), N without the
 embedding table, peak the dense bf16 figure of ``fp4jax.metrics.PEAK_FLOPS`` (H200: 989 TFLOP/s);
-no MFU on CPU. Prints one table last; exits non-zero if a recipe fails or its loss is not finite.
+no MFU on CPU. The step is compiled ahead of time (``lower`` then ``compile``, each timed) and its
+peak memory is XLA's plan for the compiled step on one device (``memory_analysis()``: arguments +
+outputs − donated aliases + temporaries; the train state, the batch, the saved activations and the
+step's scratch). Prints one table last; exits non-zero if a recipe fails or its loss is not finite.
 """
 
 from __future__ import annotations
@@ -64,12 +67,21 @@ def bench(name: str, cfg: ModelConfig, args, mesh, data: list[dict]) -> dict:
   opt = OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
   tx = make_optimizer(opt, recipe, 1000)
   graphdef, state, shardings = init_state(cfg, recipe, tx, mesh)
-  step, _ = jit_steps(graphdef, tx, make_schedule(opt, 1000), shardings, mesh,
-                      cross_entropy=args.cross_entropy)
-  t0 = time.perf_counter()
+  jitted, _ = jit_steps(graphdef, tx, make_schedule(opt, 1000), shardings, mesh,
+                        cross_entropy=args.cross_entropy)
+  c0 = time.perf_counter()
+  lowered = jitted.lower(state, data[0])
+  c1 = time.perf_counter()
+  step = lowered.compile()
+  c2 = time.perf_counter()
   state, m = step(state, data[0])
   loss0 = float(m["loss"])
-  compile_s = time.perf_counter() - t0
+  first_s = time.perf_counter() - c2
+  mem = step.memory_analysis()
+  peak = None
+  if mem is not None:
+    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes)
   for i in range(args.warmup):
     state, m = step(state, data[(i + 1) % len(data)])
   jax.block_until_ready(m)
@@ -79,11 +91,13 @@ def bench(name: str, cfg: ModelConfig, args, mesh, data: list[dict]) -> dict:
   loss = float(m["loss"])  # waits for the last step
   dt = (time.perf_counter() - t0) / args.steps
   tokens = args.batch * args.seq
-  peak = peak_flops(mesh.devices.flat[0])
-  mfu = cfg.flops_per_token(args.seq) * tokens / dt / (peak * mesh.devices.size) if peak else None
+  flops = peak_flops(mesh.devices.flat[0])
+  mfu = cfg.flops_per_token(args.seq) * tokens / dt / (flops * mesh.devices.size) if flops else None
   return {"recipe": name, "step_ms": dt * 1e3, "tokens_per_s": tokens / dt, "mfu": mfu,
-          "compile_s": compile_s, "loss0": loss0, "loss": loss,
-          "ok": math.isfinite(loss) and math.isfinite(loss0)}
+          "lower_s": c1 - c0, "compile_s": c2 - c1, "first_step_s": first_s,
+          "peak_gib": None if peak is None else peak / 2**30,
+          "temp_gib": None if mem is None else mem.temp_size_in_bytes / 2**30,
+          "loss0": loss0, "loss": loss, "ok": math.isfinite(loss) and math.isfinite(loss0)}
 
 
 def main(argv=None) -> int:
@@ -127,16 +141,21 @@ def main(argv=None) -> int:
       rows.append({"recipe": name, "ok": False})
     print(rows[-1], flush=True)
   ref = rows[0].get("step_ms")
-  print(f"\n| recipe | step ms | tokens/s | MFU | step time / {rows[0]['recipe']} | compile s |"
-        "\n|---|---:|---:|---:|---:|---:|")
+  ref_peak = rows[0].get("peak_gib")
+  print(f"\n| recipe | step ms | tokens/s | MFU | step time / {rows[0]['recipe']} | lower s | compile s "
+        f"| peak GiB (XLA plan) | peak / {rows[0]['recipe']} | temporaries GiB |"
+        "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  gib = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
   for r in rows:
     if "step_ms" not in r:
-      print(f"| {r['recipe']} | failed | | | | |")
+      print(f"| {r['recipe']} | failed | | | | | | | | |")
       continue
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "–"
     ratio = f"{r['step_ms'] / ref:.2f}" if ref else "–"
+    peak_ratio = f"{r['peak_gib'] / ref_peak:.2f}" if ref_peak and r["peak_gib"] else "–"
     print(f"| {r['recipe']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} | {ratio} | "
-          f"{r['compile_s']:.1f} |")
+          f"{r['lower_s']:.1f} | {r['compile_s']:.1f} | {gib(r['peak_gib'])} | {peak_ratio} | "
+          f"{gib(r['temp_gib'])} |")
   return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -336,16 +336,24 @@ def jit_steps(graphdef, tx, schedule, shardings, mesh, grad_accum: int = 1,
   eval_jit = jax.jit(make_eval_step(graphdef, cross_entropy),
                      in_shardings=(shardings["params"], batch_sh), out_shardings=rep)
 
-  # Traced under the mesh, so the model can pin activations to the batch axes.
-  def train_step(state, batch):
-    with jax.set_mesh(mesh):
-      return train_jit(state, batch)
+  return _UnderMesh(train_jit, mesh), _UnderMesh(eval_jit, mesh)
 
-  def eval_step(params, batch):
-    with jax.set_mesh(mesh):
-      return eval_jit(params, batch)
 
-  return train_step, eval_step
+class _UnderMesh:
+  """A jitted function called and lowered under ``mesh`` (``jax.set_mesh``), so the model can pin
+  activations to the batch axes while it is traced. ``lower(...)`` gives the ``jax.stages.Lowered``
+  (for ``.compile()``, ``.cost_analysis()``, ``.compile().memory_analysis()``)."""
+
+  def __init__(self, jitted, mesh):
+    self.jitted, self.mesh = jitted, mesh
+
+  def __call__(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted(*args)
+
+  def lower(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted.lower(*args)
 
 
 def evaluate(eval_step, params, batches: Iterator, mesh, max_batches: int) -> float:
