@@ -145,3 +145,24 @@ def test_forward_and_backward_tiles_give_the_same_scores(d):
 
   fwd, bwd = _on(gpu, scores(128, 64), q, k), _on(gpu, scores(64, 64), q, k)
   assert _bits_equal(fwd, bwd) == 0
+
+
+@pytest.mark.parametrize("ds_rounding", [None, "stochastic"])
+def test_atomic_dq_equals_recompute(ds_rounding):
+  """The one-kernel backward (dQ by float32 atomic adds) against the two-kernel one on the GPU: dK
+  and dV bit-identical (the same tiles, the same order), dQ within float32 summation-order noise."""
+  gpu, _ = _devices()
+  q, k, v, do = _inputs(2, 1024, 8, 2, 128, seed=11)
+  sm_scale = 128 ** -0.5
+  key = jax.random.key(3)
+
+  def bwd(accumulation, q, k, v, do):
+    o, lse = A.attention_fwd(q, k, v, causal=True, sm_scale=sm_scale)
+    return A.attention_bwd(q, k, v, o, lse, do, causal=True, sm_scale=sm_scale, ds_rounding=ds_rounding,
+                           key=key, dq_accumulation=accumulation)
+
+  atomic = _on(gpu, functools.partial(bwd, "atomic"), q, k, v, do)
+  recompute = _on(gpu, functools.partial(bwd, "recompute"), q, k, v, do)
+  assert _bits_equal(atomic[1], recompute[1]) == 0 and _bits_equal(atomic[2], recompute[2]) == 0
+  assert np.all(np.isfinite(np.asarray(atomic[0], np.float32)))
+  assert _rel(atomic[0], recompute[0]) < 1e-2, _rel(atomic[0], recompute[0])
