@@ -40,6 +40,18 @@ def test_nvfp4_products_equal_dequantized_reference_and_two_terms_are_closer():
     optim.nvfp4_dot(a, b, 3)
 
 
+def test_nvfp4_products_use_scaled_matmul_on_fp4_tensor_cores(monkeypatch):
+  """Where the device has FP4 tensor cores, the products go through ``jax.nn.scaled_matmul`` (on the
+  CPU: its float32 dequantize-then-dot) with the same value up to summation order."""
+  from fp4jax import _platform
+  a, b = _matrix((32, 64), 1), _matrix((64, 48), 2)
+  decoded = ns.nvfp4_dot(a, b, 2)
+  monkeypatch.setattr(_platform, "fp4_tensor_cores", lambda: True)
+  # A fresh function: a jitted trace of nvfp4_dot from another test would be reused as it is.
+  assert "scaled_matmul" in str(jax.make_jaxpr(lambda a, b: ns.nvfp4_dot(a, b, 2))(a, b))
+  np.testing.assert_allclose(ns.nvfp4_dot(a, b, 2), decoded, rtol=1e-5, atol=1e-5)
+
+
 def test_nvfp4_newton_schulz_orthogonalizes():
   x = _matrix((20, 40), 3)  # not multiples of 16: the padded path
   ref = optim.newton_schulz(x, precision="fp32")

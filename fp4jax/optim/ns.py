@@ -18,7 +18,8 @@ polynomial combination runs in float32:
   grow instead of converging (docs/DESIGN.md, "Newton–Schulz").
 
 Each NVFP4 GEMM is ``fp4jax.nvfp4.gemm`` of operands quantized along the contraction axis
-(round-to-nearest): a native NVFP4 GEMM up to summation order. ``X Xᵀ`` and ``A² = A Aᵀ`` (A is
+(round-to-nearest): a native NVFP4 GEMM up to summation order; on a GPU with FP4 tensor cores
+(``fp4jax._platform.fp4_tensor_cores``) it is that native GEMM, ``nvfp4.scaled_matmul_gemm``. ``X Xᵀ`` and ``A² = A Aᵀ`` (A is
 symmetric) reuse one quantization for both sides. X is zero-padded once to multiples of 16 (exact:
 padded rows and columns stay zero through the iteration). The NVFP4 mode loops with
 ``lax.fori_loop`` (one compiled step, not five). The products are forward-only: an optimizer never
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import nvfp4
+from fp4jax import _platform, nvfp4
 from fp4jax.nvfp4 import BLOCK
 
 PRECISIONS = ("fp32", "bf16", "nvfp4")
@@ -53,12 +54,13 @@ def _split(x, axis, terms):
 
 
 def _gemms(parts_a, parts_b, terms, contracting):
+  gemm = nvfp4.scaled_matmul_gemm if _platform.fp4_tensor_cores() else nvfp4.gemm
   out = None
   for i, qa in enumerate(parts_a):
     for j, qb in enumerate(parts_b):
       if i + j >= terms:
         continue
-      prod = nvfp4.gemm(qa, qb, contracting)
+      prod = gemm(qa, qb, contracting)
       out = prod if out is None else out + prod
   return out
 
