@@ -275,9 +275,14 @@ def arm_row(cfg, arm: Arm, workdir: Path) -> dict | None:
 
 
 def add_gaps(rows: list[dict]) -> dict:
-  """Adds ``gap_pct`` (eval loss against the bf16 seed mean) to every row; returns the noise
-  floor ``{"n", "mean", "min", "max", "std", "spread_pct", "std_pct"}`` of the bf16 seeds
-  (``spread_pct``: (max − min) / mean in %; ``std``: sample standard deviation, 0 for one seed)."""
+  """Adds ``gap_pct`` (eval loss against the bf16 seed mean) and ``baseline_gap_pct`` (against the
+  row's ``baseline`` arm, NaN without one) to every row; returns the noise floor ``{"n", "mean",
+  "min", "max", "std", "spread_pct", "std_pct"}`` of the bf16 seeds (``spread_pct``: (max − min) /
+  mean in %; ``std``: sample standard deviation, 0 for one seed)."""
+  losses = {r["arm"]: r["eval_loss"] for r in rows}
+  for r in rows:
+    base = losses.get(r.get("baseline"), math.nan)
+    r["baseline_gap_pct"] = 100 * (r["eval_loss"] - base) / base
   ref = [r["eval_loss"] for r in rows
          if r["group"] == "bf16" and r["status"] == "ok" and math.isfinite(r["eval_loss"])]
   if not ref:
@@ -296,6 +301,11 @@ def _fmt(x: float, spec: str) -> str:
   return format(x, spec) if isinstance(x, int | float) and math.isfinite(x) else "–"
 
 
+def _baseline(r: dict) -> str:
+  gap = r.get("baseline_gap_pct", math.nan)
+  return f"{gap:+.2f} ({r['baseline']})" if math.isfinite(gap) else "–"
+
+
 def table(rows: list[dict], floor: dict, title: str = "") -> str:
   """The Markdown table of the study: one line per arm and the bf16 seeds' noise floor."""
   lines = [title, ""] if title else []
@@ -305,15 +315,15 @@ def table(rows: list[dict], floor: dict, title: str = "") -> str:
                  f"of the mean, std {floor['std_pct']:.2f}%): gaps inside that spread are noise.")
   else:
     lines.append("no bf16 seed has finished: no gaps yet.")
-  lines += ["", "| arm | recipe | seed | eval loss | gap % | train loss | tokens | params | tokens/s "
-            "| epochs | step ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  lines += ["", "| arm | recipe | seed | eval loss | gap % | vs baseline % | train loss | tokens | params "
+            "| tokens/s | epochs | step ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     mods = [f"{k}={v}" for k, v in r["recipe"].items() if k not in MODULES or v not in ("bf16", "fp32")]
     if r["optimizer"] != "adamw":
       mods.append(f"optimizer={r['optimizer']}")
     eval_loss = "diverged" if r["status"] == "diverged" else _fmt(r["eval_loss"], ".4f")
     lines.append(f"| {r['arm']} | {', '.join(mods) or 'bf16'} | {r['seed']} | {eval_loss} | "
-                 f"{_fmt(r['gap_pct'], '+.2f')} | {_fmt(r['train_loss'], '.4f')} | "
+                 f"{_fmt(r['gap_pct'], '+.2f')} | {_baseline(r)} | {_fmt(r['train_loss'], '.4f')} | "
                  f"{r['tokens']:,} | {r['params']:,} | {_fmt(r['tokens_per_s'], ',.0f')} | "
                  f"{_fmt(r['epochs'], '.3g')} | {_fmt(1000 * r['step_time_s'], '.0f')} |")
   return "\n".join(lines)

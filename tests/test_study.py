@@ -66,8 +66,8 @@ def test_cli_errors(tmp_path):
   assert not (tmp_path / "s").exists()
 
 
-def _row(arm, loss, group="module", status="ok"):
-  return {"arm": arm, "status": status, "group": group, "recipe": {"linear": "nvfp4"},
+def _row(arm, loss, group="module", status="ok", baseline=""):
+  return {"arm": arm, "status": status, "group": group, "baseline": baseline, "recipe": {"linear": "nvfp4"},
           "optimizer": "adamw", "seed": 0, "eval_loss": loss, "train_loss": loss + 0.1,
           "tokens": 1000, "params": 10, "tokens_per_s": 5.0, "epochs": 0.5, "step_time_s": 0.2}
 
@@ -75,7 +75,7 @@ def _row(arm, loss, group="module", status="ok"):
 def test_gaps_against_the_bf16_seed_mean_and_their_spread():
   ref = [2.0, 2.1, 2.3]
   rows = [_row(f"bf16_s{i}", v, "bf16") for i, v in enumerate(ref)]
-  rows += [_row("fp4_linear", 2.2), _row("fp4_full_stack", math.nan, status="diverged")]
+  rows += [_row("fp4_linear", 2.2, baseline="bf16_s1"), _row("fp4_full_stack", math.nan, status="diverged")]
   floor = st.add_gaps(rows)
   mean = sum(ref) / 3
   assert floor["n"] == 3 and floor["mean"] == pytest.approx(mean)
@@ -85,10 +85,13 @@ def test_gaps_against_the_bf16_seed_mean_and_their_spread():
   assert rows[3]["gap_pct"] == pytest.approx(100 * (2.2 - mean) / mean)
   assert sum(r["gap_pct"] for r in rows[:3]) == pytest.approx(0, abs=1e-9)
   assert math.isnan(rows[4]["gap_pct"])
+  assert rows[3]["baseline_gap_pct"] == pytest.approx(100 * (2.2 - 2.1) / 2.1)
+  assert math.isnan(rows[0]["baseline_gap_pct"])
   text = st.table(rows, floor)
   assert f"spread {100 * 0.3 / mean:.2f}%" in text
-  assert f"| fp4_linear | linear=nvfp4 | 0 | 2.2000 | {100 * (2.2 - mean) / mean:+.2f} |" in text
-  assert "| fp4_full_stack | linear=nvfp4 | 0 | diverged | – |" in text
+  assert (f"| fp4_linear | linear=nvfp4 | 0 | 2.2000 | {100 * (2.2 - mean) / mean:+.2f} | "
+          f"{100 * 0.1 / 2.1:+.2f} (bf16_s1) |") in text
+  assert "| fp4_full_stack | linear=nvfp4 | 0 | diverged | – | – |" in text
   # Without a finished bf16 seed there is no reference.
   rows = [_row("fp4_linear", 2.2)]
   assert st.add_gaps(rows) == {"n": 0} and math.isnan(rows[0]["gap_pct"])
