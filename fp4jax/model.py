@@ -35,7 +35,6 @@ from flax import nnx
 from fp4jax import _platform
 from fp4jax.layers import Dense, MixedMatmul, NVFP4Matmul
 from fp4jax.ops.attention import AttentionConfig, nvfp4_attention
-from fp4jax.ops.matmul import MatmulConfig
 from fp4jax.recipe import Recipe
 from fp4jax.sharding import BATCH_AXES
 
@@ -243,10 +242,11 @@ def make_projection(in_features: int, out_features: int, precision: str, recipe:
 
   Returns:
     A ``fp4jax.layers.Dense`` called as ``layer(x, key=k)``, whose matmul is ``MixedMatmul`` (bf16),
-    ``NVFP4Matmul(MatmulConfig.nvfp4())`` (nvfp4: NVIDIA's recipe), or the latter with a bf16
-    rank-``recipe.lora_rank`` branch split from the initial weight's SVD (nvfp4_lorasvd).
+    ``NVFP4Matmul(recipe.matmul_config())`` (nvfp4: NVIDIA's recipe, unless the recipe's linear
+    ablation fields change it), or the latter with a bf16 rank-``recipe.lora_rank`` branch split
+    from the initial weight's SVD (nvfp4_lorasvd).
   """
-  matmul = MixedMatmul() if precision == "bf16" else NVFP4Matmul(MatmulConfig.nvfp4())
+  matmul = MixedMatmul() if precision == "bf16" else NVFP4Matmul(recipe.matmul_config())
   rank = recipe.lora_rank if precision == "nvfp4_lorasvd" else 0
   return Dense(in_features, out_features, matmul=matmul, rank=rank, rngs=rngs,
                kernel_init=nnx.initializers.normal(std), dtype=cfg.compute_dtype)

@@ -14,7 +14,10 @@ keeps ~15% of the linear layers, mostly the last blocks, in BF16).
 ``attention_pv``, ``attention_ds`` and ``attention_reuse`` are the attention ablations of the
 loss-gap study (``fp4jax.ops.AttentionConfig``): the P·V / dO·Vᵀ / Pᵀ·dO operands (V, P, dO) in
 NVFP4 instead of BF16, dS in BF16 instead of NVFP4, and Q, K re-quantized in the backward instead of
-reused. Each is one flag, e.g. ``--config.recipe.attention_ds=bf16``.
+reused. Each is one flag, e.g. ``--config.recipe.attention_ds=bf16``. ``linear_hadamard`` and
+``linear_grad_rounding`` are the linear layers' ablations (``fp4jax.ops.MatmulConfig``): the wgrad
+without its random Hadamard transform, and the output gradient dy rounded to nearest instead of
+stochastically (in the dgrad and the wgrad).
 
 Named presets: ``bf16``, ``fp4_linear``, ``fp4_linear_lorasvd``, ``fp4_full_stack``
 (``get_recipe(name)``).
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from fp4jax.nvfp4 import ROUNDINGS
 from fp4jax.ops.attention import AttentionConfig
+from fp4jax.ops.matmul import MatmulConfig
 
 LINEAR_CHOICES = ("bf16", "nvfp4", "nvfp4_lorasvd")
 ATTENTION_CHOICES = ("bf16", "nvfp4")
@@ -55,6 +60,10 @@ class Recipe:
       method, stochastic rounding) or ``"bf16"`` (ablation).
     attention_reuse: with ``attention="nvfp4"``, the backward reuses the forward's packed Q(q),
       Q(k) (True, the method) or re-quantizes q and k (False, ablation).
+    linear_hadamard: the NVFP4 projections' wgrad operands get the 16-point random Hadamard
+      transform over tokens (True, NVIDIA's recipe) or not (False, ablation).
+    linear_grad_rounding: rounding of the output gradient dy of the NVFP4 projections in the dgrad
+      and the wgrad: ``"stochastic"`` (NVIDIA's recipe, unbiased) or ``"nearest"`` (ablation).
   """
 
   linear: str = "bf16"
@@ -69,6 +78,8 @@ class Recipe:
   attention_pv: str = "bf16"
   attention_ds: str = "nvfp4"
   attention_reuse: bool = True
+  linear_hadamard: bool = True
+  linear_grad_rounding: str = "stochastic"
 
   def __post_init__(self):
     for field, choices in (("linear", LINEAR_CHOICES), ("attention", ATTENTION_CHOICES),
@@ -87,8 +98,12 @@ class Recipe:
     for field in ("attention_pv", "attention_ds"):
       if getattr(self, field) not in ATTENTION_CHOICES:
         raise ValueError(f"Recipe.{field}={getattr(self, field)!r}: expected one of {ATTENTION_CHOICES}")
-    if not isinstance(self.attention_reuse, bool):
-      raise ValueError(f"Recipe.attention_reuse={self.attention_reuse!r}: expected a bool")
+    for field in ("attention_reuse", "linear_hadamard"):
+      if not isinstance(getattr(self, field), bool):
+        raise ValueError(f"Recipe.{field}={getattr(self, field)!r}: expected a bool")
+    if self.linear_grad_rounding not in ROUNDINGS:
+      raise ValueError(f"Recipe.linear_grad_rounding={self.linear_grad_rounding!r}: expected one of "
+                       f"{ROUNDINGS}")
     if self.linear == "nvfp4_lorasvd" and self.lora_rank < 1:
       raise ValueError("Recipe.lora_rank must be >= 1 when linear='nvfp4_lorasvd'")
 
@@ -115,6 +130,12 @@ class Recipe:
       return None
     pv = self.attention_pv
     return AttentionConfig.nvfp4(v=pv, p=pv, do=pv, ds=self.attention_ds, reuse=self.attention_reuse)
+
+  def matmul_config(self) -> MatmulConfig:
+    """The ``fp4jax.ops.MatmulConfig`` of the NVFP4 block projections: NVIDIA's recipe
+    (``MatmulConfig.nvfp4()``) with the linear ablation fields applied."""
+    r = self.linear_grad_rounding
+    return MatmulConfig.nvfp4(hadamard=self.linear_hadamard, dy_dgrad_rounding=r, dy_wgrad_rounding=r)
 
   def replace(self, **changes) -> Recipe:
     """A copy with ``changes`` applied (validated)."""

@@ -143,6 +143,10 @@ def test_recipe_places_precision_per_block():
   assert isinstance(gu.matmul, NVFP4Matmul) and gu.rank == 8
   assert isinstance(down.matmul, MixedMatmul) and down.rank == 0 and down.lora_a is None
   assert gu.lora_a.shape == (64, 8) and gu.lora_b.shape == (8, 2 * cfg.ff)
+  # The linear ablations reach every NVFP4 projection.
+  ablated = _model(cfg, Recipe(linear="nvfp4", linear_hadamard=False, linear_grad_rounding="nearest"))
+  want = MatmulConfig.nvfp4(hadamard=False, dy_dgrad_rounding="nearest", dy_wgrad_rounding="nearest")
+  assert all(b.attn.qkv.matmul.config == want and b.mlp.down.matmul.config == want for b in ablated.blocks)
 
 
 def test_quantized_model_requires_a_key():

@@ -6,6 +6,7 @@ import pytest
 
 from fp4jax import recipe as recipe_lib
 from fp4jax.ops.attention import AttentionConfig
+from fp4jax.ops.matmul import MatmulConfig
 from fp4jax.recipe import Recipe, get_recipe
 
 
@@ -69,6 +70,17 @@ def test_attention_config_of_the_recipe():
     Recipe(attention_ds="fp8")
   with pytest.raises(ValueError, match="attention_reuse"):
     Recipe(attention_reuse="yes")
+
+
+def test_matmul_config_of_the_recipe():
+  assert Recipe().matmul_config() == MatmulConfig.nvfp4()
+  assert Recipe(linear_hadamard=False).matmul_config() == MatmulConfig.nvfp4(hadamard=False)
+  assert Recipe(linear_grad_rounding="nearest").matmul_config() == MatmulConfig.nvfp4(
+      dy_dgrad_rounding="nearest", dy_wgrad_rounding="nearest")
+  with pytest.raises(ValueError, match="linear_grad_rounding"):
+    Recipe(linear_grad_rounding="up")
+  with pytest.raises(ValueError, match="linear_hadamard"):
+    Recipe(linear_hadamard=1)
 
 
 def test_presets_set_exactly_the_modules():
