@@ -22,11 +22,8 @@ spread of those seeds (min–max and standard deviation, in % of ``L̄``) is the
 
 One arm per command (``--arms=fp4_linear``) fits a machine that limits the length of a command;
 the table then grows with each. ``<workdir>/study.json`` records the study's config: a workdir of a
-study with another config (model, data, steps, ...) is refused.
-
-The recipe cannot switch the random Hadamard transform or the stochastic rounding of the linear
-layers (the model builds every NVFP4 projection with ``MatmulConfig.nvfp4()``), so the study has
-no RHT-off or SR-off arm.
+study with another config (model, data, steps, ...) is refused; a config field that the recorded
+study lacks (a field added since, at its default) is not compared.
 """
 
 from __future__ import annotations
@@ -70,7 +67,8 @@ class Arm:
       re-splits n times over the run (every ``steps // n`` steps).
     optimizer: ``OptimizerConfig`` fields set on the config's.
     seed: the run's seed (initialization, data order, rounding bits).
-    group: ``bf16`` (the reference seeds), ``module``, ``muon``, ``attention`` or ``lorasvd``.
+    group: ``bf16`` (the reference seeds), ``module``, ``muon``, ``linear`` (the linear layers'
+      RHT and stochastic-rounding ablations), ``attention`` or ``lorasvd``.
     baseline: the arm an ablation is read against.
     what: what the arm measures.
   """
@@ -115,6 +113,11 @@ ARMS: tuple[Arm, ...] = (
     _attn("ds_bf16", "dS in BF16: dQ = dS.K and dK = dS^T.Q unquantized", attention_ds="bf16"),
     _attn("no_reuse", "the backward re-quantizes q and k instead of reusing Q(q), Q(k)",
           attention_reuse=False),
+    Arm("no_rht", "fp4_linear", {"linear_hadamard": False}, group="linear", baseline="fp4_linear",
+        what="fp4_linear without the random Hadamard transform of the wgrad operands"),
+    Arm("sr_off", "fp4_linear", {"linear_grad_rounding": "nearest"}, group="linear",
+        baseline="fp4_linear", what="fp4_linear with dy rounded to nearest, not stochastically "
+        "(dgrad and wgrad)"),
     _lora("lorasvd_resplit10", "re-split the branch 10 times over the run (top-r SVD of the "
           "trained weight)", lora_resplit_every=-10),
     _lora("lorasvd_rank4", "rank 4 instead of 16", lora_rank=4),
@@ -179,7 +182,8 @@ def _identity(cfg) -> dict:
 
 
 def check_workdir(cfg, workdir: Path) -> None:
-  """Records the study's config in ``<workdir>/study.json``, or checks it against the recorded one.
+  """Records the study's config in ``<workdir>/study.json``, or checks it against the recorded one
+  (a field absent from the recorded config is not compared: the recorded study predates it).
 
   Raises:
     ValueError: the workdir holds a study of another config (the differing fields are named).
@@ -199,9 +203,10 @@ def check_workdir(cfg, workdir: Path) -> None:
 
 
 def _diff_keys(a, b, prefix=""):
+  """``(path, a, b)`` of the leaves of ``a`` that differ in ``b``."""
   if isinstance(a, Mapping) and isinstance(b, Mapping):
-    for k in sorted(set(a) | set(b)):
-      yield from _diff_keys(a.get(k, "<absent>"), b.get(k, "<absent>"), f"{prefix}{k}.")
+    for k in sorted(a):
+      yield from _diff_keys(a[k], b.get(k, "<absent>"), f"{prefix}{k}.")
   elif (list(a) if isinstance(a, list | tuple) else a) != (list(b) if isinstance(b, list | tuple)
                                                           else b):
     yield prefix[:-1], a, b
