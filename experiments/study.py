@@ -265,11 +265,10 @@ def arm_row(cfg, arm: Arm, workdir: Path) -> dict | None:
   tokens = c.steps * c.batch_size * c.seq_len
   ev = {} if diverged else json.loads((run_dir / EVAL_FILE).read_text())
   step_time = s.get("step_time_s", math.nan)
-  recipe = {**{k: c.recipe[k] for k in MODULES}, **dict(arm.recipe)}
-  if "lora_resplit_every" in arm.recipe:
-    recipe["lora_resplit_every"] = c.recipe.lora_resplit_every
+  overrides = {k: c.recipe[k] for k in arm.recipe}  # lora_resplit_every resolved
+  recipe = {**{k: c.recipe[k] for k in MODULES}, **overrides}
   return {"arm": arm.name, "status": "diverged" if diverged else "ok", "group": arm.group,
-          "baseline": arm.baseline, "preset": arm.preset, "recipe": recipe,
+          "baseline": arm.baseline, "preset": arm.preset, "overrides": overrides, "recipe": recipe,
           "optimizer": c.optimizer.name, "seed": arm.seed,
           "eval_loss": ev.get("loss", math.nan), "eval_tokens": ev.get("tokens", 0),
           "train_loss": s.get("train_loss", math.nan), "step": s.get("step", 0),
@@ -323,11 +322,11 @@ def table(rows: list[dict], floor: dict, title: str = "") -> str:
   lines += ["", "| arm | recipe | seed | eval loss | gap % | vs baseline % | train loss | tokens | params "
             "| tokens/s | epochs | step ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
-    mods = [f"{k}={v}" for k, v in r["recipe"].items() if k not in MODULES or v not in ("bf16", "fp32")]
+    mods = [r["preset"]] + [f"{k}={v}" for k, v in r["overrides"].items()]
     if r["optimizer"] != "adamw":
       mods.append(f"optimizer={r['optimizer']}")
     eval_loss = "diverged" if r["status"] == "diverged" else _fmt(r["eval_loss"], ".4f")
-    lines.append(f"| {r['arm']} | {', '.join(mods) or 'bf16'} | {r['seed']} | {eval_loss} | "
+    lines.append(f"| {r['arm']} | {', '.join(mods)} | {r['seed']} | {eval_loss} | "
                  f"{_fmt(r['gap_pct'], '+.2f')} | {_baseline(r)} | {_fmt(r['train_loss'], '.4f')} | "
                  f"{r['tokens']:,} | {r['params']:,} | {_fmt(r['tokens_per_s'], ',.0f')} | "
                  f"{_fmt(r['epochs'], '.3g')} | {_fmt(1000 * r['step_time_s'], '.0f')} |")

@@ -67,7 +67,8 @@ def test_cli_errors(tmp_path):
 
 
 def _row(arm, loss, group="module", status="ok", baseline=""):
-  return {"arm": arm, "status": status, "group": group, "baseline": baseline, "recipe": {"linear": "nvfp4"},
+  return {"arm": arm, "status": status, "group": group, "baseline": baseline, "preset": "fp4_linear",
+          "overrides": {"lora_rank": 4}, "recipe": {"linear": "nvfp4", "lora_rank": 4},
           "optimizer": "adamw", "seed": 0, "eval_loss": loss, "train_loss": loss + 0.1,
           "tokens": 1000, "params": 10, "tokens_per_s": 5.0, "epochs": 0.5, "step_time_s": 0.2}
 
@@ -89,9 +90,9 @@ def test_gaps_against_the_bf16_seed_mean_and_their_spread():
   assert math.isnan(rows[0]["baseline_gap_pct"])
   text = st.table(rows, floor)
   assert f"spread {100 * 0.3 / mean:.2f}%" in text
-  assert (f"| fp4_linear | linear=nvfp4 | 0 | 2.2000 | {100 * (2.2 - mean) / mean:+.2f} | "
+  assert (f"| fp4_linear | fp4_linear, lora_rank=4 | 0 | 2.2000 | {100 * (2.2 - mean) / mean:+.2f} | "
           f"{100 * 0.1 / 2.1:+.2f} (bf16_s1) |") in text
-  assert "| fp4_full_stack | linear=nvfp4 | 0 | diverged | – | – |" in text
+  assert "| fp4_full_stack | fp4_linear, lora_rank=4 | 0 | diverged | – | – |" in text
   # Without a finished bf16 seed there is no reference.
   rows = [_row("fp4_linear", 2.2)]
   assert st.add_gaps(rows) == {"n": 0} and math.isnan(rows[0]["gap_pct"])
