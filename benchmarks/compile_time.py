@@ -8,7 +8,8 @@ r"""Time from launch to the first train step, by phase, and the size of the prog
 A run is ``SIZE:RECIPE[:IMPL]``: a model size (``20m``, ``125m``: experiments/configs' models;
 ``tiny``), a recipe of ``fp4jax.recipe``, and the implementation of its NVFP4 GEMMs
 (``MatmulConfig.implementation``: ``auto``, ``xla``, ``pallas``, ``pallas_interpret``; default
-``--matmul``). Per run, on one device: the train state's initialization, then the train step of
+``--matmul``; a kernel implementation with ``+xla_amax``, e.g. ``pallas+xla_amax``: the quantizer
+kernels' first pass in XLA). Per run, on one device: the train state's initialization, then the train step of
 ``fp4jax.train.make_train_step``, jitted with the state's shardings, traced, lowered and compiled by
 XLA under ``jax.set_mesh`` (each phase timed alone), the first step, and the median of ``--steps``
 further steps; with the line counts of the StableHLO module and of the optimized HLO. "first step"
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import statistics
@@ -38,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from fp4jax import sharding as shd
 from fp4jax.model import ModelConfig
+from fp4jax.ops import matmul as matmul_lib
 from fp4jax.ops.matmul import IMPLEMENTATIONS, MatmulConfig
 from fp4jax.recipe import get_recipe
 from fp4jax.train import (
@@ -61,13 +64,19 @@ H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
 @contextlib.contextmanager
 def matmul_implementation(impl: str):
   """Models built inside get ``implementation=impl`` in their ``MatmulConfig.nvfp4()`` (the model
-  builds its NVFP4 matmuls with that preset)."""
+  builds its NVFP4 matmuls with that preset). ``IMPL+xla_amax``: the quantizer kernels with their
+  first pass in XLA (``nvfp4_quantize.quantize(amax="xla")``), one Triton kernel per operand."""
+  impl, _, variant = impl.partition("+")
   preset = MatmulConfig.__dict__["nvfp4"]
+  quantize = matmul_lib._quantize_kernels
   MatmulConfig.nvfp4 = classmethod(lambda cls, **kw: preset.__func__(cls, **{"implementation": impl, **kw}))
+  if variant == "xla_amax":
+    matmul_lib._quantize_kernels = functools.partial(quantize, amax="xla")
   try:
     yield
   finally:
     MatmulConfig.nvfp4 = preset
+    matmul_lib._quantize_kernels = quantize
 
 
 def _lines(text: str | None) -> int:
@@ -87,13 +96,12 @@ def _setup(size, recipe_name, scan):
   return cfg, recipe, make_optimizer(opt, recipe, 1000), make_schedule(opt, 1000)
 
 
-def run_on_device(size, recipe_name, impl, args) -> dict:
+def run_on_device(size, recipe_name, args) -> dict:
   """Every phase on the default device, as a training run does them."""
   cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan)
   mesh = shd.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-  with matmul_implementation(impl):
-    (graphdef, state, shardings), t_init = _timed(
-        lambda: jax.block_until_ready(init_state(cfg, recipe, tx, mesh)))
+  (graphdef, state, shardings), t_init = _timed(
+      lambda: jax.block_until_ready(init_state(cfg, recipe, tx, mesh)))
   bsh = NamedSharding(mesh, P(shd.BATCH_AXES, None))
   step = jax.jit(make_train_step(graphdef, tx, schedule), in_shardings=(shardings, {"inputs": bsh, "targets": bsh}),
                  out_shardings=(shardings, shd.replicated(mesh)), donate_argnums=0)
@@ -117,13 +125,12 @@ def run_on_device(size, recipe_name, impl, args) -> dict:
               loss=loss, ok=math.isfinite(loss))
 
 
-def lower_for(platform, size, recipe_name, impl, args) -> dict:
+def lower_for(platform, size, recipe_name, args) -> dict:
   """Trace and lower the step for ``platform`` (an abstract H200 mesh), from an abstract state."""
   if platform != "cuda":
     raise ValueError(f"--lower-for: only 'cuda' (an H200) is known, got {platform!r}")
   cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan)
-  with matmul_implementation(impl):
-    (graphdef, params), t_init = _timed(lambda: abstract_model(cfg, recipe))
+  (graphdef, params), t_init = _timed(lambda: abstract_model(cfg, recipe))
   rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
   state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
            "opt_state": jax.eval_shape(tx.init, params), "rng": rng}
@@ -143,8 +150,10 @@ def _parse(spec: str, default_impl: str):
   if len(parts) not in (2, 3) or parts[0] not in SIZES:
     raise ValueError(f"--runs: {spec!r} is not SIZE:RECIPE[:IMPL] with SIZE one of {', '.join(SIZES)}")
   impl = parts[2] if len(parts) == 3 else default_impl
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f"--runs: {spec!r}: IMPL must be one of {IMPLEMENTATIONS}")
+  base, plus, variant = impl.partition("+")
+  if base not in IMPLEMENTATIONS or (plus and (variant != "xla_amax" or base == "xla")):
+    raise ValueError(f"--runs: {spec!r}: IMPL must be one of {IMPLEMENTATIONS}, or a kernel one with "
+                     "+xla_amax")
   return parts[0], parts[1], impl
 
 
@@ -186,10 +195,11 @@ def main(argv=None) -> int:
   for size, recipe, impl in specs:
     name = f"{size}:{recipe}:{impl}"
     try:
-      if args.lower_for:
-        row = lower_for(args.lower_for, size, recipe, impl, args)
-      else:
-        row = run_on_device(size, recipe, impl, args)
+      with matmul_implementation(impl):  # model construction and tracing
+        if args.lower_for:
+          row = lower_for(args.lower_for, size, recipe, args)
+        else:
+          row = run_on_device(size, recipe, args)
     except Exception as e:  # report and go on with the other runs
       print(f"{name}: FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
       row = {"ok": False}

@@ -57,6 +57,11 @@ KERNEL_ROWS = [
     ("axis 0, Hadamard, stochastic (jax.random bits)", dict(axis=0, hadamard=True, rounding="stochastic")),
     ("axis 0, Hadamard, stochastic (counter) + decoded", dict(axis=0, hadamard=True, rounding="stochastic",
                                                              bit_source="counter", decoded=True)),
+    # The first pass as an XLA reduction instead of a kernel (kq.quantize(amax="xla")).
+    ("1x16 nearest + decoded, amax in XLA", dict(decoded=True, amax="xla")),
+    ("16x16 nearest, amax in XLA", dict(block=(16, 16), amax="xla")),
+    ("axis 0, Hadamard, stochastic (counter) + decoded, amax in XLA",
+     dict(axis=0, hadamard=True, rounding="stochastic", bit_source="counter", decoded=True, amax="xla")),
 ]
 SWEEP = [kq.BlockSizes(quantize_elements=q, num_warps=w, amax_elements=a, amax_num_warps=aw)
          for q, w, a, aw in ((2048, 4, 16384, 8), (4096, 4, 16384, 8), (8192, 4, 16384, 8),

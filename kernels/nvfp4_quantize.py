@@ -52,6 +52,7 @@ from fp4jax import numerics, nvfp4
 
 BLOCK = nvfp4.BLOCK
 BIT_SOURCES = ("random", "counter")
+AMAX_PASSES = ("kernel", "xla")
 _F32_NORMAL_MIN_BITS = 0x00800000
 _F32_INF_BITS = 0x7F800000
 _TF_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -474,7 +475,7 @@ def _key_words(key, bit_source):
 
 def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_source="random",
              hadamard_key=None, decoded=False, block_sizes: BlockSizes = BlockSizes(),
-             interpret=False):
+             amax: str = "kernel", interpret=False):
   """Quantizes ``x`` to NVFP4 in two Pallas kernels: ``nvfp4.quantize``'s tensor, bit for bit.
 
   ``quantize(x, block=b, axis=a, rounding=r, key=k)`` equals ``nvfp4.quantize(x, block=b, axis=a,
@@ -500,6 +501,11 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
     decoded: also return the decoded operand ``elements × block scales`` (``NVFP4Tensor.
       scaled_elements(bfloat16)``: exact; the global scale is not applied).
     block_sizes: kernel tiling (``BlockSizes``).
+    amax: the first pass, ``max|x|`` (of ``hadamard(x)`` with ``hadamard_key``) as a float32 bit
+      pattern: ``"kernel"`` (a Pallas kernel) or ``"xla"`` (a reduction that XLA fuses and
+      compiles with its own emitters). The same value either way (a max is exact); the choice
+      moves time between the pass and compilation: every Triton kernel of a program is compiled
+      separately per shape (XLA keys its Triton cache by the kernel and its grid).
     interpret: run the kernels in Pallas interpret mode (CPU).
 
   Returns:
@@ -512,6 +518,8 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
   """
   x = lax.stop_gradient(jnp.asarray(x))
   block, axis = _check(x, block, axis, rounding, key, bit_source, hadamard_key)
+  if amax not in AMAX_PASSES:
+    raise ValueError(f"amax must be one of {AMAX_PASSES}, got {amax!r}")
   hadamard_on = hadamard_key is not None
   if x.size == 0:
     return quantize_reference(x, block=block, axis=axis, rounding=rounding, key=key,
@@ -525,7 +533,10 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
   # Pass 1: max|x| per program, as float32 bit patterns (NaN and inf above every finite value); over
   # the flattened tensor, or through the Hadamard transform in the quantizer's layout.
   o_spec = pl.BlockSpec((1, 1), lambda i, j: (i, j))
-  if not hadamard_on:
+  if amax == "xla":
+    xa = nvfp4.hadamard(x.astype(jnp.float32), hadamard_key, axis) if hadamard_on else x
+    partial = jnp.max(_abs_bits(xa.astype(jnp.float32)))
+  elif not hadamard_on:
     view, tile = _flat_view(x.size, block_sizes.amax_elements)
     grid = (pl.cdiv(view[0], tile[0]), 1)
     partial = pl.pallas_call(

@@ -1,6 +1,8 @@
 """fp4jax.kernels.nvfp4_quantize: the kernels equal nvfp4.quantize bit for bit (interpret mode on the
 CPU), the decoded operand equals scaled_elements, and every variant lowers to Triton for an H200."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -67,6 +69,20 @@ def test_interpret_equals_nvfp4_quantize(name, shape, dtype, kw, sizes):
   _assert_same(dec, want.scaled_elements(jnp.bfloat16))
   np.testing.assert_array_equal(np.asarray(dec, np.float32) * np.float32(want.global_scale),
                                 np.asarray(want.dequantize(jnp.float32)))
+
+
+@pytest.mark.parametrize("fill", ["data", "nan"])
+@pytest.mark.parametrize("kw", [dict(), dict(axis=0, hadamard_key=HKEY), dict(block=(16, 16))],
+                         ids=["rows", "hadamard", "tiles"])
+def test_xla_amax_pass_equals_the_kernel(kw, fill):
+  """``amax="xla"``: the first pass as an XLA reduction gives the kernel's tensor bit for bit (of the
+  Hadamard transform too, and a NaN reaches the global scale either way)."""
+  x = _data((48, 64), jnp.float32)
+  if fill == "nan":
+    x = x.at[3, 7].set(jnp.nan)
+  got = kq.quantize(x, amax="xla", block_sizes=SMALL, interpret=True, **kw)
+  _assert_same(got, kq.quantize(x, block_sizes=SMALL, interpret=True, **kw))
+  assert np.isnan(float(got.global_scale)) == (fill == "nan")
 
 
 def test_stochastic_bits_are_nvfp4s():
@@ -139,6 +155,8 @@ def test_bad_arguments():
     kq.quantize(jnp.ones((4, 16), jnp.int32), interpret=True)
   with pytest.raises(ValueError, match="power of two"):
     kq.BlockSizes(quantize_elements=100)
+  with pytest.raises(ValueError, match="amax must be one of"):
+    kq.quantize(x, amax="cuda", interpret=True)
 
 
 def test_gradient_is_zero_as_nvfp4():
@@ -164,9 +182,9 @@ def test_lowers_to_triton_for_h200(triton_modules, shape, kw):
   kw = dict(kw)
   hadamard = kw.pop("hadamard", False)
 
-  def f(x, key, hkey):
+  def f(x, key, hkey, amax="kernel"):
     return kq.quantize(x, key=key if kw.get("rounding") == "stochastic" else None,
-                       hadamard_key=hkey if hadamard else None, decoded=True, **kw)
+                       hadamard_key=hkey if hadamard else None, decoded=True, amax=amax, **kw)
 
   x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   with jax.sharding.use_abstract_mesh(H200):
@@ -179,3 +197,8 @@ def test_lowers_to_triton_for_h200(triton_modules, shape, kw):
   # Without the Hadamard signs (a jax.random draw in XLA), the program around the kernels is small.
   if not hadamard:
     assert len(hlo.splitlines()) < 200
+  # With the amax pass in XLA: the quantizing kernel alone.
+  with jax.sharding.use_abstract_mesh(H200):
+    hlo = jax.jit(functools.partial(f, amax="xla")).trace(x, KEY, HKEY).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert hlo.count("__gpu$xla.gpu.triton") == 1

@@ -209,7 +209,7 @@ _TN = ((0,), (0,))  # x_MxKᵀ · dy_MxN
 # Jitted, so that the operands of one shape (every block's projection, in a model) share one traced
 # and lowered quantizer: the step's program calls it, rather than repeating its kernels.
 _quantize_kernels = jax.jit(nvfp4_quantize.quantize, static_argnames=(
-    "block", "axis", "rounding", "bit_source", "decoded", "block_sizes", "interpret"))
+    "block", "axis", "rounding", "bit_source", "decoded", "block_sizes", "amax", "interpret"))
 
 
 def _kernel_quantize(a, rounding, key, config, *, decoded, hadamard_key=None, **layout):
