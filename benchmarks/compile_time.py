@@ -4,6 +4,7 @@ r"""Time from launch to the first train step, by phase, and the size of the prog
   python -m benchmarks.compile_time --runs=125m:bf16,125m:fp4_linear:xla,125m:fp4_linear:pallas --scan
   python -m benchmarks.compile_time --lower-for=cuda           # on the CPU: only trace and lower, for an H200
   python -m benchmarks.compile_time --tiny                     # CPU check of the script (tiny model)
+  python -m benchmarks.compile_time --runs=20m:fp4_linear:pallas --compiler-option=xla_gpu_autotune_level=0
 
 A run is ``SIZE:RECIPE[:IMPL]``: a model size (``20m``, ``125m``: experiments/configs' models;
 ``tiny``), a recipe of ``fp4jax.recipe``, and the implementation of its NVFP4 GEMMs
@@ -111,7 +112,7 @@ def run_on_device(size, recipe_name, args) -> dict:
   with jax.set_mesh(mesh):
     traced, t_trace = _timed(lambda: step.trace(state, batch))
     lowered, t_lower = _timed(traced.lower)
-    compiled, t_compile = _timed(lowered.compile)
+    compiled, t_compile = _timed(lambda: lowered.compile(compiler_options=args.compiler_options or None))
   (state, metrics), t_first = _timed(lambda: jax.block_until_ready(compiled(state, batch)))
   times = []
   for _ in range(args.steps):
@@ -145,6 +146,21 @@ def lower_for(platform, size, recipe_name, args) -> dict:
               triton_calls=text.count("__gpu$xla.gpu.triton"), ok=True)
 
 
+def _compiler_option(text: str) -> tuple[str, object]:
+  """``NAME=VALUE`` -> (NAME, VALUE as a bool, int or float where it reads as one)."""
+  name, eq, value = text.partition("=")
+  if not eq or not name:
+    raise ValueError(f"--compiler-option: {text!r} is not NAME=VALUE")
+  if value.lower() in ("true", "false"):
+    return name, value.lower() == "true"
+  for cast in (int, float):
+    try:
+      return name, cast(value)
+    except ValueError:
+      pass
+  return name, value
+
+
 def _parse(spec: str, default_impl: str):
   parts = spec.split(":")
   if len(parts) not in (2, 3) or parts[0] not in SIZES:
@@ -176,7 +192,14 @@ def main(argv=None) -> int:
   p.add_argument("--scan", action="store_true", help="lax.scan over the blocks (not unrolled)")
   p.add_argument("--lower-for", default=None, help="'cuda': only trace and lower, for an H200")
   p.add_argument("--tiny", action="store_true", help="CPU check of the script: tiny model and shapes")
+  p.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
+                 help="an XLA option for the step's compilation (repeatable), e.g. "
+                 "xla_gpu_autotune_level=0 or xla_gpu_enable_triton_gemm=false")
   args = p.parse_args(argv)
+  try:
+    args.compiler_options = dict(_compiler_option(o) for o in args.compiler_option)
+  except ValueError as e:
+    p.error(str(e))
   args.batch = args.batch or (2 if args.tiny else 16)
   args.seq = args.seq or (32 if args.tiny else 1024)
   args.steps = args.steps if args.steps is not None else (2 if args.tiny else 10)
@@ -190,7 +213,8 @@ def main(argv=None) -> int:
   dev = jax.devices()[0]
   where = f"lowered for {args.lower_for} (H200)" if args.lower_for else f"{dev.device_kind} ({dev.platform})"
   print(f"{where}; jax {jax.__version__}; batch {args.batch} x seq {args.seq}; scan {args.scan}; "
-        f"persistent compilation cache: {jax.config.jax_compilation_cache_dir or 'none'}", flush=True)
+        f"persistent compilation cache: {jax.config.jax_compilation_cache_dir or 'none'}; XLA options: "
+        f"{args.compiler_options or 'defaults'}", flush=True)
   rows = []
   for size, recipe, impl in specs:
     name = f"{size}:{recipe}:{impl}"
