@@ -111,7 +111,7 @@ ARMS: tuple[Arm, ...] = (
     _attn("pv_quantized", "V, P, dO in NVFP4 too: P.V, dO.V^T, P^T.dO quantized, not protected",
           attention_pv="nvfp4"),
     _attn("ds_bf16", "dS in BF16: dQ = dS.K and dK = dS^T.Q unquantized", attention_ds="bf16"),
-    _attn("no_reuse", "the backward re-quantizes q and k instead of reusing Q(q), Q(k)",
+    _attn("no_reuse", "the backward on the unquantized q, k instead of the forward's Q(q), Q(k)",
           attention_reuse=False),
     Arm("no_rht", "fp4_linear", {"linear_hadamard": False}, group="linear", baseline="fp4_linear",
         what="fp4_linear without the random Hadamard transform of the wgrad operands"),

@@ -13,8 +13,8 @@ keeps ~15% of the linear layers, mostly the last blocks, in BF16).
 
 ``attention_pv``, ``attention_ds`` and ``attention_reuse`` are the attention ablations of the
 loss-gap study (``fp4jax.ops.AttentionConfig``): the P·V / dO·Vᵀ / Pᵀ·dO operands (V, P, dO) in
-NVFP4 instead of BF16, dS in BF16 instead of NVFP4, and Q, K re-quantized in the backward instead of
-reused. Each is one flag, e.g. ``--config.recipe.attention_ds=bf16``. ``linear_hadamard`` and
+NVFP4 instead of BF16, dS in BF16 instead of NVFP4, and a backward on the unquantized q, k instead
+of the forward's Q(q), Q(k). Each is one flag, e.g. ``--config.recipe.attention_ds=bf16``. ``linear_hadamard`` and
 ``linear_grad_rounding`` are the linear layers' ablations (``fp4jax.ops.MatmulConfig``): the wgrad
 without its random Hadamard transform, and the output gradient dy rounded to nearest instead of
 stochastically (in the dgrad and the wgrad).
@@ -59,7 +59,7 @@ class Recipe:
     attention_ds: with ``attention="nvfp4"``, dS in dQ = dS·K and dK = dSᵀ·Q: ``"nvfp4"`` (the
       method, stochastic rounding) or ``"bf16"`` (ablation).
     attention_reuse: with ``attention="nvfp4"``, the backward reuses the forward's packed Q(q),
-      Q(k) (True, the method) or re-quantizes q and k (False, ablation).
+      Q(k) (True, the method) or uses the unquantized q and k (False, ablation: drop-in QAT).
     linear_hadamard: the NVFP4 projections' wgrad operands get the 16-point random Hadamard
       transform over tokens (True, NVIDIA's recipe) or not (False, ablation).
     linear_grad_rounding: rounding of the output gradient dy of the NVFP4 projections in the dgrad

@@ -183,14 +183,21 @@ def test_residuals_are_packed():
 
 
 def test_reuse_off():
-  """Without reuse the backward quantizes q and k again from the inputs, with fresh stochastic bits:
-  the same forward, other gradients."""
+  """Without reuse the forward is the same, and the backward recomputes P from the unquantized q, k
+  with the forward's log-sum-exp (a high-precision backward behind an FP4 forward): P is then not
+  the forward's (its rows no longer sum to 1), and the gradients move."""
   q, k, v, do = _data()
-  sr = AttentionConfig.nvfp4(q_rounding="stochastic", k_rounding="stochastic")
-  on = _op(q, k, v, do, KEY, config=sr)
-  off = _op(q, k, v, do, KEY, config=dataclasses.replace(sr, reuse=False))
+  off_config = dataclasses.replace(NVFP4, reuse=False)
+  on, off = _op(q, k, v, do, KEY), _op(q, k, v, do, KEY, config=off_config)
   np.testing.assert_array_equal(_f32(on[0]), _f32(off[0]))  # same forward
   assert 0 < _rel(off[1], on[1]) < 0.5 and np.isfinite(_f32(off[1])).all()
+  _, p_fwd, lse = _ref_fwd(q, k, v, key=KEY, config=NVFP4, return_stats=True)
+  _, inter = _ref_vjp(q, k, v, do, key=KEY, config=off_config, return_intermediates=True)
+  scores = jnp.einsum("bthd,bshd->bhts", _f32(q), _f32(jnp.repeat(k, H // HK, axis=2)),
+                      precision=jax.lax.Precision.HIGHEST) / np.sqrt(D)
+  scores = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -jnp.inf)
+  np.testing.assert_allclose(inter["p"], jnp.exp(scores - lse[..., None]), rtol=1e-4, atol=1e-6)
+  assert not np.allclose(inter["p"], p_fwd) and not np.allclose(np.sum(inter["p"], -1), 1.0, rtol=1e-3)
 
 
 # ----------------------------------------------------------------------------------------------

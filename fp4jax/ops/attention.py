@@ -47,7 +47,7 @@ HEAD_DIMS = (64, 128)  # the flash kernels' head dims; the XLA path takes any mu
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
 SCALE_SCOPES = ("tile", "matrix", "tensor")
 # One key per random choice, in a fixed order so that a config switch never moves another's bits.
-_KEY_NAMES = ("q", "k", "v", "p", "do", "ds", "q_bwd", "k_bwd")
+_KEY_NAMES = ("q", "k", "v", "p", "do", "ds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +70,11 @@ class AttentionConfig:
     ds: dS in ``dQ = dS·K`` and ``dK = dSᵀ·Q``: 16×16 blocks, one float32 scale per ``ds_tile``.
     q_rounding, k_rounding, v_rounding, p_rounding, do_rounding, ds_rounding: ``"nearest"`` or
       ``"stochastic"`` for that operand when it is ``"nvfp4"``.
-    reuse: tensor reuse. False makes the backward quantize q and k again from the inputs, with fresh
-      stochastic bits (the same values with nearest rounding), and keeps q and k as residuals.
+    reuse: tensor reuse (the method): the backward recomputes S and forms dQ = dS·K and dK = dSᵀ·Q
+      from the forward's packed Q(q), Q(k), so it differentiates the function the forward computed.
+      False is the ablation without it (drop-in quantization-aware training, which Attn-QAT found
+      unstable): the backward uses the unquantized q and k, kept as residuals, so its recomputed P
+      is the softmax of the unquantized scores, not the forward's.
     ds_tile: ``(rows, cols)`` of the dS tiles that each get their own second-level scale; powers of
       two >= 16 (the flash kernels' blocks hold whole tiles).
   """
@@ -336,19 +339,16 @@ def _forward(q, k, v, keys, causal, config):
   return o.astype(dtype), AttentionResiduals(qt, kt, vt, o_delta.astype(dtype), lse, None), p
 
 
-def _bwd_operands(res: AttentionResiduals, keys, config, impl="xla"):
-  """The decoded q, k, v of the backward: the forward's packed tensors, or re-quantized without reuse."""
-  qt, kt = res.q, res.k
-  if not config.reuse:
-    qt = _operand(qt, config, "q", keys, "q_bwd", impl)
-    kt = _operand(kt, config, "k", keys, "k_bwd", impl)
+def _bwd_operands(res: AttentionResiduals):
+  """The decoded q, k, v of the backward: the forward's packed tensors (the unquantized q and k
+  without reuse)."""
   dtype = res.o.dtype
-  return _decoded(qt, dtype), _decoded(kt, dtype), _decoded(res.v, dtype)
+  return _decoded(res.q, dtype), _decoded(res.k, dtype), _decoded(res.v, dtype)
 
 
 def _backward(res: AttentionResiduals, do, keys, causal, config):
   """The reference backward: ``(dq, dk, dv)`` in f32 and the intermediates ``{"p", "ds"}``."""
-  qd, kd, vd = _bwd_operands(res, keys, config)
+  qd, kd, vd = _bwd_operands(res)
   b, t, h, d = qd.shape
   n_kv = kd.shape[2]
   qd = _grouped(qd, n_kv)
@@ -403,7 +403,7 @@ def _attention_bwd(causal, config, impl, res: AttentionResiduals, do):
   if impl == "xla":
     (dq, dk, dv), _ = _backward(res, do, keys, causal, config)
   else:
-    qd, kd, vd = _bwd_operands(res, keys, config, impl)
+    qd, kd, vd = _bwd_operands(res)
     dod = _decoded(_operand(do.astype(qd.dtype), config, "do", keys, impl=impl), qd.dtype)
     dq, dk, dv = attention_kernels.attention_bwd(
         qd, kd, vd, res.o, res.lse, dod, causal=causal, sm_scale=1.0 / math.sqrt(qd.shape[-1]),
