@@ -404,6 +404,7 @@ def define_flags() -> None:
   flags.DEFINE_string("collect", None, "copy the small logs into this folder")
   flags.DEFINE_bool("telemetry", True, "log the per-module quantization error (--notelemetry: off)")
   flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
+  launcher.define_cache_flag()
 
 
 def main(argv):
@@ -412,6 +413,7 @@ def main(argv):
   launcher.check_command_line(argv, "python -m experiments.study --config=experiments/configs/"
                               "tiny.py --workdir=runs/study --arms=all", "config", "workdir",
                               "arms")
+  launcher.enable_compilation_cache(fl.compilation_cache)
   launcher.report_errors(lambda: study(fl.config, fl.workdir, fl.arms, fl.eval_tokens,
                                        fl.eval_batch_size, fl.collect, fl.telemetry), fl.verbose)
 

@@ -24,6 +24,7 @@ declare -A CMD=(
   [compile_time]="python3 -m benchmarks.compile_time"
   [train_step]="python3 -m benchmarks.train_step"
   [profile_step]="python3 -m benchmarks.profile_step"
+  [study]="python3 -m experiments.study"
 )
 
 if [ $# -eq 0 ] || [ -z "${CMD[$1]+x}" ]; then
