@@ -351,15 +351,19 @@ def test_auto_takes_the_kernels_on_one_cuda_device_only(monkeypatch):
     assert ("__gpu$xla.gpu.triton" in hlo) == kernels, (mesh, d)
 
 
-def test_pallas_interpret_runs_the_kernels_on_the_same_operands():
+@pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "no reuse"])
+def test_pallas_interpret_runs_the_kernels_on_the_same_operands(reuse):
   """The op's kernel path (interpret mode) against its XLA path: O to bf16 rounding and dV exact; dQ
   and dK within the dS code flips that the kernels' own O and L (other summation order) cause, far
-  below the error other rounding bits would give (~0.3: twice the variance of the ~20% noise)."""
+  below the error other rounding bits would give (~0.3: twice the variance of the ~20% noise). The
+  same without tensor reuse (the backward on the unquantized q, k)."""
   q, k, v, do = _data(h=2, hk=1)
+  config = dataclasses.replace(NVFP4, reuse=reuse)
 
   @functools.partial(jax.jit, static_argnums=0)
   def run(impl, q, k, v, do):
-    o, vjp = jax.vjp(lambda q, k, v: nvfp4_attention(q, k, v, key=KEY, implementation=impl), q, k, v)
+    o, vjp = jax.vjp(lambda q, k, v: nvfp4_attention(q, k, v, key=KEY, config=config, implementation=impl),
+                     q, k, v)
     return (o, *vjp(do))
 
   ours, ref = run("pallas_interpret", q, k, v, do), run("xla", q, k, v, do)
