@@ -16,7 +16,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from benchmarks.timing import environment_line, median_seconds
@@ -35,11 +34,6 @@ def pallas_copy(x, *, interpret=False, bm=64, bn=1024):
   return pl.pallas_call(_copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                         grid=(m // bm, n // bn), in_specs=[spec], out_specs=spec,
                         interpret=interpret)(x)
-
-
-def xla_amax_bits(x):
-  """max|x| as a float32 bit pattern, one XLA reduction (the peer of the kernels' first pass)."""
-  return jnp.max(lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF)
 
 
 KERNEL_ROWS = [
@@ -102,7 +96,7 @@ def main():
   copy_pl = 4 * n * n / t
   rows.append(("copy: bf16 (Pallas kernel)", t, copy_pl))
   copy_bw = max(copy_f32, copy_pl)
-  t = time(jax.jit(xla_amax_bits), x)
+  t = time(jax.jit(kq.amax_bits), x)
   rows.append(("amax alone: one XLA reduction (read only)", t, 2 * n * n / t))
 
   q_bytes = (2 + 0.5 + 1 / 16) * n * n

@@ -298,7 +298,7 @@ def dequantize(t: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
   return t.dequantize(dtype)
 
 
-def gemm(a: NVFP4Tensor, b: NVFP4Tensor, contracting=((1,), (0,))) -> jax.Array:
+def gemm(a: NVFP4Tensor, b: NVFP4Tensor, contracting=((1,), (0,)), *, decoded=(None, None)) -> jax.Array:
   """An NVFP4 × NVFP4 GEMM as tensor cores compute it, up to summation order.
 
   ``(dot(scaled_elements(a), scaled_elements(b)) * S_dec(a)) * S_dec(b)``: the operands decoded to
@@ -310,6 +310,8 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, contracting=((1,), (0,))) -> jax.Array:
     a, b: 2-D ``NVFP4Tensor``s.
     contracting: ``lax.dot_general``'s contracting dimensions: ``((1,), (0,))`` is ``a @ b``,
       ``((1,), (1,))`` is ``a @ b.T``, ``((0,), (0,))`` is ``a.T @ b``.
+    decoded: ``(da, db)``, each ``scaled_elements(bfloat16)`` of its operand when the caller already
+      has it (the quantizer kernels write it), or None to decode here. The same values either way.
 
   Returns:
     The float32 product.
@@ -319,8 +321,10 @@ def gemm(a: NVFP4Tensor, b: NVFP4Tensor, contracting=((1,), (0,))) -> jax.Array:
     >>> float(gemm(a, b, ((1,), (1,)))[0, 0])
     32.0
   """
-  acc = lax.dot_general(a.scaled_elements(jnp.bfloat16), b.scaled_elements(jnp.bfloat16),
-                        (contracting, ((), ())), precision=lax.Precision.HIGHEST,
+  da, db = decoded
+  da = a.scaled_elements(jnp.bfloat16) if da is None else da
+  db = b.scaled_elements(jnp.bfloat16) if db is None else db
+  acc = lax.dot_general(da, db, (contracting, ((), ())), precision=lax.Precision.HIGHEST,
                         preferred_element_type=jnp.float32)
   return (acc * a.global_scale) * b.global_scale
 

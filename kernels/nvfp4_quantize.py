@@ -99,6 +99,16 @@ def stochastic_bits(key, shape, bit_source="random") -> jax.Array:
   raise ValueError(f"bit_source must be one of {BIT_SOURCES}, got {bit_source!r}")
 
 
+def amax_bits(x, *, hadamard_key=None, axis=-1) -> jax.Array:
+  """``max|x|`` (of ``nvfp4.hadamard(x)`` in float32 with ``hadamard_key``) as a float32 bit pattern
+  (int32), in one XLA reduction: the value the kernels' first pass computes (NaN and inf patterns
+  lie above every finite one, so a non-finite element wins)."""
+  x = jnp.asarray(x)
+  if hadamard_key is not None:
+    x = nvfp4.hadamard(x.astype(jnp.float32), hadamard_key, axis)
+  return jnp.max(_abs_bits(x.astype(jnp.float32)))
+
+
 def quantize_reference(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None,
                        bit_source="random", hadamard_key=None, decoded=False):
   """``quantize`` in plain jnp: ``nvfp4.quantize`` of ``x`` (or of ``nvfp4.hadamard`` of ``x`` in float32)
@@ -534,8 +544,7 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
   # the flattened tensor, or through the Hadamard transform in the quantizer's layout.
   o_spec = pl.BlockSpec((1, 1), lambda i, j: (i, j))
   if amax == "xla":
-    xa = nvfp4.hadamard(x.astype(jnp.float32), hadamard_key, axis) if hadamard_on else x
-    partial = jnp.max(_abs_bits(xa.astype(jnp.float32)))
+    partial = amax_bits(x, hadamard_key=hadamard_key, axis=axis)
   elif not hadamard_on:
     view, tile = _flat_view(x.size, block_sizes.amax_elements)
     grid = (pl.cdiv(view[0], tile[0]), 1)

@@ -221,24 +221,12 @@ def _kernel_quantize(a, rounding, key, config, *, decoded, hadamard_key=None, **
   return out if decoded else (out, None)
 
 
-def _gemm(a, b, dims, config) -> jax.Array:
-  """One quantized GEMM of two ``NVFP4Tensor``s, as ``config.gemm`` says."""
+def _gemm(a, b, dims, config, decoded=(None, None)) -> jax.Array:
+  """One quantized GEMM of two ``NVFP4Tensor``s as ``config.gemm`` says: ``nvfp4.gemm`` (with the
+  decoded bf16 operands the quantizer kernels wrote, where given) or ``nvfp4.scaled_matmul_gemm``."""
   if config.gemm == "scaled_matmul":
     return nvfp4.scaled_matmul_gemm(a, b, dims)
-  return nvfp4.gemm(a, b, dims)
-
-
-def _kernel_gemm(a, b, dims, config) -> jax.Array:
-  """``_gemm`` of two ``(NVFP4Tensor, decoded bf16 or None)`` operands from the quantizer kernels:
-  ``nvfp4.gemm``'s ops on the decoded forms, decoding only the operands that come without theirs
-  (the same ops, hence the same bits), or ``scaled_matmul`` of the packed tensors."""
-  (ta, da), (tb, db) = a, b
-  if config.gemm == "scaled_matmul":
-    return nvfp4.scaled_matmul_gemm(ta, tb, dims)
-  da = ta.scaled_elements(jnp.bfloat16) if da is None else da
-  db = tb.scaled_elements(jnp.bfloat16) if db is None else db
-  acc = lax.dot_general(da, db, (dims, ((), ())), precision=_HIGHEST, preferred_element_type=_F32)
-  return (acc * ta.global_scale) * tb.global_scale
+  return nvfp4.gemm(a, b, dims, decoded=decoded)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -271,7 +259,7 @@ def _matmul_fwd_kernels(x_MxK, w_KxN, key, config, x_dtype):
                           block=(16, 16))
   if config.fwd:
     qx = _kernel_quantize(x_MxK, config.x_rounding, keys["x"], config, decoded=decoded, axis=-1)
-    y = _kernel_gemm(qx, qw, _NN, config)
+    y = _gemm(qx[0], qw[0], _NN, config, (qx[1], qw[1]))
   else:
     y = _fdot(x_MxK, w_KxN.astype(x_dtype), _NN)
   w_res = qw[0] if config.dgrad else w_KxN
@@ -290,7 +278,7 @@ def _matmul_bwd(config, x_dtype, w_dtype, res, dy_MxN):
     if kernels:
       qdy = _kernel_quantize(dy_MxN, config.dy_dgrad_rounding, keys["dy_dgrad"], config, decoded=decoded,
                              axis=-1)
-      dx = _kernel_gemm(qdy, (w_res, None), _NT, config)
+      dx = _gemm(qdy[0], w_res, _NT, config, (qdy[1], None))
     else:
       dx = _gemm(quantize_dy_dgrad(dy_MxN, keys, config), w_res, _NT, config)
   else:
@@ -299,7 +287,7 @@ def _matmul_bwd(config, x_dtype, w_dtype, res, dy_MxN):
     if kernels:
       qdy = _kernel_quantize(dy_MxN, config.dy_wgrad_rounding, keys["dy_wgrad"], config, decoded=decoded,
                              axis=0, hadamard_key=keys["hadamard"] if config.hadamard else None)
-      dw = _kernel_gemm((x_res, None), qdy, _TN, config)
+      dw = _gemm(x_res, qdy[0], _TN, config, (None, qdy[1]))
     else:
       dw = _gemm(x_res, quantize_dy_wgrad(dy_MxN, keys, config), _TN, config)
   elif config.hadamard:
