@@ -512,10 +512,9 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
       scaled_elements(bfloat16)``: exact; the global scale is not applied).
     block_sizes: kernel tiling (``BlockSizes``).
     amax: the first pass, ``max|x|`` (of ``hadamard(x)`` with ``hadamard_key``) as a float32 bit
-      pattern: ``"kernel"`` (a Pallas kernel) or ``"xla"`` (a reduction that XLA fuses and
-      compiles with its own emitters). The same value either way (a max is exact); the choice
-      moves time between the pass and compilation: every Triton kernel of a program is compiled
-      separately per shape (XLA keys its Triton cache by the kernel and its grid).
+      pattern: ``"kernel"`` (a Pallas kernel) or ``"xla"`` (``amax_bits``: a reduction that XLA
+      fuses and compiles with its own emitters, one Triton kernel fewer per operand; docs/DESIGN.md,
+      "Kernels"). The same value either way (a max is exact).
     interpret: run the kernels in Pallas interpret mode (CPU).
 
   Returns:
