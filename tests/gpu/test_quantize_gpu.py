@@ -3,7 +3,7 @@
   FP4JAX_GPU_TESTS=1 python -m pytest -m gpu tests/gpu/test_quantize_gpu.py
 
 Each variant of ``fp4jax.kernels.nvfp4_quantize.quantize`` (layout, rounding, bit source, Hadamard
-transform, decoded operand) runs on the GPU on 1024×2048 bfloat16 data, normal and heavy-tailed; its
+transform, decoded operand, the amax pass in XLA) runs on the GPU on 1024×2048 bfloat16 data, normal and heavy-tailed; its
 reference (``quantize_reference``: ``nvfp4.quantize``) runs jitted on the CPU backend of the same
 process.
 """
@@ -30,6 +30,10 @@ VARIANTS = {
     "axis0 hadamard counter": dict(axis=0, hadamard_key=HKEY, rounding="stochastic", key=KEY,
                                    bit_source="counter"),
     "last hadamard nearest": dict(hadamard_key=HKEY),
+    # The first pass as an XLA reduction (amax="xla"), plain and through the Hadamard transform.
+    "1x16 nearest, XLA amax": dict(amax="xla"),
+    "axis0 hadamard stochastic, XLA amax": dict(axis=0, hadamard_key=HKEY, rounding="stochastic", key=KEY,
+                                                amax="xla"),
 }
 
 
@@ -61,7 +65,8 @@ def test_gpu_kernel_equals_cpu_nvfp4(name, data):
   with jax.default_device(gpu):
     got = jax.jit(lambda a: kq.quantize(a, decoded=True, **kw))(jax.device_put(x, gpu))
   with jax.default_device(cpu):
-    want = jax.jit(lambda a: kq.quantize_reference(a, decoded=True, **kw))(jax.device_put(x, cpu))
+    ref_kw = {k: v for k, v in kw.items() if k != "amax"}
+    want = jax.jit(lambda a: kq.quantize_reference(a, decoded=True, **ref_kw))(jax.device_put(x, cpu))
   names = ("codes", "scales", "global_scale", "decoded")
   (gt, gd), (wt, wd) = got, want
   counts = {n: _mismatches(g, w) for n, g, w in zip(
