@@ -121,8 +121,17 @@ def test_in_kernel_ds_quantizer_equals_cpu(rounding):
     return fake_quant_ds(ds, ds_tile=A.DS_TILE, rounding=rounding, bits=bits).astype(jnp.bfloat16)
 
   want = _on(cpu, whole, ds)
-  assert _bits_equal(got, want) == 0
-  assert _bits_equal(_on(gpu, whole, ds), want) == 0
+  on_gpu = _on(gpu, whole, ds)
+  # XLA's CPU backend flushes subnormal operands of float arithmetic to zero: with S_dec subnormal
+  # it decodes that tile to zeros where the GPU multiplies exactly. There the kernel must equal the
+  # XLA quantizer on the GPU (and be nonzero: div.rn.f32 keeps the subnormal S_dec); everywhere else
+  # both must equal the CPU bit for bit.
+  sub = np.zeros((t, s), bool)
+  sub[64:128, :64] = True
+  assert _bits_equal(got[~sub], want[~sub]) == 0
+  assert _bits_equal(on_gpu[~sub], want[~sub]) == 0
+  assert _bits_equal(got[sub], on_gpu[sub]) == 0
+  assert np.any(np.asarray(got[sub], np.float32) != 0)
 
 
 def _scores_kernel(q_ref, k_ref, s_ref, *, sm_scale):
