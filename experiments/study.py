@@ -21,7 +21,11 @@ spread of those seeds (min–max and standard deviation, in % of ``L̄``) is the
 ``experiments/results/<name>``, read by ``notebooks/loss_gap.ipynb``).
 
 One arm per command (``--arms=fp4_linear``) fits a machine that limits the length of a command;
-the table then grows with each. ``<workdir>/study.json`` records the study's config: a workdir of a
+the table then grows with each. ``--parallel=N`` trains up to N arms at once, each in a process of
+its own on the same device(s) (``<workdir>/logs/<arm>.log`` holds its output): for models small
+enough that one arm leaves the GPU mostly idle. Arms trained that way share the device, so the
+table marks their throughput (``tokens/s``, ``step ms``) with † (``shared_device`` in their row):
+it is not the speed of their recipe. ``<workdir>/study.json`` records the study's config: a workdir of a
 study with another config (model, data, steps, ...) is refused; a config field that the recorded
 study lacks (a field added since, at its default) is not compared.
 """
@@ -31,8 +35,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -51,7 +58,10 @@ STUDY_FILE = "study.json"
 ROWS_FILE = "study.jsonl"
 TABLE_FILE = "table.md"
 EVAL_FILE = "eval.json"
-ARM_LOGS = ("metrics.jsonl", "config.json", EVAL_FILE)
+SHARED_FILE = "shared_device.json"  # {"parallel": N}: the arm trained beside others (--parallel)
+ARM_LOGS = ("metrics.jsonl", "config.json", EVAL_FILE, SHARED_FILE)
+# Set in the processes of --parallel: their arms train beside others.
+_CHILD_ENV = "FP4JAX_STUDY_PARALLEL"
 # Config fields that do not change what a run computes: a study may resume with others.
 VOLATILE = ("progress", "tensorboard")
 
@@ -241,6 +251,8 @@ def run_arm(cfg, arm: Arm, workdir: Path, eval_tokens: int | None = None,
   status = "reused"
   if not is_finished(run_dir, c.steps):
     status = "trained"
+    if not os.environ.get(_CHILD_ENV):  # trained alone: its throughput is its own
+      (run_dir / SHARED_FILE).unlink(missing_ok=True)
     try:
       launcher.run(c, run_dir)
     except NonFiniteLossError as e:
@@ -265,6 +277,8 @@ def arm_row(cfg, arm: Arm, workdir: Path) -> dict | None:
   tokens = c.steps * c.batch_size * c.seq_len
   ev = {} if diverged else json.loads((run_dir / EVAL_FILE).read_text())
   step_time = s.get("step_time_s", math.nan)
+  shared = run_dir / SHARED_FILE
+  parallel = json.loads(shared.read_text())["parallel"] if shared.is_file() else 1
   overrides = {k: c.recipe[k] for k in arm.recipe}  # lora_resplit_every resolved
   recipe = {**{k: c.recipe[k] for k in MODULES}, **overrides}
   return {"arm": arm.name, "status": "diverged" if diverged else "ok", "group": arm.group,
@@ -275,7 +289,7 @@ def arm_row(cfg, arm: Arm, workdir: Path) -> dict | None:
           "tokens": tokens, "params": run["num_params"],
           "tokens_per_s": c.batch_size * c.seq_len / step_time if step_time > 0 else math.nan,
           "epochs": tokens / meta.splits["train"]["num_tokens"], "step_time_s": step_time,
-          "platform": run.get("platform"), "devices": run.get("devices")}
+          "shared_device": parallel, "platform": run.get("platform"), "devices": run.get("devices")}
 
 
 def add_gaps(rows: list[dict]) -> dict:
@@ -326,10 +340,15 @@ def table(rows: list[dict], floor: dict, title: str = "") -> str:
     if r["optimizer"] != "adamw":
       mods.append(f"optimizer={r['optimizer']}")
     eval_loss = "diverged" if r["status"] == "diverged" else _fmt(r["eval_loss"], ".4f")
+    mark = " †" if r.get("shared_device", 1) > 1 else ""
     lines.append(f"| {r['arm']} | {', '.join(mods)} | {r['seed']} | {eval_loss} | "
                  f"{_fmt(r['gap_pct'], '+.2f')} | {_baseline(r)} | {_fmt(r['train_loss'], '.4f')} | "
-                 f"{r['tokens']:,} | {r['params']:,} | {_fmt(r['tokens_per_s'], ',.0f')} | "
-                 f"{_fmt(r['epochs'], '.3g')} | {_fmt(1000 * r['step_time_s'], '.0f')} |")
+                 f"{r['tokens']:,} | {r['params']:,} | {_fmt(r['tokens_per_s'], ',.0f')}{mark} | "
+                 f"{_fmt(r['epochs'], '.3g')} | {_fmt(1000 * r['step_time_s'], '.0f')}{mark} |")
+  shared = sorted({r["shared_device"] for r in rows if r.get("shared_device", 1) > 1})
+  if shared:
+    lines += ["", f"† trained with up to {shared[-1]} arms at once on the same device(s) "
+              "(`--parallel`): the throughput of a shared device, not of the recipe."]
   return "\n".join(lines)
 
 
@@ -366,32 +385,123 @@ def collect(workdir: Path, dest: Path) -> list[Path]:
   return out
 
 
+class ArmsFailedError(RuntimeError):
+  """Arms of a ``--parallel`` study whose process failed (each named with its log)."""
+
+
+def child_command(argv: Sequence[str], arm: str) -> list[str]:
+  """The command line of one arm's process under ``--parallel``: this command's flags (``argv``,
+  without the program name) with ``--arms=arm`` and without ``--arms``, ``--parallel`` and
+  ``--collect`` (the parent collects once all have finished)."""
+  out, skip_value = [], False
+  for a in argv:
+    if skip_value:
+      skip_value = False
+      continue
+    if a.split("=", 1)[0] in ("--arms", "--parallel", "--collect"):
+      skip_value = "=" not in a
+      continue
+    out.append(a)
+  return [sys.executable, "-m", "experiments.study", *out, f"--arms={arm}"]
+
+
+def run_parallel(cfg, workdir: Path, arms: Sequence[Arm], parallel: int,
+                 argv: Sequence[str]) -> list[str]:
+  """Runs each arm as ``python -m experiments.study --arms=ARM`` (``child_command``), up to
+  ``parallel`` processes at once, each writing ``<workdir>/logs/<arm>.log``; prints when each starts
+  and ends. An arm that is not finished yet gets ``shared_device.json`` (its throughput is that of a
+  shared device). The processes do not preallocate device memory (``XLA_PYTHON_CLIENT_PREALLOCATE``
+  false unless set). Returns the names of the arms whose process failed."""
+  logs = workdir / "logs"
+  logs.mkdir(parents=True, exist_ok=True)
+  repo = str(Path(__file__).resolve().parents[1])
+  env = {**os.environ, _CHILD_ENV: str(parallel),
+         "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+  env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  pending, running, failed, done = list(arms), {}, [], 0
+  try:
+    while pending or running:
+      while pending and len(running) < parallel:
+        arm = pending.pop(0)
+        run_dir = workdir / arm.name
+        if not is_finished(run_dir, arm_config(cfg, arm).steps):
+          run_dir.mkdir(parents=True, exist_ok=True)
+          (run_dir / SHARED_FILE).write_text(json.dumps({"parallel": parallel}) + "\n")
+        log = open(logs / f"{arm.name}.log", "w")  # closed when its process ends
+        proc = subprocess.Popen(child_command(argv, arm.name), stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+        running[arm.name] = (proc, log, time.perf_counter())
+        print(f"=== arm {arm.name}: started ({len(running)} running, {done}/{len(arms)} done), "
+              f"log {logs / (arm.name + '.log')} — {arm.what}", flush=True)
+      time.sleep(1.0)
+      for name, (proc, log, t0) in list(running.items()):
+        if proc.poll() is None:
+          continue
+        log.close()
+        del running[name]
+        done += 1
+        ev_path = workdir / name / EVAL_FILE
+        ev = json.loads(ev_path.read_text()) if ev_path.is_file() else {}
+        if proc.returncode:
+          failed.append(name)
+          tail = (logs / f"{name}.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
+          print(f"=== arm {name}: FAILED (exit {proc.returncode}) in "
+                f"{time.perf_counter() - t0:.0f} s: {tail[0]}", flush=True)
+        else:
+          print(f"=== arm {name}: done in {time.perf_counter() - t0:.0f} s, eval loss "
+                f"{ev.get('loss', math.nan):.4f} ({done}/{len(arms)})", flush=True)
+  finally:  # an interrupted parent stops its arms (each saves its step on SIGTERM)
+    for proc, log, _ in running.values():
+      proc.terminate()
+    for proc, log, _ in running.values():
+      proc.wait()
+      log.close()
+  return failed
+
+
 def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int | None = None,
           eval_batch_size: int | None = None, collect_to: str | Path | None = None,
-          telemetry: bool = True) -> list[dict]:
+          telemetry: bool = True, parallel: int = 1, argv: Sequence[str] = ()) -> list[dict]:
   """Runs the selected arms, then writes (and optionally collects) the study's rows and table.
+
+  Args:
+    parallel: with more than 1, the arms train up to that many at a time, each in a process of its
+      own (``run_parallel``) started with this command's flags ``argv`` (the program's command line
+      without its name).
 
   Returns:
     The rows of ``study.jsonl`` (every finished arm of the workdir).
+
+  Raises:
+    ArmsFailedError: after the table, if an arm's process failed under ``parallel``.
   """
   workdir = Path(workdir)
   selected = select_arms(arms)
+  if parallel < 1:
+    raise ValueError(f"--parallel={parallel}: give 1 or more arms at a time")
   for arm in selected:  # every arm's config is checked before any trains
     arm_config(cfg, arm)
   check_workdir(cfg, workdir)
-  for i, arm in enumerate(selected, 1):
-    print(f"=== arm {arm.name} ({i}/{len(selected)}): {workdir / arm.name} — {arm.what}",
-          flush=True)
-    t0 = time.perf_counter()
-    status = run_arm(cfg, arm, workdir, eval_tokens, eval_batch_size, telemetry)
-    ev = json.loads((workdir / arm.name / EVAL_FILE).read_text()) if status != "diverged" else {}
-    print(f"=== arm {arm.name}: {status} in {time.perf_counter() - t0:.0f} s, eval loss "
-          f"{ev.get('loss', math.nan):.4f}", flush=True)
+  failed = []
+  if parallel > 1 and len(selected) > 1:
+    failed = run_parallel(cfg, workdir, selected, parallel, argv)
+  else:
+    for i, arm in enumerate(selected, 1):
+      print(f"=== arm {arm.name} ({i}/{len(selected)}): {workdir / arm.name} — {arm.what}",
+            flush=True)
+      t0 = time.perf_counter()
+      status = run_arm(cfg, arm, workdir, eval_tokens, eval_batch_size, telemetry)
+      ev = json.loads((workdir / arm.name / EVAL_FILE).read_text()) if status != "diverged" else {}
+      print(f"=== arm {arm.name}: {status} in {time.perf_counter() - t0:.0f} s, eval loss "
+            f"{ev.get('loss', math.nan):.4f}", flush=True)
   rows, text = write_results(cfg, workdir)
   print("\n" + text, flush=True)
   if collect_to is not None:
     files = collect(workdir, Path(collect_to))
     print(f"\ncollected {len(files)} files into {collect_to}", flush=True)
+  if failed:
+    raise ArmsFailedError(f"arm(s) {', '.join(failed)} failed; their output is in "
+                          f"{workdir / 'logs'}/<arm>.log")
   return rows
 
 
@@ -403,6 +513,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("eval_batch_size", None, "evaluation batch (default: the run's)")
   flags.DEFINE_string("collect", None, "copy the small logs into this folder")
   flags.DEFINE_bool("telemetry", True, "log the per-module quantization error (--notelemetry: off)")
+  flags.DEFINE_integer("parallel", 1, "train up to this many arms at once, one process each")
   flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
   launcher.define_cache_flag()
 
@@ -414,8 +525,13 @@ def main(argv):
                               "tiny.py --workdir=runs/study --arms=all", "config", "workdir",
                               "arms")
   launcher.enable_compilation_cache(fl.compilation_cache)
-  launcher.report_errors(lambda: study(fl.config, fl.workdir, fl.arms, fl.eval_tokens,
-                                       fl.eval_batch_size, fl.collect, fl.telemetry), fl.verbose)
+  try:
+    launcher.report_errors(lambda: study(fl.config, fl.workdir, fl.arms, fl.eval_tokens,
+                                         fl.eval_batch_size, fl.collect, fl.telemetry, fl.parallel,
+                                         sys.argv[1:]), fl.verbose)
+  except ArmsFailedError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def test_two_arms_collect_and_reuse(tmp_path, capsys):
   assert f"mean eval loss {mean:.4f} over 2 seed(s)" in table
   assert table.count("| bf16_s") == 2
   for arm in ("bf16_s0", "bf16_s1"):
-    assert sorted(p.name for p in (dest / arm).iterdir()) == sorted(st.ARM_LOGS)
+    assert sorted(p.name for p in (dest / arm).iterdir()) == sorted(set(st.ARM_LOGS) - {st.SHARED_FILE})
   assert (dest / st.STUDY_FILE).is_file()
 
   # A finished arm is reused (not trained again); a study of another config is refused.
@@ -144,6 +144,48 @@ def test_two_arms_collect_and_reuse(tmp_path, capsys):
   del recorded["config"]["recipe"]["lora_lr_scale"]
   (work / st.STUDY_FILE).write_text(json.dumps(recorded))
   st.check_workdir(cfg, work)
+
+
+def test_child_command_keeps_the_flags_but_arms_parallel_and_collect():
+  argv = ["--config=c.py", "--config.steps=3", "--arms", "a,b", "--parallel=2", "--collect", "out",
+          "--workdir=w", "--notelemetry"]
+  assert st.child_command(argv, "bf16_s1")[1:] == [
+      "-m", "experiments.study", "--config=c.py", "--config.steps=3", "--workdir=w", "--notelemetry",
+      "--arms=bf16_s1"]
+
+
+def test_parallel_arms_train_in_processes_of_their_own(tmp_path):
+  repo = st.Path(st.__file__).parents[1]
+  work, dest = tmp_path / "study", tmp_path / "results"
+  cmd = [sys.executable, "-m", "experiments.study", "--config=experiments/configs/tiny.py",
+         f"--workdir={work}", "--arms=bf16_s0,bf16_s1", "--parallel=2", f"--collect={dest}",
+         "--eval_tokens=256", "--notelemetry", "--compilation_cache=", "--config.steps=3",
+         "--config.batch_size=4", "--config.seq_len=32", "--config.eval_batches=1",
+         "--config.checkpoint_every=0", "--config.progress=False", "--config.tensorboard=False",
+         "--config.cross_entropy=xla", "--config.model.d_model=32", "--config.model.n_layers=1",
+         "--config.model.n_heads=2", "--config.mesh_shape=(1,1,1)"]
+  r = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-2000:]
+  for arm in ("bf16_s0", "bf16_s1"):
+    assert f"=== arm {arm}: started" in r.stdout and f"=== arm {arm}: done" in r.stdout
+    assert "=== arm" in (work / "logs" / f"{arm}.log").read_text()  # the arm's own process
+    assert json.loads((work / arm / st.SHARED_FILE).read_text()) == {"parallel": 2}
+    assert (dest / arm / st.SHARED_FILE).is_file()
+  rows = [json.loads(x) for x in (dest / st.ROWS_FILE).read_text().splitlines()]
+  assert [(r["arm"], r["shared_device"]) for r in rows] == [("bf16_s0", 2), ("bf16_s1", 2)]
+  assert rows[0]["eval_loss"] != rows[1]["eval_loss"]
+  table = (dest / st.TABLE_FILE).read_text()
+  assert table.count(" † |") == 4 and "† trained with up to 2 arms at once" in table
+
+  # An arm whose process fails is named, with its log, after the table of the others.
+  bad = [c for c in cmd if not c.startswith(("--collect", "--workdir"))]
+  bad += [f"--workdir={tmp_path / 'bad'}", f"--config.data.corpus={tmp_path / 'no_such_text'}"]
+  r = subprocess.run(bad, cwd=repo, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 1, r.stderr[-2000:]
+  assert "=== arm bf16_s0: FAILED" in r.stdout and "no_such_text" in r.stdout
+  assert r.stderr.startswith("error: arm(s) bf16_s0, bf16_s1 failed") or \
+      r.stderr.startswith("error: arm(s) bf16_s1, bf16_s0 failed")
+  assert "no_such_text" in (tmp_path / "bad" / "logs" / "bf16_s0.log").read_text()
 
 
 def _toy_params():
