@@ -27,6 +27,7 @@ box) gets a corpus by copying ``<name>.tar.xz`` into its data root.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gzip
 import hashlib
@@ -387,6 +388,27 @@ def _build(name: str, root: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike):
+  """Holds an exclusive lock on ``path`` (created if missing) against the other processes of this
+  machine that take it (``fcntl.flock``; released when the block ends or the process dies), so one
+  of several processes that need the same folder builds it and the others wait, then reuse it.
+  Without ``fcntl`` (Windows) it does nothing."""
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  try:
+    import fcntl
+  except ImportError:  # pragma: no cover
+    yield
+    return
+  with open(path, "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _unpack(archive: Path, root: Path) -> None:
   with tarfile.open(archive, "r:*") as tf:
     tf.extractall(root, filter="data")
@@ -409,6 +431,14 @@ def builtin_corpus(name: str = "shakespeare", cache_dir: str | os.PathLike | Non
   root = data_root(cache_dir)
   corpus_dir = root / "corpora" / name
   if not (corpus_dir / MANIFEST).is_file():
+    with file_lock(root / "corpora" / f".{name}.lock"):  # one process unpacks or builds it
+      _get_builtin(name, root, corpus_dir, allow_download)
+  return _from_manifest(corpus_dir)
+
+
+def _get_builtin(name: str, root: Path, corpus_dir: Path, allow_download: bool) -> None:
+  """Unpacks ``<root>/<name>.tar.xz`` into ``corpus_dir``, or builds it from the registries."""
+  if not (corpus_dir / MANIFEST).is_file():  # another process may have made it meanwhile
     packed = [p for p in (root / f"{name}.tar.xz", root / "corpora" / f"{name}.tar.xz")
               if p.is_file()]
     if packed:
@@ -423,7 +453,6 @@ def builtin_corpus(name: str = "shakespeare", cache_dir: str | os.PathLike | Non
     else:
       (root / "corpora").mkdir(parents=True, exist_ok=True)
       _build(name, root)
-  return _from_manifest(corpus_dir)
 
 
 def text_dir_corpus(path: str | os.PathLike, val_every: int = VAL_EVERY) -> CorpusFiles:

@@ -261,7 +261,9 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
 
   A folder that holds the same data with a missing or truncated shard is prepared again.
 
-  Run it on one process only (e.g. ``jax.process_index() == 0``) when several share a disk.
+  Processes of one machine that prepare the same folder at once take turns (a lock file beside it):
+  the first tokenizes, the others reuse its folder. Hosts that share a network disk should still
+  prepare on one process only (e.g. ``jax.process_index() == 0``).
 
   Args:
     corpus: a built-in corpus name ("shakespeare", "mix"), a folder of .txt files, or
@@ -292,37 +294,39 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
   fingerprint = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
   other = ("use another folder (--config.data.dir for experiments.train, --out for `python -m "
            "fp4jax.data prepare`), or replace it (`python -m fp4jax.data prepare --overwrite`)")
-  if (out / META_FILE).is_file():
-    old = read_meta(out)
-    if old.fingerprint == fingerprint:
-      if _shards_ok(out, old):
-        return old
-      print(f"{out}: a shard is missing or truncated; preparing the data again", flush=True)
-    elif not overwrite:
-      raise ValueError(f"{out} already holds other data ({old.corpus.get('name')}, "
-                       f"{old.tokenizer.get('kind')} tokenizer, vocab {old.vocab_size}); {other}")
-  elif out.exists() and any(out.iterdir()) and not overwrite:
-    raise ValueError(f"{out} is a non-empty folder without {META_FILE}; {other}")
-  tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-  shutil.rmtree(tmp, ignore_errors=True)
-  tmp.mkdir(parents=True)
-  try:
-    train_texts = (corpus_lib.read_text(p, encoding) for p in files.train)
-    tok = tokenizer_lib.make_tokenizer(tokenizer, train_texts, tmp, vocab_size=vocab_size)
-    dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
-    splits = {s: _write_split(tok, files.split(s), tmp, s, _DTYPES[dtype], shard_tokens,
-                              encoding) for s in SPLITS}
-    meta = DataMeta(format_version=FORMAT_VERSION, dtype=dtype, vocab_size=tok.vocab_size,
-                    eos_id=tok.eos_id, tokenizer=tok.spec(), splits=splits,
-                    corpus={"name": files.name, "fingerprint": files.fingerprint},
-                    licenses=list(files.licenses), fingerprint=fingerprint)
-    (tmp / META_FILE).write_text(json.dumps(dataclasses.asdict(meta), indent=1))
-    if out.exists():
-      shutil.rmtree(out)
-    tmp.rename(out)
-  finally:
+  # One process tokenizes; the others that want the same folder wait here, then reuse it.
+  with corpus_lib.file_lock(out.with_name(f".{out.name}.lock")):
+    if (out / META_FILE).is_file():
+      old = read_meta(out)
+      if old.fingerprint == fingerprint:
+        if _shards_ok(out, old):
+          return old
+        print(f"{out}: a shard is missing or truncated; preparing the data again", flush=True)
+      elif not overwrite:
+        raise ValueError(f"{out} already holds other data ({old.corpus.get('name')}, "
+                         f"{old.tokenizer.get('kind')} tokenizer, vocab {old.vocab_size}); {other}")
+    elif out.exists() and any(out.iterdir()) and not overwrite:
+      raise ValueError(f"{out} is a non-empty folder without {META_FILE}; {other}")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-  return meta
+    tmp.mkdir(parents=True)
+    try:
+      train_texts = (corpus_lib.read_text(p, encoding) for p in files.train)
+      tok = tokenizer_lib.make_tokenizer(tokenizer, train_texts, tmp, vocab_size=vocab_size)
+      dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
+      splits = {s: _write_split(tok, files.split(s), tmp, s, _DTYPES[dtype], shard_tokens,
+                                encoding) for s in SPLITS}
+      meta = DataMeta(format_version=FORMAT_VERSION, dtype=dtype, vocab_size=tok.vocab_size,
+                      eos_id=tok.eos_id, tokenizer=tok.spec(), splits=splits,
+                      corpus={"name": files.name, "fingerprint": files.fingerprint},
+                      licenses=list(files.licenses), fingerprint=fingerprint)
+      (tmp / META_FILE).write_text(json.dumps(dataclasses.asdict(meta), indent=1))
+      if out.exists():
+        shutil.rmtree(out)
+      tmp.rename(out)
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
+    return meta
 
 
 def load_tokenizer(data_dir: str | os.PathLike) -> tokenizer_lib.Tokenizer:

