@@ -410,14 +410,17 @@ def run_parallel(cfg, workdir: Path, arms: Sequence[Arm], parallel: int,
   """Runs each arm as ``python -m experiments.study --arms=ARM`` (``child_command``), up to
   ``parallel`` processes at once, each writing ``<workdir>/logs/<arm>.log``; prints when each starts
   and ends. An arm that is not finished yet gets ``shared_device.json`` (its throughput is that of a
-  shared device). The processes do not preallocate device memory (``XLA_PYTHON_CLIENT_PREALLOCATE``
-  false unless set). Returns the names of the arms whose process failed."""
+  shared device). The processes do not preallocate device memory and each may take up to
+  ``0.9 / parallel`` of it (``XLA_PYTHON_CLIENT_PREALLOCATE`` false, ``XLA_PYTHON_CLIENT_MEM_FRACTION``,
+  unless set). Returns the names of the arms whose process failed."""
   logs = workdir / "logs"
   logs.mkdir(parents=True, exist_ok=True)
   repo = str(Path(__file__).resolve().parents[1])
   env = {**os.environ, _CHILD_ENV: str(parallel),
          "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
   env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  # Each process's allocator may grow to this share of the device, so together they fit on it.
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / parallel:.3f}")
   pending, running, failed, done = list(arms), {}, [], 0
   try:
     while pending or running:
