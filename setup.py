@@ -27,7 +27,7 @@ setup(
     ],
     extras_require={
         "bpe": ["tokenizers>=0.23"],
-        "test": ["tokenizers>=0.23", "pytest>=8", "nbformat>=5.10", "nbclient>=0.10", "ipykernel>=6", "matplotlib>=3.8",
+        "test": ["tokenizers>=0.23", "pytest>=8", "pytest-xdist>=3.6", "nbformat>=5.10", "nbclient>=0.10", "ipykernel>=6", "matplotlib>=3.8",
                  "ruff>=0.6"],
         "notebooks": ["matplotlib>=3.8", "jupyter"],
     },
