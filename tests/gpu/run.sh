@@ -15,7 +15,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 declare -A CMD=(
-  [gpu_tests]="env FP4JAX_GPU_TESTS=1 python3 -m pytest -q -s -rfE --durations=25 -m gpu tests/gpu"
+  [gpu_tests]="env FP4JAX_GPU_TESTS=1 python3 -m pytest -v -s -rfE --durations=25 -m gpu tests/gpu"
   [quantize]="python3 -m benchmarks.quantize"
   [optim_update]="python3 -m benchmarks.optim_update"
   [cross_entropy]="python3 -m benchmarks.cross_entropy"
