@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import math
 import statistics
@@ -41,7 +40,6 @@ from jax.sharding import PartitionSpec as P
 
 from fp4jax import sharding as shd
 from fp4jax.model import ModelConfig
-from fp4jax.ops import matmul as matmul_lib
 from fp4jax.ops.matmul import IMPLEMENTATIONS, MatmulConfig
 from fp4jax.recipe import get_recipe
 from fp4jax.train import (
@@ -65,19 +63,16 @@ H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
 @contextlib.contextmanager
 def matmul_implementation(impl: str):
   """Models built inside get ``implementation=impl`` in their ``MatmulConfig.nvfp4()`` (the model
-  builds its NVFP4 matmuls with that preset). ``IMPL+xla_amax``: the quantizer kernels with their
-  first pass in XLA (``nvfp4_quantize.quantize(amax="xla")``), one Triton kernel per operand."""
+  builds its NVFP4 matmuls with that preset). ``IMPL+xla_amax``: ``MatmulConfig.amax="xla"``, the
+  quantizer kernels' first pass in XLA, one Triton kernel per operand."""
   impl, _, variant = impl.partition("+")
+  fields = {"implementation": impl, "amax": "xla" if variant == "xla_amax" else "kernel"}
   preset = MatmulConfig.__dict__["nvfp4"]
-  quantize = matmul_lib._quantize_kernels
-  MatmulConfig.nvfp4 = classmethod(lambda cls, **kw: preset.__func__(cls, **{"implementation": impl, **kw}))
-  if variant == "xla_amax":
-    matmul_lib._quantize_kernels = functools.partial(quantize, amax="xla")
+  MatmulConfig.nvfp4 = classmethod(lambda cls, **kw: preset.__func__(cls, **{**fields, **kw}))
   try:
     yield
   finally:
     MatmulConfig.nvfp4 = preset
-    matmul_lib._quantize_kernels = quantize
 
 
 def _lines(text: str | None) -> int:

@@ -91,6 +91,8 @@ def test_config_presets_validation_and_hashing():
     MatmulConfig(fwd=1)
   with pytest.raises(ValueError, match="implementation must be one of"):
     MatmulConfig(implementation="triton")
+  with pytest.raises(ValueError, match="amax must be one of"):
+    MatmulConfig(amax="fused")
 
 
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
@@ -262,6 +264,8 @@ KERNEL_CASES = [
     ("dgrad only", MatmulConfig.nvfp4(fwd=False, wgrad=False), (M0, M1, K)),
     # The GEMMs through jax.nn.scaled_matmul: the kernels then write no decoded operand.
     ("scaled_matmul GEMMs", MatmulConfig.nvfp4(gemm="scaled_matmul"), (M0, M1, K)),
+    # The quantizer kernels' first pass as an XLA reduction.
+    ("amax in XLA", MatmulConfig.nvfp4(amax="xla"), (M0, M1, K)),
 ]
 
 

@@ -82,6 +82,9 @@ class MatmulConfig:
       ``nvfp4.scaled_matmul_gemm``, cuDNN's block-scaled GEMM on FP4 tensor cores), or ``"auto"``:
       ``"scaled_matmul"`` on a CUDA GPU of compute capability 10.0 or more
       (``fp4jax._platform.fp4_tensor_cores``), else ``"decoded"``.
+    amax: with the quantizer kernels, how their first pass forms each operand's ``max|x|``:
+      ``"kernel"`` (a Pallas kernel) or ``"xla"`` (an XLA reduction, so each operand is one Triton
+      kernel); the same bits either way (``nvfp4_quantize.quantize(amax=...)``).
   """
 
   fwd: bool = True
@@ -95,6 +98,7 @@ class MatmulConfig:
   hadamard: bool = True
   implementation: str = "auto"
   gemm: str = "auto"
+  amax: str = "kernel"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -105,6 +109,9 @@ class MatmulConfig:
       elif f.name == "gemm":
         if v not in GEMMS:
           raise ValueError(f"MatmulConfig.gemm must be one of {GEMMS}, got {v!r}")
+      elif f.name == "amax":
+        if v not in nvfp4_quantize.AMAX_PASSES:
+          raise ValueError(f"MatmulConfig.amax must be one of {nvfp4_quantize.AMAX_PASSES}, got {v!r}")
       elif f.name.endswith("rounding"):
         if v not in nvfp4.ROUNDINGS:
           raise ValueError(f"MatmulConfig.{f.name} must be one of {nvfp4.ROUNDINGS}, got {v!r}")
@@ -216,7 +223,7 @@ def _kernel_quantize(a, rounding, key, config, *, decoded, hadamard_key=None, **
   """``nvfp4_quantize.quantize`` of one GEMM operand: the tensor ``nvfp4.quantize`` gives with the same
   key (``bit_source="random"``), and with ``decoded`` its bf16 ``scaled_elements`` (else None)."""
   out = _quantize_kernels(a, rounding=rounding, key=key if rounding == "stochastic" else None,
-                          hadamard_key=hadamard_key, decoded=decoded,
+                          hadamard_key=hadamard_key, decoded=decoded, amax=config.amax,
                           interpret=config.implementation == "pallas_interpret", **layout)
   return out if decoded else (out, None)
 
