@@ -385,10 +385,6 @@ def collect(workdir: Path, dest: Path) -> list[Path]:
   return out
 
 
-class ArmsFailedError(RuntimeError):
-  """Arms of a ``--parallel`` study whose process failed (each named with its log)."""
-
-
 def child_command(argv: Sequence[str], arm: str) -> list[str]:
   """The command line of one arm's process under ``--parallel``: this command's flags (``argv``,
   without the program name) with ``--arms=arm`` and without ``--arms``, ``--parallel`` and
@@ -427,7 +423,7 @@ def run_parallel(cfg, workdir: Path, arms: Sequence[Arm], parallel: int,
       while pending and len(running) < parallel:
         arm = pending.pop(0)
         run_dir = workdir / arm.name
-        if not is_finished(run_dir, arm_config(cfg, arm).steps):
+        if not is_finished(run_dir, cfg.steps):
           run_dir.mkdir(parents=True, exist_ok=True)
           (run_dir / SHARED_FILE).write_text(json.dumps({"parallel": parallel}) + "\n")
         log = open(logs / f"{arm.name}.log", "w")  # closed when its process ends
@@ -443,18 +439,18 @@ def run_parallel(cfg, workdir: Path, arms: Sequence[Arm], parallel: int,
         log.close()
         del running[name]
         done += 1
-        ev_path = workdir / name / EVAL_FILE
-        ev = json.loads(ev_path.read_text()) if ev_path.is_file() else {}
         if proc.returncode:
           failed.append(name)
           tail = (logs / f"{name}.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
           print(f"=== arm {name}: FAILED (exit {proc.returncode}) in "
                 f"{time.perf_counter() - t0:.0f} s: {tail[0]}", flush=True)
         else:
+          ev_path = workdir / name / EVAL_FILE  # absent for a diverged arm
+          ev = json.loads(ev_path.read_text()) if ev_path.is_file() else {}
           print(f"=== arm {name}: done in {time.perf_counter() - t0:.0f} s, eval loss "
                 f"{ev.get('loss', math.nan):.4f} ({done}/{len(arms)})", flush=True)
   finally:  # an interrupted parent stops its arms (each saves its step on SIGTERM)
-    for proc, log, _ in running.values():
+    for proc, _, _ in running.values():
       proc.terminate()
     for proc, log, _ in running.values():
       proc.wait()
@@ -476,7 +472,8 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
     The rows of ``study.jsonl`` (every finished arm of the workdir).
 
   Raises:
-    ArmsFailedError: after the table, if an arm's process failed under ``parallel``.
+    experiments.train.RunsFailedError: after the table, if an arm's process failed under
+      ``parallel``.
   """
   workdir = Path(workdir)
   selected = select_arms(arms)
@@ -503,7 +500,7 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
     files = collect(workdir, Path(collect_to))
     print(f"\ncollected {len(files)} files into {collect_to}", flush=True)
   if failed:
-    raise ArmsFailedError(f"arm(s) {', '.join(failed)} failed; their output is in "
+    raise launcher.RunsFailedError(f"arm(s) {', '.join(failed)} failed; their output is in "
                           f"{workdir / 'logs'}/<arm>.log")
   return rows
 
@@ -528,13 +525,9 @@ def main(argv):
                               "tiny.py --workdir=runs/study --arms=all", "config", "workdir",
                               "arms")
   launcher.enable_compilation_cache(fl.compilation_cache)
-  try:
-    launcher.report_errors(lambda: study(fl.config, fl.workdir, fl.arms, fl.eval_tokens,
-                                         fl.eval_batch_size, fl.collect, fl.telemetry, fl.parallel,
-                                         sys.argv[1:]), fl.verbose)
-  except ArmsFailedError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    raise SystemExit(1) from None
+  launcher.report_errors(lambda: study(fl.config, fl.workdir, fl.arms, fl.eval_tokens,
+                                       fl.eval_batch_size, fl.collect, fl.telemetry, fl.parallel,
+                                       sys.argv[1:]), fl.verbose)
 
 
 if __name__ == "__main__":

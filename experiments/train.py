@@ -52,9 +52,13 @@ from fp4jax.recipe import MODULES, Recipe
 from fp4jax.train import NonFiniteLossError, OptimizerConfig, TrainConfig, train
 from fp4jax.workdir import RunLock, RunLockedError
 
+class RunsFailedError(RuntimeError):
+  """Runs a launcher started in processes of their own failed; the message names their logs."""
+
+
 # Errors of the user's command, config, data or run directory: printed as one message.
-USER_ERRORS = (ValueError, OSError, CorpusUnavailableError,
-               RunLockedError, CorruptCheckpointError, CheckpointSaveError, NonFiniteLossError)
+USER_ERRORS = (ValueError, OSError, CorpusUnavailableError, RunLockedError, CorruptCheckpointError,
+               CheckpointSaveError, NonFiniteLossError, RunsFailedError)
 
 
 def define_flags() -> None:
