@@ -3,6 +3,7 @@
 import math
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -123,3 +124,40 @@ def test_lorasvd_weight_error_is_relative_to_the_effective_weight():
 def test_telemetry_every_must_be_a_non_negative_int():
   with pytest.raises(ValueError, match="telemetry_every"):
     TrainConfig(steps=1, batch_size=1, seq_len=1, telemetry_every=-1)
+
+
+@pytest.mark.parametrize("block", [(1, 16), (16, 16)])
+def test_chunked_error_equals_the_whole_tensors_error(block):
+  """Tensors measured in chunks (the amax block carries each tensor's global scale) give the error
+  of quantizing each tensor whole, bit for bit per block: chunks of 48 rows, tensors of 0, 16,
+  100 (1x16 only) and 400 rows with amaxes 1e-3 to 1e3, and a NaN tensor."""
+  rng = np.random.default_rng(0)
+  sizes = (16, 400, 0) if block == (16, 16) else (16, 100, 400, 0)
+  tensors = [jnp.asarray(rng.standard_normal((n, 16)) * 10.0 ** (i % 7 - 3), jnp.float32)
+             for i, n in enumerate(sizes)]
+  tensors.append(tensors[1].at[3, 5].set(jnp.nan))
+  jobs = telemetry._Jobs(chunk_rows=48)
+  key = jax.random.key(0)
+  for i, t in enumerate(tensors):
+    jobs.add(f"t{i}", t, block, "nearest", key)
+  got = jobs.run()
+  for i, t in enumerate(tensors):
+    x = t if block == (1, 16) else t.reshape(-1, 16, 16)  # whole tensors (their 16x16 tiles)
+    err = np.linalg.norm(np.asarray(nvfp4.fake_quant(x, block=block) - x))
+    e, r = (float(v) for v in got[f"t{i}"])
+    if i == len(tensors) - 1:
+      assert math.isnan(e)
+    else:
+      assert e == pytest.approx(err, rel=1e-6, abs=0) and r == pytest.approx(
+          np.linalg.norm(np.asarray(t)), rel=1e-6)
+
+
+def test_chunked_stochastic_error_is_that_of_stochastic_rounding():
+  """Stochastic rounding in chunks: each chunk has its own bits, and the error matches that of
+  quantizing the tensor whole to within the rounding noise (1e5 blocks)."""
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((100_000, 16)), jnp.float32)
+  jobs = telemetry._Jobs(chunk_rows=4096)
+  jobs.add("x", x, (1, 16), "stochastic", jax.random.key(3))
+  e, r = (float(v) for v in jobs.run()["x"])
+  whole = nvfp4.fake_quant(x, rounding="stochastic", key=jax.random.key(4))
+  assert e / r == pytest.approx(float(jnp.linalg.norm(whole - x) / jnp.linalg.norm(x)), rel=0.01)
