@@ -20,6 +20,10 @@ operands that the caller has already decoded:
   ``dS·K`` to a float32 dQ in global memory with atomic adds (FlashAttention-2's scheme): each dS
   tile is formed and quantized once, but the order of dQ's float32 sums varies from run to run.
 
+- ``attention_pv(q, k, v, lse, *, causal, sm_scale, p_rounding, key) -> o``: with an NVFP4 P, the
+  output ``deq(Q(P))·V`` from ``P = exp(S - lse)`` once the flash forward has given lse (a second pass
+  over the keys); ``attention_bwd(p_rounding=...)`` quantizes the same P tiles for ``dV``.
+
 Layout: q ``[B, T, H, D]``, k and v ``[B, S, Hk, D]`` with ``H % Hk == 0`` (query head ``h`` reads
 key/value head ``h // (H // Hk)``; dK and dV sum over a group's query heads), D a multiple of 16 up
 to 256 (64 and 128 are the tested ones), lse ``[B, H, T]`` float32. T and S need not be multiples
@@ -133,6 +137,29 @@ def _quantize_tile(ds, bits, ds_tile, rounding: str, division: str):
   code = numerics.e2m1_codes(x32, per_elem(escale), per_elem(zero_block), rounding, bits,
                               jnp.int32)
   decoded = numerics.decode_e2m1(code) * per_elem(dscale) * _expand(s_dec, tq, tk)
+  return decoded.astype(jnp.bfloat16)
+
+
+# Q(P): 1×16 blocks along the keys and the global scale of amax = 1 (P <= 1), as
+# ``fp4jax.ops.attention._probs_operand`` quantizes P: S_enc = 2688 / 1, S_dec = 1 / 2688 (float32,
+# correctly rounded), the product S_enc / 6 in float32.
+_P_S_ENC = np.float32(_E2M1_X_E4M3_MAX)
+_P_S_DEC = np.float32(1.0) / _P_S_ENC
+_P_S_ENC_DIV6 = _P_S_ENC * np.float32(numerics.INV6)
+
+
+def _quantize_p_tile(p, bits, rounding: str, division: str):
+  """A 2-D float32 P tile (keys along the columns, a multiple of 16) -> ``deq(Q(P))`` in bf16: 1×16
+  blocks along the keys with the fixed global scale of ``amax = 1``, step for step as
+  ``nvfp4.quantize(·, block=(1, 16))`` and ``dequantize(·, bf16)`` of a tensor whose amax is 1."""
+  x32 = numerics.flush_subnormals(p)
+  block_amax = _tile_max(jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32)), 1, _B)  # (M, N/16)
+  _, dcode = numerics.e4m3_block_scales(block_amax, jnp.float32(_P_S_ENC_DIV6))
+  dscale = numerics.e4m3_to_f32(dcode)
+  escale = jnp.minimum(_div(1.0, dscale * jnp.float32(_P_S_DEC), division), numerics.F32_MAX)
+  per_elem = functools.partial(_expand, rows=1, cols=_B)
+  code = numerics.e2m1_codes(x32, per_elem(escale), per_elem(dscale == 0), rounding, bits, jnp.int32)
+  decoded = numerics.decode_e2m1(code) * per_elem(dscale) * jnp.float32(_P_S_DEC)
   return decoded.astype(jnp.bfloat16)
 
 
@@ -253,12 +280,27 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, causal, block_
   lse_ref[...] = m + jnp.log(l)
 
 
-def _ds_tile(q, k, v, do, lse, delta, mask, *, sm_scale, quant, division):
-  """P (bf16) and the dS operand (bf16) of one (query block, key block) tile of the backward."""
-  s = _scores(q, k, sm_scale)
-  p = jnp.exp(s - lse[:, None])
-  if mask is not None:
-    p = jnp.where(mask, p, 0.0)
+def _probs_tile(q, k, lse, mask, sm_scale):
+  """``P = exp(S − lse)`` of one tile, 0 where masked: the one expression of P in the backward and in
+  the forward's P·V with a quantized P, so both quantize the same values."""
+  p = jnp.exp(_scores(q, k, sm_scale) - lse[:, None])
+  return p if mask is None else jnp.where(mask, p, 0.0)
+
+
+def _p_operand(p, p_quant, dtype, division):
+  """P as the operand of P·V and Pᵀ·dO: cast to ``dtype``, or ``deq(Q(P))`` (``p_quant = (words, bh,
+  row0, col0, rounding)``, bits from the counter hash of (key, b, h, row, col))."""
+  if p_quant is None:
+    return p.astype(dtype)
+  words, bh, row0, col0, rounding = p_quant
+  bits = _tile_bits(words[0], words[1], bh, row0, col0, *p.shape) if rounding == "stochastic" else None
+  return _quantize_p_tile(p, bits, rounding, division).astype(dtype)
+
+
+def _ds_tile(q, k, v, do, lse, delta, mask, *, sm_scale, quant, division, p_quant=None):
+  """The P operand (bf16, ``_p_operand``) and the dS operand (bf16) of one (query block, key block)
+  tile of the backward."""
+  p = _probs_tile(q, k, lse, mask, sm_scale)
   dp = _dot(do, v, trans_b=True)
   ds = (p * (dp - delta[:, None])) * jnp.float32(sm_scale)
   if quant is None:
@@ -269,15 +311,16 @@ def _ds_tile(q, k, v, do, lse, delta, mask, *, sm_scale, quant, division):
     if rounding == "stochastic":
       bits = _tile_bits(words[0], words[1], bh, row0, col0, *ds.shape)
     ds_op = _quantize_tile(ds, bits, ds_tile, rounding, division).astype(q.dtype)
-  return p.astype(do.dtype), ds_op
+  return _p_operand(p, p_quant, do.dtype, division), ds_op
 
 
-def _words(w_ref):
-  return tuple(lax.bitcast_convert_type(w_ref[i], jnp.uint32) for i in range(2))
+def _words(w_ref, at: int = 0):
+  """The two uint32 key words at ``w_ref[at:at + 2]`` (0: dS's key, 2: P's)."""
+  return tuple(lax.bitcast_convert_type(w_ref[at + i], jnp.uint32) for i in range(2))
 
 
 def _dkdv_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, sm_scale, causal,
-                 block_q, group, n_heads, n_rows, n_keys, pad, ds, division, atomic_dq):
+                 block_q, group, n_heads, n_rows, n_keys, pad, ds, division, atomic_dq, p_rounding):
   """dK and dV of one key block; with ``atomic_dq`` also ``dQ += dS·K`` per tile, by atomic adds to
   the float32 dQ (``out_refs = (dq_in, dk, dv, dq)``, dq aliasing dq_in; else ``(dk, dv)``)."""
   dk_ref, dv_ref, dq_ref = (out_refs[1], out_refs[2], out_refs[3]) if atomic_dq else (*out_refs, None)
@@ -300,8 +343,10 @@ def _dkdv_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_re
       mask = _mask(i * block_q, col0, block_q, bk, causal=causal, n_rows=n_rows if pad else None,
                    n_cols=n_keys if pad else None)
     quant = None if ds is None else (_words(w_ref), b * n_heads + h, i * block_q, col0, *ds)
+    p_quant = None if p_rounding is None else (_words(w_ref, 2), b * n_heads + h, i * block_q, col0,
+                                               p_rounding)
     p, ds_op = _ds_tile(q, k, v, do, lse, delta, mask, sm_scale=sm_scale, quant=quant,
-                        division=division)
+                        division=division, p_quant=p_quant)
     if dq_ref is not None:
       plgpu.atomic_add(dq_ref, (rows, h, slice(None)), _dot(ds_op, k))
     return dk + _dot(ds_op, q, trans_a=True), dv + _dot(p, do, trans_a=True)
@@ -320,7 +365,8 @@ def _dkdv_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_re
 
 
 def _dq_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, sm_scale, causal,
-               block_k, n_heads, n_rows, n_keys, pad, ds, division):
+               block_k, n_heads, n_rows, n_keys, pad, ds, division, p_rounding):
+  del p_rounding  # dQ takes no P operand
   bq = q_ref.shape[0]
   b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   row0 = qi * bq
@@ -351,6 +397,41 @@ def _dq_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *
   else:
     dq = lax.fori_loop(0, n_blocks, functools.partial(body, masked=False), dq)
   dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _pv_kernel(w_ref, q_ref, k_ref, v_ref, lse_ref, o_ref, *, sm_scale, causal, block_k, n_heads,
+               n_rows, n_keys, pad, p_rounding, division):
+  """``O = deq(Q(P))·V`` of one query block, P = exp(S − lse) from the forward's lse."""
+  bq = q_ref.shape[0]
+  b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  row0 = qi * bq
+  q, lse = q_ref[...], lse_ref[...]
+  n_blocks = pl.cdiv(n_keys, block_k)
+
+  def body(j, acc, masked):
+    cols = pl.ds(j * block_k, block_k)
+    k, v = k_ref[cols, :], v_ref[cols, :]
+    mask = None
+    if masked:
+      mask = _mask(row0, j * block_k, bq, block_k, causal=causal, n_rows=n_rows if pad else None,
+                   n_cols=n_keys if pad else None)
+    p = _probs_tile(q, k, lse, mask, sm_scale)
+    p_op = _p_operand(p, (_words(w_ref, 2), b * n_heads + h, row0, j * block_k, p_rounding),
+                      v.dtype, division)
+    return acc + _dot(p_op, v)
+
+  acc = jnp.zeros(o_ref.shape, jnp.float32)
+  if pad:
+    n_end = jnp.minimum(lax.div(row0 + bq + block_k - 1, block_k), n_blocks) if causal else n_blocks
+    acc = lax.fori_loop(0, n_end, functools.partial(body, masked=True), acc)
+  elif causal:
+    n_end = jnp.minimum(lax.div(row0 + bq + block_k - 1, block_k), n_blocks)
+    n_full = jnp.minimum(lax.div(row0 + 1, block_k), n_blocks)
+    acc = lax.fori_loop(0, n_full, functools.partial(body, masked=False), acc)
+    acc = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), acc)
+  else:
+    acc = lax.fori_loop(0, n_blocks, functools.partial(body, masked=False), acc)
+  o_ref[...] = acc.astype(o_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,6 +528,75 @@ def attention_fwd(q, k, v, *, causal: bool, sm_scale: float, block_q: int | None
   return o[:, :t], lse[:, :, :t]
 
 
+def _key_words4(ds_key, p_key):
+  """The kernels' key words: dS's two, then P's (zeros for a key that is not used)."""
+  words = [jnp.stack(_key_words(k)) if k is not None else jnp.zeros((2,), jnp.uint32)
+           for k in (ds_key, p_key)]
+  return lax.bitcast_convert_type(jnp.concatenate(words), jnp.int32)
+
+
+def attention_pv(q, k, v, lse, *, causal: bool, sm_scale: float, p_rounding: str = "nearest",
+                 key=None, block_q: int | None = None, block_k: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 interpret: bool = False):
+  """``O = deq(Q(P))·V`` with ``P = exp(S − lse)`` from the forward's log-sum-exp: the output of
+  attention with an NVFP4 P (``AttentionConfig.p = "nvfp4"``).
+
+  P is quantized tile by tile as ``fp4jax.ops.attention``'s reference quantizes the whole P: 1×16
+  blocks along the keys, the global scale of ``amax = 1``; stochastic rounding takes its bits from
+  ``ds_rounding_bits(key, ·)`` (element (b, h, row, col)), so ``attention_bwd(p_rounding=...)``, which
+  recomputes the same P in its dK/dV kernel, quantizes it identically for ``dV = deq(Q(P))ᵀ·dO``.
+  The flash forward (``attention_fwd``) gives ``lse`` and the O with the unquantized P that δ uses.
+
+  Args:
+    q, k, v, causal, sm_scale: as ``attention_fwd``.
+    lse: ``[B, H, T]`` float32, ``attention_fwd``'s log-sum-exp.
+    p_rounding: ``"nearest"`` or ``"stochastic"``.
+    key: a jax.random key, for stochastic rounding.
+    block_q, block_k: tile rows and keys, powers of two >= 16 (default 64 and 64).
+    num_warps, num_stages: Triton launch settings (default 4 warps for D <= 64, else 8; 2 stages).
+    interpret: run in Pallas interpret mode (CPU).
+
+  Returns:
+    ``o`` ``[B, T, H, D]`` in q's dtype (float32 accumulation).
+  """
+  _check("attention_pv", q, k, v, causal, sm_scale)
+  _check_blocks("attention_pv", block_q=block_q, block_k=block_k, num_warps=num_warps)
+  if p_rounding not in ROUNDINGS:
+    raise ValueError(f"attention_pv: p_rounding must be one of {ROUNDINGS}, got {p_rounding!r}")
+  if p_rounding == "stochastic" and key is None:
+    raise ValueError("attention_pv: p_rounding='stochastic' needs a `key`")
+  b, t, h, d = q.shape
+  s, hk = k.shape[1], k.shape[2]
+  if lse.shape != (b, h, t):
+    raise ValueError(f"attention_pv: lse must be [B, H, T] = {(b, h, t)}, got {lse.shape}")
+  bq = max(_B, min(block_q or 64, _pow2_at_least(t)))
+  bk = max(_B, min(block_k or 64, _pow2_at_least(s)))
+  t_pad, s_pad = _round_up(t, bq), _round_up(s, bk)
+  group = h // hk
+  q, lse = _pad_to(q, 1, t_pad), _pad_to(lse, 2, t_pad)
+  k, v = _pad_to(k, 1, s_pad), _pad_to(v, 1, s_pad)
+  words = _key_words4(None, key if p_rounding == "stochastic" else None)
+  kernel = functools.partial(
+      _pv_kernel, sm_scale=float(sm_scale), causal=causal, block_k=bk, n_heads=h, n_rows=t,
+      n_keys=s, pad=t_pad != t or s_pad != s, p_rounding=p_rounding,
+      division="backend" if interpret else "ptx")
+  q_block = pl.BlockSpec((None, bq, None, d), lambda i, j, qi: (i, qi, j, 0))
+  kv_all = pl.BlockSpec((None, s_pad, None, d), lambda i, j, qi: (i, 0, j // group, 0))
+  o = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(b, h, t_pad // bq),
+      in_specs=[pl.BlockSpec((4,), lambda *_: (0,)), q_block, kv_all, kv_all,
+                pl.BlockSpec((None, None, bq), lambda i, j, qi: (i, j, qi))],
+      out_specs=q_block,
+      compiler_params=_params(num_warps or (4 if d <= 64 else 8), num_stages or 2),
+      interpret=interpret,
+      name="nvfp4_attention_pv",
+  )(words, q, k, v, lse)
+  return o[:, :t]
+
+
 def _pow2_at_least(n):
   return 1 << max(0, int(n) - 1).bit_length()
 
@@ -457,6 +607,7 @@ def _round_up(n, m):
 
 def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
                   ds_rounding: str | None = None, key=None, ds_tile=DS_TILE,
+                  p_rounding: str | None = None, p_key=None,
                   dq_accumulation: str = "recompute", block_q: int | None = None,
                   block_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, interpret: bool = False):
@@ -465,8 +616,9 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
   ``P = exp(S - lse)`` recomputed with the forward's ``S``, ``dP = dO·Vᵀ``, ``δ = rowsum(dO ∘ O)``,
   ``dS = (P ∘ (dP - δ)) * sm_scale`` in float32; ``dQ = dS·K``, ``dK = dSᵀ·Q`` with dS cast to
   bf16, or quantized to NVFP4 per ``ds_tile`` and decoded (``fp4jax.ops.attention.fake_quant_ds``);
-  ``dV = Pᵀ·dO`` with P in bf16. f32 accumulation; dK and dV sum over the query heads of each
-  key/value head.
+  ``dV = Pᵀ·dO`` with P in bf16, or with ``p_rounding`` set ``deq(Q(P))`` as ``attention_pv``
+  quantizes it (dS keeps the unquantized P). f32 accumulation; dK and dV sum over the query heads of
+  each key/value head.
 
   ``dq_accumulation`` chooses how dQ is summed over the key blocks; dK and dV are computed the same
   way by either:
@@ -488,6 +640,9 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
     ds_rounding: None (dS in bf16), ``"nearest"`` or ``"stochastic"`` (NVFP4 dS).
     key: a jax.random key, for stochastic rounding (bits from ``ds_rounding_bits``).
     ds_tile: (rows, cols) of dS sharing one float32 scale, powers of two >= 16.
+    p_rounding: None (P in bf16 in ``dV = Pᵀ·dO``), ``"nearest"`` or ``"stochastic"`` (NVFP4 P, the
+      same quantization as ``attention_pv``'s).
+    p_key: the key of P's stochastic rounding (``attention_pv``'s ``key``).
     dq_accumulation: ``"recompute"`` (default) or ``"atomic"``, see above.
     block_q, block_k: tile rows and keys, powers of two (default ``ds_tile``); with NVFP4 dS,
       multiples of ``ds_tile``.
@@ -521,12 +676,19 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
     if ds_rounding == "stochastic" and key is None:
       raise ValueError("attention_bwd: ds_rounding='stochastic' needs a `key`")
     ds = (tuple(ds_tile), ds_rounding)
+  if p_rounding is not None:
+    if p_rounding not in ROUNDINGS:
+      raise ValueError(f"attention_bwd: p_rounding must be one of {ROUNDINGS}, got {p_rounding!r}")
+    if p_rounding == "stochastic" and p_key is None:
+      raise ValueError("attention_bwd: p_rounding='stochastic' needs a `p_key`")
   bq = block_q or (ds_tile[0] if ds else 64)
   bk = block_k or (ds_tile[1] if ds else 64)
   if ds and (bq % ds_tile[0] or bk % ds_tile[1]):
     raise ValueError(f"attention_bwd: blocks ({bq}, {bk}) must be multiples of ds_tile {ds_tile}")
   if not ds:
     bq, bk = min(bq, _pow2_at_least(t)), min(bk, _pow2_at_least(s))
+    if p_rounding is not None:  # P's 1x16 blocks run along the key block
+      bk = max(bk, _B)
   t_pad = _round_up(t, bq)
   s_pad = _round_up(s, bk)
   pad = t_pad != t or s_pad != s
@@ -535,13 +697,12 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
   q, o, do = (_pad_to(x, 1, t_pad) for x in (q, o, do))
   k, v = _pad_to(k, 1, s_pad), _pad_to(v, 1, s_pad)
   lse, delta = _pad_to(lse, 2, t_pad), _pad_to(delta, 2, t_pad)
-  words = (jnp.stack(_key_words(key)) if ds and ds[1] == "stochastic"
-           else jnp.zeros((2,), jnp.uint32))
-  words = lax.bitcast_convert_type(words, jnp.int32)
+  words = _key_words4(key if ds and ds[1] == "stochastic" else None,
+                      p_key if p_rounding == "stochastic" else None)
   common = dict(sm_scale=float(sm_scale), causal=causal, n_heads=h, n_rows=t, n_keys=s, pad=pad,
-                ds=ds, division="backend" if interpret else "ptx")
+                ds=ds, division="backend" if interpret else "ptx", p_rounding=p_rounding)
   params = _params(num_warps or (4 if d <= 64 else 8), num_stages or 2)
-  w_spec = pl.BlockSpec((2,), lambda *_: (0,))
+  w_spec = pl.BlockSpec((4,), lambda *_: (0,))
 
   all_rows = pl.BlockSpec((None, t_pad, h, d), lambda i, j, kj: (i, 0, 0, 0))
   kv_block = pl.BlockSpec((None, bk, None, d), lambda i, j, kj: (i, kj, j, 0))

@@ -215,6 +215,21 @@ def test_ds_stochastic_rounding_is_unbiased():
   assert mean < 2.0 * single / np.sqrt(n)  # the error of the mean falls as 1/sqrt(n): no bias
 
 
+def test_p_stochastic_rounding_is_unbiased():
+  """Q(P) with stochastic rounding (bits from ``ds_bits`` per element): the mean of 64 draws is
+  1/sqrt(64) as far from P as one draw, so no bias; nearest is deterministic."""
+  q, k, v, do = _data()
+  _, p, _ = _ref_fwd(q, k, v, key=KEY, return_stats=True)
+  p = p.reshape(B, HK, H // HK, T, T)
+  sr = AttentionConfig.nvfp4(p="nvfp4", p_rounding="stochastic")
+  draw = jax.jit(lambda key: attn._probs_operand(p, sr, {"p": key}, jnp.float32))
+  n = 64
+  draws = jnp.stack([draw(key) for key in jax.random.split(jax.random.key(2), n)])
+  single, mean = _rel(draws[0], p), _rel(draws.mean(0), p)
+  assert single > 0.05
+  assert mean < 2.0 * single / np.sqrt(n)
+
+
 def test_ds_stochastic_rounding_unbiased_through_dq():
   q, k, v, do = _data()
   exact = _op(q, k, v, do, KEY, config=AttentionConfig.nvfp4(ds="bf16"))
@@ -351,14 +366,19 @@ def test_auto_takes_the_kernels_on_one_cuda_device_only(monkeypatch):
     assert ("__gpu$xla.gpu.triton" in hlo) == kernels, (mesh, d)
 
 
-@pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "no reuse"])
-def test_pallas_interpret_runs_the_kernels_on_the_same_operands(reuse):
+_PV = dict(v="nvfp4", p="nvfp4", do="nvfp4")
+
+
+@pytest.mark.parametrize("config", [
+    NVFP4, NVFP4.nvfp4(reuse=False), NVFP4.nvfp4(**_PV), NVFP4.nvfp4(**_PV, p_rounding="stochastic"),
+], ids=["reuse", "no reuse", "V P dO nvfp4", "V P dO nvfp4, P stochastic"])
+def test_pallas_interpret_runs_the_kernels_on_the_same_operands(config):
   """The op's kernel path (interpret mode) against its XLA path: O to bf16 rounding and dV exact; dQ
   and dK within the dS code flips that the kernels' own O and L (other summation order) cause, far
   below the error other rounding bits would give (~0.3: twice the variance of the ~20% noise). The
-  same without tensor reuse (the backward on the unquantized q, k)."""
+  same without tensor reuse (the backward on the unquantized q, k), and with V, P and dO quantized
+  too (P by the kernels' second pass, ``attention_pv``, and inside the dK/dV kernel)."""
   q, k, v, do = _data(h=2, hk=1)
-  config = dataclasses.replace(NVFP4, reuse=reuse)
 
   @functools.partial(jax.jit, static_argnums=0)
   def run(impl, q, k, v, do):
@@ -386,8 +406,6 @@ def test_pallas_interpret_runs_the_kernels_on_the_same_operands(reuse):
     (((B, T, H, D), (B, 48, HK, D), (B, 48, HK, D)), {}, "T == S"),
     (((B, T, H, D), (B, T, HK, D), (B, T, HK, D)), dict(key=None), "needs `key`"),
     (((B, T, H, D), (B, T, HK, D), (B, T, HK, D)), dict(implementation="cudnn"), "implementation"),
-    (((B, T, H, D), (B, T, HK, D), (B, T, HK, D)),
-     dict(implementation="pallas", config=AttentionConfig.nvfp4(p="nvfp4")), "config.p"),
     (((B, T, H, D), (B, T, HK, D), (B, T, HK, D)), dict(config="nvfp4"), "AttentionConfig"),
 ])
 def test_bad_inputs(shapes, kwargs, match):

@@ -215,6 +215,71 @@ def test_in_kernel_ds_quantizer_is_bit_exact(rounding):
                                 whole[bi, hi, 64:128, 64:128].view(np.uint32))
 
 
+def _p_quantizer_kernel(w_ref, p_ref, out_ref, *, rounding, row0, col0, bh):
+  """The kernels' P tile step on one block (``_p_operand``): bits at (row0, col0), quantize, decode."""
+  out_ref[...] = A._p_operand(p_ref[...], (A._words(w_ref), bh, row0, col0, rounding),
+                              jnp.bfloat16, "backend")
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_in_kernel_p_quantizer_is_bit_exact(rounding):
+  """The P tile quantizer inside a Pallas kernel (interpret mode), on a block at an offset, against the
+  op's reference quantization of the whole P (``_probs_operand``: 1x16 blocks along the keys, the
+  global scale of amax = 1, bits from ``ds_bits``), bit for bit. P spans 1 down to 1e-30 (flushed
+  below 2^-126), with a block of zeros and exact ones."""
+  from fp4jax.ops import attention as ops
+  rng = np.random.default_rng(3)
+  b, hk, g, t, s = 1, 2, 2, 64, 96
+  x = np.exp(-rng.exponential(8.0, (b, hk, g, t, s))) * 10.0 ** -rng.integers(0, 30, (b, hk, g, t, s))
+  x[0, 1, 0, :16, 32:48] = 0.0
+  x[0, 0, 1, 5, :] = 1.0
+  p = jnp.asarray(x, jnp.float32)
+  key = jax.random.key(9)
+  config = ops.AttentionConfig.nvfp4(p="nvfp4", p_rounding=rounding)
+  keys = {"p": key}
+  whole = np.asarray(ops._probs_operand(p, config, keys, jnp.bfloat16), np.float32)
+  assert (whole != np.asarray(p.astype(jnp.bfloat16), np.float32)).mean() > 0.3  # it quantizes
+  words = jax.lax.bitcast_convert_type(jnp.stack(A._key_words(key)), jnp.int32)
+  for kv, gi, row0, col0 in [(0, 1, 0, 0), (1, 0, 16, 32), (1, 1, 32, 64)]:
+    h = kv * g + gi
+    kernel = functools.partial(_p_quantizer_kernel, rounding=rounding, row0=row0, col0=col0,
+                               bh=0 * (hk * g) + h)
+    got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((32, 32), jnp.bfloat16),
+                         interpret=True)(words, p[0, kv, gi, row0:row0 + 32, col0:col0 + 32])
+    np.testing.assert_array_equal(np.asarray(got, np.float32).view(np.uint32),
+                                  whole[0, kv, gi, row0:row0 + 32, col0:col0 + 32].view(np.uint32))
+
+
+def test_attention_pv_and_quantized_p_backward_match_reference():
+  """``attention_pv`` (O = deq(Q(P))·V) and ``attention_bwd(p_rounding=...)``'s dV = deq(Q(P))ᵀ·dO
+  against the same products from the reference's quantized P, GQA and T not a multiple of the
+  blocks; the backward's dQ and dK do not depend on P's quantization."""
+  from fp4jax.ops import attention as ops
+  b, t, h, hk, d = 1, 80, 4, 2, 64
+  q, k, v, do = _inputs(b, t, h, hk, d, seed=4)
+  key = jax.random.key(6)
+  o, lse, dq_r, dk_r, _ = _reference(q, k, v, do, causal=True)
+  kh, vh = _heads(k, h), _heads(v, h)
+  s = jnp.einsum("bthd,bshd->bhts", q, kh, preferred_element_type=jnp.float32) * jnp.float32(d**-0.5)
+  s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+  p = jnp.exp(s - lse[..., None]).reshape(b, hk, h // hk, t, t)
+  for rounding in ("nearest", "stochastic"):
+    config = ops.AttentionConfig.nvfp4(p="nvfp4", p_rounding=rounding)
+    pq = ops._probs_operand(p, config, {"p": key}, jnp.bfloat16).reshape(b, h, t, t)
+    o_want = jnp.einsum("bhts,bshd->bthd", pq, vh, preferred_element_type=jnp.float32)
+    dv_want = jnp.einsum("bhts,bthd->bshd", pq, do, preferred_element_type=jnp.float32)
+    dv_want = dv_want.reshape(b, t, hk, h // hk, d).sum(3)
+    o_pv = A.attention_pv(q, k, v, lse, causal=True, sm_scale=d**-0.5, p_rounding=rounding, key=key,
+                          block_q=32, block_k=16, interpret=True)
+    dq, dk, dv = A.attention_bwd(q, k, v, o, lse, do, causal=True, sm_scale=d**-0.5, block_q=32,
+                                 block_k=16, p_rounding=rounding, p_key=key, interpret=True)
+    _close(o_pv, o_want.astype(jnp.bfloat16), 1e-2)
+    _close(dv, dv_want.astype(jnp.bfloat16), 1e-2)
+    assert np.abs(np.float32(o_pv) - np.float32(o)).max() > 0.01  # Q(P) moved O
+    _close(dq, dq_r, 2e-2)
+    _close(dk, dk_r, 2e-2)
+
+
 def test_ds_rounding_bits_depend_on_the_element_only():
   key = jax.random.key(2)
   bits = np.asarray(A.ds_rounding_bits(key, (2, 3, 32, 64)))
@@ -235,6 +300,7 @@ def test_bad_arguments_raise_value_errors():
   fwd = functools.partial(A.attention_fwd, causal=True, sm_scale=0.125, interpret=True)
   lse = jnp.zeros((1, 2, 32), jnp.float32)
   bwd = functools.partial(A.attention_bwd, causal=True, sm_scale=0.125, interpret=True)
+  pv = functools.partial(A.attention_pv, causal=True, sm_scale=0.125, interpret=True)
   for call, args, kw, match in [
       (fwd, (q[0], k, v), {}, r"\[B, T, H, D\]"),
       (fwd, (q, k[:, :16], v[:, :16]), {}, "causal"),
@@ -250,6 +316,11 @@ def test_bad_arguments_raise_value_errors():
       (bwd, (q, k, v, q, lse, do), dict(ds_rounding="nearest", ds_tile=(24, 64)), "ds_tile"),
       (bwd, (q, k, v, q, lse, do), dict(ds_rounding="nearest", block_q=32), "multiples of ds_tile"),
       (bwd, (q, k, v, q, lse, do), dict(dq_accumulation="sum"), "dq_accumulation"),
+      (bwd, (q, k, v, q, lse, do), dict(p_rounding="up"), "p_rounding"),
+      (bwd, (q, k, v, q, lse, do), dict(p_rounding="stochastic"), "p_key"),
+      (pv, (q, k, v, lse[:, :1]), {}, "lse"),
+      (pv, (q, k, v, lse), dict(p_rounding="up"), "p_rounding"),
+      (pv, (q, k, v, lse), dict(p_rounding="stochastic"), "key"),
   ]:
     with pytest.raises(ValueError, match=match):
       call(*args, **kw)
@@ -316,3 +387,27 @@ def test_atomic_backward_lowers_to_triton_for_h200(triton_modules, d, causal, ds
   assert adds and all(int(n) == d for _, n in adds)
   assert ir.count("tt.dot") >= 5  # S, dP, dV, dK, dQ
   assert ("div.rn.f32" in ir) == (ds_rounding is not None)
+
+
+@pytest.mark.parametrize("p_rounding", ["nearest", "stochastic"])
+def test_quantized_p_kernels_lower_to_triton_for_h200(triton_modules, p_rounding):
+  """With an NVFP4 P: ``attention_pv`` and the dK/dV kernel that quantizes P lower for an abstract
+  H200 to verified Triton modules with no float4/float8 type, dividing with div.rn.f32."""
+  b, t, h, d = 2, 1024, 8, 128
+  q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((b, t, h // 2, d), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+  pv = jax.jit(functools.partial(A.attention_pv, causal=True, sm_scale=d**-0.5, p_rounding=p_rounding))
+  bwd = jax.jit(functools.partial(A.attention_bwd, causal=True, sm_scale=d**-0.5,
+                                  ds_rounding="stochastic", p_rounding=p_rounding))
+  with jax.sharding.use_abstract_mesh(H200):
+    hlo_pv = pv.trace(q, k, k, lse, key=key).lower(lowering_platforms=("cuda",)).as_text()
+    hlo_b = bwd.trace(q, k, k, q, lse, q, key=key, p_key=key).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert hlo_pv.count("__gpu$xla.gpu.triton") == 1 and hlo_b.count("__gpu$xla.gpu.triton") == 2
+  pv_ir, dkdv_ir, dq_ir = triton_modules
+  assert "@nvfp4_attention_pv" in pv_ir and "@nvfp4_attention_dkdv" in dkdv_ir
+  for ir in triton_modules:
+    assert not re.search(r"f4E2M1|f8E4M3", ir) and "div.rn.f32" in ir
+  assert pv_ir.count("tt.dot") >= 2  # S and P·V

@@ -203,14 +203,21 @@ def _crop(x, shape):
 
 def _probs_operand(p, config, keys, dtype):
   """P as the operand of ``P·V`` and ``Pᵀ·dO``: cast to ``dtype``, or ``deq(Q(P))`` with 1×16 blocks
-  along the keys (zero-padded to a multiple of 16) and the global scale of ``amax = 1``."""
+  along the keys (zero-padded to a multiple of 16) and the global scale of ``amax = 1``. P is
+  ``[B, Hk, G, T, S]``; stochastic rounding takes element (b, h, row, col)'s bits from ``ds_bits``
+  (``h = kv_head · G + g``), as the flash kernels draw them tile by tile."""
   if not config.quantizes("p"):
     return p.astype(dtype)
   padded = _pad_to(p, (nvfp4.BLOCK,))
   # One extra row holding a 1 sets the tensor's amax to 1 (P <= 1) and changes no block of P.
   one = jnp.zeros((*padded.shape[:-2], 1, padded.shape[-1]), padded.dtype).at[..., 0].set(1.0)
-  qp = _quantize(jnp.concatenate([padded, one], axis=-2), config, "p", keys["p"],
-                 block=(1, nvfp4.BLOCK), axis=-1)
+  bits = None
+  if config.stochastic("p"):
+    b, hk, g, t, s = padded.shape
+    bits = ds_bits(keys["p"], (b, hk * g, t, s)).reshape(padded.shape)
+    bits = jnp.concatenate([bits, jnp.zeros(one.shape, jnp.uint32)], axis=-2)
+  qp = nvfp4.quantize(jnp.concatenate([padded, one], axis=-2), block=(1, nvfp4.BLOCK), axis=-1,
+                      rounding=config.p_rounding, bits=bits)
   return _crop(qp.dequantize(dtype), p.shape)
 
 
@@ -377,11 +384,6 @@ def _backward(res: AttentionResiduals, do, keys, causal, config):
 # The custom_vjp
 
 
-def _kernel_supports(config: AttentionConfig) -> bool:
-  """The flash kernels take every config but a quantized P (its δ needs a second P·V)."""
-  return not config.quantizes("p")
-
-
 def _attention_fwd(q, k, v, key, causal, config, impl):
   keys = _keys(key, config)
   if impl == "xla":
@@ -389,12 +391,18 @@ def _attention_fwd(q, k, v, key, causal, config, impl):
     return o, res._replace(key=key)
   dtype = q.dtype
   qt, kt, vt = (_operand(x, config, name, keys, impl=impl) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-  o, lse = attention_kernels.attention_fwd(
-      _decoded(qt, dtype), _decoded(kt, dtype), _decoded(vt, dtype), causal=causal,
-      sm_scale=1.0 / math.sqrt(q.shape[-1]), interpret=impl == "pallas_interpret")
+  qd, kd, vd = _decoded(qt, dtype), _decoded(kt, dtype), _decoded(vt, dtype)
+  sm_scale, interpret = 1.0 / math.sqrt(q.shape[-1]), impl == "pallas_interpret"
+  o, lse = attention_kernels.attention_fwd(qd, kd, vd, causal=causal, sm_scale=sm_scale,
+                                           interpret=interpret)
+  o_delta = o  # δ takes the output with the unquantized P
+  if config.quantizes("p"):
+    o = attention_kernels.attention_pv(qd, kd, vd, lse, causal=causal, sm_scale=sm_scale,
+                                       p_rounding=config.p_rounding, key=keys["p"],
+                                       interpret=interpret)
   if not config.reuse:
     qt, kt = q, k
-  return o, AttentionResiduals(qt, kt, vt, o, lse, key)
+  return o, AttentionResiduals(qt, kt, vt, o_delta, lse, key)
 
 
 def _attention_bwd(causal, config, impl, res: AttentionResiduals, do):
@@ -408,7 +416,8 @@ def _attention_bwd(causal, config, impl, res: AttentionResiduals, do):
     dq, dk, dv = attention_kernels.attention_bwd(
         qd, kd, vd, res.o, res.lse, dod, causal=causal, sm_scale=1.0 / math.sqrt(qd.shape[-1]),
         ds_rounding=config.ds_rounding if config.quantizes("ds") else None, key=keys["ds"],
-        ds_tile=config.ds_tile, interpret=impl == "pallas_interpret")
+        ds_tile=config.ds_tile, p_rounding=config.p_rounding if config.quantizes("p") else None,
+        p_key=keys["p"], interpret=impl == "pallas_interpret")
   return (*(g.astype(dt) for g, dt in zip((dq, dk, dv), dtypes, strict=True)), None)
 
 
@@ -485,8 +494,8 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
     implementation: ``"xla"`` (the jnp reference, ``nvfp4_attention_reference``), ``"pallas"`` (the
       flash kernels of ``fp4jax.kernels.attention``, CUDA), ``"pallas_interpret"`` (the kernels in
       interpret mode, for tests) or ``"auto"``: ``"pallas"`` when computations go to a CUDA GPU, the
-      mesh in context has one device and the kernels take ``config`` and D (all but a quantized P;
-      D in {64, 128}), else ``"xla"``.
+      mesh in context has one device and D is in {64, 128}, else ``"xla"``. With a quantized P the
+      kernels add a second pass over the keys for ``deq(Q(P))·V`` (``attention_pv``).
 
   Returns:
     ``[B, T, H, D]`` in q's dtype; gradients in the dtypes of q, k and v.
@@ -494,8 +503,7 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
   Raises:
     ValueError: inputs that are not 4-D or disagree (batch, head dim, k vs v), D not a multiple of
       16 (or, for the kernels, not in {64, 128}),
-      H not a multiple of Hk, causal with T != S, a missing key, or an implementation that does not
-      take the config.
+      H not a multiple of Hk, causal with T != S, a missing key, or an unknown implementation.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -522,11 +530,8 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
   impl = implementation
   head_dim = q.shape[-1]
   if impl == "auto":
-    kernels_ok = _kernel_supports(config) and head_dim in HEAD_DIMS
-    impl = _platform.resolve(impl, "pallas", "xla", whole_arrays=True) if kernels_ok else "xla"
-  elif impl != "xla" and not _kernel_supports(config):
-    raise ValueError(f"nvfp4_attention: implementation={impl!r} does not take config.p='nvfp4' (δ "
-                     "needs the unquantized P·V); use implementation='xla'")
+    impl = (_platform.resolve(impl, "pallas", "xla", whole_arrays=True) if head_dim in HEAD_DIMS
+            else "xla")
   elif impl != "xla" and head_dim not in HEAD_DIMS:
     raise ValueError(f"nvfp4_attention: implementation={impl!r} takes head dims {HEAD_DIMS}, got "
                      f"D = {head_dim}; use implementation='xla'")
