@@ -246,12 +246,15 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
 # Every measurement is a pair (‖x̂ − x‖, ‖x‖). The quantizer error of a tensor's rows is measured
 # in chunks of ``CHUNK_ROWS`` rows, all tensors of one kind of measurement in one ``lax.map`` (XLA
 # compiles each NVFP4 quantizer slowly: one program per kind, not one per tensor shape). A chunk
-# quantizes as its tensor does: one extra block holding the tensor's amax gives the chunk the
-# tensor's global scale, and each block's codes depend only on the block and that scale, so the
-# chunk's blocks come out as in the whole tensor (the extra block is left out of the error; zero
-# rows that fill the last chunk quantize to 0 exactly). Memory is that of the tensors plus one
+# quantizes as its tensor does: a head of ``HEAD`` rows whose first value is the tensor's amax gives
+# the chunk the tensor's global scale, and each block's codes depend only on the block and that
+# scale, so the chunk's blocks come out as in the whole tensor (the head is left out of the error;
+# zero rows that fill the last chunk quantize to 0 exactly). The head is 16 rows (one 16×16 tile, or
+# sixteen 1×16 blocks) so that every chunk has a multiple of 16 rows: XLA:CPU compiled the quantizer
+# about 50 times more slowly on an odd row count. Memory is that of the tensors (as float32) plus one
 # chunk, where stacking whole tensors padded to the largest took tens of GiB at 64 × 512 tokens.
 CHUNK_ROWS = 1 << 16
+HEAD = nvfp4.BLOCK
 
 
 def _norm(x) -> jax.Array:
@@ -275,52 +278,53 @@ def _pad_stack(arrays, shape):
                     for a in arrays])
 
 
-def _chunks(rows, block_rows: int, chunk_rows: int):
-  """``rows`` (n, 16) as (chunks, block_rows + chunk_rows, 16): zero rows fill the last chunk and
-  each chunk starts with one block (``block_rows`` rows) whose first value is the tensor's amax
-  (NaN taken as inf, as the quantizer takes it)."""
-  n = rows.shape[0]
+def _chunks(rows, chunk_rows: int):
+  """``rows`` (n, 16) as float32 (chunks, HEAD + chunk_rows, 16): zero rows fill the last chunk, and
+  each chunk starts with ``HEAD`` rows that are zero but for the tensor's amax in the first (NaN
+  taken as inf, as the quantizer takes it)."""
+  n, width = rows.shape
   count = max(1, -(-n // chunk_rows))
-  body = jnp.pad(rows, ((0, count * chunk_rows - n), (0, 0))).reshape(count, chunk_rows, -1)
-  amax = jnp.max(jnp.where(jnp.isnan(rows), jnp.inf, jnp.abs(rows))) if n else jnp.float32(0)
-  head = jnp.zeros((count, block_rows, rows.shape[1]), rows.dtype).at[:, 0, 0].set(amax)
-  return jnp.concatenate([head, body], axis=1)
+  body = jnp.pad(rows.astype(_F32), ((0, count * chunk_rows - n), (0, 0)))
+  amax = jnp.max(jnp.where(jnp.isnan(rows), jnp.inf, jnp.abs(rows))) if n else 0.0
+  first = jnp.arange(HEAD * width).reshape(HEAD, width) == 0
+  head = jnp.where(first, jnp.asarray(amax, _F32), 0.0)
+  return jnp.concatenate([jnp.broadcast_to(head, (count, HEAD, width)),
+                          body.reshape(count, chunk_rows, width)], axis=1)
 
 
 class _Jobs:
-  """Quantization-error measurements of (blocks, 16) rows, grouped by (block, rounding, dtype):
-  bfloat16 activations and gradients are measured without a float32 copy."""
+  """Quantization-error measurements of (blocks, 16) rows, grouped by (block, rounding)."""
 
   def __init__(self, chunk_rows: int = CHUNK_ROWS):
     self.groups: dict = {}
     self.chunk_rows = chunk_rows
 
   def add(self, metric: str, rows, block, rounding: str, key, ref_norm=None):
-    self.groups.setdefault((block, rounding, rows.dtype), []).append((metric, rows, key, ref_norm))
+    self.groups.setdefault((block, rounding), []).append((metric, rows, key, ref_norm))
 
   def run(self) -> dict:
     out = {}
-    for (block, rounding, _), jobs in self.groups.items():
-      # A chunk holds whole blocks: a multiple of 16 rows for 16×16 tiles.
-      size = max(block[0], min(self.chunk_rows, max(r.shape[0] for _, r, _, _ in jobs)))
-      size = -(-size // block[0]) * block[0]
-      chunks = [_chunks(rows, block[0], size) for _, rows, _, _ in jobs]
+    for (block, rounding), jobs in self.groups.items():
+      # Whole 16-row tiles per chunk; no more rows than the largest tensor needs.
+      size = min(self.chunk_rows, max(r.shape[0] for _, r, _, _ in jobs))
+      size = max(HEAD, -(-size // HEAD) * HEAD)
+      chunks = [_chunks(rows, size) for _, rows, _, _ in jobs]
       job = np.concatenate([np.full(c.shape[0], i) for i, c in enumerate(chunks)])
       index = np.concatenate([np.arange(c.shape[0]) for c in chunks])
       keys = jnp.stack([k for _, _, k, _ in jobs])
 
       def one(a, block=block, rounding=rounding, keys=keys):
         rows, j, i = a
-        key = jax.random.fold_in(keys[j], i)
-        x = rows[block[0]:].astype(_F32)
-        err = _fq(rows, block, -1, rounding, key)[block[0]:] - x
+        x = rows[HEAD:]
+        err = _fq(rows, block, -1, rounding, jax.random.fold_in(keys[j], i))[HEAD:] - x
         return jnp.sum(jnp.square(err)), jnp.sum(jnp.square(x))
 
       errs, refs = lax.map(one, (jnp.concatenate(chunks), jnp.asarray(job), jnp.asarray(index)))
-      errs = jax.ops.segment_sum(errs, job, num_segments=len(jobs))
-      refs = jax.ops.segment_sum(refs, job, num_segments=len(jobs))
+      bounds = np.cumsum([0] + [c.shape[0] for c in chunks])
       for i, (metric, _, _, ref_norm) in enumerate(jobs):
-        out[metric] = (jnp.sqrt(errs[i]), jnp.sqrt(refs[i]) if ref_norm is None else ref_norm)
+        lo, hi = bounds[i], bounds[i + 1]
+        out[metric] = (jnp.sqrt(errs[lo:hi].sum()),
+                       jnp.sqrt(refs[lo:hi].sum()) if ref_norm is None else ref_norm)
     return out
 
 
