@@ -364,6 +364,33 @@ def _dkdv_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_re
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def _key_tile(k_ref, v_ref, j, row0, bq: int, block_k: int, *, masked: bool, causal: bool, pad: bool,
+              n_rows: int, n_keys: int):
+  """K and V of key block ``j`` and the mask of its tile with the query block at ``row0`` (None
+  when ``masked`` is False)."""
+  cols = pl.ds(j * block_k, block_k)
+  mask = None
+  if masked:
+    mask = _mask(row0, j * block_k, bq, block_k, causal=causal, n_rows=n_rows if pad else None,
+                 n_cols=n_keys if pad else None)
+  return k_ref[cols, :], v_ref[cols, :], mask
+
+
+def _key_blocks(body, carry, *, row0, bq: int, block_k: int, n_blocks, causal: bool, pad: bool):
+  """Runs ``body(j, carry, masked)`` over the key blocks that a query block at ``row0`` sees: with
+  padding every block masked; causal, the blocks below the diagonal unmasked and those crossing it
+  masked (the blocks past it skipped); else every block unmasked."""
+  if pad:
+    n_end = jnp.minimum(lax.div(row0 + bq + block_k - 1, block_k), n_blocks) if causal else n_blocks
+    return lax.fori_loop(0, n_end, functools.partial(body, masked=True), carry)
+  if causal:
+    n_end = jnp.minimum(lax.div(row0 + bq + block_k - 1, block_k), n_blocks)
+    n_full = jnp.minimum(lax.div(row0 + 1, block_k), n_blocks)
+    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+    return lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), carry)
+  return lax.fori_loop(0, n_blocks, functools.partial(body, masked=False), carry)
+
+
 def _dq_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, sm_scale, causal,
                block_k, n_heads, n_rows, n_keys, pad, ds, division, p_rounding):
   del p_rounding  # dQ takes no P operand
@@ -374,28 +401,15 @@ def _dq_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *
   n_blocks = pl.cdiv(n_keys, block_k)
 
   def body(j, dq, masked):
-    cols = pl.ds(j * block_k, block_k)
-    k, v = k_ref[cols, :], v_ref[cols, :]
-    mask = None
-    if masked:
-      mask = _mask(row0, j * block_k, bq, block_k, causal=causal, n_rows=n_rows if pad else None,
-                   n_cols=n_keys if pad else None)
+    k, v, mask = _key_tile(k_ref, v_ref, j, row0, bq, block_k, masked=masked, causal=causal,
+                           pad=pad, n_rows=n_rows, n_keys=n_keys)
     quant = None if ds is None else (_words(w_ref), b * n_heads + h, row0, j * block_k, *ds)
     _, ds_op = _ds_tile(q, k, v, do, lse, delta, mask, sm_scale=sm_scale, quant=quant,
                         division=division)
     return dq + _dot(ds_op, k)
 
-  dq = jnp.zeros(q_ref.shape, jnp.float32)
-  if pad:
-    n_end = jnp.minimum(lax.div(row0 + bq + block_k - 1, block_k), n_blocks) if causal else n_blocks
-    dq = lax.fori_loop(0, n_end, functools.partial(body, masked=True), dq)
-  elif causal:
-    n_end = jnp.minimum(lax.div(row0 + bq + block_k - 1, block_k), n_blocks)
-    n_full = jnp.minimum(lax.div(row0 + 1, block_k), n_blocks)
-    dq = lax.fori_loop(0, n_full, functools.partial(body, masked=False), dq)
-    dq = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), dq)
-  else:
-    dq = lax.fori_loop(0, n_blocks, functools.partial(body, masked=False), dq)
+  dq = _key_blocks(body, jnp.zeros(q_ref.shape, jnp.float32), row0=row0, bq=bq, block_k=block_k,
+                   n_blocks=n_blocks, causal=causal, pad=pad)
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -409,28 +423,15 @@ def _pv_kernel(w_ref, q_ref, k_ref, v_ref, lse_ref, o_ref, *, sm_scale, causal, 
   n_blocks = pl.cdiv(n_keys, block_k)
 
   def body(j, acc, masked):
-    cols = pl.ds(j * block_k, block_k)
-    k, v = k_ref[cols, :], v_ref[cols, :]
-    mask = None
-    if masked:
-      mask = _mask(row0, j * block_k, bq, block_k, causal=causal, n_rows=n_rows if pad else None,
-                   n_cols=n_keys if pad else None)
+    k, v, mask = _key_tile(k_ref, v_ref, j, row0, bq, block_k, masked=masked, causal=causal,
+                           pad=pad, n_rows=n_rows, n_keys=n_keys)
     p = _probs_tile(q, k, lse, mask, sm_scale)
     p_op = _p_operand(p, (_words(w_ref, 2), b * n_heads + h, row0, j * block_k, p_rounding),
                       v.dtype, division)
     return acc + _dot(p_op, v)
 
-  acc = jnp.zeros(o_ref.shape, jnp.float32)
-  if pad:
-    n_end = jnp.minimum(lax.div(row0 + bq + block_k - 1, block_k), n_blocks) if causal else n_blocks
-    acc = lax.fori_loop(0, n_end, functools.partial(body, masked=True), acc)
-  elif causal:
-    n_end = jnp.minimum(lax.div(row0 + bq + block_k - 1, block_k), n_blocks)
-    n_full = jnp.minimum(lax.div(row0 + 1, block_k), n_blocks)
-    acc = lax.fori_loop(0, n_full, functools.partial(body, masked=False), acc)
-    acc = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), acc)
-  else:
-    acc = lax.fori_loop(0, n_blocks, functools.partial(body, masked=False), acc)
+  acc = _key_blocks(body, jnp.zeros(o_ref.shape, jnp.float32), row0=row0, bq=bq, block_k=block_k,
+                    n_blocks=n_blocks, causal=causal, pad=pad)
   o_ref[...] = acc.astype(o_ref.dtype)
 
 
