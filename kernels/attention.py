@@ -110,6 +110,25 @@ def _expand(s, rows: int, cols: int):
   return jnp.broadcast_to(s[:, None, :, None], (m, rows, n, cols)).reshape(m * rows, n * cols)
 
 
+def _fake_quant_blocks(x32, block_amax, s_enc, s_dec, block, rounding: str, bits, division: str,
+                       valid=None):
+  """The encoding steps of ``nvfp4.quantize`` after its amax pass, then ``dequantize(·, bf16)``: E4M3
+  scales of the blocks (``block_amax`` per ``block`` of the float32 tile ``x32``) against the global
+  ``s_enc`` and ``s_dec`` (per block), E2M1 codes, and ``code * scale * S_dec`` in float32 cast to
+  bf16. ``valid`` (per block, or None: all): False for the blocks of a tensor whose amax is not
+  finite, coded 0 and decoded with their NaN ``s_dec``."""
+  rows, cols = block
+  _, dcode = numerics.e4m3_block_scales(block_amax, s_enc * jnp.float32(numerics.INV6))
+  dscale = numerics.e4m3_to_f32(dcode)
+  escale = jnp.minimum(_div(1.0, dscale * s_dec, division), numerics.F32_MAX)
+  zero_block = dscale == 0 if valid is None else (dscale == 0) | ~valid
+  per_elem = functools.partial(_expand, rows=rows, cols=cols)
+  code = numerics.e2m1_codes(x32, per_elem(escale), per_elem(zero_block), rounding, bits,
+                              jnp.int32)
+  decoded = numerics.decode_e2m1(code) * per_elem(dscale) * per_elem(s_dec)
+  return decoded.astype(jnp.bfloat16)
+
+
 def _quantize_tile(ds, bits, ds_tile, rounding: str, division: str):
   """A 2-D float32 dS tile (whole ``ds_tile``s) -> its NVFP4 quantization decoded to bf16.
 
@@ -128,39 +147,26 @@ def _quantize_tile(ds, bits, ds_tile, rounding: str, division: str):
   s_dec = jnp.where(finite, _div(1.0, s_enc, division), jnp.nan)
   per_block = functools.partial(_expand, rows=tq // _B, cols=tk // _B)
   s_enc_b, s_dec_b, finite_b = per_block(s_enc), per_block(s_dec), per_block(finite)
-  block_amax = jnp.where(finite_b, block_amax, 0.0)
-  dscale, dcode = numerics.e4m3_block_scales(block_amax, s_enc_b * jnp.float32(numerics.INV6))
-  dscale = numerics.e4m3_to_f32(dcode)
-  escale = jnp.minimum(_div(1.0, dscale * s_dec_b, division), numerics.F32_MAX)
-  zero_block = (dscale == 0) | ~finite_b
-  per_elem = functools.partial(_expand, rows=_B, cols=_B)
-  code = numerics.e2m1_codes(x32, per_elem(escale), per_elem(zero_block), rounding, bits,
-                              jnp.int32)
-  decoded = numerics.decode_e2m1(code) * per_elem(dscale) * _expand(s_dec, tq, tk)
-  return decoded.astype(jnp.bfloat16)
+  return _fake_quant_blocks(x32, jnp.where(finite_b, block_amax, 0.0), s_enc_b, s_dec_b, (_B, _B),
+                            rounding, bits, division, finite_b)
 
 
 # Q(P): 1×16 blocks along the keys and the global scale of amax = 1 (P <= 1), as
-# ``fp4jax.ops.attention._probs_operand`` quantizes P: S_enc = 2688 / 1, S_dec = 1 / 2688 (float32,
-# correctly rounded), the product S_enc / 6 in float32.
+# ``fp4jax.ops.attention._probs_operand`` quantizes P: S_enc = 2688 / 1 and S_dec = 1 / 2688, float32
+# and correctly rounded.
 _P_S_ENC = np.float32(_E2M1_X_E4M3_MAX)
 _P_S_DEC = np.float32(1.0) / _P_S_ENC
-_P_S_ENC_DIV6 = _P_S_ENC * np.float32(numerics.INV6)
 
 
 def _quantize_p_tile(p, bits, rounding: str, division: str):
   """A 2-D float32 P tile (keys along the columns, a multiple of 16) -> ``deq(Q(P))`` in bf16: 1×16
-  blocks along the keys with the fixed global scale of ``amax = 1``, step for step as
-  ``nvfp4.quantize(·, block=(1, 16))`` and ``dequantize(·, bf16)`` of a tensor whose amax is 1."""
+  blocks along the keys with the fixed global scale of ``amax = 1``, as ``nvfp4.quantize(·,
+  block=(1, 16))`` and ``dequantize(·, bf16)`` of a tensor whose amax is 1."""
   x32 = numerics.flush_subnormals(p)
   block_amax = _tile_max(jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32)), 1, _B)  # (M, N/16)
-  _, dcode = numerics.e4m3_block_scales(block_amax, jnp.float32(_P_S_ENC_DIV6))
-  dscale = numerics.e4m3_to_f32(dcode)
-  escale = jnp.minimum(_div(1.0, dscale * jnp.float32(_P_S_DEC), division), numerics.F32_MAX)
-  per_elem = functools.partial(_expand, rows=1, cols=_B)
-  code = numerics.e2m1_codes(x32, per_elem(escale), per_elem(dscale == 0), rounding, bits, jnp.int32)
-  decoded = numerics.decode_e2m1(code) * per_elem(dscale) * jnp.float32(_P_S_DEC)
-  return decoded.astype(jnp.bfloat16)
+  const = lambda v: jnp.full(block_amax.shape, v, jnp.float32)  # noqa: E731
+  return _fake_quant_blocks(x32, block_amax, const(_P_S_ENC), const(_P_S_DEC), (1, _B), rounding,
+                            bits, division)
 
 
 def _key_words(key):
@@ -392,8 +398,7 @@ def _key_blocks(body, carry, *, row0, bq: int, block_k: int, n_blocks, causal: b
 
 
 def _dq_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, sm_scale, causal,
-               block_k, n_heads, n_rows, n_keys, pad, ds, division, p_rounding):
-  del p_rounding  # dQ takes no P operand
+               block_k, n_heads, n_rows, n_keys, pad, ds, division):
   bq = q_ref.shape[0]
   b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   row0 = qi * bq
@@ -701,7 +706,7 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
   words = _key_words4(key if ds and ds[1] == "stochastic" else None,
                       p_key if p_rounding == "stochastic" else None)
   common = dict(sm_scale=float(sm_scale), causal=causal, n_heads=h, n_rows=t, n_keys=s, pad=pad,
-                ds=ds, division="backend" if interpret else "ptx", p_rounding=p_rounding)
+                ds=ds, division="backend" if interpret else "ptx")
   params = _params(num_warps or (4 if d <= 64 else 8), num_stages or 2)
   w_spec = pl.BlockSpec((4,), lambda *_: (0,))
 
@@ -719,7 +724,8 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
     out_shape.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out_specs.append(all_rows)
   grads = pl.pallas_call(
-      functools.partial(_dkdv_kernel, block_q=bq, group=group, atomic_dq=atomic, **common),
+      functools.partial(_dkdv_kernel, block_q=bq, group=group, atomic_dq=atomic,
+                        p_rounding=p_rounding, **common),
       out_shape=tuple(out_shape),
       grid=(b, hk, s_pad // bk),
       in_specs=in_specs,
