@@ -250,9 +250,8 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
 # the chunk the tensor's global scale, and each block's codes depend only on the block and that
 # scale, so the chunk's blocks come out as in the whole tensor (the head is left out of the error;
 # zero rows that fill the last chunk quantize to 0 exactly). The head is 16 rows (one 16×16 tile, or
-# sixteen 1×16 blocks) so that every chunk has a multiple of 16 rows: XLA:CPU compiled the quantizer
-# about 50 times more slowly on an odd row count. Memory is that of the tensors (as float32) plus one
-# chunk, where stacking whole tensors padded to the largest took tens of GiB at 64 × 512 tokens.
+# sixteen 1×16 blocks) so that every chunk has a multiple of 16 rows, which XLA:CPU compiles far
+# faster than an odd row count. Memory is that of the tensors (as float32) plus one chunk.
 CHUNK_ROWS = 1 << 16
 HEAD = nvfp4.BLOCK
 
