@@ -32,6 +32,8 @@ from fp4jax.recipe import get_recipe
 from fp4jax.train import OptimizerConfig, init_state, jit_steps, make_optimizer, make_schedule
 
 KINDS = (  # first match wins; patterns on the lower-cased op/kernel name
+    ("NVFP4 quantizer kernels", r"^nvfp4_(quantize|amax)"),
+    ("attention kernels (Pallas)", r"^nvfp4_attention"),
     ("attention (cuDNN)", r"cudnn|fmha|flash"),
     ("GEMM", r"gemm|cublas|matmul|dot|sm90_xmma|nvjet|cutlass"),
     ("copy / transpose", r"copy|transpose|memcpy|memset"),

@@ -1,0 +1,22 @@
+"""The profile's op classes: every kernel family of a step lands in its own row."""
+
+import pytest
+
+from benchmarks.profile_step import kind_of
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("nvfp4_quantize_pairs__7", "NVFP4 quantizer kernels"),
+    ("nvfp4_quantize_slabs", "NVFP4 quantizer kernels"),
+    ("nvfp4_amax__11", "NVFP4 quantizer kernels"),
+    ("nvfp4_attention_dkdv", "attention kernels (Pallas)"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", "attention (cuDNN)"),
+    ("nvjet_sm90_tss_256x96_64x4_1x2_h_bz_coopA_NNT", "GEMM"),
+    ("gemm_fusion_dot_general_170", "GEMM"),
+    ("input_transpose_fusion_13", "copy / transpose"),
+    ("input_add_reduce_fusion_24", "reduction"),
+    ("loop_add_fusion_12", "fusion (elementwise)"),
+    ("softmax_xent", "other"),
+])
+def test_profile_kinds(name, kind):
+  assert kind_of(name) == kind
