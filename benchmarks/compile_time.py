@@ -5,6 +5,7 @@ r"""Time from launch to the first train step, by phase, and the size of the prog
   python -m benchmarks.compile_time --lower-for=cuda           # on the CPU: only trace and lower, for an H200
   python -m benchmarks.compile_time --tiny                     # CPU check of the script (tiny model)
   python -m benchmarks.compile_time --runs=20m:fp4_linear:pallas --compiler-option=xla_gpu_autotune_level=0
+  python -m benchmarks.compile_time --runs=20m:bf16,20m:fp4_linear:pallas --compile-profile=40
 
 A run is ``SIZE:RECIPE[:IMPL]``: a model size (``20m``, ``125m``: experiments/configs' models;
 ``tiny``), a recipe of ``fp4jax.recipe``, and the implementation of its NVFP4 GEMMs
@@ -17,6 +18,11 @@ further steps; with the line counts of the StableHLO module and of the optimized
 is the sum of the phases up to and including the first step's run. No persistent compilation cache
 is used unless JAX's configuration sets one (the header says which).
 
+``--compile-profile=N`` records XLA's compilation of each step with ``jax.profiler`` and prints the N
+compiler events (XLA's own trace annotations: pass pipelines and passes, backend code generation,
+autotuning, kernel compilation) that take the most time, summed over their occurrences. The times
+are inclusive (a pipeline contains its passes), so a line's time is not additive with the others.
+
 ``--lower-for=cuda`` builds nothing on the device: the state is abstract and the step is traced and
 lowered for an H200 (an abstract mesh), so the program sizes of the GPU implementations, the Pallas
 kernels' included, can be compared on a CPU. Choices that ``"auto"`` resolves by the platform of the
@@ -26,10 +32,12 @@ default device (attention, the loss) keep the CPU's there.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import math
 import statistics
+import tempfile
 import time
 
 import jax
@@ -92,6 +100,32 @@ def _setup(size, recipe_name, scan):
   return cfg, recipe, make_optimizer(opt, recipe, 1000), make_schedule(opt, 1000)
 
 
+def compile_events(trace_dir: str, top: int) -> list[tuple[str, float, int]]:
+  """The ``top`` compiler events of a ``jax.profiler`` trace by total time: ``(name, ms, count)``,
+  XLA's annotations only (JAX's Python frames, named ``$file:line``, left out); digits in a name are
+  kept (pass names carry none, module names are the step's)."""
+  from benchmarks.profile_step import read_trace
+  events, _ = read_trace(trace_dir)
+  total, count = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and not e["name"].startswith("$"):
+      total[e["name"]] += e["dur"]
+      count[e["name"]] += 1
+  return [(name, us / 1e3, count[name]) for name, us in total.most_common(top)]
+
+
+def _compile(lowered, args):
+  """``lowered.compile`` with ``args.compiler_options``; under ``jax.profiler`` with
+  ``--compile-profile``, whose events come back as ``compile_events``."""
+  compile_ = lambda: lowered.compile(compiler_options=args.compiler_options or None)  # noqa: E731
+  if not args.compile_profile:
+    return compile_(), None
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      compiled = compile_()
+    return compiled, compile_events(d, args.compile_profile)
+
+
 def run_on_device(size, recipe_name, args) -> dict:
   """Every phase on the default device, as a training run does them."""
   cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan)
@@ -107,7 +141,7 @@ def run_on_device(size, recipe_name, args) -> dict:
   with jax.set_mesh(mesh):
     traced, t_trace = _timed(lambda: step.trace(state, batch))
     lowered, t_lower = _timed(traced.lower)
-    compiled, t_compile = _timed(lambda: lowered.compile(compiler_options=args.compiler_options or None))
+    (compiled, events), t_compile = _timed(lambda: _compile(lowered, args))
   (state, metrics), t_first = _timed(lambda: jax.block_until_ready(compiled(state, batch)))
   times = []
   for _ in range(args.steps):
@@ -118,7 +152,7 @@ def run_on_device(size, recipe_name, args) -> dict:
               to_first_step_s=t_init + t_trace + t_lower + t_compile + t_first,
               step_ms=1e3 * statistics.median(times) if times else math.nan,
               stablehlo_lines=_lines(lowered.as_text()), hlo_lines=_lines(compiled.as_text()),
-              loss=loss, ok=math.isfinite(loss))
+              loss=loss, ok=math.isfinite(loss), **({"compile_events": events} if events else {}))
 
 
 def lower_for(platform, size, recipe_name, args) -> dict:
@@ -190,6 +224,9 @@ def main(argv=None) -> int:
   p.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                  help="an XLA option for the step's compilation (repeatable), e.g. "
                  "xla_gpu_autotune_level=0 or xla_gpu_enable_triton_gemm=false")
+  p.add_argument("--compile-profile", type=int, default=0, metavar="N",
+                 help="profile XLA's compilation of each step and print its N longest compiler events "
+                 "(the XLA compile time then includes the profiler's overhead)")
   args = p.parse_args(argv)
   try:
     args.compiler_options = dict(_compiler_option(o) for o in args.compiler_option)
@@ -222,8 +259,15 @@ def main(argv=None) -> int:
     except Exception as e:  # report and go on with the other runs
       print(f"{name}: FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
       row = {"ok": False}
+    events = row.pop("compile_events", None)
     rows.append((name, row))
     print(json.dumps({"run": name, **row}), flush=True)
+    if events:
+      print(f"\n{name}: XLA compile events, inclusive ms (summed over occurrences)\n\n| event | ms | count |"
+            "\n|---|---:|---:|")
+      for ev, ms, n in events:
+        print(f"| {ev[:100]} | {ms:.1f} | {n} |")
+      print(flush=True)
 
   cols = [c for c in COLUMNS if any(c[0] in r for _, r in rows)]
   print("\n| run | " + " | ".join(c[1] for c in cols) + " |\n|---|" + "---:|" * len(cols))

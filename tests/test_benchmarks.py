@@ -20,3 +20,22 @@ from benchmarks.profile_step import kind_of
 ])
 def test_profile_kinds(name, kind):
   assert kind_of(name) == kind
+
+
+def test_compile_events_name_xla_phases(tmp_path):
+  """`compile_time --compile-profile`: XLA's own annotations of a compilation, longest first, without
+  JAX's Python frames."""
+  import jax
+  import jax.numpy as jnp
+
+  from benchmarks.compile_time import compile_events
+
+  lowered = jax.jit(lambda x: jnp.sin(x) @ x.T).trace(jnp.ones((64, 64))).lower()
+  with jax.profiler.trace(str(tmp_path)):
+    lowered.compile()
+  events = compile_events(str(tmp_path), 20)
+  names = [n for n, _, _ in events]
+  assert names and not any(n.startswith("$") for n in names)
+  assert any("RunBackend" in n for n in names), names
+  ms = [t for _, t, _ in events]
+  assert ms == sorted(ms, reverse=True) and all(c >= 1 for _, _, c in events)
