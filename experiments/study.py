@@ -135,6 +135,10 @@ ARMS: tuple[Arm, ...] = (
     _lora("lorasvd_lr0", "the branch frozen at its init split (learning rate x0)",
           lora_lr_scale=0.0),
     _lora("lorasvd_lr4", "the branch's learning rate x4", lora_lr_scale=4.0),
+    _lora("lorasvd_attn", "the branch on the attention projections only (qkv, o)",
+          lora_projections="qkv,o"),
+    _lora("lorasvd_mlp", "the branch on the MLP projections only (gate_up, down)",
+          lora_projections="gate_up,down"),
 )
 ARM_NAMES = tuple(a.name for a in ARMS)
 _BY_NAME = {a.name: a for a in ARMS}

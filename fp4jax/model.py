@@ -228,7 +228,7 @@ def _swiglu(gu_BxTxFx2):
 
 
 def make_projection(in_features: int, out_features: int, precision: str, recipe: Recipe,
-                    cfg: ModelConfig, std: float, rngs: nnx.Rngs) -> Dense:
+                    cfg: ModelConfig, std: float, rngs: nnx.Rngs, role: str) -> Dense:
   """One block projection in the given precision (``bf16``, ``nvfp4`` or ``nvfp4_lorasvd``).
 
   Args:
@@ -239,15 +239,17 @@ def make_projection(in_features: int, out_features: int, precision: str, recipe:
     cfg: the model config (compute dtype).
     std: initializer standard deviation.
     rngs: parameter RNGs.
+    role: the projection's name in its block (``qkv``, ``o``, ``gate_up``, ``down``): with
+      ``nvfp4_lorasvd``, ``recipe.lora_on(role)`` says whether it carries the branch.
 
   Returns:
     A ``fp4jax.layers.Dense`` called as ``layer(x, key=k)``, whose matmul is ``MixedMatmul`` (bf16),
     ``NVFP4Matmul(recipe.matmul_config())`` (nvfp4: NVIDIA's recipe, unless the recipe's linear
     ablation fields change it), or the latter with a bf16 rank-``recipe.lora_rank`` branch split
-    from the initial weight's SVD (nvfp4_lorasvd).
+    from the initial weight's SVD (nvfp4_lorasvd, on the projections of ``recipe.lora_projections``).
   """
   matmul = MixedMatmul() if precision == "bf16" else NVFP4Matmul(recipe.matmul_config())
-  rank = recipe.lora_rank if precision == "nvfp4_lorasvd" else 0
+  rank = recipe.lora_rank if precision == "nvfp4_lorasvd" and recipe.lora_on(role) else 0
   return Dense(in_features, out_features, matmul=matmul, rank=rank, rngs=rngs,
                kernel_init=nnx.initializers.normal(std), dtype=cfg.compute_dtype)
 
@@ -325,8 +327,8 @@ class Attention(nnx.Module):
                attention_op: Callable | None = None):
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.hdim
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    self.qkv = make_projection(d, (n + 2 * k) * h, precision, recipe, cfg, cfg.init_std, rngs)
-    self.o = make_projection(n * h, d, precision, recipe, cfg, out_std, rngs)
+    self.qkv = make_projection(d, (n + 2 * k) * h, precision, recipe, cfg, cfg.init_std, rngs, "qkv")
+    self.o = make_projection(n * h, d, precision, recipe, cfg, out_std, rngs, "o")
     if cfg.qk_norm:
       self.q_norm = RMSNorm(h, cfg.norm_eps)
       self.k_norm = RMSNorm(h, cfg.norm_eps)
@@ -390,8 +392,8 @@ class Mlp(nnx.Module):
   def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs):
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     self.gate_up = make_projection(cfg.d_model, 2 * cfg.ff, precision, recipe, cfg, cfg.init_std,
-                                   rngs)
-    self.down = make_projection(cfg.ff, cfg.d_model, precision, recipe, cfg, out_std, rngs)
+                                   rngs, "gate_up")
+    self.down = make_projection(cfg.ff, cfg.d_model, precision, recipe, cfg, out_std, rngs, "down")
 
   def __call__(self, x_BxTxD, key):
     k_gu, k_down = _split_key(key, 2)

@@ -33,6 +33,7 @@ from fp4jax.ops.matmul import MatmulConfig
 
 LINEAR_CHOICES = ("bf16", "nvfp4", "nvfp4_lorasvd")
 ATTENTION_CHOICES = ("bf16", "nvfp4")
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a Transformer block's projections
 OPTIMIZER_STATE_CHOICES = ("fp32", "nvfp4")
 NEWTON_SCHULZ_CHOICES = ("bf16", "nvfp4")
 MODULES = ("linear", "attention", "optimizer_states", "newton_schulz")  # what a preset sets
@@ -54,6 +55,9 @@ class Recipe:
     lora_lr_scale: the low-rank branch's learning rate (``lora_a``, ``lora_b``) as a multiple of
       the run's: their updates are scaled by it after the optimizer (weight decay included, as a
       learning rate scales it). 1.0 leaves the optimizer as it is; 0.0 freezes the branch.
+    lora_projections: which block projections carry the branch: ``"all"`` or some of
+      ``PROJECTIONS`` separated by commas (e.g. ``"gate_up,down"``: the MLP only); the others stay
+      plain NVFP4.
     attention_pv: with ``attention="nvfp4"``, the operands V, P and dO of P·V, dO·Vᵀ and Pᵀ·dO:
       ``"bf16"`` (the method: the sensitive branches protected) or ``"nvfp4"`` (ablation).
     attention_ds: with ``attention="nvfp4"``, dS in dQ = dS·K and dK = dSᵀ·Q: ``"nvfp4"`` (the
@@ -75,6 +79,7 @@ class Recipe:
   lora_rank: int = 16
   lora_resplit_every: int = 0
   lora_lr_scale: float = 1.0
+  lora_projections: str = "all"
   attention_pv: str = "bf16"
   attention_ds: str = "nvfp4"
   attention_reuse: bool = True
@@ -104,8 +109,20 @@ class Recipe:
     if self.linear_grad_rounding not in ROUNDINGS:
       raise ValueError(f"Recipe.linear_grad_rounding={self.linear_grad_rounding!r}: expected one of "
                        f"{ROUNDINGS}")
+    roles = self.lora_projections.split(",") if isinstance(self.lora_projections, str) else [None]
+    if self.lora_projections != "all" and (not all(r in PROJECTIONS for r in roles)
+                                           or len(set(roles)) != len(roles)):
+      raise ValueError(f"Recipe.lora_projections={self.lora_projections!r}: expected 'all' or distinct "
+                       f"names of {PROJECTIONS} separated by commas")
     if self.linear == "nvfp4_lorasvd" and self.lora_rank < 1:
       raise ValueError("Recipe.lora_rank must be >= 1 when linear='nvfp4_lorasvd'")
+
+  def lora_on(self, projection: str) -> bool:
+    """Whether the block projection ``projection`` (one of ``PROJECTIONS``) carries the LoRA-SVD
+    branch when the linear precision is ``nvfp4_lorasvd`` (``lora_projections``)."""
+    if projection not in PROJECTIONS:
+      raise ValueError(f"unknown projection {projection!r}: expected one of {PROJECTIONS}")
+    return self.lora_projections == "all" or projection in self.lora_projections.split(",")
 
   def block_linear(self, block: int, n_blocks: int) -> str:
     """The linear precision of Transformer block ``block`` (0-based) in a model of ``n_blocks``.

@@ -143,6 +143,12 @@ def test_recipe_places_precision_per_block():
   assert isinstance(gu.matmul, NVFP4Matmul) and gu.rank == 8
   assert isinstance(down.matmul, MixedMatmul) and down.rank == 0 and down.lora_a is None
   assert gu.lora_a.shape == (64, 8) and gu.lora_b.shape == (8, 2 * cfg.ff)
+  # lora_projections: the branch on the named projections only; the others stay plain NVFP4.
+  mlp_only = _model(cfg, Recipe(linear="nvfp4_lorasvd", lora_rank=8, lora_projections="gate_up,down"))
+  for b in mlp_only.blocks:
+    assert b.mlp.gate_up.rank == b.mlp.down.rank == 8
+    assert b.attn.qkv.rank == b.attn.o.rank == 0 and b.attn.qkv.lora_a is None
+    assert isinstance(b.attn.qkv.matmul, NVFP4Matmul)
   # The linear ablations reach every NVFP4 projection.
   ablated = _model(cfg, Recipe(linear="nvfp4", linear_hadamard=False, linear_grad_rounding="nearest"))
   want = MatmulConfig.nvfp4(hadamard=False, dy_dgrad_rounding="nearest", dy_wgrad_rounding="nearest")

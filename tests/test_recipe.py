@@ -7,7 +7,7 @@ import pytest
 from fp4jax import recipe as recipe_lib
 from fp4jax.ops.attention import AttentionConfig
 from fp4jax.ops.matmul import MatmulConfig
-from fp4jax.recipe import Recipe, get_recipe
+from fp4jax.recipe import PROJECTIONS, Recipe, get_recipe
 
 
 def test_presets_are_cumulative():
@@ -70,6 +70,17 @@ def test_attention_config_of_the_recipe():
     Recipe(attention_ds="fp8")
   with pytest.raises(ValueError, match="attention_reuse"):
     Recipe(attention_reuse="yes")
+
+
+def test_lora_projections():
+  assert all(Recipe().lora_on(p) for p in PROJECTIONS)
+  r = Recipe(linear="nvfp4_lorasvd", lora_projections="qkv,o")
+  assert [r.lora_on(p) for p in PROJECTIONS] == [True, True, False, False]
+  for bad in ("qkv,mlp", "", "o,o", ("qkv",)):
+    with pytest.raises(ValueError, match="lora_projections"):
+      Recipe(lora_projections=bad)
+  with pytest.raises(ValueError, match="unknown projection"):
+    r.lora_on("mlp")
 
 
 def test_matmul_config_of_the_recipe():
