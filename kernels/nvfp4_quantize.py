@@ -389,9 +389,11 @@ def _slab_quantize_kernel(i_ref, s_ref, x_ref, codes_ref, scales_ref, g_ref, *de
     # Flat index of element i of each block: (a * 16 + i) * B + b ("mid") or (a * B + b) * 16 + i.
     base = _iota_index(tile, (pid_a * tile[0], pid_b * tile[1]),
                        (BLOCK * n_b, 1) if mid else (BLOCK * n_b, BLOCK))
-    step = n_b if mid else 1
-    bits = [_element_bits(base + jnp.uint32(i * step), i_ref, bit_source) for i in range(BLOCK)]
-  codes = [numerics.e2m1_codes(x, escale, zero_block, rounding, b, jnp.int32) for x, b in zip(xs, bits)]
+    if mid:
+      bits = [_element_bits(base + jnp.uint32(i * n_b), i_ref, bit_source) for i in range(BLOCK)]
+    else:  # elements 2p and 2p + 1 of a block are neighbours: one counter hash per pair
+      bits = [b for p in range(BLOCK // 2) for b in _pair_bits(base + jnp.uint32(2 * p), i_ref, bit_source)]
+  codes = [_e2m1_codes(x, escale, zero_block, rounding, b) for x, b in zip(xs, bits)]
   for p in range(BLOCK // 2):
     _store(_slab_ref(codes_ref, p, mid), (codes[2 * p] | (codes[2 * p + 1] << 4)).astype(jnp.uint8), ok)
   _store(scales_ref, dcode, ok)
