@@ -14,8 +14,9 @@ Layouts of the ``quantize`` kernel (each a free reshape of ``x``; programs tile 
 with masked edges):
 
 - ``(1, 16)`` along the last axis: ``x`` as ``(R, 1, C, 16)`` (``R`` rows, ``C = K / 16`` blocks);
-  each block's max is a reduction over the last axis, and the codes are split into even and odd
-  elements (the two nibbles of a byte) in registers.
+  right after the load the tile is split in registers into its even and odd elements (the low and
+  high nibbles of each code byte), two ``(R, 1, C, 8)`` halves on which every later step is
+  elementwise; each block's max is a reduction over their last axis.
 - ``(16, 16)``: ``x`` as ``(T, 16, C, 16)``, the same code with a tile's 16 rows in axis 1.
 - ``(1, 16)`` along another axis ``a`` (the wgrad's token axis): ``x`` as ``(P·G, 16, Q)`` (``G`` blocks
   along ``a``, ``Q`` the elements after it); a program loads the 16 rows of its blocks as 16
@@ -26,6 +27,10 @@ with masked edges):
 
 The ``amax`` kernel reads the flattened tensor, or, with the Hadamard transform, the quantizer's
 layout through the transform.
+
+E2M1 rounding to nearest runs on float32 patterns (``_e2m1_rne_magnitude``: from 1 up the pattern
+rounded to a multiple of 2^22, below 1 ``rint(2a)``), a few integer operations per element instead of
+``numerics.e2m1_rne_code``'s seven comparisons, with the same codes for every float32 in [0, 6].
 
 Division: ``1 / (dscale · S_dec)`` is PTX ``div.rn.f32`` on the GPU (Triton's ``/`` is not correctly
 rounded) and the CPU's IEEE division in interpret mode: both equal ``numerics.div_rn``. Codes are
