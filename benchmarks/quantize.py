@@ -2,7 +2,7 @@
 nvfp4.quantize and a device copy, in the same run.
 
   python -m benchmarks.quantize                 # GPU: 16384x16384 bf16
-  python -m benchmarks.quantize --sweep         # also the kernels' tilings, 1x16 nearest
+  python -m benchmarks.quantize --sweep         # also the kernels' tilings (SWEEP x SWEEP_ROWS)
   python -m benchmarks.quantize --small         # CPU smoke run (256x256, kernels in interpret mode)
 
 Bytes counted for a quantize: 2 B read (bf16) + 0.5 B codes + 1/16 B scales written per element
@@ -57,9 +57,18 @@ KERNEL_ROWS = [
     ("axis 0, Hadamard, stochastic (counter) + decoded, amax in XLA",
      dict(axis=0, hadamard=True, rounding="stochastic", bit_source="counter", decoded=True, amax="xla")),
 ]
+# --sweep: each tiling on the rows below (quantize_elements, num_warps, amax_elements, amax_num_warps;
+# the first is BlockSizes' default).
 SWEEP = [kq.BlockSizes(quantize_elements=q, num_warps=w, amax_elements=a, amax_num_warps=aw)
-         for q, w, a, aw in ((2048, 4, 16384, 8), (4096, 4, 16384, 8), (8192, 4, 16384, 8),
-                             (8192, 8, 16384, 8), (16384, 8, 32768, 8), (4096, 4, 65536, 16))]
+         for q, w, a, aw in ((4096, 4, 16384, 8), (2048, 4, 16384, 8), (4096, 8, 16384, 8),
+                             (8192, 4, 16384, 8), (8192, 8, 16384, 8), (16384, 8, 16384, 8),
+                             (4096, 4, 32768, 8), (4096, 4, 65536, 16))]
+SWEEP_ROWS = [
+    ("1x16 nearest", dict()),
+    ("1x16 nearest + decoded", dict(decoded=True)),
+    ("1x16 stochastic (counter hash)", dict(rounding="stochastic", bit_source="counter")),
+    ("1x16 nearest, amax in XLA", dict(amax="xla")),
+]
 
 
 def _kernel_fn(kw, interpret, block_sizes=kq.BlockSizes()):
@@ -76,7 +85,7 @@ def _kernel_fn(kw, interpret, block_sizes=kq.BlockSizes()):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--small", action="store_true", help="CPU smoke run: 256x256, interpret mode")
-  ap.add_argument("--sweep", action="store_true", help="also time the kernels' tilings (1x16 nearest)")
+  ap.add_argument("--sweep", action="store_true", help="also time the kernels' tilings (SWEEP x SWEEP_ROWS)")
   ap.add_argument("--iters", type=int, default=None)
   args = ap.parse_args()
   n = 256 if args.small else 16384
@@ -113,9 +122,15 @@ def main():
     rows.append((f"kernel: {name}", t, (q_bytes + (2 * n * n if kw.get("decoded") else 0)) / t))
 
   if args.sweep:
-    for bs in SWEEP:
-      t = time(_kernel_fn({}, interpret, bs), x, key, hkey)
-      rows.append((f"kernel sweep 1x16 nearest {bs}", t, q_bytes / t))
+    for name, kw in SWEEP_ROWS:
+      for bs in SWEEP:
+        if kw.get("amax") == "xla" and bs.amax_elements != SWEEP[0].amax_elements:
+          continue  # the amax tiling does not apply
+        t = time(_kernel_fn(kw, interpret, bs), x, key, hkey)
+        tiling = (f"q={bs.quantize_elements}/{bs.num_warps}w amax={bs.amax_elements}/"
+                  f"{bs.amax_num_warps}w")
+        rows.append((f"kernel sweep {name} {tiling}", t,
+                     (q_bytes + (2 * n * n if kw.get("decoded") else 0)) / t))
 
   print(environment_line())
   print(f"tensor {n}x{n} bfloat16; copy bandwidth = {copy_bw / 1e9:.0f} GB/s (faster of the two copies); "

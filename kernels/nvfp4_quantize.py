@@ -14,8 +14,9 @@ Layouts of the ``quantize`` kernel (each a free reshape of ``x``; programs tile 
 with masked edges):
 
 - ``(1, 16)`` along the last axis: ``x`` as ``(R, 1, C, 16)`` (``R`` rows, ``C = K / 16`` blocks);
-  each block's max is a reduction over the last axis, and the codes are split into even and odd
-  elements (the two nibbles of a byte) in registers.
+  right after the load the tile is split in registers into its even and odd elements (the low and
+  high nibbles of each code byte), two ``(R, 1, C, 8)`` halves on which every later step is
+  elementwise; each block's max is a reduction over their last axis.
 - ``(16, 16)``: ``x`` as ``(T, 16, C, 16)``, the same code with a tile's 16 rows in axis 1.
 - ``(1, 16)`` along another axis ``a`` (the wgrad's token axis): ``x`` as ``(P·G, 16, Q)`` (``G`` blocks
   along ``a``, ``Q`` the elements after it); a program loads the 16 rows of its blocks as 16
@@ -26,6 +27,10 @@ with masked edges):
 
 The ``amax`` kernel reads the flattened tensor, or, with the Hadamard transform, the quantizer's
 layout through the transform.
+
+E2M1 rounding to nearest runs on float32 patterns (``_e2m1_rne_magnitude``: from 1 up the pattern
+rounded to a multiple of 2^22, below 1 ``rint(2a)``), a few integer operations per element instead of
+``numerics.e2m1_rne_code``'s seven comparisons, with the same codes for every float32 in [0, 6].
 
 Division: ``1 / (dscale · S_dec)`` is PTX ``div.rn.f32`` on the GPU (Triton's ``/`` is not correctly
 rounded) and the CPU's IEEE division in interpret mode: both equal ``numerics.div_rn``. Codes are
@@ -204,7 +209,8 @@ def _block_scales(block_amax, consts, interpret):
   mconst, s_dec, finite = consts
   block_amax = jnp.where(finite, block_amax, 0.0)
   dscale, dcode = numerics.e4m3_block_scales(block_amax, mconst)
-  escale = jnp.minimum(_div_rn(1.0, numerics.e4m3_to_f32(dcode) * s_dec, interpret), numerics.F32_MAX)
+  # dscale is the value of its E4M3 byte (round_to_e4m3), so no decode of dcode is needed.
+  escale = jnp.minimum(_div_rn(1.0, dscale * s_dec, interpret), numerics.F32_MAX)
   zero_block = (dscale == 0) | ~finite
   return dscale, dcode, escale, zero_block
 
@@ -248,26 +254,77 @@ def _pair_quantize_kernel(i_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, 
                           bit_source, interpret):
   ba, s, bb = x_ref.shape[:3]
   pid_a, pid_b = pl.program_id(0), pl.program_id(1)
-  x = numerics.flush_subnormals(
-      _load(x_ref, _pair_ok(x_ref.shape, pid_a, pid_b, n_a, n_b)).astype(jnp.float32))
-  # Block amax over each block's 16 elements (axis 3) and, for 16x16 tiles, its 16 rows (axis 1).
-  block_amax = jnp.max(jnp.max(jnp.abs(x), axis=3), axis=1)  # (BA, BB)
+  # Each byte's two elements (the low and the high nibble) as two (BA, S, BB, 8) halves, split in
+  # registers right after the load: every later step is elementwise on the halves.
+  x = _load(x_ref, _pair_ok(x_ref.shape, pid_a, pid_b, n_a, n_b))
+  lo, hi = jnp.unstack(x.reshape(ba, s, bb, BLOCK // 2, 2), axis=-1)
+  lo, hi = (numerics.flush_subnormals(v.astype(jnp.float32)) for v in (lo, hi))
+  # Block amax over each block's 16 elements (axis 3 of both halves) and, for 16x16 tiles, its 16
+  # rows (axis 1).
+  block_amax = jnp.max(jnp.max(jnp.maximum(jnp.abs(lo), jnp.abs(hi)), axis=3), axis=1)  # (BA, BB)
   consts = _tensor_scales(i_ref, interpret)
-  g_ref[...] = consts[1].reshape(1)  # every program writes the same value
+  _store_global_scale(g_ref, consts[1], pid_a, pid_b)
   dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
-  bits = None
+  bits = (None, None)
   if rounding == "stochastic":
-    # Flat index of each element: ((a * S + s) * B + b) * 16 + i.
-    idx = _iota_index(x.shape, (pid_a * ba, 0, pid_b * bb, 0), (s * n_b * BLOCK, n_b * BLOCK, BLOCK, 1))
-    bits = _element_bits(idx, i_ref, bit_source)
-  bc = lambda v: v[:, None, :, None]  # noqa: E731  (BA, BB) -> against (BA, S, BB, 16)
-  codes = numerics.e2m1_codes(x, bc(escale), bc(zero_block), rounding, bits, jnp.int32)
-  even, odd = jnp.unstack(codes.reshape(ba, s, bb, BLOCK // 2, 2), axis=-1)
-  _store(codes_ref, (even | (odd << 4)).astype(jnp.uint8), _pair_ok(even.shape, pid_a, pid_b, n_a, n_b))
+    # Flat index of each low element: ((a * S + s) * B + b) * 16 + 2 * i.
+    idx = _iota_index(lo.shape, (pid_a * ba, 0, pid_b * bb, 0),
+                      (s * n_b * BLOCK, n_b * BLOCK, BLOCK, 2))
+    bits = _pair_bits(idx, i_ref, bit_source)
+  bc = lambda v: v[:, None, :, None]  # noqa: E731  (BA, BB) -> against (BA, S, BB, 8)
+  code_lo, code_hi = (_e2m1_codes(v, bc(escale), bc(zero_block), rounding, b)
+                      for v, b in zip((lo, hi), bits))
+  _store(codes_ref, (code_lo | (code_hi << 4)).astype(jnp.uint8),
+         _pair_ok(code_lo.shape, pid_a, pid_b, n_a, n_b))
   _store(scales_ref, dcode[:, None, :], _pair_ok((ba, 1, bb), pid_a, pid_b, n_a, n_b))
   if dec_ref:
-    dec = (numerics.decode_e2m1(codes) * bc(dscale)).astype(dec_ref[0].dtype)
+    dec = [(numerics.decode_e2m1(c) * bc(dscale)).astype(dec_ref[0].dtype) for c in (code_lo, code_hi)]
+    dec = jnp.stack(dec, axis=-1).reshape(x.shape)
     _store(dec_ref[0], dec, _pair_ok(x.shape, pid_a, pid_b, n_a, n_b))
+
+
+def _store_global_scale(g_ref, s_dec, pid_a, pid_b):
+  """``S_dec`` into ``g_ref``, from the first program only (one store instead of one per program to
+  the same address)."""
+  @pl.when((pid_a == 0) & (pid_b == 0))
+  def _():
+    g_ref[...] = s_dec.reshape(1)
+
+
+def _e2m1_rne_magnitude(a):
+  """``numerics.e2m1_rne_code(a)`` for float32 ``a`` in [0, 6] in fewer operations (equal for every
+  float32 in [0, 6]; tests/test_kernels_quantize.py checks it exhaustively).
+
+  From 1 up, each step of the E2M1 grid (1, 1.5, 2, 3, 4, 6) spans 2^22 float32 patterns, so the
+  code is the pattern rounded to a multiple of 2^22, ties to even, minus 252 (the pattern of 1.0 is
+  254 · 2^22). Below 1 the grid (0, 0.5, 1) is ``rint(2a)``: ``2a + 2^23`` rounds ``2a`` to an integer,
+  ties to even, and its pattern is ``0x4B000000`` plus that integer (``2a`` is exact).
+  """
+  b = lax.bitcast_convert_type(a, jnp.int32)
+  big = ((b + (0x1FFFFF + ((b >> 22) & 1))) >> 22) - 252
+  small = lax.bitcast_convert_type(a * 2.0 + jnp.float32(2.0**23), jnp.int32) - 0x4B000000
+  return jnp.where(a < 1.0, small, big)
+
+
+def _e2m1_codes(x32, escale, zero_block, rounding, bits):
+  """``numerics.e2m1_codes(x32, escale, zero_block, rounding, bits, int32)`` for subnormal-flushed
+  ``x32``: the magnitude as ``_e2m1_rne_magnitude`` (nearest) and the sign bit from the pattern
+  (``x32 < 0`` for a flushed, finite value)."""
+  a = jnp.minimum(jnp.abs(x32 * escale), numerics.E2M1_MAX)
+  mag = _e2m1_rne_magnitude(a) if rounding == "nearest" else numerics.e2m1_stochastic_code(a, bits)
+  sign = (lax.bitcast_convert_type(x32, jnp.int32) >> 28) & 8
+  return jnp.where(zero_block, 0, mag | sign)
+
+
+def _pair_bits(idx, i_ref, bit_source):
+  """The uint32 rounding bits of the elements at flat indices ``idx`` (even) and ``idx + 1``; with the
+  counter hash, one hash of the pair ``idx >> 1`` serves both (``numerics.counter_bits``)."""
+  if bit_source != "counter":
+    return _element_bits(idx, i_ref, bit_source), _element_bits(idx + jnp.uint32(1), i_ref, bit_source)
+  k1 = lax.bitcast_convert_type(i_ref[1], jnp.uint32)
+  k2 = lax.bitcast_convert_type(i_ref[2], jnp.uint32)
+  h = numerics.counter_hash(idx >> 1, k1, k2)
+  return numerics.lane_bits(h, 0), numerics.lane_bits(h, 1)
 
 
 def _element_bits(idx, i_ref, bit_source):
@@ -330,16 +387,18 @@ def _slab_quantize_kernel(i_ref, s_ref, x_ref, codes_ref, scales_ref, g_ref, *de
   xs = _slabs(x_ref, s_ref, ok, mid, hadamard_on)
   block_amax = functools.reduce(jnp.maximum, [jnp.abs(x) for x in xs])
   consts = _tensor_scales(i_ref, interpret)
-  g_ref[...] = consts[1].reshape(1)  # every program writes the same value
+  _store_global_scale(g_ref, consts[1], pid_a, pid_b)
   dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
   bits = [None] * BLOCK
   if rounding == "stochastic":
     # Flat index of element i of each block: (a * 16 + i) * B + b ("mid") or (a * B + b) * 16 + i.
     base = _iota_index(tile, (pid_a * tile[0], pid_b * tile[1]),
                        (BLOCK * n_b, 1) if mid else (BLOCK * n_b, BLOCK))
-    step = n_b if mid else 1
-    bits = [_element_bits(base + jnp.uint32(i * step), i_ref, bit_source) for i in range(BLOCK)]
-  codes = [numerics.e2m1_codes(x, escale, zero_block, rounding, b, jnp.int32) for x, b in zip(xs, bits)]
+    if mid:
+      bits = [_element_bits(base + jnp.uint32(i * n_b), i_ref, bit_source) for i in range(BLOCK)]
+    else:  # elements 2p and 2p + 1 of a block are neighbours: one counter hash per pair
+      bits = [b for p in range(BLOCK // 2) for b in _pair_bits(base + jnp.uint32(2 * p), i_ref, bit_source)]
+  codes = [_e2m1_codes(x, escale, zero_block, rounding, b) for x, b in zip(xs, bits)]
   for p in range(BLOCK // 2):
     _store(_slab_ref(codes_ref, p, mid), (codes[2 * p] | (codes[2 * p + 1] << 4)).astype(jnp.uint8), ok)
   _store(scales_ref, dcode, ok)

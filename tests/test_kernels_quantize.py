@@ -202,3 +202,27 @@ def test_lowers_to_triton_for_h200(triton_modules, shape, kw):
     hlo = jax.jit(functools.partial(f, amax="xla")).trace(x, KEY, HKEY).lower(
         lowering_platforms=("cuda",)).as_text()
   assert hlo.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_e2m1_rne_magnitude_equals_thresholds_on_every_float32():
+  """The kernels' E2M1 rounding (float32 patterns and ``rint(2a)``) is ``numerics.e2m1_rne_code`` on
+  every float32 in [0, 6]."""
+  top = int(np.float32(6.0).view(np.uint32))
+  chunk = 1 << 25
+
+  @jax.jit
+  def mismatches(start):
+    b = start + jnp.arange(chunk, dtype=jnp.uint32)
+    a = jax.lax.bitcast_convert_type(jnp.minimum(b, jnp.uint32(top)), jnp.float32)
+    return jnp.sum(kq._e2m1_rne_magnitude(a) != numerics.e2m1_rne_code(a))
+
+  assert sum(int(mismatches(jnp.uint32(s))) for s in range(0, top + 1, chunk)) == 0
+
+
+def test_block_scale_is_the_value_of_its_byte():
+  """``e4m3_block_scales``' value is ``e4m3_to_f32`` of its byte (the kernels skip the decode)."""
+  v = jnp.concatenate([jnp.asarray(numerics.e4m3_to_f32(jnp.arange(127, dtype=jnp.uint8))),
+                       jax.random.uniform(KEY, (1 << 16,), jnp.float32, 0.0, 448.0),
+                       jnp.exp2(jax.random.uniform(HKEY, (1 << 16,), jnp.float32, -12.0, 9.0))])
+  value, byte = numerics.e4m3_block_scales(v, jnp.float32(1.0))
+  _assert_same(numerics.e4m3_to_f32(byte), value)
