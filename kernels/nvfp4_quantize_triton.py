@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fp4jax import numerics, nvfp4
+from fp4jax import nvfp4
 
 BLOCK = nvfp4.BLOCK
 EXTRA = "triton"  # the optional-dependency extra that installs jax-triton
@@ -136,7 +136,7 @@ def _quantize_kernel(amax_ptr, x_ptr, codes_ptr, scales_ptr, g_ptr, dec_ptr,
   else:
     s_enc = tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=f,f,f", [num, amax], dtype=tl.float32,
                                       is_pure=True, pack=1)
-  s_enc = tl.minimum(s_enc, 3.4028234663852886e38)
+  s_enc = tl.minimum(s_enc, 3.4028234663852886e+38)
   s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
   one = tl.zeros((1, 1), tl.float32) + 1.0
   if INTERPRET:
@@ -150,7 +150,7 @@ def _quantize_kernel(amax_ptr, x_ptr, codes_ptr, scales_ptr, g_ptr, dec_ptr,
 
   # E4M3 block scales: round_to_e4m3(clip(min(block_amax * m, FLT_MAX), 0, 448)) (numerics).
   block_amax = tl.where(finite, block_amax, 0.0)
-  v = tl.minimum(tl.maximum(tl.minimum(block_amax * m, 3.4028234663852886e38), 0.0), 448.0)
+  v = tl.minimum(tl.maximum(tl.minimum(block_amax * m, 3.4028234663852886e+38), 0.0), 448.0)
   b = v.to(tl.int32, bitcast=True)
   e = ((b >> 23) & 0xFF) - 127
   lsb = (b >> 20) & 1
@@ -171,7 +171,7 @@ def _quantize_kernel(amax_ptr, x_ptr, codes_ptr, scales_ptr, g_ptr, dec_ptr,
   else:
     escale = tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=f,f,f", [one_b, den], dtype=tl.float32,
                                        is_pure=True, pack=1)
-  escale = tl.minimum(escale, 3.4028234663852886e38)
+  escale = tl.minimum(escale, 3.4028234663852886e+38)
   zero_block = (dscale == 0.0) | (a_bits > 0x7F7FFFFF)
 
   # E2M1 codes, to nearest with ties to even (numerics.e2m1_codes), sign in bit 3 for x < 0.

@@ -141,3 +141,12 @@ def test_checks_its_arguments():
     kt.quantize(jnp.ones((16, 24), jnp.bfloat16))
   with pytest.raises(ValueError, match="power of two"):
     kt.BlockSizes(block_k=48)
+
+
+def test_kernel_constants():
+  """The float32 constants written as literals in the kernel are numerics' (fp32(1/6), FLT_MAX)."""
+  import inspect
+
+  from fp4jax import numerics
+  src = inspect.getsource(kt._quantize_kernel)
+  assert repr(numerics.INV6) in src and repr(numerics.F32_MAX) in src
