@@ -230,7 +230,11 @@ def _import_triton():
 def _jitted():
   """The two kernels as ``triton.JITFunction``s (for jax_triton)."""
   _import_triton()
-  return triton.jit(_amax_kernel), triton.jit(_quantize_kernel)
+  if type(tl.max).__name__ == "InterpretedFunction":
+    raise RuntimeError("triton was imported with TRITON_INTERPRET=1 (its interpreter): the GPU path "
+                       "needs a process without it; use quantize(..., interpret=True) there")
+  from triton.runtime.jit import JITFunction
+  return JITFunction(_amax_kernel), JITFunction(_quantize_kernel)
 
 
 def _jax_triton():

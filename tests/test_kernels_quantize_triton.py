@@ -5,7 +5,8 @@ an ImportError naming the extra.
 
 The interpreter and compile tests need the ``triton`` package (``pip install triton==3.6.0``; no torch,
 no GPU) and are skipped without it. Triton's interpreter needs ``TRITON_INTERPRET=1`` before ``triton``
-is first imported: set here when this module is collected before anything imports triton.
+is first imported: set here when this module is collected before anything imports triton (and not
+in a GPU test run).
 """
 
 import os
@@ -13,7 +14,8 @@ import subprocess
 import sys
 import textwrap
 
-if "triton" not in sys.modules:
+# Not in a GPU test run (FP4JAX_GPU_TESTS=1), whose Triton kernels must compile in the same process.
+if "triton" not in sys.modules and os.environ.get("FP4JAX_GPU_TESTS") != "1":
   os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import jax.numpy as jnp  # noqa: E402
