@@ -39,11 +39,11 @@ rounding takes its bits from ``ds_rounding_bits`` (a counter hash of (key, b, h,
 kernels and the reference draw the same bits whatever the blocking. Each kernel tile holds whole
 ds tiles: the backward's blocks are multiples of ``ds_tile``.
 
-Everything inside the kernels lowers to Triton for sm_90: no float4 casts (E2M1 and E4M3 encoded
-with comparisons and integer operations), the divisions of the quantizer correctly rounded (PTX
-``div.rn.f32``; the CPU's division in interpret mode, see
-``_div``), power-of-two blocks; see tests/test_kernels_attention.py for the CPU-side CUDA lowering
-check.
+Everything inside the kernels lowers to Triton for sm_90: no float4 casts (E2M1 and E4M3 values
+rounded with float32 additions and integer operations on bit patterns, ``_e2m1_value`` and
+``_e4m3_value``), the divisions of the quantizer correctly rounded (PTX ``div.rn.f32`` and, for
+reciprocals, ``rcp.rn.f32``; the CPU's division in interpret mode, see ``_div``), power-of-two
+blocks; see tests/test_kernels_attention.py for the CPU-side CUDA lowering check.
 """
 
 from __future__ import annotations
@@ -95,6 +95,14 @@ def _div(a, b, division: str):
   if division == "exact":
     return numerics.div_rn(jnp.asarray(a, jnp.float32), b)
   return jnp.asarray(a, jnp.float32) / b
+
+
+def _recip(b, division: str):
+  """``1 / b`` correctly rounded, as ``_div(1.0, b, division)``; inside GPU kernels PTX
+  ``rcp.rn.f32``, the same correctly rounded reciprocal in fewer instructions than ``div.rn.f32``."""
+  if division == "ptx":
+    return _ptx("rcp.rn.f32", b)
+  return _div(1.0, b, division)
 
 
 def _tile_max(x, rows: int, cols: int):
@@ -175,21 +183,24 @@ def _fake_quant_blocks(x, block_amax, s_enc, s_dec, block, rounding: str, bits, 
   S_dec`` in float32 cast to bf16. ``valid`` (per block, or None: all): False for the blocks of a
   tensor whose amax is not finite, coded 0 and decoded with their NaN ``s_dec``.
 
-  ``x`` is not flushed: an element below 2^-126 (and a NaN) is coded +0 by the same select that codes
-  the zero blocks' elements 0; the others keep their product with the block's encode scale. The code
+  ``x`` is not flushed: an element below 2^-126 (and a NaN) is coded +0 by the same comparison and
+  select that code the zero blocks' elements 0; the others keep their product with the block's
+  encode scale. The code
   is never formed: the rounded magnitude comes out as its float32 value (``_e2m1_value``) with ``x``'s
   sign bit, which is ``decode_e2m1`` of ``numerics.e2m1_codes``' code."""
   rows, cols = block
   dscale = _e4m3_value(jnp.clip(jnp.minimum(block_amax * (s_enc * jnp.float32(numerics.INV6)),
                                             numerics.F32_MAX), 0.0, numerics.E4M3_MAX))
-  escale = jnp.minimum(_div(1.0, dscale * s_dec, division), numerics.F32_MAX)
+  escale = jnp.minimum(_recip(dscale * s_dec, division), numerics.F32_MAX)
   zero_block = dscale == 0 if valid is None else (dscale == 0) | ~valid
   per_elem = functools.partial(_expand, rows=rows, cols=cols)
   ax = jnp.abs(x)
   a = jnp.minimum(ax * per_elem(escale), numerics.E2M1_MAX)  # |x * escale|, as escale > 0
   r = None if bits is None else (bits >> 10).astype(jnp.int32)
   signed = _float(_bits(_e2m1_value(a, rounding, r)) | (_bits(x) & _SIGN))
-  keep = (ax >= _F32_TINY) & ~per_elem(zero_block)
+  # One comparison per element drops both the zero blocks and the elements below 2^-126: against
+  # NaN (zero blocks) every comparison is false.
+  keep = ax >= per_elem(jnp.where(zero_block, jnp.float32(jnp.nan), _F32_TINY))
   decoded = jnp.where(keep, signed, 0.0) * per_elem(dscale) * per_elem(s_dec)
   return decoded.astype(jnp.bfloat16)
 
@@ -207,7 +218,7 @@ def _quantize_tile(ds, bits, ds_tile, rounding: str, division: str):
   amax = jnp.where(finite, amax, 0.0)
   s_enc = jnp.minimum(_div(_E2M1_X_E4M3_MAX, amax, division), numerics.F32_MAX)
   s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
-  s_dec = jnp.where(finite, _div(1.0, s_enc, division), jnp.nan)
+  s_dec = jnp.where(finite, _recip(s_enc, division), jnp.nan)
   per_block = functools.partial(_expand, rows=tq // _B, cols=tk // _B)
   s_enc_b, s_dec_b, finite_b = per_block(s_enc), per_block(s_dec), per_block(finite)
   return _fake_quant_blocks(ds, jnp.where(finite_b, block_amax, 0.0), s_enc_b, s_dec_b,

@@ -475,7 +475,7 @@ LOWER_CASES = [
 def test_lowers_to_triton_for_h200(triton_modules, d, causal, ds_rounding, group):
   """The CUDA lowering of jitted forward and backward for an abstract H200 (no GPU): one Triton call
   forward, two backward (dK/dV and dQ), each verified; the dS quantizer divides with div.rn.f32 and
-  uses no float4/float8 type."""
+  rcp.rn.f32 and uses no float4/float8 type."""
   b, t, h = 2, 1024, 8
   q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((b, t, h // group, d), jnp.bfloat16)
@@ -496,7 +496,7 @@ def test_lowers_to_triton_for_h200(triton_modules, d, causal, ds_rounding, group
     assert not re.search(r"f4E2M1|f8E4M3", ir)
     assert ir.count("tt.dot") >= (1 if ir is fwd_ir else 3) + (ir is fwd_ir)
   for ir in (dkdv_ir, dq_ir):
-    assert ("div.rn.f32" in ir) == (ds_rounding is not None)
+    assert ("div.rn.f32" in ir) == ("rcp.rn.f32" in ir) == (ds_rounding is not None)
 
 
 @pytest.mark.parametrize("d,causal,ds_rounding,group", [(64, True, "stochastic", 2),
@@ -522,13 +522,14 @@ def test_atomic_backward_lowers_to_triton_for_h200(triton_modules, d, causal, ds
   adds = re.findall(r"tt\.atomic_rmw fadd, .*: \(tensor<(\d+)x(\d+)x!tt\.ptr<f32>>", ir)
   assert adds and all(int(n) == d for _, n in adds)
   assert ir.count("tt.dot") >= 5  # S, dP, dV, dK, dQ
-  assert ("div.rn.f32" in ir) == (ds_rounding is not None)
+  assert ("div.rn.f32" in ir) == ("rcp.rn.f32" in ir) == (ds_rounding is not None)
 
 
 @pytest.mark.parametrize("p_rounding", ["nearest", "stochastic"])
 def test_quantized_p_kernels_lower_to_triton_for_h200(triton_modules, p_rounding):
   """With an NVFP4 P: ``attention_pv`` and the dK/dV kernel that quantizes P lower for an abstract
-  H200 to verified Triton modules with no float4/float8 type, dividing with div.rn.f32."""
+  H200 to verified Triton modules with no float4/float8 type, with correctly rounded reciprocals
+  (rcp.rn.f32; P's global scale is a constant, so only the dK/dV kernel's dS divides, div.rn.f32)."""
   b, t, h, d = 2, 1024, 8, 128
   q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((b, t, h // 2, d), jnp.bfloat16)
@@ -545,5 +546,6 @@ def test_quantized_p_kernels_lower_to_triton_for_h200(triton_modules, p_rounding
   pv_ir, dkdv_ir, dq_ir = triton_modules
   assert "@nvfp4_attention_pv" in pv_ir and "@nvfp4_attention_dkdv" in dkdv_ir
   for ir in triton_modules:
-    assert not re.search(r"f4E2M1|f8E4M3", ir) and "div.rn.f32" in ir
+    assert not re.search(r"f4E2M1|f8E4M3", ir) and "rcp.rn.f32" in ir
+  assert "div.rn.f32" not in pv_ir and "div.rn.f32" in dkdv_ir
   assert pv_ir.count("tt.dot") >= 2  # S and P·V
