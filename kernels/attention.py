@@ -162,7 +162,7 @@ def _e2m1_value(a, rounding: str, r):
 
   Nearest: the E2M1 grid has the step 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], so ``(a + M) - M``
   with ``M = 2^22 · 2^max(e, 0)`` (``e`` the exponent of ``a``: the ulp at ``M`` is the step) rounds
-  to it, ties to even, which is E2M1's tie to the even code: three integer operations for ``M`` and
+  to it, ties to even, which is E2M1's tie to the even code: two integer operations for ``M`` and
   two additions, where ``e2m1_rne_code`` takes seven comparisons and ``decode_e2m1`` a select.
   Stochastic: ``e2m1_stochastic_code``'s pattern rounding (``a``, or ``a + 1`` below 1, plus the top 22
   random bits, truncated to a multiple of 2^22) is already the pattern of the rounded value (of the
