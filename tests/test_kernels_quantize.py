@@ -245,3 +245,9 @@ def test_e4m3_block_scales_equal_numerics_on_every_float32():
     return jnp.sum(~same_value | (byte != want_byte))
 
   assert sum(int(mismatches(jnp.uint32(s))) for s in range(0, top + 1, chunk)) == 0
+  # Above 448 (the kernels clip with one min): 448 and its byte, as numerics.
+  big = jnp.asarray([448.00003, 480.0, 1e30, 3.4028235e38, np.inf], jnp.float32)
+  value, byte = kq._e4m3_block_scales(big, jnp.float32(1.0))
+  want_value, want_byte = numerics.e4m3_block_scales(big, jnp.float32(1.0))
+  _assert_same(value, want_value)
+  _assert_same(byte.astype(jnp.uint8), want_byte)
