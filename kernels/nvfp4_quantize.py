@@ -208,11 +208,37 @@ def _block_scales(block_amax, consts, interpret):
   ``(dscale, its E4M3 byte, escale = 1 / (dscale * S_dec), zero_block)``."""
   mconst, s_dec, finite = consts
   block_amax = jnp.where(finite, block_amax, 0.0)
-  dscale, dcode = numerics.e4m3_block_scales(block_amax, mconst)
+  dscale, dcode = _e4m3_block_scales(block_amax, mconst)
   # dscale is the value of its E4M3 byte (round_to_e4m3), so no decode of dcode is needed.
   escale = jnp.minimum(_div_rn(1.0, dscale * s_dec, interpret), numerics.F32_MAX)
   zero_block = (dscale == 0) | ~finite
-  return dscale, dcode, escale, zero_block
+  return dscale, dcode.astype(jnp.uint8), escale, zero_block
+
+
+def _e4m3_block_scales(block_amax, m):
+  """``numerics.e4m3_block_scales(block_amax, m)`` in fewer operations, for finite ``block_amax >= 0``
+  and finite ``m > 0`` (the same value and byte for every float32 in [0, 448];
+  tests/test_kernels_quantize.py checks it exhaustively); the byte as int32.
+
+  From 2^-6 up, ``numerics.round_to_e4m3``'s pattern rounding, with the byte read off the rounded
+  pattern: its bits 20 and up are ``(biased exponent << 3) | mantissa``, so the byte is that minus
+  ``(127 - 7) << 3``. Below 2^-6 (E4M3 subnormals, multiples of 2^-9): ``v + 2^14`` rounds ``v`` to a
+  multiple of 2^-9, ties to even (the spacing of float32 in [2^14, 2^15)), its pattern is that of
+  2^14 plus the multiple (the value is that multiple times 2^-9: ``t - 2^14`` would be too, but
+  XLA:CPU folds ``(v + c) - c`` to ``v`` in interpret mode).
+  """
+  # clip(min(block_amax * m, FLT_MAX), 0, 448) for block_amax >= 0 and m > 0 (finite): the product
+  # is +0 or more, inf included.
+  v = jnp.minimum(block_amax * m, numerics.E4M3_MAX)
+  b = lax.bitcast_convert_type(v, jnp.int32)
+  r = b + (0x7FFFF + ((b >> 20) & 1))
+  normal_value = lax.bitcast_convert_type(r & jnp.int32(-(1 << 20)), jnp.float32)
+  normal_code = (r >> 20) - ((127 - 7) << 3)
+  t = v + jnp.float32(2.0**14)
+  sub_code = lax.bitcast_convert_type(t, jnp.int32) - 0x46800000  # the pattern of 2^14
+  sub_value = sub_code.astype(jnp.float32) * jnp.float32(2.0**-9)
+  small = v < 2.0**-6
+  return jnp.where(small, sub_value, normal_value), jnp.where(small, sub_code, normal_code)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,13 +298,15 @@ def _pair_quantize_kernel(i_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, 
                       (s * n_b * BLOCK, n_b * BLOCK, BLOCK, 2))
     bits = _pair_bits(idx, i_ref, bit_source)
   bc = lambda v: v[:, None, :, None]  # noqa: E731  (BA, BB) -> against (BA, S, BB, 8)
-  code_lo, code_hi = (_e2m1_codes(v, bc(escale), bc(zero_block), rounding, b)
-                      for v, b in zip((lo, hi), bits))
-  _store(codes_ref, (code_lo | (code_hi << 4)).astype(jnp.uint8),
-         _pair_ok(code_lo.shape, pid_a, pid_b, n_a, n_b))
+  code_lo, code_hi = (_e2m1_codes(v, bc(escale), rounding, b) for v, b in zip((lo, hi), bits))
+  zero = bc(zero_block)
+  packed = jnp.where(zero, 0, code_lo | (code_hi << 4))
+  _store(codes_ref, packed.astype(jnp.uint8).reshape(codes_ref.shape),
+         _pair_ok(codes_ref.shape, pid_a, pid_b, n_a, n_b))
   _store(scales_ref, dcode[:, None, :], _pair_ok((ba, 1, bb), pid_a, pid_b, n_a, n_b))
   if dec_ref:
-    dec = [(numerics.decode_e2m1(c) * bc(dscale)).astype(dec_ref[0].dtype) for c in (code_lo, code_hi)]
+    dec = [(numerics.decode_e2m1(jnp.where(zero, 0, c)) * bc(dscale)).astype(dec_ref[0].dtype)
+           for c in (code_lo, code_hi)]
     dec = jnp.stack(dec, axis=-1).reshape(x.shape)
     _store(dec_ref[0], dec, _pair_ok(x.shape, pid_a, pid_b, n_a, n_b))
 
@@ -297,23 +325,25 @@ def _e2m1_rne_magnitude(a):
 
   From 1 up, each step of the E2M1 grid (1, 1.5, 2, 3, 4, 6) spans 2^22 float32 patterns, so the
   code is the pattern rounded to a multiple of 2^22, ties to even, minus 252 (the pattern of 1.0 is
-  254 · 2^22). Below 1 the grid (0, 0.5, 1) is ``rint(2a)``: ``2a + 2^23`` rounds ``2a`` to an integer,
-  ties to even, and its pattern is ``0x4B000000`` plus that integer (``2a`` is exact).
+  254 · 2^22). Below 1 the grid (0, 0.5, 1) is ``rint(2a)``: ``a + 2^22`` rounds ``a`` to a multiple of
+  1/2 (the spacing of float32 in [2^22, 2^23)), ties to even, and its pattern is that of 2^22
+  (``0x4A800000``) plus ``rint(2a)``.
   """
   b = lax.bitcast_convert_type(a, jnp.int32)
   big = ((b + (0x1FFFFF + ((b >> 22) & 1))) >> 22) - 252
-  small = lax.bitcast_convert_type(a * 2.0 + jnp.float32(2.0**23), jnp.int32) - 0x4B000000
+  small = lax.bitcast_convert_type(a + jnp.float32(2.0**22), jnp.int32) - 0x4A800000
   return jnp.where(a < 1.0, small, big)
 
 
-def _e2m1_codes(x32, escale, zero_block, rounding, bits):
-  """``numerics.e2m1_codes(x32, escale, zero_block, rounding, bits, int32)`` for subnormal-flushed
-  ``x32``: the magnitude as ``_e2m1_rne_magnitude`` (nearest) and the sign bit from the pattern
-  (``x32 < 0`` for a flushed, finite value)."""
+def _e2m1_codes(x32, escale, rounding, bits):
+  """``numerics.e2m1_codes(x32, escale, False, rounding, bits, int32)`` for subnormal-flushed ``x32``:
+  the magnitude as ``_e2m1_rne_magnitude`` (nearest) and the sign bit from the pattern (``x32 < 0``
+  for a flushed, finite value). The kernels zero the blocks of ``zero_block`` in the packed bytes,
+  one select per two codes."""
   a = jnp.minimum(jnp.abs(x32 * escale), numerics.E2M1_MAX)
   mag = _e2m1_rne_magnitude(a) if rounding == "nearest" else numerics.e2m1_stochastic_code(a, bits)
   sign = (lax.bitcast_convert_type(x32, jnp.int32) >> 28) & 8
-  return jnp.where(zero_block, 0, mag | sign)
+  return mag | sign
 
 
 def _pair_bits(idx, i_ref, bit_source):
@@ -366,6 +396,17 @@ def _slabs(x_ref, s_ref, ok, mid, hadamard_on):
   return xs
 
 
+def _stack_last(vs):
+  """``jnp.stack(vs, axis=-1)`` for a power-of-two number of arrays, from two-operand stacks (Triton
+  joins two tensors at a time): the evens and the odds stacked, each in the same way."""
+  if len(vs) == 1:
+    return vs[0][..., None]
+  if len(vs) == 2:
+    return jnp.stack(vs, axis=-1)
+  even, odd = _stack_last(vs[0::2]), _stack_last(vs[1::2])
+  return jnp.stack([even, odd], axis=-1).reshape(*even.shape[:-1], len(vs))
+
+
 def _slab_tile(x_ref, mid):
   shape = x_ref.shape
   return (shape[0], shape[2]) if mid else (shape[0], shape[1])
@@ -398,14 +439,24 @@ def _slab_quantize_kernel(i_ref, s_ref, x_ref, codes_ref, scales_ref, g_ref, *de
       bits = [_element_bits(base + jnp.uint32(i * n_b), i_ref, bit_source) for i in range(BLOCK)]
     else:  # elements 2p and 2p + 1 of a block are neighbours: one counter hash per pair
       bits = [b for p in range(BLOCK // 2) for b in _pair_bits(base + jnp.uint32(2 * p), i_ref, bit_source)]
-  codes = [_e2m1_codes(x, escale, zero_block, rounding, b) for x, b in zip(xs, bits)]
-  for p in range(BLOCK // 2):
-    _store(_slab_ref(codes_ref, p, mid), (codes[2 * p] | (codes[2 * p + 1] << 4)).astype(jnp.uint8), ok)
+  codes = [_e2m1_codes(x, escale, rounding, b) for x, b in zip(xs, bits)]
+  packed = lambda p: jnp.where(  # noqa: E731
+      zero_block, 0, codes[2 * p] | (codes[2 * p + 1] << 4)).astype(jnp.uint8)
+  if mid:
+    for p in range(BLOCK // 2):
+      _store(_slab_ref(codes_ref, p, mid), packed(p), ok)
+  else:  # a block's 8 bytes are contiguous: one (BA, BB, 8) store
+    _store(codes_ref, _stack_last([packed(p) for p in range(BLOCK // 2)]),
+           None if ok is None else ok[:, :, None])
   _store(scales_ref, dcode, ok)
   if dec_ref:
-    for i, c in enumerate(codes):
-      _store(_slab_ref(dec_ref[0], i, mid), (numerics.decode_e2m1(c) * dscale).astype(dec_ref[0].dtype),
-            ok)
+    dec = lambda c: (numerics.decode_e2m1(jnp.where(zero_block, 0, c)) * dscale).astype(  # noqa: E731
+        dec_ref[0].dtype)
+    if mid:
+      for i, c in enumerate(codes):
+        _store(_slab_ref(dec_ref[0], i, mid), dec(c), ok)
+    else:  # a block's 16 elements are contiguous: one (BA, BB, 16) store
+      _store(dec_ref[0], _stack_last([dec(c) for c in codes]), None if ok is None else ok[:, :, None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -444,13 +495,16 @@ def _layout(shape, block, axis, hadamard_on, elements) -> _Layout:
     *lead, m, n = shape
     a, b = math.prod(lead) * m // BLOCK, n // BLOCK
     ba, bb = _tile_ab(a, b, BLOCK * BLOCK, elements)
-    return _Layout("pairs", (a, BLOCK, b, BLOCK), (ba, BLOCK, bb, BLOCK), (a, BLOCK, b, 8),
-                   (ba, BLOCK, bb, 8))
+    return _Layout("pairs", (a, BLOCK, b, BLOCK), (ba, BLOCK, bb, BLOCK), (a, BLOCK, b, 2, 4),
+                   (ba, BLOCK, bb, 2, 4))
   if axis == ndim - 1:
     a, b = math.prod(shape[:-1]), shape[-1] // BLOCK
     if not hadamard_on:
       ba, bb = _tile_ab(a, b, BLOCK, elements)
-      return _Layout("pairs", (a, 1, b, BLOCK), (ba, 1, bb, BLOCK), (a, 1, b, 8), (ba, 1, bb, 8))
+      # Codes as (.., 2, 4), a block's 8 bytes in two halves of 4: Triton gives each thread 8 of a
+      # block's 16 bfloat16 elements, so each thread's 4 code bytes are stored as they lie in its
+      # registers (a last axis of 8 takes a layout conversion through shared memory first).
+      return _Layout("pairs", (a, 1, b, BLOCK), (ba, 1, bb, BLOCK), (a, 1, b, 2, 4), (ba, 1, bb, 2, 4))
     ba, bb = _tile_ab(a, b, BLOCK, elements)
     return _Layout("slabs", (a, b, BLOCK), (ba, bb, BLOCK), (a, b, 8), (ba, bb, 8))
   a = math.prod(shape[:axis + 1]) // BLOCK
@@ -463,7 +517,7 @@ def _specs(lay: _Layout):
   """Block specs of x, codes, scales (and the decoded output, x's)."""
   if lay.kind == "pairs":
     x = pl.BlockSpec(lay.tile, lambda i, j: (i, 0, j, 0))
-    codes = pl.BlockSpec(lay.codes_tile, lambda i, j: (i, 0, j, 0))
+    codes = pl.BlockSpec(lay.codes_tile, lambda i, j: (i, 0, j, 0, 0))
     scales = pl.BlockSpec((lay.tile[0], 1, lay.tile[2]), lambda i, j: (i, 0, j))
     return x, codes, scales
   if lay.mid:

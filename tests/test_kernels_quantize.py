@@ -226,3 +226,28 @@ def test_block_scale_is_the_value_of_its_byte():
                        jnp.exp2(jax.random.uniform(HKEY, (1 << 16,), jnp.float32, -12.0, 9.0))])
   value, byte = numerics.e4m3_block_scales(v, jnp.float32(1.0))
   _assert_same(numerics.e4m3_to_f32(byte), value)
+
+
+def test_e4m3_block_scales_equal_numerics_on_every_float32():
+  """The kernels' E4M3 block-scale rounding (pattern rounding, ``v + 2^14`` below 2^-6) gives
+  ``numerics.e4m3_block_scales``' value and byte for every float32 in [0, 448] (``m = 1``)."""
+  top = int(np.float32(448.0).view(np.uint32))
+  chunk = 1 << 25
+
+  @jax.jit
+  def mismatches(start):
+    b = start + jnp.arange(chunk, dtype=jnp.uint32)
+    v = jax.lax.bitcast_convert_type(jnp.minimum(b, jnp.uint32(top)), jnp.float32)
+    value, byte = kq._e4m3_block_scales(v, jnp.float32(1.0))
+    want_value, want_byte = numerics.e4m3_block_scales(v, jnp.float32(1.0))
+    same_value = jax.lax.bitcast_convert_type(value, jnp.uint32) == jax.lax.bitcast_convert_type(
+        want_value, jnp.uint32)
+    return jnp.sum(~same_value | (byte != want_byte))
+
+  assert sum(int(mismatches(jnp.uint32(s))) for s in range(0, top + 1, chunk)) == 0
+  # Above 448 (the kernels clip with one min): 448 and its byte, as numerics.
+  big = jnp.asarray([448.00003, 480.0, 1e30, 3.4028235e38, np.inf], jnp.float32)
+  value, byte = kq._e4m3_block_scales(big, jnp.float32(1.0))
+  want_value, want_byte = numerics.e4m3_block_scales(big, jnp.float32(1.0))
+  _assert_same(value, want_value)
+  _assert_same(byte.astype(jnp.uint8), want_byte)
