@@ -250,8 +250,8 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
 # the chunk the tensor's global scale, and each block's codes depend only on the block and that
 # scale, so the chunk's blocks come out as in the whole tensor (the head is left out of the error;
 # zero rows that fill the last chunk quantize to 0 exactly). The head is 16 rows (one 16×16 tile, or
-# sixteen 1×16 blocks) so that every chunk has a multiple of 16 rows, which XLA:CPU compiles far
-# faster than an odd row count. Memory is that of the tensors (as float32) plus one chunk.
+# sixteen 1×16 blocks) so that every chunk has a multiple of 16 rows (XLA:CPU compiles the quantizer
+# slowly on other row counts). Memory is that of the tensors (as float32) plus one chunk.
 CHUNK_ROWS = 1 << 16
 HEAD = nvfp4.BLOCK
 

@@ -280,9 +280,16 @@ def ds_rounding_bits(key, shape) -> jax.Array:
   return bits.reshape(b_, h_, t, s)
 
 
-def _check_ds(ds_tile, rounding):
+def _check_rounding(fn: str, arg: str, rounding, key, key_arg: str):
+  """``rounding`` of ``fn``'s argument ``arg`` is one of ``ROUNDINGS``, with a key where it is
+  stochastic."""
   if rounding not in ROUNDINGS:
-    raise ValueError(f"dS rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    raise ValueError(f"{fn}: {arg} must be one of {ROUNDINGS}, got {rounding!r}")
+  if rounding == "stochastic" and key is None:
+    raise ValueError(f"{fn}: {arg}='stochastic' needs a `{key_arg}`")
+
+
+def _check_ds_tile(ds_tile):
   if (not isinstance(ds_tile, tuple) or len(ds_tile) != 2
       or any(not _is_pow2(t) or t < _B for t in ds_tile)):
     raise ValueError(f"ds_tile must be a pair of powers of two >= {_B}, got {ds_tile!r}")
@@ -641,10 +648,7 @@ def attention_pv(q, k, v, lse, *, causal: bool, sm_scale: float, p_rounding: str
   """
   _check("attention_pv", q, k, v, causal, sm_scale)
   _check_blocks("attention_pv", block_q=block_q, block_k=block_k, num_warps=num_warps)
-  if p_rounding not in ROUNDINGS:
-    raise ValueError(f"attention_pv: p_rounding must be one of {ROUNDINGS}, got {p_rounding!r}")
-  if p_rounding == "stochastic" and key is None:
-    raise ValueError("attention_pv: p_rounding='stochastic' needs a `key`")
+  _check_rounding("attention_pv", "p_rounding", p_rounding, key, "key")
   b, t, h, d = q.shape
   s, hk = k.shape[1], k.shape[2]
   if lse.shape != (b, h, t):
@@ -751,15 +755,11 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
     raise ValueError(f"attention_bwd: lse must be [B, H, T] = {(b, h, t)}, got {lse.shape}")
   ds = None
   if ds_rounding is not None:
-    _check_ds(ds_tile, ds_rounding)
-    if ds_rounding == "stochastic" and key is None:
-      raise ValueError("attention_bwd: ds_rounding='stochastic' needs a `key`")
+    _check_rounding("attention_bwd", "ds_rounding", ds_rounding, key, "key")
+    _check_ds_tile(ds_tile)
     ds = (tuple(ds_tile), ds_rounding)
   if p_rounding is not None:
-    if p_rounding not in ROUNDINGS:
-      raise ValueError(f"attention_bwd: p_rounding must be one of {ROUNDINGS}, got {p_rounding!r}")
-    if p_rounding == "stochastic" and p_key is None:
-      raise ValueError("attention_bwd: p_rounding='stochastic' needs a `p_key`")
+    _check_rounding("attention_bwd", "p_rounding", p_rounding, p_key, "p_key")
   bq = block_q or (ds_tile[0] if ds else 64)
   bk = block_k or (ds_tile[1] if ds else 64)
   if ds and (bq % ds_tile[0] or bk % ds_tile[1]):
