@@ -1,9 +1,16 @@
-"""NVFP4 quantization: the Pallas kernels (fp4jax.kernels.nvfp4_quantize) against the jitted
-nvfp4.quantize and a device copy, in the same run.
+"""NVFP4 quantization: the Pallas kernels (fp4jax.kernels.nvfp4_quantize) and the native Triton kernel
+(fp4jax.kernels.nvfp4_quantize_triton, through jax_triton; GPU only, and only where jax_triton
+imports) against the jitted nvfp4.quantize and a device copy, in the same run.
 
   python -m benchmarks.quantize                 # GPU: 16384x16384 bf16
-  python -m benchmarks.quantize --sweep         # also the kernels' tilings, 1x16 nearest
+  python -m benchmarks.quantize --sweep         # also the kernels' tilings (SWEEP x SWEEP_ROWS)
   python -m benchmarks.quantize --small         # CPU smoke run (256x256, kernels in interpret mode)
+
+Each kernel row's last column counts the elements of its output (codes, scale bytes, global scale and
+the decoded operand where it writes one) whose bits differ from nvfp4.quantize of the same tensor
+(``quantize_reference``: with the same random bits and Hadamard transform), computed by XLA on the
+same device (nvfp4.quantize is the same bits on the GPU as on the CPU: tests/gpu/test_nvfp4_gpu.py).
+Any number but 0 is a wrong kernel.
 
 Bytes counted for a quantize: 2 B read (bf16) + 0.5 B codes + 1/16 B scales written per element
 (+ 2 B with the decoded bf16 operand); the amax pass's second read of the input is not counted.
@@ -16,11 +23,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from benchmarks.timing import environment_line, median_seconds
 from fp4jax import nvfp4
 from fp4jax.kernels import nvfp4_quantize as kq
+from fp4jax.kernels import nvfp4_quantize_triton as kt
 
 
 def _copy_kernel(x_ref, o_ref):
@@ -57,9 +66,52 @@ KERNEL_ROWS = [
     ("axis 0, Hadamard, stochastic (counter) + decoded, amax in XLA",
      dict(axis=0, hadamard=True, rounding="stochastic", bit_source="counter", decoded=True, amax="xla")),
 ]
+# --sweep: each tiling on the rows below (quantize_elements, num_warps, amax_elements, amax_num_warps;
+# the first is BlockSizes' default).
 SWEEP = [kq.BlockSizes(quantize_elements=q, num_warps=w, amax_elements=a, amax_num_warps=aw)
-         for q, w, a, aw in ((2048, 4, 16384, 8), (4096, 4, 16384, 8), (8192, 4, 16384, 8),
-                             (8192, 8, 16384, 8), (16384, 8, 32768, 8), (4096, 4, 65536, 16))]
+         for q, w, a, aw in ((4096, 4, 16384, 8), (2048, 4, 16384, 8), (4096, 8, 16384, 8),
+                             (8192, 4, 16384, 8), (8192, 8, 16384, 8), (16384, 8, 16384, 8),
+                             (4096, 4, 32768, 8), (4096, 4, 65536, 16))]
+SWEEP_ROWS = [
+    ("1x16 nearest", dict()),
+    ("1x16 nearest + decoded", dict(decoded=True)),
+    ("1x16 stochastic (counter hash)", dict(rounding="stochastic", bit_source="counter")),
+    ("1x16 nearest, amax in XLA", dict(amax="xla")),
+]
+
+
+TRITON_ROWS = [("1x16 nearest", False), ("1x16 nearest + decoded", True)]
+TRITON_SWEEP = [kt.BlockSizes(block_rows=r, block_k=k, num_warps=w)
+                for r, k, w in ((16, 256, 4), (8, 512, 4), (32, 256, 4), (32, 256, 8), (16, 1024, 8),
+                                (64, 128, 4), (8, 1024, 4))]
+
+
+def _reference_fn(kw):
+  """nvfp4.quantize (kq.quantize_reference) of a kernel row's arguments, with the decoded operand."""
+  kw = {k: v for k, v in kw.items() if k not in ("amax", "decoded")}
+  hadamard = kw.pop("hadamard", False)
+  stochastic = kw.get("rounding") == "stochastic"
+
+  def f(x, key, hkey):
+    return kq.quantize_reference(x, key=key if stochastic else None, hadamard_key=hkey if hadamard else None,
+                                 decoded=True, **kw)
+  return jax.jit(f)
+
+
+@jax.jit
+def _mismatches(got, want):
+  """Elements whose bits differ between a kernel's (tensor[, decoded]) and the reference's; NaN == NaN."""
+  gt, gd = got if isinstance(got, tuple) else (got, None)
+  wt, wd = want
+  pairs = [(gt.codes, wt.codes), (lax.bitcast_convert_type(gt.scales, jnp.uint8),
+                                  lax.bitcast_convert_type(wt.scales, jnp.uint8))]
+  if gd is not None:
+    pairs.append((lax.bitcast_convert_type(gd, jnp.uint16), lax.bitcast_convert_type(wd, jnp.uint16)))
+  n = sum(jnp.sum(a != b) for a, b in pairs)
+  g, w = gt.global_scale, wt.global_scale
+  same = (lax.bitcast_convert_type(g, jnp.uint32) == lax.bitcast_convert_type(w, jnp.uint32)) | (
+      jnp.isnan(g) & jnp.isnan(w))
+  return n + jnp.sum(~same)
 
 
 def _kernel_fn(kw, interpret, block_sizes=kq.BlockSizes()):
@@ -76,7 +128,7 @@ def _kernel_fn(kw, interpret, block_sizes=kq.BlockSizes()):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--small", action="store_true", help="CPU smoke run: 256x256, interpret mode")
-  ap.add_argument("--sweep", action="store_true", help="also time the kernels' tilings (1x16 nearest)")
+  ap.add_argument("--sweep", action="store_true", help="also time the kernels' tilings (SWEEP x SWEEP_ROWS)")
   ap.add_argument("--iters", type=int, default=None)
   args = ap.parse_args()
   n = 256 if args.small else 16384
@@ -109,20 +161,53 @@ def main():
     rows.append((f"XLA: {name}", t, (q_bytes + extra) / t))
 
   for name, kw in KERNEL_ROWS:
-    t = time(_kernel_fn(kw, interpret), x, key, hkey)
-    rows.append((f"kernel: {name}", t, (q_bytes + (2 * n * n if kw.get("decoded") else 0)) / t))
+    fn = _kernel_fn(kw, interpret)
+    t = time(fn, x, key, hkey)
+    bad = int(_mismatches(fn(x, key, hkey), _reference_fn(kw)(x, key, hkey)))
+    rows.append((f"kernel: {name}", t, (q_bytes + (2 * n * n if kw.get("decoded") else 0)) / t, bad))
 
   if args.sweep:
-    for bs in SWEEP:
-      t = time(_kernel_fn({}, interpret, bs), x, key, hkey)
-      rows.append((f"kernel sweep 1x16 nearest {bs}", t, q_bytes / t))
+    for name, kw in SWEEP_ROWS:
+      for bs in SWEEP:
+        if kw.get("amax") == "xla" and bs.amax_elements != SWEEP[0].amax_elements:
+          continue  # the amax tiling does not apply
+        fn = _kernel_fn(kw, interpret, bs)
+        t = time(fn, x, key, hkey)
+        bad = int(_mismatches(fn(x, key, hkey), _reference_fn(kw)(x, key, hkey)))
+        tiling = (f"q={bs.quantize_elements}/{bs.num_warps}w amax={bs.amax_elements}/"
+                  f"{bs.amax_num_warps}w")
+        rows.append((f"kernel sweep {name} {tiling}", t,
+                     (q_bytes + (2 * n * n if kw.get("decoded") else 0)) / t, bad))
+
+  # The native Triton kernel (jax_triton): 1x16 nearest along the last axis, on the GPU.
+  triton_ok, why = kt.available()
+  if interpret:
+    triton_note = "native Triton kernel (nvfp4_quantize_triton): not run (CPU run; it runs on the GPU only)"
+  elif not triton_ok:
+    triton_note = f"native Triton kernel (nvfp4_quantize_triton): not run: {why}"
+  else:
+    triton_note = "native Triton kernel (nvfp4_quantize_triton): rows 'triton:'"
+    variants = [(name, dec, kt.BlockSizes()) for name, dec in TRITON_ROWS]
+    if args.sweep:
+      variants += [(f"sweep 1x16 nearest {bs}", False, bs) for bs in TRITON_SWEEP]
+    for name, dec, bs in variants:
+      fn = jax.jit(functools.partial(kt.quantize, decoded=dec, block_sizes=bs))
+      t = time(fn, x)
+      bad = int(_mismatches(fn(x), _reference_fn({})(x, key, hkey)))
+      rows.append((f"triton: {name}", t, (q_bytes + (2 * n * n if dec else 0)) / t, bad))
 
   print(environment_line())
   print(f"tensor {n}x{n} bfloat16; copy bandwidth = {copy_bw / 1e9:.0f} GB/s (faster of the two copies); "
         f"median of {iters}\n")
-  print("| op | time (ms) | GB/s | fraction of copy bandwidth |\n|---|---|---|---|")
-  for name, t, bw in rows:
-    print(f"| {name} | {t * 1e3:.3f} | {bw / 1e9:.0f} | {bw / copy_bw:.2f} |")
+  print(triton_note + "\n")
+  print("| op | time (ms) | GB/s | fraction of copy bandwidth | elements ≠ nvfp4.quantize |\n|---|---|---|---|---|")
+  for name, t, bw, *bad in rows:
+    check = "—" if not bad else (str(bad[0]) if bad[0] == 0 else f"**{bad[0]} MISMATCHED**")
+    print(f"| {name} | {t * 1e3:.3f} | {bw / 1e9:.0f} | {bw / copy_bw:.2f} | {check} |")
+  mismatched = [r[0] for r in rows if len(r) > 3 and r[3]]
+  if mismatched:
+    print(f"\nBIT MISMATCH against nvfp4.quantize: {', '.join(mismatched)}")
+    raise SystemExit(1)
 
 
 if __name__ == "__main__":

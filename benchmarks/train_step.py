@@ -5,6 +5,9 @@ r"""Train-step throughput of the 125m model: bf16 vs fp4_linear (tokens/s, MFU, 
   python -m benchmarks.train_step --data=<data dir>     # real tokens from `fp4jax.data prepare`
   python -m benchmarks.train_step --batch=32 --seq=2048 --recipes=bf16 --remat --scan
   python -m benchmarks.train_step --recipes=bf16 --attention=xla   # XLA attention (B×N×T×T scores)
+  python -m benchmarks.train_step --recipes=bf16,fp4_linear,fp4_linear:linear_rounding_bits=counter
+
+A recipe is a preset of ``fp4jax.recipe`` with optional ``:FIELD=VALUE`` overrides of its fields.
 
 The model is ``experiments/configs/125m.py``'s (d=768, 12 blocks, vocab 32768; a test keeps
 ``MODEL_125M`` equal to it; ``--tiny``: d=64, 2 blocks). Each recipe's full jitted train step (forward, backward, AdamW update, donated state)
@@ -62,8 +65,32 @@ def batches(args, vocab_size: int, mesh, n: int) -> list[dict]:
   return [data_lib.to_global_batch(b, mesh) for b in host]
 
 
+def recipe_of(spec: str):
+  """``PRESET[:FIELD=VALUE...]`` -> the ``Recipe`` (values read as bool, int or float where they
+  read as one, else str)."""
+  name, *pairs = spec.split(":")
+  overrides = {}
+  for pair in pairs:
+    field, eq, value = pair.partition("=")
+    if not eq or not field:
+      raise ValueError(f"recipe {spec!r}: {pair!r} is not FIELD=VALUE")
+    if value.lower() in ("true", "false"):
+      overrides[field] = value.lower() == "true"
+      continue
+    for cast in (int, float, str):
+      try:
+        overrides[field] = cast(value)
+        break
+      except ValueError:
+        pass
+  try:
+    return get_recipe(name, **overrides)
+  except TypeError as e:  # an unknown field
+    raise ValueError(f"recipe {spec!r}: {e}") from None
+
+
 def bench(name: str, cfg: ModelConfig, args, mesh, data: list[dict]) -> dict:
-  recipe = get_recipe(name)
+  recipe = recipe_of(name)
   opt = OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
   tx = make_optimizer(opt, recipe, 1000)
   graphdef, state, shardings = init_state(cfg, recipe, tx, mesh)

@@ -39,11 +39,11 @@ rounding takes its bits from ``ds_rounding_bits`` (a counter hash of (key, b, h,
 kernels and the reference draw the same bits whatever the blocking. Each kernel tile holds whole
 ds tiles: the backward's blocks are multiples of ``ds_tile``.
 
-Everything inside the kernels lowers to Triton for sm_90: no float4 casts (E2M1 and E4M3 encoded
-with comparisons and integer operations), the divisions of the quantizer correctly rounded (PTX
-``div.rn.f32``; the CPU's division in interpret mode, see
-``_div``), power-of-two blocks; see tests/test_kernels_attention.py for the CPU-side CUDA lowering
-check.
+Everything inside the kernels lowers to Triton for sm_90: no float4 casts (E2M1 and E4M3 values
+rounded with float32 additions and integer operations on bit patterns, ``_e2m1_value`` and
+``_e4m3_value``), the divisions of the quantizer correctly rounded (PTX ``div.rn.f32`` and, for
+reciprocals, ``rcp.rn.f32``; the CPU's division in interpret mode, see ``_div``), power-of-two
+blocks; see tests/test_kernels_attention.py for the CPU-side CUDA lowering check.
 """
 
 from __future__ import annotations
@@ -97,6 +97,14 @@ def _div(a, b, division: str):
   return jnp.asarray(a, jnp.float32) / b
 
 
+def _recip(b, division: str):
+  """``1 / b`` correctly rounded, as ``_div(1.0, b, division)``; inside GPU kernels PTX
+  ``rcp.rn.f32``, the same correctly rounded reciprocal in fewer instructions than ``div.rn.f32``."""
+  if division == "ptx":
+    return _ptx("rcp.rn.f32", b)
+  return _div(1.0, b, division)
+
+
 def _tile_max(x, rows: int, cols: int):
   """(M, N) -> (M / rows, N / cols): the max of each ``rows x cols`` tile. One axis per reduction
   (Pallas' Triton lowering of a reduction over two axes fails under an abstract mesh)."""
@@ -110,22 +118,90 @@ def _expand(s, rows: int, cols: int):
   return jnp.broadcast_to(s[:, None, :, None], (m, rows, n, cols)).reshape(m * rows, n * cols)
 
 
-def _fake_quant_blocks(x32, block_amax, s_enc, s_dec, block, rounding: str, bits, division: str,
+_SIGN = np.int32(-(2**31))  # the float32 sign bit as int32
+_F32_TINY = np.float32(2.0**-126)  # the smallest normal float32
+
+
+def _bits(x):
+  return lax.bitcast_convert_type(x, jnp.int32)
+
+
+def _float(b):
+  return lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _block_amax(x, rows: int, cols: int):
+  """Per ``rows x cols`` block of float32 ``x``: ``max |flush_subnormals(x)|`` with NaN counted as
+  +inf, as a max over int32 patterns.
+
+  The patterns of ``|x|`` (sign bit cleared) order like the magnitudes, with every NaN above +inf; the
+  flush (below 2^-126 -> 0) and NaN -> +inf are non-decreasing in the pattern, so they are applied to
+  each block's max pattern instead of to every element: one AND and one integer max per element, the
+  same on every backend (a float max of NaN differs: the GPU's ignores it)."""
+  m = _tile_max(_bits(x) & 0x7FFFFFFF, rows, cols)
+  m = jnp.where(m < 0x00800000, 0, jnp.minimum(m, 0x7F800000))
+  return _float(m)
+
+
+def _e4m3_value(v):
+  """``numerics.round_to_e4m3(v)[0]`` (the value, no byte) for float32 ``v`` in [0, 448].
+
+  ``(v + M) - M`` rounds ``v`` to a multiple of the float32 ulp at ``M``, ties to even: with ``M =
+  2^(e + 20)`` (``e`` the exponent of ``v``) that keeps 3 mantissa bits, E4M3's normal rounding; with
+  ``M`` at least 2^14 (ulp 2^-9), values below 2^-6 round to E4M3's subnormal step 2^-9. Equal for
+  every float32 in [0, 448] (tests/test_kernels_attention.py checks it exhaustively)."""
+  big = _float(jnp.maximum((_bits(v) & 0x7F800000) + (20 << 23), 0x46800000))  # 0x46800000: 2^14
+  return (v + big) - big
+
+
+def _e2m1_value(a, rounding: str, r):
+  """The E2M1 value (float32) of magnitudes ``a`` in [0, 6]: ``decode_e2m1(e2m1_rne_code(a))`` or, with
+  ``rounding="stochastic"``, ``decode_e2m1(e2m1_stochastic_code(a, bits))`` for int32 ``r = bits >>
+  10`` (the 22 random bits that it adds), equal for every ``a`` in [0, 6] and every ``bits``
+  (tests/test_kernels_attention.py).
+
+  Nearest: the E2M1 grid has the step 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], so ``(a + M) - M``
+  with ``M = 2^22 · 2^max(e, 0)`` (``e`` the exponent of ``a``: the ulp at ``M`` is the step) rounds
+  to it, ties to even, which is E2M1's tie to the even code: two integer operations for ``M`` and
+  two additions, where ``e2m1_rne_code`` takes seven comparisons and ``decode_e2m1`` a select.
+  Stochastic: ``e2m1_stochastic_code``'s pattern rounding (``a``, or ``a + 1`` below 1, plus the top 22
+  random bits, truncated to a multiple of 2^22) is already the pattern of the rounded value (of the
+  value plus 1 below 1): no code and no decode."""
+  if rounding == "nearest":
+    m = _float(jnp.maximum((_bits(a) & 0x7F800000) + (22 << 23), 0x4A800000))  # 0x4A800000: 2^22
+    return (a + m) - m
+  one = jnp.where(a < 1.0, jnp.float32(1.0), jnp.float32(0.0))
+  return _float((_bits(a + one) + r) & -(1 << 22)) - one
+
+
+def _fake_quant_blocks(x, block_amax, s_enc, s_dec, block, rounding: str, bits, division: str,
                        valid=None):
   """The encoding steps of ``nvfp4.quantize`` after its amax pass, then ``dequantize(·, bf16)``: E4M3
-  scales of the blocks (``block_amax`` per ``block`` of the float32 tile ``x32``) against the global
-  ``s_enc`` and ``s_dec`` (per block), E2M1 codes, and ``code * scale * S_dec`` in float32 cast to
-  bf16. ``valid`` (per block, or None: all): False for the blocks of a tensor whose amax is not
-  finite, coded 0 and decoded with their NaN ``s_dec``."""
+  scales of the blocks (``block_amax`` per ``block`` of the float32 tile ``x``, from
+  ``_block_amax``) against the global ``s_enc`` and ``s_dec`` (per block), E2M1 codes
+  (stochastic: uint32 rounding ``bits``, as ``nvfp4.quantize`` takes them), and ``code * scale *
+  S_dec`` in float32 cast to bf16. ``valid`` (per block, or None: all): False for the blocks of a
+  tensor whose amax is not finite, coded 0 and decoded with their NaN ``s_dec``.
+
+  ``x`` is not flushed: an element below 2^-126 (and a NaN) is coded +0 by the same comparison and
+  select that code the zero blocks' elements 0; the others keep their product with the block's
+  encode scale. The code
+  is never formed: the rounded magnitude comes out as its float32 value (``_e2m1_value``) with ``x``'s
+  sign bit, which is ``decode_e2m1`` of ``numerics.e2m1_codes``' code."""
   rows, cols = block
-  _, dcode = numerics.e4m3_block_scales(block_amax, s_enc * jnp.float32(numerics.INV6))
-  dscale = numerics.e4m3_to_f32(dcode)
-  escale = jnp.minimum(_div(1.0, dscale * s_dec, division), numerics.F32_MAX)
+  dscale = _e4m3_value(jnp.clip(jnp.minimum(block_amax * (s_enc * jnp.float32(numerics.INV6)),
+                                            numerics.F32_MAX), 0.0, numerics.E4M3_MAX))
+  escale = jnp.minimum(_recip(dscale * s_dec, division), numerics.F32_MAX)
   zero_block = dscale == 0 if valid is None else (dscale == 0) | ~valid
   per_elem = functools.partial(_expand, rows=rows, cols=cols)
-  code = numerics.e2m1_codes(x32, per_elem(escale), per_elem(zero_block), rounding, bits,
-                              jnp.int32)
-  decoded = numerics.decode_e2m1(code) * per_elem(dscale) * per_elem(s_dec)
+  ax = jnp.abs(x)
+  a = jnp.minimum(ax * per_elem(escale), numerics.E2M1_MAX)  # |x * escale|, as escale > 0
+  r = None if bits is None else (bits >> 10).astype(jnp.int32)
+  signed = _float(_bits(_e2m1_value(a, rounding, r)) | (_bits(x) & _SIGN))
+  # One comparison per element drops both the zero blocks and the elements below 2^-126: against
+  # NaN (zero blocks) every comparison is false.
+  keep = ax >= per_elem(jnp.where(zero_block, jnp.float32(jnp.nan), _F32_TINY))
+  decoded = jnp.where(keep, signed, 0.0) * per_elem(dscale) * per_elem(s_dec)
   return decoded.astype(jnp.bfloat16)
 
 
@@ -136,19 +212,17 @@ def _quantize_tile(ds, bits, ds_tile, rounding: str, division: str):
   ``nvfp4.dequantize(·, bf16)``, step for step (see that function for the order of operations).
   """
   tq, tk = ds_tile
-  x32 = numerics.flush_subnormals(ds)
-  ax = jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32))
-  block_amax = _tile_max(ax, _B, _B)  # (M/16, N/16)
+  block_amax = _block_amax(ds, _B, _B)  # (M/16, N/16)
   amax = _tile_max(block_amax, tq // _B, tk // _B)  # per ds tile
   finite = amax <= numerics.F32_MAX
   amax = jnp.where(finite, amax, 0.0)
   s_enc = jnp.minimum(_div(_E2M1_X_E4M3_MAX, amax, division), numerics.F32_MAX)
   s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
-  s_dec = jnp.where(finite, _div(1.0, s_enc, division), jnp.nan)
+  s_dec = jnp.where(finite, _recip(s_enc, division), jnp.nan)
   per_block = functools.partial(_expand, rows=tq // _B, cols=tk // _B)
   s_enc_b, s_dec_b, finite_b = per_block(s_enc), per_block(s_dec), per_block(finite)
-  return _fake_quant_blocks(x32, jnp.where(finite_b, block_amax, 0.0), s_enc_b, s_dec_b, (_B, _B),
-                            rounding, bits, division, finite_b)
+  return _fake_quant_blocks(ds, jnp.where(finite_b, block_amax, 0.0), s_enc_b, s_dec_b,
+                            (_B, _B), rounding, bits, division, finite_b)
 
 
 # Q(P): 1×16 blocks along the keys and the global scale of amax = 1 (P <= 1), as
@@ -161,11 +235,10 @@ _P_S_DEC = np.float32(1.0) / _P_S_ENC
 def _quantize_p_tile(p, bits, rounding: str, division: str):
   """A 2-D float32 P tile (keys along the columns, a multiple of 16) -> ``deq(Q(P))`` in bf16: 1×16
   blocks along the keys with the fixed global scale of ``amax = 1``, as ``nvfp4.quantize(·,
-  block=(1, 16))`` and ``dequantize(·, bf16)`` of a tensor whose amax is 1."""
-  x32 = numerics.flush_subnormals(p)
-  block_amax = _tile_max(jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32)), 1, _B)  # (M, N/16)
+  block=(1, 16))`` and ``dequantize(·, bf16)`` of a tensor whose amax is 1. A NaN of P is coded +0."""
+  block_amax = _block_amax(p, 1, _B)  # (M, N/16)
   const = lambda v: jnp.full(block_amax.shape, v, jnp.float32)  # noqa: E731
-  return _fake_quant_blocks(x32, block_amax, const(_P_S_ENC), const(_P_S_DEC), (1, _B), rounding,
+  return _fake_quant_blocks(p, block_amax, const(_P_S_ENC), const(_P_S_DEC), (1, _B), rounding,
                             bits, division)
 
 

@@ -14,8 +14,9 @@ Layouts of the ``quantize`` kernel (each a free reshape of ``x``; programs tile 
 with masked edges):
 
 - ``(1, 16)`` along the last axis: ``x`` as ``(R, 1, C, 16)`` (``R`` rows, ``C = K / 16`` blocks);
-  each block's max is a reduction over the last axis, and the codes are split into even and odd
-  elements (the two nibbles of a byte) in registers.
+  right after the load the tile is split in registers into its even and odd elements (the low and
+  high nibbles of each code byte), two ``(R, 1, C, 8)`` halves on which every later step is
+  elementwise; each block's max is a reduction over their last axis.
 - ``(16, 16)``: ``x`` as ``(T, 16, C, 16)``, the same code with a tile's 16 rows in axis 1.
 - ``(1, 16)`` along another axis ``a`` (the wgrad's token axis): ``x`` as ``(P·G, 16, Q)`` (``G`` blocks
   along ``a``, ``Q`` the elements after it); a program loads the 16 rows of its blocks as 16
@@ -26,6 +27,10 @@ with masked edges):
 
 The ``amax`` kernel reads the flattened tensor, or, with the Hadamard transform, the quantizer's
 layout through the transform.
+
+E2M1 rounding to nearest runs on float32 patterns (``_e2m1_rne_magnitude``: from 1 up the pattern
+rounded to a multiple of 2^22, below 1 ``rint(2a)``), a few integer operations per element instead of
+``numerics.e2m1_rne_code``'s seven comparisons, with the same codes for every float32 in [0, 6].
 
 Division: ``1 / (dscale · S_dec)`` is PTX ``div.rn.f32`` on the GPU (Triton's ``/`` is not correctly
 rounded) and the CPU's IEEE division in interpret mode: both equal ``numerics.div_rn``. Codes are
@@ -203,10 +208,37 @@ def _block_scales(block_amax, consts, interpret):
   ``(dscale, its E4M3 byte, escale = 1 / (dscale * S_dec), zero_block)``."""
   mconst, s_dec, finite = consts
   block_amax = jnp.where(finite, block_amax, 0.0)
-  dscale, dcode = numerics.e4m3_block_scales(block_amax, mconst)
-  escale = jnp.minimum(_div_rn(1.0, numerics.e4m3_to_f32(dcode) * s_dec, interpret), numerics.F32_MAX)
+  dscale, dcode = _e4m3_block_scales(block_amax, mconst)
+  # dscale is the value of its E4M3 byte (round_to_e4m3), so no decode of dcode is needed.
+  escale = jnp.minimum(_div_rn(1.0, dscale * s_dec, interpret), numerics.F32_MAX)
   zero_block = (dscale == 0) | ~finite
-  return dscale, dcode, escale, zero_block
+  return dscale, dcode.astype(jnp.uint8), escale, zero_block
+
+
+def _e4m3_block_scales(block_amax, m):
+  """``numerics.e4m3_block_scales(block_amax, m)`` in fewer operations, for finite ``block_amax >= 0``
+  and finite ``m > 0`` (the same value and byte for every float32 in [0, 448];
+  tests/test_kernels_quantize.py checks it exhaustively); the byte as int32.
+
+  From 2^-6 up, ``numerics.round_to_e4m3``'s pattern rounding, with the byte read off the rounded
+  pattern: its bits 20 and up are ``(biased exponent << 3) | mantissa``, so the byte is that minus
+  ``(127 - 7) << 3``. Below 2^-6 (E4M3 subnormals, multiples of 2^-9): ``v + 2^14`` rounds ``v`` to a
+  multiple of 2^-9, ties to even (the spacing of float32 in [2^14, 2^15)), its pattern is that of
+  2^14 plus the multiple (the value is that multiple times 2^-9: ``t - 2^14`` would be too, but
+  XLA:CPU folds ``(v + c) - c`` to ``v`` in interpret mode).
+  """
+  # clip(min(block_amax * m, FLT_MAX), 0, 448) for block_amax >= 0 and m > 0 (finite): the product
+  # is +0 or more, inf included.
+  v = jnp.minimum(block_amax * m, numerics.E4M3_MAX)
+  b = lax.bitcast_convert_type(v, jnp.int32)
+  r = b + (0x7FFFF + ((b >> 20) & 1))
+  normal_value = lax.bitcast_convert_type(r & jnp.int32(-(1 << 20)), jnp.float32)
+  normal_code = (r >> 20) - ((127 - 7) << 3)
+  t = v + jnp.float32(2.0**14)
+  sub_code = lax.bitcast_convert_type(t, jnp.int32) - 0x46800000  # the pattern of 2^14
+  sub_value = sub_code.astype(jnp.float32) * jnp.float32(2.0**-9)
+  small = v < 2.0**-6
+  return jnp.where(small, sub_value, normal_value), jnp.where(small, sub_code, normal_code)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,26 +280,81 @@ def _pair_quantize_kernel(i_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, 
                           bit_source, interpret):
   ba, s, bb = x_ref.shape[:3]
   pid_a, pid_b = pl.program_id(0), pl.program_id(1)
-  x = numerics.flush_subnormals(
-      _load(x_ref, _pair_ok(x_ref.shape, pid_a, pid_b, n_a, n_b)).astype(jnp.float32))
-  # Block amax over each block's 16 elements (axis 3) and, for 16x16 tiles, its 16 rows (axis 1).
-  block_amax = jnp.max(jnp.max(jnp.abs(x), axis=3), axis=1)  # (BA, BB)
+  # Each byte's two elements (the low and the high nibble) as two (BA, S, BB, 8) halves, split in
+  # registers right after the load: every later step is elementwise on the halves.
+  x = _load(x_ref, _pair_ok(x_ref.shape, pid_a, pid_b, n_a, n_b))
+  lo, hi = jnp.unstack(x.reshape(ba, s, bb, BLOCK // 2, 2), axis=-1)
+  lo, hi = (numerics.flush_subnormals(v.astype(jnp.float32)) for v in (lo, hi))
+  # Block amax over each block's 16 elements (axis 3 of both halves) and, for 16x16 tiles, its 16
+  # rows (axis 1).
+  block_amax = jnp.max(jnp.max(jnp.maximum(jnp.abs(lo), jnp.abs(hi)), axis=3), axis=1)  # (BA, BB)
   consts = _tensor_scales(i_ref, interpret)
-  g_ref[...] = consts[1].reshape(1)  # every program writes the same value
+  _store_global_scale(g_ref, consts[1], pid_a, pid_b)
   dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
-  bits = None
+  bits = (None, None)
   if rounding == "stochastic":
-    # Flat index of each element: ((a * S + s) * B + b) * 16 + i.
-    idx = _iota_index(x.shape, (pid_a * ba, 0, pid_b * bb, 0), (s * n_b * BLOCK, n_b * BLOCK, BLOCK, 1))
-    bits = _element_bits(idx, i_ref, bit_source)
-  bc = lambda v: v[:, None, :, None]  # noqa: E731  (BA, BB) -> against (BA, S, BB, 16)
-  codes = numerics.e2m1_codes(x, bc(escale), bc(zero_block), rounding, bits, jnp.int32)
-  even, odd = jnp.unstack(codes.reshape(ba, s, bb, BLOCK // 2, 2), axis=-1)
-  _store(codes_ref, (even | (odd << 4)).astype(jnp.uint8), _pair_ok(even.shape, pid_a, pid_b, n_a, n_b))
+    # Flat index of each low element: ((a * S + s) * B + b) * 16 + 2 * i.
+    idx = _iota_index(lo.shape, (pid_a * ba, 0, pid_b * bb, 0),
+                      (s * n_b * BLOCK, n_b * BLOCK, BLOCK, 2))
+    bits = _pair_bits(idx, i_ref, bit_source)
+  bc = lambda v: v[:, None, :, None]  # noqa: E731  (BA, BB) -> against (BA, S, BB, 8)
+  code_lo, code_hi = (_e2m1_codes(v, bc(escale), rounding, b) for v, b in zip((lo, hi), bits))
+  zero = bc(zero_block)
+  packed = jnp.where(zero, 0, code_lo | (code_hi << 4))
+  _store(codes_ref, packed.astype(jnp.uint8).reshape(codes_ref.shape),
+         _pair_ok(codes_ref.shape, pid_a, pid_b, n_a, n_b))
   _store(scales_ref, dcode[:, None, :], _pair_ok((ba, 1, bb), pid_a, pid_b, n_a, n_b))
   if dec_ref:
-    dec = (numerics.decode_e2m1(codes) * bc(dscale)).astype(dec_ref[0].dtype)
+    dec = [(numerics.decode_e2m1(jnp.where(zero, 0, c)) * bc(dscale)).astype(dec_ref[0].dtype)
+           for c in (code_lo, code_hi)]
+    dec = jnp.stack(dec, axis=-1).reshape(x.shape)
     _store(dec_ref[0], dec, _pair_ok(x.shape, pid_a, pid_b, n_a, n_b))
+
+
+def _store_global_scale(g_ref, s_dec, pid_a, pid_b):
+  """``S_dec`` into ``g_ref``, from the first program only (one store instead of one per program to
+  the same address)."""
+  @pl.when((pid_a == 0) & (pid_b == 0))
+  def _():
+    g_ref[...] = s_dec.reshape(1)
+
+
+def _e2m1_rne_magnitude(a):
+  """``numerics.e2m1_rne_code(a)`` for float32 ``a`` in [0, 6] in fewer operations (equal for every
+  float32 in [0, 6]; tests/test_kernels_quantize.py checks it exhaustively).
+
+  From 1 up, each step of the E2M1 grid (1, 1.5, 2, 3, 4, 6) spans 2^22 float32 patterns, so the
+  code is the pattern rounded to a multiple of 2^22, ties to even, minus 252 (the pattern of 1.0 is
+  254 · 2^22). Below 1 the grid (0, 0.5, 1) is ``rint(2a)``: ``a + 2^22`` rounds ``a`` to a multiple of
+  1/2 (the spacing of float32 in [2^22, 2^23)), ties to even, and its pattern is that of 2^22
+  (``0x4A800000``) plus ``rint(2a)``.
+  """
+  b = lax.bitcast_convert_type(a, jnp.int32)
+  big = ((b + (0x1FFFFF + ((b >> 22) & 1))) >> 22) - 252
+  small = lax.bitcast_convert_type(a + jnp.float32(2.0**22), jnp.int32) - 0x4A800000
+  return jnp.where(a < 1.0, small, big)
+
+
+def _e2m1_codes(x32, escale, rounding, bits):
+  """``numerics.e2m1_codes(x32, escale, False, rounding, bits, int32)`` for subnormal-flushed ``x32``:
+  the magnitude as ``_e2m1_rne_magnitude`` (nearest) and the sign bit from the pattern (``x32 < 0``
+  for a flushed, finite value). The kernels zero the blocks of ``zero_block`` in the packed bytes,
+  one select per two codes."""
+  a = jnp.minimum(jnp.abs(x32 * escale), numerics.E2M1_MAX)
+  mag = _e2m1_rne_magnitude(a) if rounding == "nearest" else numerics.e2m1_stochastic_code(a, bits)
+  sign = (lax.bitcast_convert_type(x32, jnp.int32) >> 28) & 8
+  return mag | sign
+
+
+def _pair_bits(idx, i_ref, bit_source):
+  """The uint32 rounding bits of the elements at flat indices ``idx`` (even) and ``idx + 1``; with the
+  counter hash, one hash of the pair ``idx >> 1`` serves both (``numerics.counter_bits``)."""
+  if bit_source != "counter":
+    return _element_bits(idx, i_ref, bit_source), _element_bits(idx + jnp.uint32(1), i_ref, bit_source)
+  k1 = lax.bitcast_convert_type(i_ref[1], jnp.uint32)
+  k2 = lax.bitcast_convert_type(i_ref[2], jnp.uint32)
+  h = numerics.counter_hash(idx >> 1, k1, k2)
+  return numerics.lane_bits(h, 0), numerics.lane_bits(h, 1)
 
 
 def _element_bits(idx, i_ref, bit_source):
@@ -309,6 +396,17 @@ def _slabs(x_ref, s_ref, ok, mid, hadamard_on):
   return xs
 
 
+def _stack_last(vs):
+  """``jnp.stack(vs, axis=-1)`` for a power-of-two number of arrays, from two-operand stacks (Triton
+  joins two tensors at a time): the evens and the odds stacked, each in the same way."""
+  if len(vs) == 1:
+    return vs[0][..., None]
+  if len(vs) == 2:
+    return jnp.stack(vs, axis=-1)
+  even, odd = _stack_last(vs[0::2]), _stack_last(vs[1::2])
+  return jnp.stack([even, odd], axis=-1).reshape(*even.shape[:-1], len(vs))
+
+
 def _slab_tile(x_ref, mid):
   shape = x_ref.shape
   return (shape[0], shape[2]) if mid else (shape[0], shape[1])
@@ -330,23 +428,35 @@ def _slab_quantize_kernel(i_ref, s_ref, x_ref, codes_ref, scales_ref, g_ref, *de
   xs = _slabs(x_ref, s_ref, ok, mid, hadamard_on)
   block_amax = functools.reduce(jnp.maximum, [jnp.abs(x) for x in xs])
   consts = _tensor_scales(i_ref, interpret)
-  g_ref[...] = consts[1].reshape(1)  # every program writes the same value
+  _store_global_scale(g_ref, consts[1], pid_a, pid_b)
   dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
   bits = [None] * BLOCK
   if rounding == "stochastic":
     # Flat index of element i of each block: (a * 16 + i) * B + b ("mid") or (a * B + b) * 16 + i.
     base = _iota_index(tile, (pid_a * tile[0], pid_b * tile[1]),
                        (BLOCK * n_b, 1) if mid else (BLOCK * n_b, BLOCK))
-    step = n_b if mid else 1
-    bits = [_element_bits(base + jnp.uint32(i * step), i_ref, bit_source) for i in range(BLOCK)]
-  codes = [numerics.e2m1_codes(x, escale, zero_block, rounding, b, jnp.int32) for x, b in zip(xs, bits)]
-  for p in range(BLOCK // 2):
-    _store(_slab_ref(codes_ref, p, mid), (codes[2 * p] | (codes[2 * p + 1] << 4)).astype(jnp.uint8), ok)
+    if mid:
+      bits = [_element_bits(base + jnp.uint32(i * n_b), i_ref, bit_source) for i in range(BLOCK)]
+    else:  # elements 2p and 2p + 1 of a block are neighbours: one counter hash per pair
+      bits = [b for p in range(BLOCK // 2) for b in _pair_bits(base + jnp.uint32(2 * p), i_ref, bit_source)]
+  codes = [_e2m1_codes(x, escale, rounding, b) for x, b in zip(xs, bits)]
+  packed = lambda p: jnp.where(  # noqa: E731
+      zero_block, 0, codes[2 * p] | (codes[2 * p + 1] << 4)).astype(jnp.uint8)
+  if mid:
+    for p in range(BLOCK // 2):
+      _store(_slab_ref(codes_ref, p, mid), packed(p), ok)
+  else:  # a block's 8 bytes are contiguous: one (BA, BB, 8) store
+    _store(codes_ref, _stack_last([packed(p) for p in range(BLOCK // 2)]),
+           None if ok is None else ok[:, :, None])
   _store(scales_ref, dcode, ok)
   if dec_ref:
-    for i, c in enumerate(codes):
-      _store(_slab_ref(dec_ref[0], i, mid), (numerics.decode_e2m1(c) * dscale).astype(dec_ref[0].dtype),
-            ok)
+    dec = lambda c: (numerics.decode_e2m1(jnp.where(zero_block, 0, c)) * dscale).astype(  # noqa: E731
+        dec_ref[0].dtype)
+    if mid:
+      for i, c in enumerate(codes):
+        _store(_slab_ref(dec_ref[0], i, mid), dec(c), ok)
+    else:  # a block's 16 elements are contiguous: one (BA, BB, 16) store
+      _store(dec_ref[0], _stack_last([dec(c) for c in codes]), None if ok is None else ok[:, :, None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,13 +495,16 @@ def _layout(shape, block, axis, hadamard_on, elements) -> _Layout:
     *lead, m, n = shape
     a, b = math.prod(lead) * m // BLOCK, n // BLOCK
     ba, bb = _tile_ab(a, b, BLOCK * BLOCK, elements)
-    return _Layout("pairs", (a, BLOCK, b, BLOCK), (ba, BLOCK, bb, BLOCK), (a, BLOCK, b, 8),
-                   (ba, BLOCK, bb, 8))
+    return _Layout("pairs", (a, BLOCK, b, BLOCK), (ba, BLOCK, bb, BLOCK), (a, BLOCK, b, 2, 4),
+                   (ba, BLOCK, bb, 2, 4))
   if axis == ndim - 1:
     a, b = math.prod(shape[:-1]), shape[-1] // BLOCK
     if not hadamard_on:
       ba, bb = _tile_ab(a, b, BLOCK, elements)
-      return _Layout("pairs", (a, 1, b, BLOCK), (ba, 1, bb, BLOCK), (a, 1, b, 8), (ba, 1, bb, 8))
+      # Codes as (.., 2, 4), a block's 8 bytes in two halves of 4: Triton gives each thread 8 of a
+      # block's 16 bfloat16 elements, so each thread's 4 code bytes are stored as they lie in its
+      # registers (a last axis of 8 takes a layout conversion through shared memory first).
+      return _Layout("pairs", (a, 1, b, BLOCK), (ba, 1, bb, BLOCK), (a, 1, b, 2, 4), (ba, 1, bb, 2, 4))
     ba, bb = _tile_ab(a, b, BLOCK, elements)
     return _Layout("slabs", (a, b, BLOCK), (ba, bb, BLOCK), (a, b, 8), (ba, bb, 8))
   a = math.prod(shape[:axis + 1]) // BLOCK
@@ -404,7 +517,7 @@ def _specs(lay: _Layout):
   """Block specs of x, codes, scales (and the decoded output, x's)."""
   if lay.kind == "pairs":
     x = pl.BlockSpec(lay.tile, lambda i, j: (i, 0, j, 0))
-    codes = pl.BlockSpec(lay.codes_tile, lambda i, j: (i, 0, j, 0))
+    codes = pl.BlockSpec(lay.codes_tile, lambda i, j: (i, 0, j, 0, 0))
     scales = pl.BlockSpec((lay.tile[0], 1, lay.tile[2]), lambda i, j: (i, 0, j))
     return x, codes, scales
   if lay.mid:

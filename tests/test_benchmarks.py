@@ -39,3 +39,18 @@ def test_compile_events_name_xla_phases(tmp_path):
   assert any("RunBackend" in n for n in names), names
   ms = [t for _, t, _ in events]
   assert ms == sorted(ms, reverse=True) and all(c >= 1 for _, _, c in events)
+
+
+def test_train_step_recipe_specs():
+  from benchmarks.train_step import recipe_of
+  from fp4jax.recipe import get_recipe
+
+  assert recipe_of("fp4_linear") == get_recipe("fp4_linear")
+  r = recipe_of("fp4_linear:linear_rounding_bits=counter:linear_hadamard=false:lora_rank=4")
+  assert (r.linear_rounding_bits, r.linear_hadamard, r.lora_rank) == ("counter", False, 4)
+  with pytest.raises(ValueError, match="not FIELD=VALUE"):
+    recipe_of("fp4_linear:counter")
+  with pytest.raises(ValueError, match="no_such_field"):
+    recipe_of("fp4_linear:no_such_field=1")
+  with pytest.raises(ValueError, match="linear_rounding_bits"):
+    recipe_of("fp4_linear:linear_rounding_bits=philox")

@@ -12,7 +12,7 @@ import pytest
 from conftest import H200
 from jax.experimental import pallas as pl
 
-from fp4jax import nvfp4
+from fp4jax import numerics, nvfp4
 from fp4jax.kernels import attention as A
 from fp4jax.ops.attention import ds_bits, fake_quant_ds
 
@@ -215,6 +215,142 @@ def test_in_kernel_ds_quantizer_is_bit_exact(rounding):
                                 whole[bi, hi, 64:128, 64:128].view(np.uint32))
 
 
+def _mismatches_over_float32(f, g, top):
+  """How many float32 patterns in [0, ``top``] give ``f`` and ``g`` different float32 patterns."""
+  chunk = 1 << 25
+
+  @jax.jit
+  def count(start):
+    b = jnp.minimum(start + jnp.arange(chunk, dtype=jnp.uint32), jnp.uint32(top))
+    x = jax.lax.bitcast_convert_type(b, jnp.float32)
+    as_bits = lambda v: jax.lax.bitcast_convert_type(v, jnp.uint32)  # noqa: E731
+    return jnp.sum(as_bits(f(x)) != as_bits(g(x)))
+
+  return sum(int(count(jnp.uint32(s))) for s in range(0, top + 1, chunk))
+
+
+def test_e2m1_value_nearest_equals_the_codes_on_every_float32():
+  """The kernels' E2M1 rounding to nearest (``(a + M) - M``) is ``decode_e2m1(e2m1_rne_code(a))`` on
+  every float32 in [0, 6]."""
+  top = int(np.float32(6.0).view(np.uint32))
+  assert _mismatches_over_float32(lambda a: A._e2m1_value(a, "nearest", None),
+                                  lambda a: numerics.decode_e2m1(numerics.e2m1_rne_code(a)), top) == 0
+
+
+def test_e4m3_value_equals_round_to_e4m3_on_every_float32():
+  """The kernels' E4M3 block-scale rounding (``(v + M) - M``) is ``round_to_e4m3``'s value on every
+  float32 in [0, 448]."""
+  top = int(np.float32(448.0).view(np.uint32))
+  assert _mismatches_over_float32(A._e4m3_value, lambda v: numerics.round_to_e4m3(v)[0], top) == 0
+
+
+def test_e2m1_value_stochastic_equals_the_codes():
+  """The kernels' stochastic E2M1 rounding is ``decode_e2m1(e2m1_stochastic_code(a, bits))``: 2^25
+  random (a, bits) pairs (a uniform over the float32 patterns of [0, 6] and over the values), and
+  every E2M1 grid point, tie and their float32 neighbours against every byte of ``lane_bits``."""
+  top = int(np.float32(6.0).view(np.uint32))
+  n = 1 << 22
+
+  @jax.jit
+  def mismatches(a, bits):
+    want = numerics.decode_e2m1(numerics.e2m1_stochastic_code(a, bits))
+    got = A._e2m1_value(a, "stochastic", (bits >> 10).astype(jnp.int32))
+    as_bits = lambda v: jax.lax.bitcast_convert_type(v, jnp.uint32)  # noqa: E731
+    return jnp.sum(as_bits(got) != as_bits(want))
+
+  for key in jax.random.split(jax.random.key(5), 8):
+    ka, kb, kc, kd = jax.random.split(key, 4)
+    a = jax.lax.bitcast_convert_type(jax.random.randint(ka, (n,), 0, top + 1, jnp.int32), jnp.float32)
+    a = jnp.where(jax.random.bernoulli(kc, 0.5, (n,)), jax.random.uniform(kd, (n,), jnp.float32, 0, 6), a)
+    assert int(mismatches(a, jax.random.bits(kb, (n,), jnp.uint32))) == 0
+  grid = np.array([0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6], np.float32)
+  pats = grid.view(np.int32)[:, None] + np.arange(-3, 4, dtype=np.int32)[None, :]
+  a = np.clip(pats.reshape(-1), 0, top).view(np.float32)
+  a = np.repeat(a, 256)
+  bits = numerics.lane_bits(jnp.tile(jnp.arange(256, dtype=jnp.uint32), a.size // 256), 0)
+  assert int(mismatches(jnp.asarray(a), bits)) == 0
+
+
+def _encoders_reference(x, block_amax_fn, s_enc, s_dec, block, rounding, bits, valid=None):
+  """``_fake_quant_blocks`` written with ``fp4jax.numerics``' encoders (flush, NaN -> inf amax,
+  E4M3 byte then its decode, E2M1 codes then their decode): the order of ``nvfp4.quantize``."""
+  rows, cols = block
+  x32 = numerics.flush_subnormals(x)
+  block_amax = block_amax_fn(jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32)))
+  if valid is not None:
+    block_amax = jnp.where(valid, block_amax, 0.0)
+  _, dcode = numerics.e4m3_block_scales(block_amax, s_enc * jnp.float32(numerics.INV6))
+  dscale = numerics.e4m3_to_f32(dcode)
+  escale = jnp.minimum(1.0 / (dscale * s_dec), numerics.F32_MAX)
+  zero_block = dscale == 0 if valid is None else (dscale == 0) | ~valid
+  e = functools.partial(A._expand, rows=rows, cols=cols)
+  code = numerics.e2m1_codes(x32, e(escale), e(zero_block), rounding, bits, jnp.int32)
+  return (numerics.decode_e2m1(code) * e(dscale) * e(s_dec)).astype(jnp.bfloat16)
+
+
+def _ds_tile_reference(ds, bits, ds_tile, rounding):
+  """``_quantize_tile`` with ``fp4jax.numerics``' encoders (``_encoders_reference``)."""
+  tq, tk = ds_tile
+  x32 = numerics.flush_subnormals(ds)
+  block_amax = A._tile_max(jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32)), 16, 16)
+  amax = A._tile_max(block_amax, tq // 16, tk // 16)
+  finite = amax <= numerics.F32_MAX
+  amax = jnp.where(finite, amax, 0.0)
+  s_enc = jnp.minimum(2688.0 / amax, numerics.F32_MAX)
+  s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
+  s_dec = jnp.where(finite, 1.0 / s_enc, jnp.nan)
+  e = functools.partial(A._expand, rows=tq // 16, cols=tk // 16)
+  return _encoders_reference(ds, lambda ax: A._tile_max(ax, 16, 16), e(s_enc), e(s_dec), (16, 16),
+                             rounding, bits, e(finite))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_tile_quantizers_equal_the_numerics_encoders_on_special_values(rounding):
+  """The dS and P tile quantizers (pattern amax, value-domain E4M3 and E2M1 rounding, sign from the
+  pattern, subnormals dropped by the final select) against the same steps written with
+  ``fp4jax.numerics``' encoders, bit for bit, on tiles with zeros, -0, subnormals, values near the
+  float32 limits, NaN and infinities (a NaN of P only with rounding to nearest: there its code is 0
+  in both, while ``e2m1_stochastic_code`` of a NaN is not defined)."""
+  rng = np.random.default_rng(7)
+  bits = A._tile_bits(jnp.uint32(123), jnp.uint32(456), 7, 64, 128, 128, 128)
+  bits = bits if rounding == "stochastic" else None
+  for trial in range(7):
+    x = (rng.standard_normal((128, 128)) * 10.0 ** rng.uniform(-8, 2, (128, 128))).astype(np.float32)
+    x[:16, :16] = 0.0
+    x[16:32, :16] = -0.0
+    x[32:48, :16] = (rng.standard_normal((16, 16)) * 1e-39).astype(np.float32)  # subnormals
+    x[48:64, :16] *= np.float32(1e-37)
+    x[48, 5], x[49, 6], x[50, 7] = 1e-40, -1e-41, -np.float32(2.0**-126)
+    x[64:80, 16:32] = (rng.standard_normal((16, 16)) * 1e-39).astype(np.float32)
+    x[64, 16] = 2.0**-126  # the block's max is the smallest normal, its other elements subnormal
+    if trial == 1:
+      x[70, 70] = np.nan
+    if trial == 2:
+      x[5, 100] = np.inf
+    if trial == 3:
+      x[100, 5], x[100, 100] = -np.inf, np.nan
+    if trial == 4:
+      x[64:, 64:] *= np.float32(1e30)
+    if trial == 5:
+      x *= np.float32(1e-33)
+    if trial == 6:
+      x[:64, 64:] = np.float32(3.0e38) * np.sign(x[:64, 64:])
+    ds = jnp.asarray(x)
+    for tile in ((64, 64), (64, 32), (128, 128), (16, 16)):
+      got = np.asarray(A._quantize_tile(ds, bits, tile, rounding, "backend"))
+      want = np.asarray(_ds_tile_reference(ds, bits, tile, rounding))
+      np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    p = np.minimum(np.abs(x), 1.0)
+    if rounding == "stochastic":
+      p = np.where(np.isnan(p), 0.5, p)
+    p = jnp.asarray(p)
+    const = lambda v: jnp.full((128, 8), v, jnp.float32)  # noqa: E731
+    got = np.asarray(A._quantize_p_tile(p, bits, rounding, "backend"))
+    want = np.asarray(_encoders_reference(p, lambda ax: A._tile_max(ax, 1, 16), const(A._P_S_ENC),
+                                          const(A._P_S_DEC), (1, 16), rounding, bits))
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
 def _p_quantizer_kernel(w_ref, p_ref, out_ref, *, rounding, row0, col0, bh):
   """The kernels' P tile step on one block (``_p_operand``): bits at (row0, col0), quantize, decode."""
   out_ref[...] = A._p_operand(p_ref[...], (A._words(w_ref), bh, row0, col0, rounding),
@@ -339,7 +475,7 @@ LOWER_CASES = [
 def test_lowers_to_triton_for_h200(triton_modules, d, causal, ds_rounding, group):
   """The CUDA lowering of jitted forward and backward for an abstract H200 (no GPU): one Triton call
   forward, two backward (dK/dV and dQ), each verified; the dS quantizer divides with div.rn.f32 and
-  uses no float4/float8 type."""
+  rcp.rn.f32 and uses no float4/float8 type."""
   b, t, h = 2, 1024, 8
   q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((b, t, h // group, d), jnp.bfloat16)
@@ -360,7 +496,7 @@ def test_lowers_to_triton_for_h200(triton_modules, d, causal, ds_rounding, group
     assert not re.search(r"f4E2M1|f8E4M3", ir)
     assert ir.count("tt.dot") >= (1 if ir is fwd_ir else 3) + (ir is fwd_ir)
   for ir in (dkdv_ir, dq_ir):
-    assert ("div.rn.f32" in ir) == (ds_rounding is not None)
+    assert ("div.rn.f32" in ir) == ("rcp.rn.f32" in ir) == (ds_rounding is not None)
 
 
 @pytest.mark.parametrize("d,causal,ds_rounding,group", [(64, True, "stochastic", 2),
@@ -386,13 +522,14 @@ def test_atomic_backward_lowers_to_triton_for_h200(triton_modules, d, causal, ds
   adds = re.findall(r"tt\.atomic_rmw fadd, .*: \(tensor<(\d+)x(\d+)x!tt\.ptr<f32>>", ir)
   assert adds and all(int(n) == d for _, n in adds)
   assert ir.count("tt.dot") >= 5  # S, dP, dV, dK, dQ
-  assert ("div.rn.f32" in ir) == (ds_rounding is not None)
+  assert ("div.rn.f32" in ir) == ("rcp.rn.f32" in ir) == (ds_rounding is not None)
 
 
 @pytest.mark.parametrize("p_rounding", ["nearest", "stochastic"])
 def test_quantized_p_kernels_lower_to_triton_for_h200(triton_modules, p_rounding):
   """With an NVFP4 P: ``attention_pv`` and the dK/dV kernel that quantizes P lower for an abstract
-  H200 to verified Triton modules with no float4/float8 type, dividing with div.rn.f32."""
+  H200 to verified Triton modules with no float4/float8 type, with correctly rounded reciprocals
+  (rcp.rn.f32; P's global scale is a constant, so only the dK/dV kernel's dS divides, div.rn.f32)."""
   b, t, h, d = 2, 1024, 8, 128
   q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((b, t, h // 2, d), jnp.bfloat16)
@@ -409,5 +546,6 @@ def test_quantized_p_kernels_lower_to_triton_for_h200(triton_modules, p_rounding
   pv_ir, dkdv_ir, dq_ir = triton_modules
   assert "@nvfp4_attention_pv" in pv_ir and "@nvfp4_attention_dkdv" in dkdv_ir
   for ir in triton_modules:
-    assert not re.search(r"f4E2M1|f8E4M3", ir) and "div.rn.f32" in ir
+    assert not re.search(r"f4E2M1|f8E4M3", ir) and "rcp.rn.f32" in ir
+  assert "div.rn.f32" not in pv_ir and "div.rn.f32" in dkdv_ir
   assert pv_ir.count("tt.dot") >= 2  # S and P·V

@@ -202,3 +202,50 @@ def test_lowers_to_triton_for_h200(triton_modules, shape, kw):
     hlo = jax.jit(functools.partial(f, amax="xla")).trace(x, KEY, HKEY).lower(
         lowering_platforms=("cuda",)).as_text()
   assert hlo.count("__gpu$xla.gpu.triton") == 1
+
+
+def _mismatches_on_every_float32(top: float, count) -> int:
+  """``count(a)`` (mismatches of a float32 array) summed over every float32 in [0, top], in chunks."""
+  top_bits, chunk = int(np.float32(top).view(np.uint32)), 1 << 25
+
+  @jax.jit
+  def chunk_count(start):
+    b = start + jnp.arange(chunk, dtype=jnp.uint32)
+    return count(jax.lax.bitcast_convert_type(jnp.minimum(b, jnp.uint32(top_bits)), jnp.float32))
+
+  return sum(int(chunk_count(jnp.uint32(s))) for s in range(0, top_bits + 1, chunk))
+
+
+def test_e2m1_rne_magnitude_equals_thresholds_on_every_float32():
+  """The kernels' E2M1 rounding (float32 patterns and ``rint(2a)``) is ``numerics.e2m1_rne_code`` on
+  every float32 in [0, 6]."""
+  assert _mismatches_on_every_float32(
+      6.0, lambda a: jnp.sum(kq._e2m1_rne_magnitude(a) != numerics.e2m1_rne_code(a))) == 0
+
+
+def test_block_scale_is_the_value_of_its_byte():
+  """``e4m3_block_scales``' value is ``e4m3_to_f32`` of its byte (the kernels skip the decode)."""
+  v = jnp.concatenate([jnp.asarray(numerics.e4m3_to_f32(jnp.arange(127, dtype=jnp.uint8))),
+                       jax.random.uniform(KEY, (1 << 16,), jnp.float32, 0.0, 448.0),
+                       jnp.exp2(jax.random.uniform(HKEY, (1 << 16,), jnp.float32, -12.0, 9.0))])
+  value, byte = numerics.e4m3_block_scales(v, jnp.float32(1.0))
+  _assert_same(numerics.e4m3_to_f32(byte), value)
+
+
+def test_e4m3_block_scales_equal_numerics_on_every_float32():
+  """The kernels' E4M3 block-scale rounding (pattern rounding, ``v + 2^14`` below 2^-6) gives
+  ``numerics.e4m3_block_scales``' value and byte for every float32 in [0, 448] (``m = 1``)."""
+  def count(v):
+    value, byte = kq._e4m3_block_scales(v, jnp.float32(1.0))
+    want_value, want_byte = numerics.e4m3_block_scales(v, jnp.float32(1.0))
+    same_value = jax.lax.bitcast_convert_type(value, jnp.uint32) == jax.lax.bitcast_convert_type(
+        want_value, jnp.uint32)
+    return jnp.sum(~same_value | (byte != want_byte))
+
+  assert _mismatches_on_every_float32(448.0, count) == 0
+  # Above 448 (the kernels clip with one min): 448 and its byte, as numerics.
+  big = jnp.asarray([448.00003, 480.0, 1e30, 3.4028235e38, np.inf], jnp.float32)
+  value, byte = kq._e4m3_block_scales(big, jnp.float32(1.0))
+  want_value, want_byte = numerics.e4m3_block_scales(big, jnp.float32(1.0))
+  _assert_same(value, want_value)
+  _assert_same(byte.astype(jnp.uint8), want_byte)

@@ -17,13 +17,14 @@ import pytest
 from conftest import H200
 from jax.sharding import AbstractMesh
 
-from fp4jax import _platform, nvfp4
+from fp4jax import _platform, numerics, nvfp4
 from fp4jax.ops import (
   MatmulConfig,
   nvfp4_matmul,
   nvfp4_matmul_reference,
   nvfp4_matmul_vjp_reference,
 )
+from fp4jax.ops import matmul
 
 M0, M1, K, N = 2, 16, 32, 32
 NVFP4 = MatmulConfig.nvfp4(implementation="xla")
@@ -266,6 +267,9 @@ KERNEL_CASES = [
     ("scaled_matmul GEMMs", MatmulConfig.nvfp4(gemm="scaled_matmul"), (M0, M1, K)),
     # The quantizer kernels' first pass as an XLA reduction.
     ("amax in XLA", MatmulConfig.nvfp4(amax="xla"), (M0, M1, K)),
+    # Stochastic rounding with counter-hash bits (x stochastic too), every implementation alike.
+    ("counter rounding bits", MatmulConfig.nvfp4(rounding_bits="counter", x_rounding="stochastic"),
+     (M0, M1, K)),
 ]
 
 
@@ -309,6 +313,36 @@ def test_auto_takes_the_kernels_on_one_cuda_device_only(monkeypatch):
     with jax.sharding.use_abstract_mesh(mesh):
       hlo = jax.jit(f).trace(x, w, key).lower(lowering_platforms=("cuda",)).as_text()
     assert ("__gpu$xla.gpu.triton" in hlo) == kernels, (mesh, key)
+
+
+def test_counter_rounding_bits(monkeypatch):
+  """``rounding_bits="counter"``: each stochastic operand takes ``numerics.counter_bits`` of its key
+  (a different stream from ``jax.random.bits``, unbiased), and on a CUDA GPU the kernels take any key
+  kind, since no threefry bits are drawn."""
+  x, w, dy = _data(jnp.bfloat16)
+  key = jax.random.key(7)
+  counter = MatmulConfig.nvfp4(rounding_bits="counter", implementation="xla")
+  keys = matmul._keys(key, counter)
+  want = nvfp4.quantize(dy, rounding="stochastic", bits=numerics.counter_bits(keys["dy_dgrad"], dy.shape))
+  got = matmul.quantize_dy_dgrad(dy, keys, counter)
+  assert _bits_equal(got.codes, want.codes) and _bits_equal(got.scales, want.scales)
+  random = matmul.quantize_dy_dgrad(dy, keys, dataclasses.replace(counter, rounding_bits="random"))
+  assert not _bits_equal(got.codes, random.codes)
+  # Unbiased: the mean over keys of the decoded operand approaches dy (as for the random bits).
+  many = jax.vmap(lambda k: matmul.quantize_dy_dgrad(dy, matmul._keys(k, counter), counter).dequantize(
+      jnp.float32))(jax.random.split(key, 256))
+  err = jnp.abs(many.mean(0) - dy.astype(jnp.float32)).mean() / jnp.abs(dy.astype(jnp.float32)).mean()
+  assert err < 0.02, err
+  with pytest.raises(ValueError, match="rounding_bits must be one of"):
+    MatmulConfig.nvfp4(rounding_bits="philox")
+  monkeypatch.setattr(_platform, "default_platform", lambda: "cuda")
+  xs, ws = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((32, 32), jnp.float32)
+  cfg = MatmulConfig.nvfp4(rounding_bits="counter")
+  f = lambda x, w, key: nvfp4_matmul(x, w, key=key, config=cfg)  # noqa: E731
+  rbg = jax.random.key(0, impl="rbg")
+  with jax.sharding.use_abstract_mesh(H200):
+    hlo = jax.jit(f).trace(xs, ws, rbg).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in hlo
 
 
 def _lowered_vjp(config):

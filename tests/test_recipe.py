@@ -92,6 +92,10 @@ def test_matmul_config_of_the_recipe():
     Recipe(linear_grad_rounding="up")
   with pytest.raises(ValueError, match="linear_hadamard"):
     Recipe(linear_hadamard=1)
+  assert Recipe(linear_rounding_bits="counter").matmul_config() == MatmulConfig.nvfp4(
+      rounding_bits="counter")
+  with pytest.raises(ValueError, match="linear_rounding_bits"):
+    Recipe(linear_rounding_bits="philox")
 
 
 def test_presets_set_exactly_the_modules():

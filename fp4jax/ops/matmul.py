@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import _platform, nvfp4
+from fp4jax import _platform, numerics, nvfp4
 from fp4jax.kernels import nvfp4_quantize
 
 _F32 = jnp.float32
@@ -85,6 +85,12 @@ class MatmulConfig:
     amax: with the quantizer kernels, how their first pass forms each operand's ``max|x|``:
       ``"kernel"`` (a Pallas kernel) or ``"xla"`` (an XLA reduction, so each operand is one Triton
       kernel); the same bits either way (``nvfp4_quantize.quantize(amax=...)``).
+    rounding_bits: the random bits of stochastic rounding, in every implementation alike:
+      ``"random"`` (``jax.random.bits`` of the operand's key: 22 bits per element, threefry2x32,
+      the default) or ``"counter"`` (``numerics.counter_bits``: one keyed integer hash per pair of
+      elements, 8 bits per element, so each rounding probability is a multiple of 1/256, as on
+      Blackwell's stochastic-rounding conversions). ``"counter"`` is a different random stream, not
+      the same bits, and costs the kernels about a third of the instructions of threefry.
   """
 
   fwd: bool = True
@@ -99,6 +105,7 @@ class MatmulConfig:
   implementation: str = "auto"
   gemm: str = "auto"
   amax: str = "kernel"
+  rounding_bits: str = "random"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -112,6 +119,10 @@ class MatmulConfig:
       elif f.name == "amax":
         if v not in nvfp4_quantize.AMAX_PASSES:
           raise ValueError(f"MatmulConfig.amax must be one of {nvfp4_quantize.AMAX_PASSES}, got {v!r}")
+      elif f.name == "rounding_bits":
+        if v not in nvfp4_quantize.BIT_SOURCES:
+          raise ValueError(f"MatmulConfig.rounding_bits must be one of {nvfp4_quantize.BIT_SOURCES}, "
+                           f"got {v!r}")
       elif f.name.endswith("rounding"):
         if v not in nvfp4.ROUNDINGS:
           raise ValueError(f"MatmulConfig.{f.name} must be one of {nvfp4.ROUNDINGS}, got {v!r}")
@@ -160,18 +171,22 @@ def _keys(key, config: MatmulConfig) -> dict:
   return dict(zip(("x", "w", "dy_dgrad", "x_wgrad", "dy_wgrad", "hadamard"), ks, strict=True))
 
 
-def _q(x, rounding, key, **kw):
-  return nvfp4.quantize(x, rounding=rounding, key=key if rounding == "stochastic" else None, **kw)
+def _q(x, rounding, key, config, **kw):
+  if rounding != "stochastic":
+    return nvfp4.quantize(x, rounding=rounding, **kw)
+  if config.rounding_bits == "counter":
+    return nvfp4.quantize(x, rounding=rounding, bits=numerics.counter_bits(key, x.shape), **kw)
+  return nvfp4.quantize(x, rounding=rounding, key=key, **kw)
 
 
 def quantize_x(x_MxK, keys, config):
   """Forward operand: x quantized in 1×16 blocks along K."""
-  return _q(x_MxK, config.x_rounding, keys["x"], block=(1, 16), axis=-1)
+  return _q(x_MxK, config.x_rounding, keys["x"], config, block=(1, 16), axis=-1)
 
 
 def quantize_w(w_KxN, keys, config):
   """The weight in 16×16 tiles: one quantization serves the forward and (transposed) the dgrad."""
-  return _q(w_KxN, config.w_rounding, keys["w"], block=(16, 16))
+  return _q(w_KxN, config.w_rounding, keys["w"], config, block=(16, 16))
 
 
 def wgrad_operand(a_MxC, keys):
@@ -182,17 +197,17 @@ def wgrad_operand(a_MxC, keys):
 
 def quantize_x_wgrad(x_MxK, keys, config):
   """wgrad operand: (H·)x quantized in 1×16 blocks along the tokens."""
-  return _q(_wg(x_MxK, keys, config), config.x_wgrad_rounding, keys["x_wgrad"], block=(1, 16), axis=0)
+  return _q(_wg(x_MxK, keys, config), config.x_wgrad_rounding, keys["x_wgrad"], config, block=(1, 16), axis=0)
 
 
 def quantize_dy_dgrad(dy_MxN, keys, config):
   """dgrad operand: dy quantized in 1×16 blocks along N."""
-  return _q(dy_MxN, config.dy_dgrad_rounding, keys["dy_dgrad"], block=(1, 16), axis=-1)
+  return _q(dy_MxN, config.dy_dgrad_rounding, keys["dy_dgrad"], config, block=(1, 16), axis=-1)
 
 
 def quantize_dy_wgrad(dy_MxN, keys, config):
   """wgrad operand: (H·)dy quantized in 1×16 blocks along the tokens."""
-  return _q(_wg(dy_MxN, keys, config), config.dy_wgrad_rounding, keys["dy_wgrad"], block=(1, 16), axis=0)
+  return _q(_wg(dy_MxN, keys, config), config.dy_wgrad_rounding, keys["dy_wgrad"], config, block=(1, 16), axis=0)
 
 
 def _wg(a, keys, config):
@@ -220,10 +235,11 @@ _quantize_kernels = jax.jit(nvfp4_quantize.quantize, static_argnames=(
 
 
 def _kernel_quantize(a, rounding, key, config, *, decoded, hadamard_key=None, **layout):
-  """``nvfp4_quantize.quantize`` of one GEMM operand: the tensor ``nvfp4.quantize`` gives with the same
-  key (``bit_source="random"``), and with ``decoded`` its bf16 ``scaled_elements`` (else None)."""
+  """``nvfp4_quantize.quantize`` of one GEMM operand: the tensor ``_q`` gives with the same key and
+  ``config.rounding_bits``, and with ``decoded`` its bf16 ``scaled_elements`` (else None)."""
   out = _quantize_kernels(a, rounding=rounding, key=key if rounding == "stochastic" else None,
                           hadamard_key=hadamard_key, decoded=decoded, amax=config.amax,
+                          bit_source=config.rounding_bits,
                           interpret=config.implementation == "pallas_interpret", **layout)
   return out if decoded else (out, None)
 
@@ -350,7 +366,7 @@ def _resolve(config: MatmulConfig, sizes, key) -> MatmulConfig:
     return config
   too_large = max(sizes) > _KERNEL_MAX_ELEMENTS
   # The kernels reproduce jax.random.bits of threefry2x32 keys (JAX's default) only.
-  other_key = config.needs_key and not (str(jax.random.key_impl(key)) == "threefry2x32"
+  other_key = config.needs_key and config.rounding_bits == "random" and not (str(jax.random.key_impl(key)) == "threefry2x32"
                                         and jax.config.jax_threefry_partitionable)
   if impl == "auto":
     impl = "xla" if too_large or other_key else _platform.resolve(impl, "pallas", "xla",

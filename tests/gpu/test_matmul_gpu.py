@@ -75,14 +75,15 @@ def operand_rows(dev, cpu):
   x, w, dy = inputs(np.float32)
   key = jax.random.key(KEY_SEED)
   rows, ok = [], True
-  for base, tag in ((NVFP4, ""), (MatmulConfig.nvfp4(hadamard=False), " [no Hadamard]")):
+  for base, tag in ((NVFP4, ""), (MatmulConfig.nvfp4(hadamard=False), " [no Hadamard]"),
+                    (MatmulConfig.nvfp4(rounding_bits="counter"), " [counter bits]")):
     want = on(cpu, lambda *a, c=base: _operands(*a, dataclasses.replace(c, implementation="xla")),
               x, w, dy, key)
     for impl in ("xla", "pallas"):
       config = dataclasses.replace(base, implementation=impl)
       got = on(dev, lambda *a, c=config: _operands(*a, c), x, w, dy, key)
       for name in got:
-        if tag and "H." not in name:
+        if tag == " [no Hadamard]" and "H." not in name:
           continue
         n_bad = sum(bits_differ(u, v) for u, v in zip(jax.tree.leaves(got[name]), jax.tree.leaves(want[name])))
         n = int(np.prod(got[name].shape)) if "f32" in name else int(np.prod(got[name].codes.shape)) * 2
