@@ -1,5 +1,5 @@
 """NVFP4 quantization: the Pallas kernels (fp4jax.kernels.nvfp4_quantize) and the native Triton kernel
-(fp4jax.kernels.nvfp4_quantize_triton, through jax_triton; GPU only, and only where jax_triton
+(benchmarks.triton_quantize, through jax_triton; GPU only, and only where jax_triton
 imports) against the jitted nvfp4.quantize and a device copy, in the same run.
 
   python -m benchmarks.quantize                 # GPU: 16384x16384 bf16
@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from benchmarks.timing import environment_line, median_seconds
 from fp4jax import nvfp4
 from fp4jax.kernels import nvfp4_quantize as kq
-from fp4jax.kernels import nvfp4_quantize_triton as kt
+from benchmarks import triton_quantize as kt
 
 
 def _copy_kernel(x_ref, o_ref):
@@ -182,11 +182,11 @@ def main():
   # The native Triton kernel (jax_triton): 1x16 nearest along the last axis, on the GPU.
   triton_ok, why = kt.available()
   if interpret:
-    triton_note = "native Triton kernel (nvfp4_quantize_triton): not run (CPU run; it runs on the GPU only)"
+    triton_note = "native Triton kernel (benchmarks.triton_quantize): not run (CPU run; it runs on the GPU only)"
   elif not triton_ok:
-    triton_note = f"native Triton kernel (nvfp4_quantize_triton): not run: {why}"
+    triton_note = f"native Triton kernel (benchmarks.triton_quantize): not run: {why}"
   else:
-    triton_note = "native Triton kernel (nvfp4_quantize_triton): rows 'triton:'"
+    triton_note = "native Triton kernel (benchmarks.triton_quantize): rows 'triton:'"
     variants = [(name, dec, kt.BlockSizes()) for name, dec in TRITON_ROWS]
     if args.sweep:
       variants += [(f"sweep 1x16 nearest {bs}", False, bs) for bs in TRITON_SWEEP]

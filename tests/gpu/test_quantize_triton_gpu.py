@@ -1,4 +1,4 @@
-"""The native Triton quantizer (fp4jax.kernels.nvfp4_quantize_triton, through jax_triton) on the GPU
+"""The native Triton quantizer (benchmarks.triton_quantize, through jax_triton) on the GPU
 equals nvfp4.quantize(block=(1, 16)) on the CPU, bit for bit.
 
   FP4JAX_GPU_TESTS=1 python -m pytest -m gpu tests/gpu/test_quantize_triton_gpu.py
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fp4jax import nvfp4
-from fp4jax.kernels import nvfp4_quantize_triton as kt
+from benchmarks import triton_quantize as kt
 
 pytestmark = pytest.mark.gpu
 

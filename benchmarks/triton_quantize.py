@@ -1,10 +1,12 @@
-"""NVFP4 quantization of a 2-D array, 1×16 blocks along the last axis, nearest rounding, in two native
-Triton kernels launched through ``jax_triton.triton_call``: bit-exact with
-``fp4jax.nvfp4.quantize(x, block=(1, 16))``.
+"""The native Triton peer of ``benchmarks.quantize``: NVFP4 quantization of a 2-D array, 1×16 blocks
+along the last axis, nearest rounding, in two kernels written in ``triton.language`` and launched
+through ``jax_triton.triton_call``, bit-exact with ``fp4jax.nvfp4.quantize(x, block=(1, 16))``.
 
-The Pallas quantizer (``fp4jax.kernels.nvfp4_quantize``) covers every layout and rounding; this module
-is the same algorithm for its most common case written directly in ``triton.language``, to compare
-the two ways of writing the kernel on one GPU:
+The library's quantizer is the Pallas one (``fp4jax.kernels.nvfp4_quantize``: every layout and
+rounding). This module writes its most common case directly in Triton so that one benchmark run
+compares the two ways of writing the kernel on the same GPU (``benchmarks.quantize``, rows
+``triton:``; the bit-mismatch column checks that both compute the same bytes). It is not part of the
+library's API.
 
 1. ``amax`` kernel: ``max|x|`` of ``BlockSizes.amax_elements`` consecutive elements per program, as a
    float32 bit pattern (int32): NaN and inf patterns lie above every finite one, so a non-finite
@@ -20,7 +22,7 @@ the two ways of writing the kernel on one GPU:
 Numerics as ``fp4jax.numerics``: E4M3 and E2M1 are encoded with integer operations on float32 bit
 patterns (no float8/float4 casts), float32 subnormal inputs are flushed to zero on their bit pattern,
 and the three divisions (``2688 / amax``, ``1 / S_enc``, ``1 / (dscale · S_dec)``) are PTX
-``div.rn.f32`` (correctly rounded; Triton's ``/`` on float32 is not). The kernels are compiled with
+``div.rn.f32`` (``_div``: correctly rounded; Triton's ``/`` on float32 is not). The kernels are compiled with
 floating-point contraction off (``enable_fp_fusion=False``).
 
 Interpretation on the CPU: ``quantize(..., interpret=True)`` runs the same kernel functions in
@@ -48,7 +50,7 @@ from fp4jax import nvfp4
 
 BLOCK = nvfp4.BLOCK
 EXTRA = "triton"  # the optional-dependency extra that installs jax-triton
-_MISSING = ("fp4jax.kernels.nvfp4_quantize_triton needs the optional packages `triton` and `jax_triton` "
+_MISSING = ("benchmarks.triton_quantize needs the optional packages `triton` and `jax_triton` "
             f"(pip install 'fp4jax[{EXTRA}]', i.e. jax-triton==0.3.1 with triton 3.6 and a CUDA jaxlib)")
 
 # Set by _import_triton(): the kernel functions below read `tl` from this module's globals when Triton
@@ -86,6 +88,21 @@ def _next_pow2(n: int) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # Kernels (triton.language; `tl` is bound by _import_triton before they are compiled or interpreted)
+
+
+def _div_impl(a, b, INTERPRET: tl.constexpr):
+  """``a / b`` correctly rounded: PTX ``div.rn.f32`` on the GPU, the host's IEEE division in the
+  interpreter (which cannot run inline assembly). Bound as ``_div`` (a Triton function) by
+  ``_import_triton``."""
+  if INTERPRET:
+    q = a / b
+  else:
+    q = tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                  is_pure=True, pack=1)
+  return q
+
+
+_div = None  # triton.jit(_div_impl), set by _import_triton: the kernels call it
 
 
 def _amax_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -131,19 +148,11 @@ def _quantize_kernel(amax_ptr, x_ptr, codes_ptr, scales_ptr, g_ptr, dec_ptr,
   finite = a_bits <= 0x7F7FFFFF  # FLT_MAX; NaN and inf patterns lie above
   amax = tl.where(finite, a_bits, 0).to(tl.float32, bitcast=True)
   num = tl.zeros((1, 1), tl.float32) + 2688.0
-  if INTERPRET:
-    s_enc = num / amax
-  else:
-    s_enc = tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=f,f,f", [num, amax], dtype=tl.float32,
-                                      is_pure=True, pack=1)
+  s_enc = _div(num, amax, INTERPRET)
   s_enc = tl.minimum(s_enc, 3.4028234663852886e+38)
   s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
   one = tl.zeros((1, 1), tl.float32) + 1.0
-  if INTERPRET:
-    s_dec = one / s_enc
-  else:
-    s_dec = tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=f,f,f", [one, s_enc], dtype=tl.float32,
-                                      is_pure=True, pack=1)
+  s_dec = _div(one, s_enc, INTERPRET)
   s_dec = tl.where(finite, s_dec, tl.full((1, 1), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True))
   m = s_enc * 0.1666666716337204  # fp32(1/6), numerics.INV6
   tl.store(g_ptr + tl.zeros((1, 1), tl.int32), s_dec, mask=(pid_r == 0) & (pid_k == 0))
@@ -166,11 +175,7 @@ def _quantize_kernel(amax_ptr, x_ptr, codes_ptr, scales_ptr, g_ptr, dec_ptr,
   # escale = min(1 / (dscale * S_dec), FLT_MAX); blocks with dscale 0 (or a non-finite tensor) are zero.
   den = dscale * s_dec
   one_b = tl.zeros((BR, NB), tl.float32) + 1.0
-  if INTERPRET:
-    escale = one_b / den
-  else:
-    escale = tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=f,f,f", [one_b, den], dtype=tl.float32,
-                                       is_pure=True, pack=1)
+  escale = _div(one_b, den, INTERPRET)
   escale = tl.minimum(escale, 3.4028234663852886e+38)
   zero_block = (dscale == 0.0) | (a_bits > 0x7F7FFFFF)
 
@@ -215,7 +220,7 @@ def _quantize_kernel(amax_ptr, x_ptr, codes_ptr, scales_ptr, g_ptr, dec_ptr,
 
 def _import_triton():
   """Binds ``triton`` and ``triton.language`` into this module; ImportError naming the extra if absent."""
-  global triton, tl
+  global triton, tl, _div
   if tl is None:
     try:
       import triton as _triton
@@ -223,6 +228,7 @@ def _import_triton():
     except ImportError as e:
       raise ImportError(_MISSING) from e
     triton, tl = _triton, _tl
+    _div = triton.jit(_div_impl)
   return triton
 
 
@@ -302,9 +308,9 @@ def _tiles(rows: int, k: int, bs: BlockSizes) -> tuple[int, int]:
 
 def _check(x):
   if x.ndim != 2:
-    raise ValueError(f"nvfp4_quantize_triton.quantize takes a 2-D array (rows, K), got shape {x.shape}")
+    raise ValueError(f"triton_quantize.quantize takes a 2-D array (rows, K), got shape {x.shape}")
   if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-    raise ValueError(f"nvfp4_quantize_triton.quantize takes bfloat16, float16 or float32, got {x.dtype}")
+    raise ValueError(f"triton_quantize.quantize takes bfloat16, float16 or float32, got {x.dtype}")
   if x.shape[1] % BLOCK:
     raise ValueError(f"1x16 blocks along the last axis: K = {x.shape[1]} is not a multiple of 16")
   if x.size >= 2**31:

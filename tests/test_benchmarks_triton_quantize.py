@@ -1,4 +1,4 @@
-"""fp4jax.kernels.nvfp4_quantize_triton: the native Triton quantizer equals nvfp4.quantize(block=(1, 16))
+"""benchmarks.triton_quantize: the native Triton quantizer equals nvfp4.quantize(block=(1, 16))
 bit for bit in Triton's interpreter on the CPU, compiles for sm_90 (div.rn.f32, 128-bit loads, no
 float8/float4 conversions), and without triton/jax_triton the module imports and its GPU path raises
 an ImportError naming the extra.
@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from fp4jax import nvfp4  # noqa: E402
-from fp4jax.kernels import nvfp4_quantize_triton as kt  # noqa: E402
+from benchmarks import triton_quantize as kt  # noqa: E402
 
 # Several programs per axis with ragged edges (40 = 2.5 x 16 rows, 96 = 1.5 x 64 columns; 3840 elements
 # = 3.75 amax programs), and one tile per program with no masks.
@@ -113,7 +113,7 @@ def test_compiles_for_sm90():
   pytest.importorskip("triton")
   code = textwrap.dedent("""
       import re
-      from fp4jax.kernels import nvfp4_quantize_triton as kt
+      from benchmarks import triton_quantize as kt
       for dec in (False, True):
         asm = kt.compile_asm(16384, 16384, decoded=dec)
         ptx = asm["quantize"]["ptx"]
