@@ -6,6 +6,7 @@ r"""Time from launch to the first train step, by phase, and the size of the prog
   python -m benchmarks.compile_time --tiny                     # CPU check of the script (tiny model)
   python -m benchmarks.compile_time --runs=20m:fp4_linear:pallas --compiler-option=xla_gpu_autotune_level=0
   python -m benchmarks.compile_time --runs=20m:bf16,20m:fp4_linear:pallas --compile-profile=40
+  python -m benchmarks.compile_time --lower-for=cuda --triton-compile --runs=20m:fp4_linear:pallas
 
 A run is ``SIZE:RECIPE[:IMPL]``: a model size (``20m``, ``125m``: experiments/configs' models;
 ``tiny``), a recipe of ``fp4jax.recipe``, and the implementation of its NVFP4 GEMMs
@@ -27,6 +28,14 @@ are inclusive (a pipeline contains its passes), so a line's time is not additive
 lowered for an H200 (an abstract mesh), so the program sizes of the GPU implementations, the Pallas
 kernels' included, can be compared on a CPU. Choices that ``"auto"`` resolves by the platform of the
 default device (attention, the loss) keep the CPU's there.
+
+``--triton-compile`` (with ``--lower-for=cuda``; needs the ``triton`` package, no GPU) takes the Triton
+kernels out of the lowered step (the ``__gpu$xla.gpu.triton`` custom calls that Pallas emits: Triton
+IR, warps, stages), keeps one of each distinct (IR, warps, stages), as XLA compiles each such kernel
+once, and compiles each for sm_90 with the ``triton`` package on the CPU, one after another, with its
+cache off, printing the seconds of each, longest first. A proxy: XLA compiles these kernels with the
+Triton bundled in jaxlib, on the GPU machine's CPU, possibly several at a time. With
+``MLIR_ENABLE_TIMING=1`` in the environment Triton also prints the time of each of its passes.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import collections
 import contextlib
 import json
 import math
+import os
 import statistics
 import tempfile
 import time
@@ -171,8 +181,75 @@ def lower_for(platform, size, recipe_name, args) -> dict:
     traced, t_trace = _timed(lambda: step.trace(state, {"inputs": tokens, "targets": tokens}))
     lowered, t_lower = _timed(lambda: traced.lower(lowering_platforms=(platform,)))
   text = lowered.as_text()
-  return dict(init_s=t_init, trace_s=t_trace, lower_s=t_lower, stablehlo_lines=_lines(text),
-              triton_calls=text.count("__gpu$xla.gpu.triton"), ok=True)
+  row = dict(init_s=t_init, trace_s=t_trace, lower_s=t_lower, stablehlo_lines=_lines(text),
+             triton_calls=text.count("__gpu$xla.gpu.triton"), ok=True)
+  if getattr(args, "triton_compile", False):
+    kernels = compile_triton(triton_kernels(lowered))
+    row.update(triton_kernels=len(kernels), triton_compile_s=sum(k["compile_s"] for k in kernels),
+               kernel_compiles=kernels)
+  return row
+
+
+def triton_kernels(lowered) -> list[dict]:
+  """The Triton kernels of a lowered program: one dict per distinct (IR, warps, stages) of its
+  ``__gpu$xla.gpu.triton`` custom calls, with ``name``, ``num_warps``, ``num_stages``, ``calls`` (how
+  many custom calls share it), ``ir`` (the Triton IR as text) and ``ops`` (its operations)."""
+  from jax._src.interpreters import mlir as jax_mlir
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.triton import dialect as tt_dialect
+
+  configs = []
+
+  def visit(op):
+    op = op.operation
+    if op.name == "stablehlo.custom_call" and ir.StringAttr(op.attributes["call_target_name"]).value == (
+        "__gpu$xla.gpu.triton"):
+      configs.append(op.attributes["mhlo.backend_config"])
+    return ir.WalkResult.ADVANCE
+
+  with lowered.compiler_ir("stablehlo").context:
+    lowered.compiler_ir("stablehlo").operation.walk(visit)
+    calls = collections.Counter(
+        (ir.StringAttr(c["name"]).value, ir.StringAttr(c["ir"]).value_bytes,
+         ir.IntegerAttr(c["num_warps"]).value, ir.IntegerAttr(c["num_stages"]).value) for c in configs)
+  ctx = jax_mlir.make_ir_context()
+  tt_dialect.register_dialect(ctx)
+  kernels = []
+  with ctx:
+    for (name, bytecode, warps, stages), n in calls.items():
+      text = str(ir.Module.parse(bytecode))
+      kernels.append(dict(name=name, num_warps=warps, num_stages=stages, calls=n, ir=text,
+                          ops=sum(1 for line in text.splitlines() if " = " in line)))
+  return kernels
+
+
+def compile_triton(kernels: list[dict], capability: int = 90) -> list[dict]:
+  """Compiles each kernel's Triton IR for ``sm_{capability}`` with the ``triton`` package (CPU only, a
+  fresh cache), adding ``compile_s`` to each; raises ImportError without ``triton``."""
+  if os.environ.get("TRITON_INTERPRET") == "1":
+    raise RuntimeError("--triton-compile compiles with Triton's compiler; unset TRITON_INTERPRET")
+  import triton
+  from triton.backends.compiler import GPUTarget
+
+  target = GPUTarget("cuda", capability, 32)
+  with tempfile.TemporaryDirectory() as d:
+    old = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TRITON_ALWAYS_COMPILE")}
+    os.environ.update(TRITON_CACHE_DIR=d, TRITON_ALWAYS_COMPILE="1")
+    try:
+      for k in kernels:
+        path = os.path.join(d, f"{k['name']}_{len(os.listdir(d))}.ttir")
+        with open(path, "w") as f:
+          f.write(k["ir"])
+        t0 = time.perf_counter()
+        triton.compile(path, target=target, options=dict(num_warps=k["num_warps"], num_stages=k["num_stages"]))
+        k["compile_s"] = time.perf_counter() - t0
+    finally:
+      for key, value in old.items():
+        if value is None:
+          os.environ.pop(key, None)
+        else:
+          os.environ[key] = value
+  return kernels
 
 
 def _compiler_option(text: str) -> tuple[str, object]:
@@ -206,7 +283,8 @@ COLUMNS = [("init_s", "init s", "{:.2f}"), ("trace_s", "trace s", "{:.2f}"), ("l
            ("compile_s", "XLA compile s", "{:.2f}"), ("first_step_s", "first step s", "{:.2f}"),
            ("to_first_step_s", "launch to first step s", "{:.1f}"), ("step_ms", "step ms", "{:.2f}"),
            ("stablehlo_lines", "StableHLO lines", "{:,}"), ("hlo_lines", "HLO lines", "{:,}"),
-           ("triton_calls", "Triton calls", "{}")]
+           ("triton_calls", "Triton calls", "{}"), ("triton_kernels", "distinct Triton kernels", "{}"),
+           ("triton_compile_s", "Triton compile s (sm_90, CPU, serial)", "{:.1f}")]
 
 
 def main(argv=None) -> int:
@@ -224,10 +302,15 @@ def main(argv=None) -> int:
   p.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                  help="an XLA option for the step's compilation (repeatable), e.g. "
                  "xla_gpu_autotune_level=0 or xla_gpu_enable_triton_gemm=false")
+  p.add_argument("--triton-compile", action="store_true",
+                 help="with --lower-for=cuda: compile each distinct Triton kernel of the step for sm_90 "
+                 "with the triton package (CPU) and print its compile time")
   p.add_argument("--compile-profile", type=int, default=0, metavar="N",
                  help="profile XLA's compilation of each step and print its N longest compiler events "
                  "(the XLA compile time then includes the profiler's overhead)")
   args = p.parse_args(argv)
+  if args.triton_compile and not args.lower_for:
+    p.error("--triton-compile needs --lower-for=cuda (it compiles the kernels of the lowered step)")
   try:
     args.compiler_options = dict(_compiler_option(o) for o in args.compiler_option)
   except ValueError as e:
@@ -260,8 +343,16 @@ def main(argv=None) -> int:
       print(f"{name}: FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
       row = {"ok": False}
     events = row.pop("compile_events", None)
+    kernels = row.pop("kernel_compiles", None)
     rows.append((name, row))
     print(json.dumps({"run": name, **row}), flush=True)
+    if kernels:
+      print(f"\n{name}: Triton kernels compiled for sm_90 on the CPU, longest first\n\n"
+            "| kernel | warps | stages | custom calls | Triton IR ops | compile s |\n|---|---:|---:|---:|---:|---:|")
+      for k in sorted(kernels, key=lambda k: -k["compile_s"]):
+        print(f"| {k['name']} | {k['num_warps']} | {k['num_stages']} | {k['calls']} | {k['ops']:,} | "
+              f"{k['compile_s']:.2f} |")
+      print(flush=True)
     if events:
       print(f"\n{name}: XLA compile events, inclusive ms (summed over occurrences)\n\n| event | ms | count |"
             "\n|---|---:|---:|")

@@ -1,4 +1,7 @@
-"""The profile's op classes: every kernel family of a step lands in its own row."""
+"""Helpers of the benchmark scripts: the profile's op classes, compile_time's compiler events and Triton
+compile times, train_step's recipe specs."""
+
+import json
 
 import pytest
 
@@ -54,3 +57,32 @@ def test_train_step_recipe_specs():
     recipe_of("fp4_linear:no_such_field=1")
   with pytest.raises(ValueError, match="linear_rounding_bits"):
     recipe_of("fp4_linear:linear_rounding_bits=philox")
+
+
+def test_triton_compile_of_a_lowered_step(tmp_path):
+  """`compile_time --lower-for=cuda --triton-compile`: the Triton kernels come out of the lowered step
+  (one per distinct IR and launch setting) and compile for sm_90 on the CPU with the triton package.
+  In a fresh process: Triton's interpreter (another test module sets TRITON_INTERPRET) cannot compile."""
+  import os
+  import subprocess
+  import sys
+
+  pytest.importorskip("triton")
+  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+  env["PYTHONPATH"] = os.pathsep.join(sys.path)
+  r = subprocess.run([sys.executable, "-m", "benchmarks.compile_time", "--lower-for=cuda", "--triton-compile",
+                      "--runs=tiny:fp4_linear:pallas"], env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  row = next(json.loads(line) for line in r.stdout.splitlines() if line.startswith("{"))
+  assert row["ok"] and 0 < row["triton_kernels"] <= row["triton_calls"], row
+  assert row["triton_compile_s"] > 0
+  table = [line for line in r.stdout.splitlines() if line.startswith("| nvfp4_")]
+  assert len(table) == row["triton_kernels"]
+  assert {line.split("|")[1].strip() for line in table} >= {"nvfp4_amax", "nvfp4_quantize_pairs"}
+
+
+def test_triton_compile_needs_lower_for():
+  from benchmarks.compile_time import main
+
+  with pytest.raises(SystemExit):
+    main(["--triton-compile", "--runs=tiny:fp4_linear"])
