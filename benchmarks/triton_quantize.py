@@ -47,6 +47,7 @@ import numpy as np
 from jax import lax
 
 from fp4jax import nvfp4
+from fp4jax.kernels import nvfp4_quantize
 
 BLOCK = nvfp4.BLOCK
 EXTRA = "triton"  # the optional-dependency extra that installs jax-triton
@@ -75,11 +76,7 @@ class BlockSizes:
   amax_num_warps: int = 8
 
   def __post_init__(self):
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      lo = BLOCK if f.name in ("block_k", "amax_elements") else 1
-      if not isinstance(v, int) or v < lo or v & (v - 1):
-        raise ValueError(f"BlockSizes.{f.name} must be a power of two >= {lo}, got {v!r}")
+    nvfp4_quantize.check_powers_of_two(self, lambda name: BLOCK if name in ("block_k", "amax_elements") else 1)
 
 
 def _next_pow2(n: int) -> int:

@@ -77,11 +77,16 @@ class BlockSizes:
   amax_num_warps: int = 8
 
   def __post_init__(self):
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      lo = 1 if "warps" in f.name else BLOCK
-      if not isinstance(v, int) or v < lo or v & (v - 1):
-        raise ValueError(f"BlockSizes.{f.name} must be a power of two >= {lo}, got {v!r}")
+    check_powers_of_two(self, lambda name: 1 if "warps" in name else BLOCK)
+
+
+def check_powers_of_two(settings, minimum) -> None:
+  """ValueError unless every field of the dataclass ``settings`` is a power of two of at least
+  ``minimum(field_name)`` (launch settings: elements per program, warps)."""
+  for f in dataclasses.fields(settings):
+    v, lo = getattr(settings, f.name), minimum(f.name)
+    if not isinstance(v, int) or v < lo or v & (v - 1):
+      raise ValueError(f"{type(settings).__name__}.{f.name} must be a power of two >= {lo}, got {v!r}")
 
 
 # ----------------------------------------------------------------------------------------------
