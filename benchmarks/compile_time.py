@@ -167,6 +167,16 @@ def run_on_device(size, recipe_name, args) -> dict:
 
 def lower_for(platform, size, recipe_name, args) -> dict:
   """Trace and lower the step for ``platform`` (an abstract H200 mesh), from an abstract state."""
+  lowered, row = lower_step(platform, size, recipe_name, args)
+  if getattr(args, "triton_compile", False):
+    kernels = compile_triton(triton_kernels(lowered))
+    row.update(triton_kernels=len(kernels), triton_compile_s=sum(k["compile_s"] for k in kernels),
+               kernel_compiles=kernels)
+  return row
+
+
+def lower_step(platform, size, recipe_name, args):
+  """``(lowered step, row of phase times and program sizes)`` of ``lower_for``."""
   if platform != "cuda":
     raise ValueError(f"--lower-for: only 'cuda' (an H200) is known, got {platform!r}")
   cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan)
@@ -181,17 +191,12 @@ def lower_for(platform, size, recipe_name, args) -> dict:
     traced, t_trace = _timed(lambda: step.trace(state, {"inputs": tokens, "targets": tokens}))
     lowered, t_lower = _timed(lambda: traced.lower(lowering_platforms=(platform,)))
   text = lowered.as_text()
-  row = dict(init_s=t_init, trace_s=t_trace, lower_s=t_lower, stablehlo_lines=_lines(text),
-             triton_calls=text.count("__gpu$xla.gpu.triton"), ok=True)
-  if getattr(args, "triton_compile", False):
-    kernels = compile_triton(triton_kernels(lowered))
-    row.update(triton_kernels=len(kernels), triton_compile_s=sum(k["compile_s"] for k in kernels),
-               kernel_compiles=kernels)
-  return row
+  return lowered, dict(init_s=t_init, trace_s=t_trace, lower_s=t_lower, stablehlo_lines=_lines(text),
+                      triton_calls=text.count("__gpu$xla.gpu.triton"), ok=True)
 
 
 def triton_kernels(lowered) -> list[dict]:
-  """The Triton kernels of a lowered program: one dict per distinct (IR, warps, stages) of its
+  """The Triton kernels of a lowered program: one dict per distinct (IR text, warps, stages) of its
   ``__gpu$xla.gpu.triton`` custom calls, with ``name``, ``num_warps``, ``num_stages``, ``calls`` (how
   many custom calls share it), ``ir`` (the Triton IR as text) and ``ops`` (its operations)."""
   from jax._src.interpreters import mlir as jax_mlir
@@ -209,18 +214,19 @@ def triton_kernels(lowered) -> list[dict]:
 
   with lowered.compiler_ir("stablehlo").context:
     lowered.compiler_ir("stablehlo").operation.walk(visit)
-    calls = collections.Counter(
-        (ir.StringAttr(c["name"]).value, ir.StringAttr(c["ir"]).value_bytes,
-         ir.IntegerAttr(c["num_warps"]).value, ir.IntegerAttr(c["num_stages"]).value) for c in configs)
+    calls = [(ir.StringAttr(c["name"]).value, ir.StringAttr(c["ir"]).value_bytes,
+              ir.IntegerAttr(c["num_warps"]).value, ir.IntegerAttr(c["num_stages"]).value) for c in configs]
   ctx = jax_mlir.make_ir_context()
   tt_dialect.register_dialect(ctx)
-  kernels = []
+  kernels = {}  # by (IR text without source locations, warps, stages): the bytecode's locations differ
   with ctx:
-    for (name, bytecode, warps, stages), n in calls.items():
+    for name, bytecode, warps, stages in calls:
       text = str(ir.Module.parse(bytecode))
-      kernels.append(dict(name=name, num_warps=warps, num_stages=stages, calls=n, ir=text,
-                          ops=sum(1 for line in text.splitlines() if " = " in line)))
-  return kernels
+      k = kernels.setdefault((text, warps, stages), dict(
+          name=name, num_warps=warps, num_stages=stages, calls=0, ir=text,
+          ops=sum(1 for line in text.splitlines() if " = " in line)))
+      k["calls"] += 1
+  return list(kernels.values())
 
 
 def compile_triton(kernels: list[dict], capability: int = 90) -> list[dict]:

@@ -1,7 +1,6 @@
 """Helpers of the benchmark scripts: the profile's op classes, compile_time's compiler events and Triton
 compile times, train_step's recipe specs."""
 
-import json
 
 import pytest
 
@@ -59,26 +58,49 @@ def test_train_step_recipe_specs():
     recipe_of("fp4_linear:linear_rounding_bits=philox")
 
 
-def test_triton_compile_of_a_lowered_step(tmp_path):
-  """`compile_time --lower-for=cuda --triton-compile`: the Triton kernels come out of the lowered step
-  (one per distinct IR and launch setting) and compile for sm_90 on the CPU with the triton package.
-  In a fresh process: Triton's interpreter (another test module sets TRITON_INTERPRET) cannot compile."""
+def test_triton_kernels_of_a_lowered_step():
+  """`compile_time --lower-for=cuda --triton-compile`, first half: the Triton kernels come out of the
+  step lowered for an H200, one per distinct IR and launch setting."""
+  import argparse
+
+  from benchmarks.compile_time import lower_step, matmul_implementation, triton_kernels
+
+  with matmul_implementation("pallas"):
+    lowered, row = lower_step("cuda", "tiny", "fp4_linear", argparse.Namespace(scan=False, batch=2, seq=32))
+  kernels = triton_kernels(lowered)
+  assert 0 < len(kernels) <= row["triton_calls"] == sum(k["calls"] for k in kernels)
+  assert {k["name"] for k in kernels} >= {"nvfp4_amax", "nvfp4_quantize_pairs", "nvfp4_quantize_slabs"}
+  for k in kernels:
+    assert "tt.func" in k["ir"] and k["ops"] > 0 and k["num_warps"] in (4, 8)
+  assert len({(k["ir"], k["num_warps"], k["num_stages"]) for k in kernels}) == len(kernels)
+
+
+def test_triton_compile_of_kernels():
+  """Second half: each kernel compiles for sm_90 with the triton package on the CPU (in a fresh
+  process: another test module sets TRITON_INTERPRET, and Triton's interpreter cannot compile)."""
   import os
   import subprocess
   import sys
+  import textwrap
 
   pytest.importorskip("triton")
+  code = textwrap.dedent("""
+      import functools, jax, jax.numpy as jnp
+      from benchmarks.compile_time import H200, compile_triton, triton_kernels
+      from fp4jax.kernels import nvfp4_quantize
+      mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+      f = jax.jit(functools.partial(nvfp4_quantize.quantize, decoded=True))
+      with jax.sharding.use_abstract_mesh(mesh):
+        lowered = f.trace(jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+      kernels = compile_triton(triton_kernels(lowered))
+      assert [k["name"] for k in kernels] == ["nvfp4_amax", "nvfp4_quantize_pairs"], kernels
+      assert all(k["compile_s"] > 0 for k in kernels)
+      print("ok")
+  """)
   env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
   env["PYTHONPATH"] = os.pathsep.join(sys.path)
-  r = subprocess.run([sys.executable, "-m", "benchmarks.compile_time", "--lower-for=cuda", "--triton-compile",
-                      "--runs=tiny:fp4_linear:pallas"], env=env, capture_output=True, text=True, timeout=600)
-  assert r.returncode == 0, r.stderr[-3000:]
-  row = next(json.loads(line) for line in r.stdout.splitlines() if line.startswith("{"))
-  assert row["ok"] and 0 < row["triton_kernels"] <= row["triton_calls"], row
-  assert row["triton_compile_s"] > 0
-  table = [line for line in r.stdout.splitlines() if line.startswith("| nvfp4_")]
-  assert len(table) == row["triton_kernels"]
-  assert {line.split("|")[1].strip() for line in table} >= {"nvfp4_amax", "nvfp4_quantize_pairs"}
+  r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 def test_triton_compile_needs_lower_for():
