@@ -49,6 +49,7 @@ import os
 import statistics
 import tempfile
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,7 @@ import numpy as np
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.timing import assignment
 from fp4jax import sharding as shd
 from fp4jax.model import ModelConfig
 from fp4jax.ops.matmul import IMPLEMENTATIONS, MatmulConfig
@@ -212,8 +214,9 @@ def triton_kernels(lowered) -> list[dict]:
       configs.append(op.attributes["mhlo.backend_config"])
     return ir.WalkResult.ADVANCE
 
-  with lowered.compiler_ir("stablehlo").context:
-    lowered.compiler_ir("stablehlo").operation.walk(visit)
+  module = lowered.compiler_ir("stablehlo")
+  with module.context:
+    module.operation.walk(visit)
     calls = [(ir.StringAttr(c["name"]).value, ir.StringAttr(c["ir"]).value_bytes,
               ir.IntegerAttr(c["num_warps"]).value, ir.IntegerAttr(c["num_stages"]).value) for c in configs]
   ctx = jax_mlir.make_ir_context()
@@ -238,39 +241,16 @@ def compile_triton(kernels: list[dict], capability: int = 90) -> list[dict]:
   from triton.backends.compiler import GPUTarget
 
   target = GPUTarget("cuda", capability, 32)
-  with tempfile.TemporaryDirectory() as d:
-    old = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TRITON_ALWAYS_COMPILE")}
-    os.environ.update(TRITON_CACHE_DIR=d, TRITON_ALWAYS_COMPILE="1")
-    try:
-      for k in kernels:
-        path = os.path.join(d, f"{k['name']}_{len(os.listdir(d))}.ttir")
-        with open(path, "w") as f:
-          f.write(k["ir"])
-        t0 = time.perf_counter()
-        triton.compile(path, target=target, options=dict(num_warps=k["num_warps"], num_stages=k["num_stages"]))
-        k["compile_s"] = time.perf_counter() - t0
-    finally:
-      for key, value in old.items():
-        if value is None:
-          os.environ.pop(key, None)
-        else:
-          os.environ[key] = value
+  with tempfile.TemporaryDirectory() as d, mock.patch.dict(os.environ, TRITON_CACHE_DIR=d,
+                                                              TRITON_ALWAYS_COMPILE="1"):
+    for i, k in enumerate(kernels):
+      path = os.path.join(d, f"{k['name']}_{i}.ttir")
+      with open(path, "w") as f:
+        f.write(k["ir"])
+      t0 = time.perf_counter()
+      triton.compile(path, target=target, options=dict(num_warps=k["num_warps"], num_stages=k["num_stages"]))
+      k["compile_s"] = time.perf_counter() - t0
   return kernels
-
-
-def _compiler_option(text: str) -> tuple[str, object]:
-  """``NAME=VALUE`` -> (NAME, VALUE as a bool, int or float where it reads as one)."""
-  name, eq, value = text.partition("=")
-  if not eq or not name:
-    raise ValueError(f"--compiler-option: {text!r} is not NAME=VALUE")
-  if value.lower() in ("true", "false"):
-    return name, value.lower() == "true"
-  for cast in (int, float):
-    try:
-      return name, cast(value)
-    except ValueError:
-      pass
-  return name, value
 
 
 def _parse(spec: str, default_impl: str):
@@ -318,7 +298,7 @@ def main(argv=None) -> int:
   if args.triton_compile and not args.lower_for:
     p.error("--triton-compile needs --lower-for=cuda (it compiles the kernels of the lowered step)")
   try:
-    args.compiler_options = dict(_compiler_option(o) for o in args.compiler_option)
+    args.compiler_options = dict(assignment(o, "--compiler-option") for o in args.compiler_option)
   except ValueError as e:
     p.error(str(e))
   args.batch = args.batch or (2 if args.tiny else 16)

@@ -1,4 +1,4 @@
-"""Shared timing helper for the benchmark scripts (never used by tests)."""
+"""Helpers shared by the benchmark scripts: timing, the environment line, ``NAME=VALUE`` arguments."""
 
 import statistics
 import time
@@ -21,3 +21,19 @@ def median_seconds(fn, *args, iters=20, warmup=3):
 def environment_line():
   dev = jax.devices()[0]
   return f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}"
+
+
+def assignment(text: str, what: str, form: str = "NAME=VALUE") -> tuple[str, object]:
+  """``NAME=VALUE`` -> (NAME, VALUE as a bool, int or float where it reads as one, else the string);
+  otherwise a ValueError naming ``what`` and the expected ``form``."""
+  name, eq, value = text.partition("=")
+  if not eq or not name:
+    raise ValueError(f"{what}: {text!r} is not {form}")
+  if value.lower() in ("true", "false"):
+    return name, value.lower() == "true"
+  for cast in (int, float):
+    try:
+      return name, cast(value)
+    except ValueError:
+      pass
+  return name, value

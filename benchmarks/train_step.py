@@ -30,6 +30,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks.timing import assignment
 from fp4jax import data as data_lib
 from fp4jax import sharding as shd
 from fp4jax.loss import rows_impl
@@ -69,20 +70,7 @@ def recipe_of(spec: str):
   """``PRESET[:FIELD=VALUE...]`` -> the ``Recipe`` (values read as bool, int or float where they
   read as one, else str)."""
   name, *pairs = spec.split(":")
-  overrides = {}
-  for pair in pairs:
-    field, eq, value = pair.partition("=")
-    if not eq or not field:
-      raise ValueError(f"recipe {spec!r}: {pair!r} is not FIELD=VALUE")
-    if value.lower() in ("true", "false"):
-      overrides[field] = value.lower() == "true"
-      continue
-    for cast in (int, float, str):
-      try:
-        overrides[field] = cast(value)
-        break
-      except ValueError:
-        pass
+  overrides = dict(assignment(pair, f"recipe {spec!r}", "FIELD=VALUE") for pair in pairs)
   try:
     return get_recipe(name, **overrides)
   except TypeError as e:  # an unknown field

@@ -577,7 +577,7 @@ def _check(x, block, axis, rounding, key, bit_source, hadamard_key):
       raise ValueError("rounding='stochastic' needs a `key` (a jax.random key)")
     if x.size >= 2**32:
       raise ValueError(f"stochastic rounding counts elements in uint32: {x.size} elements is too many")
-    if bit_source == "random" and not _threefry_key(key):
+    if bit_source == "random" and not threefry_key(key):
       raise ValueError(
           "bit_source='random' reproduces jax.random.bits of threefry2x32 keys with "
           "jax_threefry_partitionable (JAX's defaults); got a key of "
@@ -589,7 +589,9 @@ def _check(x, block, axis, rounding, key, bit_source, hadamard_key):
   return block, axis
 
 
-def _threefry_key(key) -> bool:
+def threefry_key(key) -> bool:
+  """Whether the kernels reproduce ``jax.random.bits(key, ...)`` (``bit_source="random"``): a
+  threefry2x32 key with ``jax_threefry_partitionable`` on (JAX's defaults)."""
   return str(jax.random.key_impl(key)) == "threefry2x32" and jax.config.jax_threefry_partitionable
 
 

@@ -39,6 +39,21 @@ def pytest_collection_modifyitems(config, items):
     if "gpu" in item.keywords:
       item.add_marker(skip)
 
+def run_with_triton_compiler(code: str, timeout: float = 300) -> None:
+  """Runs Python ``code`` in a fresh process with this one's import path and without
+  ``TRITON_INTERPRET`` (a test module sets it for Triton's interpreter, whose process cannot compile
+  for a GPU); fails the test unless the process exits 0 and prints ``ok`` last."""
+  import subprocess
+  import sys
+  import textwrap
+
+  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+  env["PYTHONPATH"] = os.pathsep.join(sys.path)
+  r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                     timeout=timeout)
+  assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 # An abstract H200 for CUDA lowering checks on the CPU: trace under
 # ``jax.sharding.use_abstract_mesh(H200)`` and lower with ``lowering_platforms=("cuda",)``.
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(

@@ -3,6 +3,7 @@ compile times, train_step's recipe specs."""
 
 
 import pytest
+from conftest import run_with_triton_compiler
 
 from benchmarks.profile_step import kind_of
 
@@ -78,13 +79,8 @@ def test_triton_kernels_of_a_lowered_step():
 def test_triton_compile_of_kernels():
   """Second half: each kernel compiles for sm_90 with the triton package on the CPU (in a fresh
   process: another test module sets TRITON_INTERPRET, and Triton's interpreter cannot compile)."""
-  import os
-  import subprocess
-  import sys
-  import textwrap
-
   pytest.importorskip("triton")
-  code = textwrap.dedent("""
+  run_with_triton_compiler("""
       import functools, jax, jax.numpy as jnp
       from benchmarks.compile_time import H200, compile_triton, triton_kernels
       from fp4jax.kernels import nvfp4_quantize
@@ -97,10 +93,6 @@ def test_triton_compile_of_kernels():
       assert all(k["compile_s"] > 0 for k in kernels)
       print("ok")
   """)
-  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-  env["PYTHONPATH"] = os.pathsep.join(sys.path)
-  r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-  assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 def test_triton_compile_needs_lower_for():

@@ -10,9 +10,7 @@ in a GPU test run).
 """
 
 import os
-import subprocess
 import sys
-import textwrap
 
 # Not in a GPU test run (FP4JAX_GPU_TESTS=1), whose Triton kernels must compile in the same process.
 if "triton" not in sys.modules and os.environ.get("FP4JAX_GPU_TESTS") != "1":
@@ -25,6 +23,7 @@ import pytest  # noqa: E402
 
 from fp4jax import nvfp4  # noqa: E402
 from benchmarks import triton_quantize as kt  # noqa: E402
+from conftest import run_with_triton_compiler  # noqa: E402
 
 # Several programs per axis with ragged edges (40 = 2.5 x 16 rows, 96 = 1.5 x 64 columns; 3840 elements
 # = 3.75 amax programs), and one tile per program with no masks.
@@ -111,7 +110,7 @@ def test_interpret_without_decoded():
 def test_compiles_for_sm90():
   """Both kernels compile for sm_90 (in a fresh process: the interpreter's process cannot compile)."""
   pytest.importorskip("triton")
-  code = textwrap.dedent("""
+  run_with_triton_compiler("""
       import re
       from benchmarks import triton_quantize as kt
       for dec in (False, True):
@@ -122,10 +121,6 @@ def test_compiles_for_sm90():
         assert not re.search(r"cvt[.\\w]*(e4m3|e2m1)", ptx), "fp8/fp4 conversion"
       print("ok")
   """)
-  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-  env["PYTHONPATH"] = os.pathsep.join(sys.path)
-  r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-  assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 def test_gpu_path_without_jax_triton_names_the_extra(monkeypatch):

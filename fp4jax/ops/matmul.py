@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import _platform, numerics, nvfp4
+from fp4jax import _platform, nvfp4
 from fp4jax.kernels import nvfp4_quantize
 
 _F32 = jnp.float32
@@ -90,7 +90,7 @@ class MatmulConfig:
       the default) or ``"counter"`` (``numerics.counter_bits``: one keyed integer hash per pair of
       elements, 8 bits per element, so each rounding probability is a multiple of 1/256, as on
       Blackwell's stochastic-rounding conversions). ``"counter"`` is a different random stream, not
-      the same bits, and costs the kernels about a third of the instructions of threefry.
+      the same bits, and cheaper in the quantizer kernels (no threefry rounds).
   """
 
   fwd: bool = True
@@ -174,9 +174,8 @@ def _keys(key, config: MatmulConfig) -> dict:
 def _q(x, rounding, key, config, **kw):
   if rounding != "stochastic":
     return nvfp4.quantize(x, rounding=rounding, **kw)
-  if config.rounding_bits == "counter":
-    return nvfp4.quantize(x, rounding=rounding, bits=numerics.counter_bits(key, x.shape), **kw)
-  return nvfp4.quantize(x, rounding=rounding, key=key, **kw)
+  bits = nvfp4_quantize.stochastic_bits(key, x.shape, config.rounding_bits)  # the kernels' bits
+  return nvfp4.quantize(x, rounding=rounding, bits=bits, **kw)
 
 
 def quantize_x(x_MxK, keys, config):
@@ -366,8 +365,8 @@ def _resolve(config: MatmulConfig, sizes, key) -> MatmulConfig:
     return config
   too_large = max(sizes) > _KERNEL_MAX_ELEMENTS
   # The kernels reproduce jax.random.bits of threefry2x32 keys (JAX's default) only.
-  other_key = config.needs_key and config.rounding_bits == "random" and not (str(jax.random.key_impl(key)) == "threefry2x32"
-                                        and jax.config.jax_threefry_partitionable)
+  other_key = (config.needs_key and config.rounding_bits == "random"
+               and not nvfp4_quantize.threefry_key(key))
   if impl == "auto":
     impl = "xla" if too_large or other_key else _platform.resolve(impl, "pallas", "xla",
                                                                    whole_arrays=True)
