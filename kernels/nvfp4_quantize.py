@@ -21,9 +21,11 @@ with masked edges):
 - ``(1, 16)`` along another axis ``a`` (the wgrad's token axis): ``x`` as ``(P·G, 16, Q)`` (``G`` blocks
   along ``a``, ``Q`` the elements after it); a program loads the 16 rows of its blocks as 16
   separate ``(rows, columns)`` slabs, contiguous along ``Q``, so the block reductions and the
-  Hadamard butterfly are elementwise between slabs.
+  Hadamard butterfly are elementwise between slabs; the slabs are then stacked into one
+  ``(rows, columns, 16)`` array, on which the rounding bits, codes, packing and decoded operand are
+  one operation each, and split again for the stores.
 - ``(1, 16)`` along the last axis with the Hadamard transform: ``x`` as ``(R, C, 16)``, read as 16
-  strided slabs.
+  strided slabs and stacked in the same way (its codes and decoded operand are stored whole).
 
 The ``amax`` kernel reads the flattened tensor, or, with the Hadamard transform, the quantizer's
 layout through the transform.
@@ -412,6 +414,18 @@ def _stack_last(vs):
   return jnp.stack([even, odd], axis=-1).reshape(*even.shape[:-1], len(vs))
 
 
+def _unstack_last(v):
+  """The arrays ``v[..., i]`` of a power-of-two last axis (at least 2), from two-way splits (the
+  inverse of ``_stack_last``): the evens and the odds split, each in the same way."""
+  n = v.shape[-1]
+  if n == 2:
+    return list(jnp.unstack(v, axis=-1))
+  even, odd = jnp.unstack(v.reshape(*v.shape[:-1], n // 2, 2), axis=-1)
+  out = [None] * n
+  out[0::2], out[1::2] = _unstack_last(even), _unstack_last(odd)
+  return out
+
+
 def _slab_tile(x_ref, mid):
   shape = x_ref.shape
   return (shape[0], shape[2]) if mid else (shape[0], shape[1])
@@ -435,33 +449,41 @@ def _slab_quantize_kernel(i_ref, s_ref, x_ref, codes_ref, scales_ref, g_ref, *de
   consts = _tensor_scales(i_ref, interpret)
   _store_global_scale(g_ref, consts[1], pid_a, pid_b)
   dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
-  bits = [None] * BLOCK
+  # The 16 slabs stacked into one (BA, BB, 16) array, element i of each block at index i of the
+  # last axis: the rounding bits, codes, packing and decoded operand are then one array operation
+  # each instead of 16 (a sixteenth of the kernel's IR, which is what Triton's compile time scales
+  # with: one threefry instead of 16).
+  x = _stack_last(xs)
+  bits = None
   if rounding == "stochastic":
-    # Flat index of element i of each block: (a * 16 + i) * B + b ("mid") or (a * B + b) * 16 + i.
-    base = _iota_index(tile, (pid_a * tile[0], pid_b * tile[1]),
-                       (BLOCK * n_b, 1) if mid else (BLOCK * n_b, BLOCK))
-    if mid:
-      bits = [_element_bits(base + jnp.uint32(i * n_b), i_ref, bit_source) for i in range(BLOCK)]
-    else:  # elements 2p and 2p + 1 of a block are neighbours: one counter hash per pair
-      bits = [b for p in range(BLOCK // 2) for b in _pair_bits(base + jnp.uint32(2 * p), i_ref, bit_source)]
-  codes = [_e2m1_codes(x, escale, rounding, b) for x, b in zip(xs, bits)]
-  packed = lambda p: jnp.where(  # noqa: E731
-      zero_block, 0, codes[2 * p] | (codes[2 * p + 1] << 4)).astype(jnp.uint8)
-  if mid:
-    for p in range(BLOCK // 2):
-      _store(_slab_ref(codes_ref, p, mid), packed(p), ok)
+    starts = (pid_a * tile[0], pid_b * tile[1], 0)
+    if mid:  # element i of a block at (a * 16 + i) * B + b
+      bits = _element_bits(_iota_index((*tile, BLOCK), starts, (BLOCK * n_b, 1, n_b)), i_ref,
+                           bit_source)
+    elif bit_source == "counter":  # at (a * B + b) * 16 + i: one counter hash per pair 2p, 2p + 1
+      idx = _iota_index((*tile, BLOCK // 2), starts, (BLOCK * n_b, BLOCK, 2))
+      bits = jnp.stack(_pair_bits(idx, i_ref, bit_source), axis=-1).reshape(x.shape)
+    else:
+      bits = _element_bits(_iota_index((*tile, BLOCK), starts, (BLOCK * n_b, BLOCK, 1)), i_ref,
+                           bit_source)
+  codes = _e2m1_codes(x, escale[..., None], rounding, bits)
+  zero = zero_block[..., None]
+  lo, hi = jnp.unstack(codes.reshape(*tile, BLOCK // 2, 2), axis=-1)
+  packed = jnp.where(zero, 0, lo | (hi << 4)).astype(jnp.uint8)  # (BA, BB, 8): a block's bytes
+  ok3 = None if ok is None else ok[:, :, None]
+  if mid:  # byte p of each block is slab p of the codes
+    for p, v in enumerate(_unstack_last(packed)):
+      _store(_slab_ref(codes_ref, p, mid), v, ok)
   else:  # a block's 8 bytes are contiguous: one (BA, BB, 8) store
-    _store(codes_ref, _stack_last([packed(p) for p in range(BLOCK // 2)]),
-           None if ok is None else ok[:, :, None])
+    _store(codes_ref, packed, ok3)
   _store(scales_ref, dcode, ok)
   if dec_ref:
-    dec = lambda c: (numerics.decode_e2m1(jnp.where(zero_block, 0, c)) * dscale).astype(  # noqa: E731
-        dec_ref[0].dtype)
+    dec = (numerics.decode_e2m1(jnp.where(zero, 0, codes)) * dscale[..., None]).astype(dec_ref[0].dtype)
     if mid:
-      for i, c in enumerate(codes):
-        _store(_slab_ref(dec_ref[0], i, mid), dec(c), ok)
+      for i, v in enumerate(_unstack_last(dec)):
+        _store(_slab_ref(dec_ref[0], i, mid), v, ok)
     else:  # a block's 16 elements are contiguous: one (BA, BB, 16) store
-      _store(dec_ref[0], _stack_last([dec(c) for c in codes]), None if ok is None else ok[:, :, None])
+      _store(dec_ref[0], dec, ok3)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -53,6 +53,10 @@ CASES = [
     ("axis0 hadamard stochastic", (48, 40), jnp.bfloat16,
      dict(axis=0, hadamard_key=HKEY, rounding="stochastic", key=KEY), SMALL),
     ("last hadamard nearest", (20, 48), jnp.float32, dict(hadamard_key=HKEY), None),
+    ("last hadamard stochastic", (20, 48), jnp.bfloat16,
+     dict(hadamard_key=HKEY, rounding="stochastic", key=KEY), SMALL),
+    ("last hadamard counter", (24, 80), jnp.float32,
+     dict(hadamard_key=HKEY, rounding="stochastic", key=KEY, bit_source="counter"), SMALL),
 ]
 
 

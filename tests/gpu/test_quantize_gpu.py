@@ -30,6 +30,9 @@ VARIANTS = {
     "axis0 hadamard counter": dict(axis=0, hadamard_key=HKEY, rounding="stochastic", key=KEY,
                                    bit_source="counter"),
     "last hadamard nearest": dict(hadamard_key=HKEY),
+    "last hadamard stochastic": dict(hadamard_key=HKEY, rounding="stochastic", key=KEY),
+    "last hadamard counter": dict(hadamard_key=HKEY, rounding="stochastic", key=KEY,
+                                  bit_source="counter"),
     # The first pass as an XLA reduction (amax="xla"), plain and through the Hadamard transform.
     "1x16 nearest, XLA amax": dict(amax="xla"),
     "axis0 hadamard stochastic, XLA amax": dict(axis=0, hadamard_key=HKEY, rounding="stochastic", key=KEY,
