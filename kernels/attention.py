@@ -729,7 +729,8 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
     dq_accumulation: ``"recompute"`` (default) or ``"atomic"``, see above.
     block_q, block_k: tile rows and keys, powers of two (default ``ds_tile``); with NVFP4 dS,
       multiples of ``ds_tile``.
-    num_warps, num_stages: Triton launch settings (default 4 warps for D <= 64, else 8; 2 stages).
+    num_warps, num_stages: Triton launch settings (default 4 warps, or 8 for ``"atomic"`` above
+      D 64; 2 stages).
     interpret: run in Pallas interpret mode (CPU; the programs run one after another, so the atomic
       adds of ``"atomic"`` are plain adds in a fixed order there).
 
@@ -780,13 +781,16 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
                       p_key if p_rounding == "stochastic" else None)
   common = dict(sm_scale=float(sm_scale), causal=causal, n_heads=h, n_rows=t, n_keys=s, pad=pad,
                 ds=ds, division="backend" if interpret else "ptx")
-  params = _params(num_warps or (4 if d <= 64 else 8), num_stages or 2)
+  atomic = dq_accumulation == "atomic"
+  # The recompute path's two kernels keep their 64x64 tiles in registers best with 4 warps at any
+  # D up to 128 (H200 launch sweep, ``benchmarks.attention --sweep``); the atomic kernel, which
+  # also holds a dQ tile per program, keeps 8 above D 64.
+  params = _params(num_warps or (8 if atomic and d > 64 else 4), num_stages or 2)
   w_spec = pl.BlockSpec((4,), lambda *_: (0,))
 
   all_rows = pl.BlockSpec((None, t_pad, h, d), lambda i, j, kj: (i, 0, 0, 0))
   kv_block = pl.BlockSpec((None, bk, None, d), lambda i, j, kj: (i, kj, j, 0))
   rows_all_heads = pl.BlockSpec((None, h, t_pad), lambda i, j, kj: (i, 0, 0))
-  atomic = dq_accumulation == "atomic"
   inputs = [words, q, k, v, do, lse, delta]
   in_specs = [w_spec, all_rows, kv_block, kv_block, all_rows, rows_all_heads, rows_all_heads]
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
