@@ -5,6 +5,7 @@ imports) against the jitted nvfp4.quantize and a device copy, in the same run.
   python -m benchmarks.quantize                 # GPU: 16384x16384 bf16
   python -m benchmarks.quantize --sweep         # also the kernels' tilings (SWEEP x SWEEP_ROWS)
   python -m benchmarks.quantize --small         # CPU smoke run (256x256, kernels in interpret mode)
+  python -m benchmarks.quantize --shape=65536,768   # another (M, K) bf16 tensor: a model's activation
 
 Each kernel row's last column counts the elements of its output (codes, scale bytes, global scale and
 the decoded operand where it writes one) whose bits differ from nvfp4.quantize of the same tensor
@@ -37,8 +38,10 @@ def _copy_kernel(x_ref, o_ref):
 
 
 def pallas_copy(x, *, interpret=False, bm=64, bn=1024):
+  """A bf16 copy in (bm, bn) tiles, each the largest power of two up to ``bm``/``bn`` that divides
+  its axis."""
   m, n = x.shape
-  bm, bn = min(bm, m), min(bn, n)
+  bm, bn = min(bm, m & -m), min(bn, n & -n)
   spec = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
   return pl.pallas_call(_copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                         grid=(m // bm, n // bn), in_specs=[spec], out_specs=spec,
@@ -125,33 +128,47 @@ def _kernel_fn(kw, interpret, block_sizes=kq.BlockSizes()):
   return jax.jit(f)
 
 
-def main():
+def shape_arg(text: str) -> tuple[int, int]:
+  """``"M,K"`` as ``(M, K)``: positive multiples of 16 (every layout of the kernels applies)."""
+  try:
+    m, k = (int(v) for v in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"--shape takes M,K (two integers), got {text!r}") from None
+  if m <= 0 or k <= 0 or m % 16 or k % 16:
+    raise argparse.ArgumentTypeError(f"--shape: M and K must be positive multiples of 16, got {m},{k}")
+  return m, k
+
+
+def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--small", action="store_true", help="CPU smoke run: 256x256, interpret mode")
+  ap.add_argument("--shape", type=shape_arg, default=None,
+                  help="M,K of the bf16 tensor (default 16384,16384; 256,256 with --small)")
   ap.add_argument("--sweep", action="store_true", help="also time the kernels' tilings (SWEEP x SWEEP_ROWS)")
   ap.add_argument("--iters", type=int, default=None)
-  args = ap.parse_args()
-  n = 256 if args.small else 16384
+  args = ap.parse_args(argv)
+  m, k = args.shape or ((256, 256) if args.small else (16384, 16384))
+  size = m * k
   iters = args.iters or (2 if args.small else 30)
   key, hkey = jax.random.key(0), jax.random.key(1)
-  x = jax.random.normal(key, (n, n), jnp.float32).astype(jnp.bfloat16)
+  x = jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16)
   x32 = x.astype(jnp.float32)
   interpret = jax.devices()[0].platform == "cpu"
   time = functools.partial(median_seconds, iters=iters, warmup=1 if args.small else 3)
 
   rows = []
   t = time(jax.jit(lambda a: a + 1.0), x32)
-  copy_f32 = 8 * n * n / t
+  copy_f32 = 8 * size / t
   rows.append(("copy: f32 elementwise (XLA)", t, copy_f32))
   pc = jax.jit(functools.partial(pallas_copy, interpret=interpret))
   t = time(pc, x)
-  copy_pl = 4 * n * n / t
+  copy_pl = 4 * size / t
   rows.append(("copy: bf16 (Pallas kernel)", t, copy_pl))
   copy_bw = max(copy_f32, copy_pl)
   t = time(jax.jit(kq.amax_bits), x)
-  rows.append(("amax alone: one XLA reduction (read only)", t, 2 * n * n / t))
+  rows.append(("amax alone: one XLA reduction (read only)", t, 2 * size / t))
 
-  q_bytes = (2 + 0.5 + 1 / 16) * n * n
+  q_bytes = (2 + 0.5 + 1 / 16) * size
   for name, fn, extra in (
       ("nvfp4.quantize 1x16 nearest", lambda a, k: nvfp4.quantize(a), 0),
       ("nvfp4.quantize 16x16 nearest", lambda a, k: nvfp4.quantize(a, block=(16, 16)), 0),
@@ -164,7 +181,7 @@ def main():
     fn = _kernel_fn(kw, interpret)
     t = time(fn, x, key, hkey)
     bad = int(_mismatches(fn(x, key, hkey), _reference_fn(kw)(x, key, hkey)))
-    rows.append((f"kernel: {name}", t, (q_bytes + (2 * n * n if kw.get("decoded") else 0)) / t, bad))
+    rows.append((f"kernel: {name}", t, (q_bytes + (2 * size if kw.get("decoded") else 0)) / t, bad))
 
   if args.sweep:
     for name, kw in SWEEP_ROWS:
@@ -177,7 +194,7 @@ def main():
         tiling = (f"q={bs.quantize_elements}/{bs.num_warps}w amax={bs.amax_elements}/"
                   f"{bs.amax_num_warps}w")
         rows.append((f"kernel sweep {name} {tiling}", t,
-                     (q_bytes + (2 * n * n if kw.get("decoded") else 0)) / t, bad))
+                     (q_bytes + (2 * size if kw.get("decoded") else 0)) / t, bad))
 
   # The native Triton kernel (jax_triton): 1x16 nearest along the last axis, on the GPU.
   triton_ok, why = kt.available()
@@ -194,10 +211,10 @@ def main():
       fn = jax.jit(functools.partial(kt.quantize, decoded=dec, block_sizes=bs))
       t = time(fn, x)
       bad = int(_mismatches(fn(x), _reference_fn({})(x, key, hkey)))
-      rows.append((f"triton: {name}", t, (q_bytes + (2 * n * n if dec else 0)) / t, bad))
+      rows.append((f"triton: {name}", t, (q_bytes + (2 * size if dec else 0)) / t, bad))
 
   print(environment_line())
-  print(f"tensor {n}x{n} bfloat16; copy bandwidth = {copy_bw / 1e9:.0f} GB/s (faster of the two copies); "
+  print(f"tensor {m}x{k} bfloat16; copy bandwidth = {copy_bw / 1e9:.0f} GB/s (faster of the two copies); "
         f"median of {iters}\n")
   print(triton_note + "\n")
   print("| op | time (ms) | GB/s | fraction of copy bandwidth | elements ≠ nvfp4.quantize |\n|---|---|---|---|---|")

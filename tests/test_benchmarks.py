@@ -100,3 +100,13 @@ def test_triton_compile_needs_lower_for():
 
   with pytest.raises(SystemExit):
     main(["--triton-compile", "--runs=tiny:fp4_linear"])
+
+
+def test_quantize_shape_argument():
+  import argparse
+
+  from benchmarks.quantize import shape_arg
+  assert shape_arg("65536,768") == (65536, 768)
+  for bad in ("768", "a,b", "48,100", "0,16"):
+    with pytest.raises(argparse.ArgumentTypeError, match="--shape"):
+      shape_arg(bad)
