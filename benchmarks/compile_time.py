@@ -33,7 +33,9 @@ default device (attention, the loss) keep the CPU's there.
 kernels out of the lowered step (the ``__gpu$xla.gpu.triton`` custom calls that Pallas emits: Triton
 IR, warps, stages), keeps one of each distinct (IR, warps, stages), as XLA compiles each such kernel
 once, and compiles each for sm_90 with the ``triton`` package on the CPU, one after another, with its
-cache off, printing the seconds of each, longest first. A proxy: XLA compiles these kernels with the
+cache off, printing the seconds of each, longest first, and the instructions of its SASS (one
+thread's program, disassembled by the package's ``nvdisasm``: the instruction budget of kernels that
+are bound by instruction issue, as the quantizers are). A proxy: XLA compiles these kernels with the
 Triton bundled in jaxlib, on the GPU machine's CPU, possibly several at a time. With
 ``MLIR_ENABLE_TIMING=1`` in the environment Triton also prints the time of each of its passes.
 """
@@ -46,6 +48,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -232,9 +235,16 @@ def triton_kernels(lowered) -> list[dict]:
   return list(kernels.values())
 
 
+def sass_instructions(sass: str) -> int:
+  """The instructions of a kernel's SASS as Triton prints it (``CompiledKernel.asm["sass"]``: one
+  line per instruction, after its control-code field ``--:-:0:-:1``): one thread's program."""
+  return sum(1 for line in sass.splitlines() if re.match(r"^[^\s:]+(:[^\s:]+){3}:\d+\t", line))
+
+
 def compile_triton(kernels: list[dict], capability: int = 90) -> list[dict]:
   """Compiles each kernel's Triton IR for ``sm_{capability}`` with the ``triton`` package (CPU only, a
-  fresh cache), adding ``compile_s`` to each; raises ImportError without ``triton``."""
+  fresh cache), adding ``compile_s`` and ``sass`` (``sass_instructions``, or None where the package's
+  ``nvdisasm`` cannot disassemble it) to each; raises ImportError without ``triton``."""
   if os.environ.get("TRITON_INTERPRET") == "1":
     raise RuntimeError("--triton-compile compiles with Triton's compiler; unset TRITON_INTERPRET")
   import triton
@@ -248,8 +258,13 @@ def compile_triton(kernels: list[dict], capability: int = 90) -> list[dict]:
       with open(path, "w") as f:
         f.write(k["ir"])
       t0 = time.perf_counter()
-      triton.compile(path, target=target, options=dict(num_warps=k["num_warps"], num_stages=k["num_stages"]))
+      compiled = triton.compile(path, target=target,
+                                options=dict(num_warps=k["num_warps"], num_stages=k["num_stages"]))
       k["compile_s"] = time.perf_counter() - t0
+      try:
+        k["sass"] = sass_instructions(compiled.asm["sass"])
+      except Exception:  # no nvdisasm: the compile time still counts
+        k["sass"] = None
   return kernels
 
 
@@ -334,10 +349,12 @@ def main(argv=None) -> int:
     print(json.dumps({"run": name, **row}), flush=True)
     if kernels:
       print(f"\n{name}: Triton kernels compiled for sm_90 on the CPU, longest first\n\n"
-            "| kernel | warps | stages | custom calls | Triton IR ops | compile s |\n|---|---:|---:|---:|---:|---:|")
+            "| kernel | warps | stages | custom calls | Triton IR ops | SASS instructions | compile s |\n"
+            "|---|---:|---:|---:|---:|---:|---:|")
       for k in sorted(kernels, key=lambda k: -k["compile_s"]):
+        sass = "—" if k["sass"] is None else f"{k['sass']:,}"
         print(f"| {k['name']} | {k['num_warps']} | {k['num_stages']} | {k['calls']} | {k['ops']:,} | "
-              f"{k['compile_s']:.2f} |")
+              f"{sass} | {k['compile_s']:.2f} |")
       print(flush=True)
     if events:
       print(f"\n{name}: XLA compile events, inclusive ms (summed over occurrences)\n\n| event | ms | count |"

@@ -91,6 +91,7 @@ def test_triton_compile_of_kernels():
       kernels = compile_triton(triton_kernels(lowered))
       assert [k["name"] for k in kernels] == ["nvfp4_amax", "nvfp4_quantize_pairs"], kernels
       assert all(k["compile_s"] > 0 for k in kernels)
+      assert all(k["sass"] is None or k["sass"] > 10 for k in kernels), kernels
       print("ok")
   """)
 
@@ -110,3 +111,10 @@ def test_quantize_shape_argument():
   for bad in ("768", "a,b", "48,100", "0,16"):
     with pytest.raises(argparse.ArgumentTypeError, match="--shape"):
       shape_arg(bad)
+
+
+def test_sass_instructions_counts_instruction_lines():
+  from benchmarks.compile_time import sass_instructions
+  sass = ("Function:nvfp4_amax\n--:-:0:-:1\tLDC R1, c[0x0][0x28];\n--:-:1:-:1\tS2R R19, SR_TID.X;\n"
+          "02:1:4:-:5\t@!P0 LDG.E R0, desc[UR6][R20.64];\n.L_x_0:\n")
+  assert sass_instructions(sass) == 3
