@@ -782,9 +782,9 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
   common = dict(sm_scale=float(sm_scale), causal=causal, n_heads=h, n_rows=t, n_keys=s, pad=pad,
                 ds=ds, division="backend" if interpret else "ptx")
   atomic = dq_accumulation == "atomic"
-  # Launch settings from the H200 sweep (``benchmarks.attention --sweep``, D 128, 64x64 tiles): the
-  # two-kernel backward is fastest with 4 warps (0.53x the time of 8); the atomic kernel, which also
-  # adds a dQ tile per program, is 1.4x slower with 4 warps and 2 stages, and keeps 8 above D 64.
+  # Warps: 4 for the two-kernel backward at every D; 8 for the atomic kernel above D 64, which also
+  # adds a dQ tile per program (the H200 launch sweep of ``benchmarks.attention --sweep``:
+  # benchmarks/RESULTS.md, attention).
   params = _params(num_warps or (8 if atomic and d > 64 else 4), num_stages or 2)
   w_spec = pl.BlockSpec((4,), lambda *_: (0,))
 

@@ -451,8 +451,7 @@ def _slab_quantize_kernel(i_ref, s_ref, x_ref, codes_ref, scales_ref, g_ref, *de
   dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
   # The 16 slabs stacked into one (BA, BB, 16) array, element i of each block at index i of the
   # last axis: the rounding bits, codes, packing and decoded operand are then one array operation
-  # each instead of 16 (a sixteenth of the kernel's IR, which is what Triton's compile time scales
-  # with: one threefry instead of 16).
+  # each instead of one per slab (one threefry over the tile, a smaller IR for Triton to compile).
   x = _stack_last(xs)
   bits = None
   if rounding == "stochastic":
