@@ -60,6 +60,7 @@ from fp4jax import numerics, nvfp4
 BLOCK = nvfp4.BLOCK
 BIT_SOURCES = ("random", "counter")
 AMAX_PASSES = ("kernel", "xla")
+_MIN_BB = 8  # the fewest blocks (or slab columns) of the contiguous axis that a divisor tile takes
 _F32_NORMAL_MIN_BITS = 0x00800000
 _F32_INF_BITS = 0x7F800000
 _TF_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -509,8 +510,15 @@ class _Layout:
 
 def _tile_ab(n_a, n_b, per_block, elements):
   """Power-of-two (BA, BB) for an (n_a, n_b) grid of blocks of ``per_block`` elements: BB covers
-  up to 64 blocks (or 256 slab columns) of the contiguous axis, BA the rest of ``elements``."""
+  up to 64 blocks (or 256 slab columns) of the contiguous axis, BA the rest of ``elements``.
+
+  Where that BB does not divide ``n_b``, BB is the largest power of two that does, if at least
+  ``_MIN_BB``: 48 blocks (K = 768) are 3 tiles of 16 rather than one of 64 with 16 of them masked
+  (a quarter of each program's lanes would compute nothing).
+  """
   bb = min(pl.next_power_of_2(n_b), max(1, elements // per_block), 64 if per_block > 1 else 256)
+  if n_b % bb and (n_b & -n_b) >= _MIN_BB:
+    bb = n_b & -n_b
   ba = min(pl.next_power_of_2(n_a), max(1, elements // (per_block * bb)))
   return ba, bb
 

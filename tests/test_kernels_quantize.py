@@ -57,6 +57,8 @@ CASES = [
      dict(hadamard_key=HKEY, rounding="stochastic", key=KEY), SMALL),
     ("last hadamard counter", (24, 80), jnp.float32,
      dict(hadamard_key=HKEY, rounding="stochastic", key=KEY, bit_source="counter"), SMALL),
+    ("rows counter, divisor tiles", (40, 384), jnp.bfloat16,
+     dict(rounding="stochastic", key=KEY, bit_source="counter"), SMALL),
 ]
 
 
@@ -87,6 +89,22 @@ def test_xla_amax_pass_equals_the_kernel(kw, fill):
   got = kq.quantize(x, amax="xla", block_sizes=SMALL, interpret=True, **kw)
   _assert_same(got, kq.quantize(x, block_sizes=SMALL, interpret=True, **kw))
   assert np.isnan(float(got.global_scale)) == (fill == "nan")
+
+
+@pytest.mark.parametrize("shape,axis,hadamard,used", [
+    ((65536, 768), -1, False, 1.0),   # 48 blocks per row: 3 tiles of 16, none masked
+    ((65536, 2304), -1, False, 1.0),
+    ((8192, 384), 0, True, 1.0),      # 384 columns: 3 tiles of 128
+    ((8192, 384), -1, True, 1.0),
+    ((16384, 16384), -1, False, 1.0),
+    ((64, 80), -1, False, 5 / 8),     # 5 blocks: no power of two >= 8 divides them, one masked tile
+])
+def test_tiles_divide_the_contiguous_axis(shape, axis, hadamard, used):
+  """The share of the programs' block slots that hold blocks of the tensor (the rest are masked)."""
+  lay = kq._layout(shape, (1, 16), axis % len(shape), hadamard, kq.BlockSizes().quantize_elements)
+  grid = kq._grid(lay)
+  tile_b = lay.tile[2] if lay.kind == "pairs" or lay.mid else lay.tile[1]
+  assert lay.n_a * lay.n_b / (grid[0] * lay.tile[0] * grid[1] * tile_b) == used
 
 
 def test_stochastic_bits_are_nvfp4s():
@@ -176,6 +194,7 @@ LOWERING = [
     ((48, 96), dict(axis=0, hadamard=True, rounding="stochastic")),
     ((48, 96), dict(axis=0, rounding="stochastic", bit_source="counter")),
     ((40, 96), dict(hadamard=True)),
+    ((64, 384), dict(rounding="stochastic", bit_source="counter")),  # divisor tiles (24 blocks per row)
 ]
 
 
