@@ -3,9 +3,10 @@
   FP4JAX_GPU_TESTS=1 python -m pytest -m gpu tests/gpu/test_quantize_gpu.py
 
 Each variant of ``fp4jax.kernels.nvfp4_quantize.quantize`` (layout, rounding, bit source, Hadamard
-transform, decoded operand, the amax pass in XLA) runs on the GPU on 1024×2048 bfloat16 data, normal and heavy-tailed; its
-reference (``quantize_reference``: ``nvfp4.quantize``) runs jitted on the CPU backend of the same
-process.
+transform, decoded operand, the amax pass in XLA) runs on the GPU on 1024×2048 bfloat16 data, normal and
+heavy-tailed, and on normal 768×384 data, whose contiguous axis takes tiles that divide it (24 blocks in
+tiles of 8; 384 slab columns in tiles of 128); its reference (``quantize_reference``:
+``nvfp4.quantize``) runs jitted on the CPU backend of the same process.
 """
 
 import jax
@@ -47,6 +48,7 @@ def _inputs():
   return {
       "normal": rng.standard_normal(shape).astype(ml_dtypes.bfloat16),
       "heavy": (rng.lognormal(0, 3, shape) * signs).astype(ml_dtypes.bfloat16),
+      "normal 768x384": rng.standard_normal((768, 384)).astype(ml_dtypes.bfloat16),
   }
 
 
@@ -59,7 +61,7 @@ def _mismatches(a, b) -> int:
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-@pytest.mark.parametrize("data", ["normal", "heavy"])
+@pytest.mark.parametrize("data", ["normal", "heavy", "normal 768x384"])
 def test_gpu_kernel_equals_cpu_nvfp4(name, data):
   kw = VARIANTS[name]
   x = _inputs()[data]
