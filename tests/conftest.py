@@ -1,10 +1,15 @@
 """Test-wide setup: 8 simulated CPU devices (sharding tests), float32 matmuls at full precision, and
-the ``gpu`` marker (GPU checks: skipped on the CPU; ``FP4JAX_GPU_TESTS=1 pytest -m gpu`` on the GPU)."""
+the ``gpu`` marker (GPU checks: skipped on the CPU; ``FP4JAX_GPU_TESTS=1 pytest -m gpu`` on the GPU).
+
+XLA's CPU backend compiles without LLVM's optimizations (``--xla_backend_optimization_level=0``):
+most of the suite's time is XLA compiling small programs (the slowest tests take a quarter to a
+third less time), and without fast-math flags LLVM's passes keep IEEE results, so every value the
+tests compare is the one the default build computes."""
 
 import os
 
 if os.environ.get("FP4JAX_GPU_TESTS") != "1":
-  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The launchers' persistent compilation cache: one fresh folder per test session (shared by the
 # launcher subprocesses of the tests), never the user's ~/.cache.
