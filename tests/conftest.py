@@ -2,9 +2,8 @@
 the ``gpu`` marker (GPU checks: skipped on the CPU; ``FP4JAX_GPU_TESTS=1 pytest -m gpu`` on the GPU).
 
 XLA's CPU backend compiles without LLVM's optimizations (``--xla_backend_optimization_level=0``):
-most of the suite's time is XLA compiling small programs (the slowest tests take a quarter to a
-third less time), and without fast-math flags LLVM's passes keep IEEE results, so every value the
-tests compare is the one the default build computes."""
+the suite's time is mostly XLA compiling small programs, and without fast-math flags LLVM's
+optimizations do not change IEEE results."""
 
 import os
 
