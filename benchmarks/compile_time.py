@@ -10,7 +10,7 @@ r"""Time from launch to the first train step, by phase, and the size of the prog
 
 A run is ``SIZE:RECIPE[:IMPL]``: a model size (``20m``, ``125m``: experiments/configs' models;
 ``tiny``), a recipe of ``fp4jax.recipe``, and the implementation of its NVFP4 GEMMs
-(``MatmulConfig.implementation``: ``auto``, ``xla``, ``pallas``, ``pallas_interpret``; default
+(``fp4jax.execution.Execution.matmul``: ``auto``, ``xla``, ``pallas``, ``pallas_interpret``; default
 ``--matmul``; a kernel implementation with ``+xla_amax``, e.g. ``pallas+xla_amax``: the quantizer
 kernels' first pass in XLA). Per run, on one device: the train state's initialization, then the train step of
 ``fp4jax.train.make_train_step``, jitted with the state's shardings, traced, lowered and compiled by
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import math
 import os
@@ -63,7 +62,8 @@ from jax.sharding import PartitionSpec as P
 from benchmarks.timing import assignment
 from fp4jax import sharding as shd
 from fp4jax.model import ModelConfig
-from fp4jax.ops.matmul import IMPLEMENTATIONS, MatmulConfig
+from fp4jax.execution import KERNEL_IMPLEMENTATIONS as IMPLEMENTATIONS
+from fp4jax.execution import Execution
 from fp4jax.recipe import get_recipe
 from fp4jax.train import (
     OptimizerConfig,
@@ -83,19 +83,12 @@ SIZES = {
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
 
 
-@contextlib.contextmanager
-def matmul_implementation(impl: str):
-  """Models built inside get ``implementation=impl`` in their ``MatmulConfig.nvfp4()`` (the model
-  builds its NVFP4 matmuls with that preset). ``IMPL+xla_amax``: ``MatmulConfig.amax="xla"``, the
-  quantizer kernels' first pass in XLA, one Triton kernel per operand."""
+def execution_of(impl: str) -> Execution:
+  """The ``Execution`` of an ``IMPL`` of ``--runs``: the NVFP4 matmuls' ``implementation``, and with
+  ``+xla_amax`` the quantizer kernels' first pass in XLA (``amax="xla"``: one Triton kernel per
+  operand)."""
   impl, _, variant = impl.partition("+")
-  fields = {"implementation": impl, "amax": "xla" if variant == "xla_amax" else "kernel"}
-  preset = MatmulConfig.__dict__["nvfp4"]
-  MatmulConfig.nvfp4 = classmethod(lambda cls, **kw: preset.__func__(cls, **{**fields, **kw}))
-  try:
-    yield
-  finally:
-    MatmulConfig.nvfp4 = preset
+  return Execution(matmul=impl, amax="xla" if variant == "xla_amax" else "kernel")
 
 
 def _lines(text: str | None) -> int:
@@ -108,11 +101,11 @@ def _timed(fn):
   return out, time.perf_counter() - t0
 
 
-def _setup(size, recipe_name, scan):
+def _setup(size, recipe_name, scan, execution):
   cfg = ModelConfig(**SIZES[size], scan_layers=scan)
   recipe = get_recipe(recipe_name)
   opt = OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
-  return cfg, recipe, make_optimizer(opt, recipe, 1000), make_schedule(opt, 1000)
+  return cfg, recipe, make_optimizer(opt, recipe, 1000, execution=execution), make_schedule(opt, 1000)
 
 
 def compile_events(trace_dir: str, top: int) -> list[tuple[str, float, int]]:
@@ -141,14 +134,14 @@ def _compile(lowered, args):
     return compiled, compile_events(d, args.compile_profile)
 
 
-def run_on_device(size, recipe_name, args) -> dict:
+def run_on_device(size, recipe_name, args, execution: Execution = Execution()) -> dict:
   """Every phase on the default device, as a training run does them."""
-  cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan)
+  cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan, execution)
   mesh = shd.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   (graphdef, state, shardings), t_init = _timed(
-      lambda: jax.block_until_ready(init_state(cfg, recipe, tx, mesh)))
+      lambda: jax.block_until_ready(init_state(cfg, recipe, tx, mesh, execution=execution)))
   bsh = NamedSharding(mesh, P(shd.BATCH_AXES, None))
-  step = jax.jit(make_train_step(graphdef, tx, schedule), in_shardings=(shardings, {"inputs": bsh, "targets": bsh}),
+  step = jax.jit(make_train_step(graphdef, tx, schedule, execution=execution), in_shardings=(shardings, {"inputs": bsh, "targets": bsh}),
                  out_shardings=(shardings, shd.replicated(mesh)), donate_argnums=0)
   rng = np.random.default_rng(0)
   toks = rng.integers(0, cfg.vocab_size, (args.batch, args.seq + 1), dtype=np.int32)
@@ -170,9 +163,9 @@ def run_on_device(size, recipe_name, args) -> dict:
               loss=loss, ok=math.isfinite(loss), **({"compile_events": events} if events else {}))
 
 
-def lower_for(platform, size, recipe_name, args) -> dict:
+def lower_for(platform, size, recipe_name, args, execution: Execution = Execution()) -> dict:
   """Trace and lower the step for ``platform`` (an abstract H200 mesh), from an abstract state."""
-  lowered, row = lower_step(platform, size, recipe_name, args)
+  lowered, row = lower_step(platform, size, recipe_name, args, execution)
   if getattr(args, "triton_compile", False):
     kernels = compile_triton(triton_kernels(lowered))
     row.update(triton_kernels=len(kernels), triton_compile_s=sum(k["compile_s"] for k in kernels),
@@ -180,18 +173,18 @@ def lower_for(platform, size, recipe_name, args) -> dict:
   return row
 
 
-def lower_step(platform, size, recipe_name, args):
+def lower_step(platform, size, recipe_name, args, execution: Execution = Execution()):
   """``(lowered step, row of phase times and program sizes)`` of ``lower_for``."""
   if platform != "cuda":
     raise ValueError(f"--lower-for: only 'cuda' (an H200) is known, got {platform!r}")
-  cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan)
-  (graphdef, params), t_init = _timed(lambda: abstract_model(cfg, recipe))
+  cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan, execution)
+  (graphdef, params), t_init = _timed(lambda: abstract_model(cfg, recipe, execution))
   rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
   state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
            "opt_state": jax.eval_shape(tx.init, params), "rng": rng}
   tokens = jax.ShapeDtypeStruct((args.batch, args.seq), jnp.int32)
   mesh = AbstractMesh((1, 1, 1), shd.AXES, axis_types=(AxisType.Auto,) * 3, abstract_device=H200)
-  step = jax.jit(make_train_step(graphdef, tx, schedule))
+  step = jax.jit(make_train_step(graphdef, tx, schedule, execution=execution))
   with jax.sharding.use_abstract_mesh(mesh):
     traced, t_trace = _timed(lambda: step.trace(state, {"inputs": tokens, "targets": tokens}))
     lowered, t_lower = _timed(lambda: traced.lower(lowering_platforms=(platform,)))
@@ -335,11 +328,10 @@ def main(argv=None) -> int:
   for size, recipe, impl in specs:
     name = f"{size}:{recipe}:{impl}"
     try:
-      with matmul_implementation(impl):  # model construction and tracing
-        if args.lower_for:
-          row = lower_for(args.lower_for, size, recipe, args)
-        else:
-          row = run_on_device(size, recipe, args)
+      if args.lower_for:
+        row = lower_for(args.lower_for, size, recipe, args, execution_of(impl))
+      else:
+        row = run_on_device(size, recipe, args, execution_of(impl))
     except Exception as e:  # report and go on with the other runs
       print(f"{name}: FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
       row = {"ok": False}

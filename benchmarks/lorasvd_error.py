@@ -13,8 +13,8 @@ randomized one (oversample 8, 2 power iterations), on matrices of four kinds:
 - ``power law a``: random singular vectors, ``σ_i ∝ i^-a`` (heavy-tailed spectrum), a = 0.5 and 1.
 
 Table 2, a layer's GEMM outputs against the same layer in BF16: relative error of the output y,
-the input gradient dx and the weight gradient dW of the NVFP4 path (``W`` for ``Fp4Dense``,
-``W_res`` for ``LoraSvdDense``; dA and dB are not listed: the bf16 branch gives them exactly as the
+the input gradient dx and the weight gradient dW of the NVFP4 path (``W`` for ``fp4_dense``,
+``W_res`` for ``lora_svd_dense``; dA and dB are not listed: the bf16 branch gives them exactly as the
 reference does). "8-key mean" is the error of the mean over 8 keys: what stays is bias (the error of
 Q(w) for dx; round-to-nearest for dW), what goes is the per-key noise of SR and of the Hadamard signs.
 Inputs: x with per-channel scales (log-normal, σ=1), dy with per-token scales (log-normal, σ=1),
@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from fp4jax import nvfp4
-from fp4jax.layers import Fp4Dense, LoraSvdDense, lora_svd_split
+from fp4jax.layers import fp4_dense, lora_svd_dense, lora_svd_split
 from fp4jax.ops import MatmulConfig
 
 RANKS = (0, 8, 16, 32, 64, 128)
@@ -116,15 +116,15 @@ def recipe_table(m, k, n, ranks=(0, 16, 32), n_keys=8):
     def make(config, r=r):
       init = lambda key, shape, dtype: w.astype(dtype)
       if r == 0:
-        return Fp4Dense(k, n, config=config, rngs=nnx.Rngs(0), kernel_init=init)
-      return LoraSvdDense(k, n, rank=r, config=config, rngs=nnx.Rngs(0), kernel_init=init, svd="exact")
+        return fp4_dense(k, n, config=config, rngs=nnx.Rngs(0), kernel_init=init)
+      return lora_svd_dense(k, n, rank=r, config=config, rngs=nnx.Rngs(0), kernel_init=init, svd="exact")
     (ref,) = _layer_grads(make(MatmulConfig.bf16()), x, dy, [None])
     for name, config in RECIPES.items():
       if name.startswith("bf16"):
         continue
       runs = _layer_grads(make(config), x, dy, [jax.random.key(i) for i in range(n_keys)])
       mean = lambda c: _rel(jnp.mean(jnp.stack([q[c].astype(jnp.float32) for q in runs]), 0), ref[c])
-      label = "Fp4Dense" if r == 0 else f"LoraSvdDense r={r}"
+      label = "fp4_dense" if r == 0 else f"lora_svd_dense r={r}"
       errs = " | ".join(f"{_rel(runs[0][c], ref[c]):.4f}" for c in ("y", "dx", "dW"))
       lines.append(f"| {label} | {name} | {errs} | {mean('dx'):.4f} | {mean('dW'):.4f} |")
   return "\n".join(lines)

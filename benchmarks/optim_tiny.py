@@ -50,14 +50,14 @@ def run_one(name, steps, workdir, muon_lr, seed=0):
     if opt == "muon":
       cfg.optimizer.learning_rate = muon_lr
   data_dir, meta = launcher.prepare_data(cfg)
-  model_cfg, recipe, opt_cfg, train_cfg = launcher.from_config(cfg, meta.vocab_size)
+  model_cfg, recipe, opt_cfg, train_cfg, execution = launcher.from_config(cfg, meta.vocab_size)
   recipe = recipe.replace(optimizer_states=states, newton_schulz=ns)
   shutil.rmtree(workdir, ignore_errors=True)
   train_iter = data.make_iterator(data_dir, "train", cfg.seq_len, cfg.batch_size, seed=cfg.seed)
   eval_batches = lambda: data.make_iterator(  # noqa: E731
       data_dir, "validation", cfg.seq_len, cfg.batch_size, shuffle=False, repeat=False)
   t0 = time.time()
-  train(model_cfg, recipe, opt_cfg, train_cfg, workdir, train_iter, eval_batches)
+  train(model_cfg, recipe, opt_cfg, train_cfg, workdir, train_iter, eval_batches, execution=execution)
   return run_summary(workdir), time.time() - t0
 
 

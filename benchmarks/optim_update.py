@@ -280,7 +280,7 @@ def main(argv=None):
   runs = {"optax.adamw": optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1),
           "adamw_nvfp4": optim.adamw_nvfp4(1e-3),
           "adamw_nvfp4 (nearest rounding)": optim.adamw_nvfp4(1e-3, options=NEAREST),
-          "adamw_nvfp4 (xla)": optim.adamw_nvfp4(1e-3, kernel="xla")}
+          "adamw_nvfp4 (xla)": optim.adamw_nvfp4(1e-3, implementation="xla")}
   if args.muon:
     dims = lambda p: jax.tree.map(  # noqa: E731
         lambda m: optax.contrib.MuonDimensionNumbers() if m else None, optim.default_muon_mask(p))
@@ -305,7 +305,7 @@ def main(argv=None):
       config = parse_kernel_config(text)
     except ValueError as e:
       ap.error(f"--kernel-config: {e}")
-    runs[f"adamw_nvfp4 ({text})"] = optim.adamw_nvfp4(1e-3, kernel=kernel, kernel_config=config)
+    runs[f"adamw_nvfp4 ({text})"] = optim.adamw_nvfp4(1e-3, implementation=kernel, block_sizes=config)
   rows, splits, loops, ok = [], {}, {}, True
   for name, tx in runs.items():
     ms, piped, comp, nbytes, finite = time_update(tx, params, grads, iters)

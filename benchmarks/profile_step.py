@@ -26,7 +26,7 @@ import time
 
 import jax
 
-from benchmarks.train_step import batches, model_config
+from benchmarks.train_step import batches, execution_of, model_config
 from fp4jax import sharding as shd
 from fp4jax.recipe import get_recipe
 from fp4jax.train import OptimizerConfig, init_state, jit_steps, make_optimizer, make_schedule
@@ -179,14 +179,14 @@ def main(argv=None) -> int:
   args.batch = args.batch or (8 if args.tiny else 64)
   args.seq = args.seq or (64 if args.tiny else 1024)
   args.data = None
-  cfg = model_config(args.tiny, None, args.remat, args.scan, args.attention)
+  cfg = model_config(args.tiny, None, args.remat, args.scan)
   mesh = shd.make_mesh((1, -1, 1))
   recipe = get_recipe(args.recipe)
   opt = OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
-  tx = make_optimizer(opt, recipe, 1000)
-  graphdef, state, shardings = init_state(cfg, recipe, tx, mesh)
-  step, _ = jit_steps(graphdef, tx, make_schedule(opt, 1000), shardings, mesh,
-                      cross_entropy=args.cross_entropy)
+  execution = execution_of(args)
+  tx = make_optimizer(opt, recipe, 1000, execution=execution)
+  graphdef, state, shardings = init_state(cfg, recipe, tx, mesh, execution=execution)
+  step, _ = jit_steps(graphdef, tx, make_schedule(opt, 1000), shardings, mesh, execution=execution)
   data = batches(args, cfg.vocab_size, mesh, 2)
   for i in range(1 + args.warmup):
     state, m = step(state, data[i % 2])

@@ -5,9 +5,10 @@ r"""Train-step throughput of the 125m model: bf16 vs fp4_linear (tokens/s, MFU, 
   python -m benchmarks.train_step --data=<data dir>     # real tokens from `fp4jax.data prepare`
   python -m benchmarks.train_step --batch=32 --seq=2048 --recipes=bf16 --remat --scan
   python -m benchmarks.train_step --recipes=bf16 --attention=xla   # XLA attention (B×N×T×T scores)
-  python -m benchmarks.train_step --recipes=bf16,fp4_linear,fp4_linear:linear_rounding_bits=counter
+  python -m benchmarks.train_step --recipes=bf16,fp4_linear,fp4_linear:matmul.rounding_bits=counter
 
-A recipe is a preset of ``fp4jax.recipe`` with optional ``:FIELD=VALUE`` overrides of its fields.
+A recipe is a preset of ``fp4jax.recipe`` with optional ``:FIELD=VALUE`` overrides of its fields
+(a nested op config's as ``matmul.hadamard=false``).
 
 The model is ``experiments/configs/125m.py``'s (d=768, 12 blocks, vocab 32768; a test keeps
 ``MODEL_125M`` equal to it; ``--tiny``: d=64, 2 blocks). Each recipe's full jitted train step (forward, backward, AdamW update, donated state)
@@ -33,8 +34,8 @@ import numpy as np
 from benchmarks.timing import assignment
 from fp4jax import data as data_lib
 from fp4jax import sharding as shd
-from fp4jax.loss import rows_impl
 from fp4jax.metrics import peak_flops
+from fp4jax.execution import Execution
 from fp4jax.model import ModelConfig, attention_impl
 from fp4jax.recipe import get_recipe
 from fp4jax.train import OptimizerConfig, init_state, jit_steps, make_optimizer, make_schedule
@@ -45,12 +46,17 @@ MODEL_125M = dict(vocab_size=32768, d_model=768, n_layers=12, n_heads=12)
 
 
 def model_config(tiny: bool, vocab_size: int | None = None, remat: bool = False,
-                 scan: bool = False, attention: str = "auto") -> ModelConfig:
+                 scan: bool = False) -> ModelConfig:
   if tiny:
     return ModelConfig(vocab_size=vocab_size or 384, d_model=64, n_layers=2, n_heads=4,
-                       remat=remat, scan_layers=scan, attention=attention)
+                       remat=remat, scan_layers=scan)
   return ModelConfig(**{**MODEL_125M, "vocab_size": vocab_size or MODEL_125M["vocab_size"]},
-                     remat=remat, scan_layers=scan, attention=attention)
+                     remat=remat, scan_layers=scan)
+
+
+def execution_of(args) -> Execution:
+  """The ``Execution`` of ``--attention`` and ``--cross-entropy``."""
+  return Execution(attention=args.attention, cross_entropy=args.cross_entropy)
 
 
 def batches(args, vocab_size: int, mesh, n: int) -> list[dict]:
@@ -68,9 +74,17 @@ def batches(args, vocab_size: int, mesh, n: int) -> list[dict]:
 
 def recipe_of(spec: str):
   """``PRESET[:FIELD=VALUE...]`` -> the ``Recipe`` (values read as bool, int or float where they
-  read as one, else str)."""
+  read as one, else str); ``SECTION.FIELD`` sets a field of a nested op config (``matmul``,
+  ``attention_op``, ``moments``)."""
   name, *pairs = spec.split(":")
-  overrides = dict(assignment(pair, f"recipe {spec!r}", "FIELD=VALUE") for pair in pairs)
+  overrides = {}
+  for pair in pairs:
+    field, value = assignment(pair, f"recipe {spec!r}", "FIELD=VALUE")
+    section, _, sub = field.partition(".")
+    if sub:
+      overrides.setdefault(section, {})[sub] = value
+    else:
+      overrides[field] = value
   try:
     return get_recipe(name, **overrides)
   except TypeError as e:  # an unknown field
@@ -80,10 +94,11 @@ def recipe_of(spec: str):
 def bench(name: str, cfg: ModelConfig, args, mesh, data: list[dict]) -> dict:
   recipe = recipe_of(name)
   opt = OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
-  tx = make_optimizer(opt, recipe, 1000)
-  graphdef, state, shardings = init_state(cfg, recipe, tx, mesh)
+  execution = execution_of(args)
+  tx = make_optimizer(opt, recipe, 1000, execution=execution)
+  graphdef, state, shardings = init_state(cfg, recipe, tx, mesh, execution=execution)
   jitted, _ = jit_steps(graphdef, tx, make_schedule(opt, 1000), shardings, mesh,
-                        cross_entropy=args.cross_entropy)
+                        execution=execution)
   c0 = time.perf_counter()
   lowered = jitted.lower(state, data[0])
   c1 = time.perf_counter()
@@ -138,12 +153,12 @@ def main(argv=None) -> int:
   vocab = None
   if args.data:
     vocab = -(-data_lib.read_meta(args.data).vocab_size // 128) * 128
-  cfg = model_config(args.tiny, vocab, args.remat, args.scan, args.attention)
+  cfg = model_config(args.tiny, vocab, args.remat, args.scan)
   mesh = shd.make_mesh(tuple(int(s) for s in args.mesh.split(",")))
   dev = mesh.devices.flat[0]
   print(f"device: {mesh.devices.size} x {dev.device_kind} ({dev.platform}); model d={cfg.d_model} "
         f"L={cfg.n_layers} V={cfg.vocab_size} N={cfg.num_params() / 1e6:.1f}M; attention "
-        f"{attention_impl(cfg)}; loss rows {rows_impl(args.cross_entropy)}; batch {args.batch}"
+        f"{attention_impl(cfg, args.attention)}; cross-entropy {args.cross_entropy}; batch {args.batch}"
         f" x seq {args.seq}; {'data ' + args.data if args.data else 'synthetic tokens'}",
         flush=True)
   data = batches(args, cfg.vocab_size, mesh, max(2, min(args.steps, 4)))

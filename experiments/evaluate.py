@@ -123,7 +123,7 @@ def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
   """
   run = read_run(workdir)
   cfg = ml_collections.ConfigDict(run["config"])
-  model_cfg, recipe, opt_cfg, tc = launcher.from_config(cfg, run["vocab_size"])
+  model_cfg, recipe, opt_cfg, tc, execution = launcher.from_config(cfg, run["vocab_size"])
   ckpt_dir = Path(workdir) / "checkpoints"
   if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
     raise FileNotFoundError(f"run {workdir} has no checkpoint yet (nothing in {ckpt_dir})")
@@ -142,8 +142,8 @@ def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
     w = w[:max_tokens // tc.seq_len]
 
   mesh = shd.make_mesh((1, 1, 1))
-  tx = make_optimizer(opt_cfg, recipe, tc.steps, seed=tc.seed)
-  graphdef, params = abstract_model(model_cfg, recipe)
+  tx = make_optimizer(opt_cfg, recipe, tc.steps, seed=tc.seed, execution=execution)
+  graphdef, params = abstract_model(model_cfg, recipe, execution)
   rep = shd.replicated(mesh)
   abstract = {"step": jax.ShapeDtypeStruct((), np.int32), "params": params,
               "opt_state": jax.eval_shape(tx.init, params),
@@ -156,7 +156,7 @@ def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
   finally:
     ckpt.close()
   _, eval_step = jit_steps(graphdef, tx, make_schedule(opt_cfg, tc.steps), shardings, mesh,
-                           cross_entropy=tc.cross_entropy)
+                           execution=execution)
   b = batch_size or tc.batch_size
   total = 0.0
   for i in range(0, len(w), b):

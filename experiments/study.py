@@ -44,6 +44,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -119,13 +120,14 @@ ARMS: tuple[Arm, ...] = (
     Arm("muon_nvfp4", "bf16", {"newton_schulz": "nvfp4"}, {"name": "muon"}, group="muon",
         baseline="muon_bf16", what="Muon with NVFP4 Newton-Schulz operands (fp32 accumulation)"),
     _attn("pv_quantized", "V, P, dO in NVFP4 too: P.V, dO.V^T, P^T.dO quantized, not protected",
-          attention_pv="nvfp4"),
-    _attn("ds_bf16", "dS in BF16: dQ = dS.K and dK = dS^T.Q unquantized", attention_ds="bf16"),
+          attention_op={"v": "nvfp4", "p": "nvfp4", "do": "nvfp4"}),
+    _attn("ds_bf16", "dS in BF16: dQ = dS.K and dK = dS^T.Q unquantized", attention_op={"ds": "bf16"}),
     _attn("no_reuse", "the backward on the unquantized q, k instead of the forward's Q(q), Q(k)",
-          attention_reuse=False),
-    Arm("no_rht", "fp4_linear", {"linear_hadamard": False}, group="linear", baseline="fp4_linear",
+          attention_op={"reuse": False}),
+    Arm("no_rht", "fp4_linear", {"matmul": {"hadamard": False}}, group="linear", baseline="fp4_linear",
         what="fp4_linear without the random Hadamard transform of the wgrad operands"),
-    Arm("sr_off", "fp4_linear", {"linear_grad_rounding": "nearest"}, group="linear",
+    Arm("sr_off", "fp4_linear", {"matmul": {"dy_dgrad_rounding": "nearest",
+                                         "dy_wgrad_rounding": "nearest"}}, group="linear",
         baseline="fp4_linear", what="fp4_linear with dy rounded to nearest, not stochastically "
         "(dgrad and wgrad)"),
     _lora("lorasvd_resplit10", "re-split the branch 10 times over the run (top-r SVD of the "
@@ -186,6 +188,19 @@ def arm_config(cfg, arm: Arm, telemetry: bool = True):
   c.telemetry_every = telemetry_every(c) if telemetry else 0
   launcher.from_config(c, vocab_size=c.model.vocab_size or 256)
   return c
+
+
+def _plain(v):
+  """A config value as JSON-able plain data (a nested section as a dict)."""
+  return v.to_dict() if isinstance(v, ml_collections.ConfigDict) else v
+
+
+def _flat(d: Mapping, prefix: str = "") -> dict:
+  """``{"matmul": {"hadamard": False}}`` as ``{"matmul.hadamard": False}``."""
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, Mapping) else {f"{prefix}{k}": v})
+  return out
 
 
 def _identity(cfg) -> dict:
@@ -283,7 +298,7 @@ def arm_row(cfg, arm: Arm, workdir: Path) -> dict | None:
   step_time = s.get("step_time_s", math.nan)
   shared = run_dir / SHARED_FILE
   parallel = json.loads(shared.read_text())["parallel"] if shared.is_file() else 1
-  overrides = {k: c.recipe[k] for k in arm.recipe}  # lora_resplit_every resolved
+  overrides = {k: _plain(c.recipe[k]) for k in arm.recipe}  # lora_resplit_every resolved
   recipe = {**{k: c.recipe[k] for k in MODULES}, **overrides}
   return {"arm": arm.name, "status": "diverged" if diverged else "ok", "group": arm.group,
           "baseline": arm.baseline, "preset": arm.preset, "overrides": overrides, "recipe": recipe,
@@ -340,7 +355,7 @@ def table(rows: list[dict], floor: dict, title: str = "") -> str:
   lines += ["", "| arm | recipe | seed | eval loss | gap % | vs baseline % | train loss | tokens | params "
             "| tokens/s | epochs | step ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
-    mods = [r["preset"]] + [f"{k}={v}" for k, v in r["overrides"].items()]
+    mods = [r["preset"]] + [f"{k}={v}" for k, v in _flat(r["overrides"]).items()]
     if r["optimizer"] != "adamw":
       mods.append(f"optimizer={r['optimizer']}")
     eval_loss = "diverged" if r["status"] == "diverged" else _fmt(r["eval_loss"], ".4f")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import typing
 import json
 import os
 import sys
@@ -46,6 +47,7 @@ from ml_collections import config_flags
 from fp4jax import data
 from fp4jax.checkpoint import CheckpointSaveError, CorruptCheckpointError
 from fp4jax.corpus import CorpusUnavailableError
+from fp4jax.execution import Execution
 from fp4jax.model import ModelConfig
 from fp4jax.preemption import TrainingInterrupted
 from fp4jax.recipe import MODULES, Recipe
@@ -130,20 +132,28 @@ def check_command_line(argv: Sequence[str], example: str, *required: str) -> Non
 
 
 def typed(cls, values: Mapping, where: str):
-  """``cls(**values)`` for a config dataclass; a key that is not one of its fields is an error."""
+  """``cls(**values)`` for a config dataclass, nested dataclass fields included (a section of the
+  config, e.g. ``recipe.matmul``); a key that is not one of its fields is an error."""
   names = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - names)
   if unknown:
     raise ValueError(f"{where}: unknown key(s) {unknown}; the fields of {cls.__name__} are "
                      f"{sorted(names)}")
-  return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+  hints = typing.get_type_hints(cls)
+
+  def value(k, v):
+    if dataclasses.is_dataclass(hints[k]) and isinstance(v, Mapping):
+      return typed(hints[k], v, f"{where}.{k}")
+    return tuple(v) if isinstance(v, list) else v
+  return cls(**{k: value(k, v) for k, v in values.items()})
 
 
 def from_config(cfg, vocab_size: int | None = None):
   """Typed arguments of ``fp4jax.train.train`` from an experiment ConfigDict.
 
-  ``cfg.recipe``, ``cfg.model`` and ``cfg.optimizer`` become ``Recipe``, ``ModelConfig`` and
-  ``OptimizerConfig``; the top-level fields other than ``name`` and ``data`` a ``TrainConfig``.
+  ``cfg.recipe``, ``cfg.model``, ``cfg.optimizer`` and ``cfg.execution`` become ``Recipe``,
+  ``ModelConfig``, ``OptimizerConfig`` and ``Execution``; the top-level fields other than ``name``
+  and ``data`` a ``TrainConfig``.
 
   Args:
     cfg: the experiment config.
@@ -151,7 +161,7 @@ def from_config(cfg, vocab_size: int | None = None):
       a multiple of 128).
 
   Returns:
-    ``(ModelConfig, Recipe, OptimizerConfig, TrainConfig)``.
+    ``(ModelConfig, Recipe, OptimizerConfig, TrainConfig, Execution)``.
 
   Raises:
     ValueError: a key that no dataclass has, or an invalid value.
@@ -166,8 +176,9 @@ def from_config(cfg, vocab_size: int | None = None):
     model["vocab_size"] = -(-vocab_size // 128) * 128
   recipe = typed(Recipe, c.pop("recipe"), "config.recipe")
   optimizer = typed(OptimizerConfig, c.pop("optimizer"), "config.optimizer")
+  execution = typed(Execution, c.pop("execution", {}), "config.execution")
   return (typed(ModelConfig, model, "config.model"), recipe, optimizer,
-          typed(TrainConfig, c, "config"))
+          typed(TrainConfig, c, "config"), execution)
 
 
 def prepare_data(cfg) -> tuple[str, data.DataMeta]:
@@ -199,7 +210,7 @@ def run(cfg, workdir: str | os.PathLike, allow_changes: Sequence[str] = ()) -> d
     for note in getattr(lock, "notes", ()):
       print(note, flush=True)
     data_dir, meta = prepare_data(cfg)
-    model_cfg, recipe, opt_cfg, train_cfg = from_config(cfg, meta.vocab_size)
+    model_cfg, recipe, opt_cfg, train_cfg, execution = from_config(cfg, meta.vocab_size)
     tc = train_cfg
     data.check_data(data_dir, model_cfg.vocab_size, tc.seq_len, tc.batch_size)
     if jax.process_index() == 0:
@@ -214,7 +225,8 @@ def run(cfg, workdir: str | os.PathLike, allow_changes: Sequence[str] = ()) -> d
     eval_batches = lambda: data.make_iterator(  # noqa: E731
         data_dir, "validation", tc.seq_len, tc.batch_size, shuffle=False, repeat=False)
     return train(model_cfg, recipe, opt_cfg, train_cfg, workdir, train_iter, eval_batches,
-                 data_info=data_info, config=config, allow_changes=allow_changes)
+                 data_info=data_info, config=config, allow_changes=allow_changes,
+                 execution=execution)
 
 
 def main(argv):

@@ -6,15 +6,16 @@ as ``flax.nnx.Linear`` takes a ``dot_general``. The matmul is a small frozen cal
 
 - ``MixedMatmul``: BF16 (``fp4jax.ops.mixed_matmul``: operands in ``x``'s dtype, float32
   accumulation, a bf16 backward);
-- ``NVFP4Matmul(config)``: the three GEMMs per ``fp4jax.ops.MatmulConfig`` (``nvfp4_matmul``;
-  ``MatmulConfig.nvfp4()`` is NVIDIA's recipe).
+- ``NVFP4Matmul(config, implementation=...)``: the three GEMMs per ``fp4jax.ops.MatmulConfig``
+  (``nvfp4_matmul``; ``MatmulConfig.nvfp4()`` is NVIDIA's recipe), run by the code that
+  ``implementation`` and ``gemm`` name (``fp4jax.execution``).
 
 ``rank > 0`` adds the LoRA-SVD branch ``(x·A)·B`` in bf16, unquantized: A and B start from the top-r
 SVD of the initial weight (``A = U√Σ``, ``B = √Σ Vᵀ``) and the kernel holds ``W_res = W − A·B``, so the
 effective weight starts equal to W while the quantized residual has the dominant directions taken
 out. ``resplit`` repeats the split on the current ``W_res + A·B``.
 
-``Fp4Dense`` and ``LoraSvdDense`` build the two NVFP4 layers; ``lora_svd_split`` and
+``fp4_dense`` and ``lora_svd_dense`` build the two NVFP4 layers; ``lora_svd_split`` and
 ``randomized_svd`` are the pure functions behind the split.
 """
 
@@ -156,10 +157,16 @@ class NVFP4Matmul:
   """The NVFP4 matmul: ``fp4jax.ops.nvfp4_matmul`` with ``config`` (NVIDIA's recipe by default).
 
   Attributes:
-    config: which GEMMs are quantized and how each operand rounds.
+    config: which GEMMs are quantized and how each operand rounds (the numerics).
+    implementation: which code quantizes (``nvfp4_matmul``'s ``implementation``; same bits).
+    gemm: how the quantized GEMMs multiply (``nvfp4_matmul``'s ``gemm``).
+    amax: the quantizer kernels' first pass (``nvfp4_matmul``'s ``amax``).
   """
 
   config: MatmulConfig = MatmulConfig.nvfp4()
+  implementation: str = "auto"
+  gemm: str = "auto"
+  amax: str = "kernel"
 
   def __post_init__(self):
     if not isinstance(self.config, MatmulConfig):
@@ -170,7 +177,8 @@ class NVFP4Matmul:
     return self.config.needs_key
 
   def __call__(self, x, kernel, *, key=None):
-    return nvfp4_matmul(x, kernel, key=key, config=self.config)
+    return nvfp4_matmul(x, kernel, key=key, config=self.config, implementation=self.implementation,
+                        gemm=self.gemm, amax=self.amax)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,8 +327,8 @@ class Dense(nnx.Module):
     self.lora_b[...] = b.astype(self.lora_b[...].dtype)
 
 
-def Fp4Dense(in_features: int, out_features: int, *, config: MatmulConfig, rngs: nnx.Rngs,
-             **kwargs) -> Dense:
+def fp4_dense(in_features: int, out_features: int, *, config: MatmulConfig, rngs: nnx.Rngs,
+              **kwargs) -> Dense:
   """``Dense`` whose GEMMs (forward, dgrad, wgrad) follow ``config`` through ``nvfp4_matmul``.
 
   Args:
@@ -336,8 +344,8 @@ def Fp4Dense(in_features: int, out_features: int, *, config: MatmulConfig, rngs:
   return Dense(in_features, out_features, matmul=NVFP4Matmul(config), rngs=rngs, **kwargs)
 
 
-def LoraSvdDense(in_features: int, out_features: int, *, rank: int = DEFAULT_LORA_RANK,
-                 config: MatmulConfig, rngs: nnx.Rngs, **kwargs) -> Dense:
+def lora_svd_dense(in_features: int, out_features: int, *, rank: int = DEFAULT_LORA_RANK,
+                   config: MatmulConfig, rngs: nnx.Rngs, **kwargs) -> Dense:
   """``x @ W_res + (x @ A) @ B (+ bias)``: NVFP4 residual GEMMs per ``config`` plus a bf16 rank-r
   branch split from the initial weight's SVD (see the module docstring).
 
@@ -352,7 +360,7 @@ def LoraSvdDense(in_features: int, out_features: int, *, rank: int = DEFAULT_LOR
     ``Dense(in_features, out_features, matmul=NVFP4Matmul(config), rank=rank, ...)``.
   """
   if not isinstance(rank, int) or not 1 <= rank <= min(in_features, out_features):
-    raise ValueError(f"LoraSvdDense: rank must be in [1, min(in_features, out_features)] = "
+    raise ValueError(f"lora_svd_dense: rank must be in [1, min(in_features, out_features)] = "
                      f"[1, {min(in_features, out_features)}], got {rank}")
   return Dense(in_features, out_features, matmul=NVFP4Matmul(config), rank=rank, rngs=rngs,
                **kwargs)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import _platform
+from fp4jax import _platform, execution
 from fp4jax.kernels.cross_entropy import softmax_xent_rows, softmax_xent_rows_reference
 from fp4jax.ops.mixed import mixed_matmul
 
@@ -44,23 +44,10 @@ def _logits_nll(x_CxD, kernel_DxV, tgt_C):
   return lse_C - jnp.sum(jnp.where(hit_CxV, logits_CxV, 0.0), axis=-1)
 
 
-def _nll_sum_plain(x_CxD, kernel_DxV, tgt_C, w_C, rows="xla"):
-  """``sum(w · nll)`` of one chunk (float32). (``rows`` picks the forward rule's pass only.)"""
-  del rows
+def _nll_sum_plain(x_CxD, kernel_DxV, tgt_C, w_C, impl="xla"):
+  """``sum(w · nll)`` of one chunk (float32). (``impl`` picks the forward rule's pass only.)"""
+  del impl
   return jnp.sum(_logits_nll(x_CxD, kernel_DxV, tgt_C) * w_C)
-
-
-LOSS_ROWS = ("auto", "pallas", "xla", "pallas_interpret")
-
-
-def rows_impl(rows: str) -> str:
-  """The forward rule's pass over each chunk's logits: ``"pallas"`` (``fp4jax.kernels.cross_entropy``,
-  one fused kernel), ``"xla"``, or ``"pallas_interpret"`` (the kernel in Pallas interpret mode: CPU
-  tests). ``"auto"``: the kernel when computations go to a CUDA GPU by default, else XLA
-  (``fp4jax._platform.resolve``)."""
-  if rows not in LOSS_ROWS:
-    raise ValueError(f"cross-entropy rows={rows!r}: expected one of {LOSS_ROWS}")
-  return _platform.resolve(rows, "pallas")
 
 
 # The default: its backward needs no logits recomputation (the fwd rule saves the cotangent).
@@ -69,20 +56,20 @@ _nll_sum = jax.custom_vjp(_nll_sum_plain, nondiff_argnums=(4,))
 _nll_sum_recompute = jax.checkpoint(_nll_sum_plain)
 
 
-def _nll_sum_fwd(x_CxD, kernel_DxV, tgt_C, w_C, rows):
+def _nll_sum_fwd(x_CxD, kernel_DxV, tgt_C, w_C, impl):
   logits_CxV = mixed_matmul(x_CxD, kernel_DxV, x_CxD.dtype, jnp.float32)
   # d(sum w·nll)/dlogits, formed in the same pass over the float32 logits as the loss and kept in
   # x's dtype: the backward GEMMs take it as is (bf16 operands), and no f32 (C, V) array is saved.
-  if rows in ("pallas", "pallas_interpret"):
+  if impl in ("pallas", "pallas_interpret"):
     lse_C, tgt_logit_C, dl_CxV = softmax_xent_rows(logits_CxV, tgt_C, w_C, x_CxD.dtype,
-                                                   interpret=rows == "pallas_interpret")
+                                                   interpret=impl == "pallas_interpret")
   else:
     lse_C, tgt_logit_C, dl_CxV = softmax_xent_rows_reference(logits_CxV, tgt_C, w_C, x_CxD.dtype)
   return jnp.sum((lse_C - tgt_logit_C) * w_C), (x_CxD, kernel_DxV.astype(x_CxD.dtype), dl_CxV, w_C)
 
 
-def _nll_sum_bwd(rows, res, g):
-  del rows
+def _nll_sum_bwd(impl, res, g):
+  del impl
   x_CxD, kc_DxV, dl_CxV, w_C = res
   # g (1/n for the mean) scales the f32 GEMM outputs: for n a power of two this is bitwise the same
   # as rounding g·dl to bf16 before the GEMM.
@@ -96,7 +83,7 @@ _nll_sum.defvjp(_nll_sum_fwd, _nll_sum_bwd)
 
 
 def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int = 8192,
-                          recompute: bool = False, rows: str = "auto"):
+                          recompute: bool = False, implementation: str = "auto"):
   """Mean next-token cross-entropy of ``x @ kernel`` without materializing (B, T, V) logits.
 
   Same loss as ``cross_entropy(Transformer.__call__ logits, targets)``, over chunks of
@@ -118,17 +105,18 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
     targets_BxT: int target ids.
     chunk_tokens: tokens per chunk (B·T is padded up to a multiple; padded tokens have weight 0).
     recompute: recompute the logits in the backward instead of saving the (B·T, V) cotangent.
-    rows: how the default path's forward passes over each chunk's float32 logits (logsumexp,
-      target logit, cotangent): ``"pallas"`` (one fused kernel, ``fp4jax.kernels.cross_entropy``),
-      ``"xla"`` (its jnp reference), ``"auto"`` (the kernel on a GPU) or ``"pallas_interpret"``
-      (CPU tests). Same values up to summation order.
+    implementation: which code makes the default path's forward pass over each chunk's float32
+      logits (logsumexp, target logit, cotangent; ``fp4jax.execution``): ``"pallas"`` (one fused
+      kernel, ``fp4jax.kernels.cross_entropy``), ``"xla"`` (its jnp reference,
+      ``softmax_xent_rows_reference``), ``"pallas_interpret"`` (CPU tests) or ``"auto"`` (the kernel
+      when computations go to a CUDA GPU, else XLA). Same values up to summation order.
 
   Returns:
     float32 scalar.
   """
   if chunk_tokens < 1:
     raise ValueError(f"chunk_tokens={chunk_tokens}: must be >= 1")
-  rows = rows_impl(rows)
+  impl = _platform.resolve(execution.check("chunked_cross_entropy", implementation), "pallas")
   if x_BxTxD.shape[:-1] != targets_BxT.shape or kernel_DxV.shape[0] != x_BxTxD.shape[-1]:
     raise ValueError(f"chunked_cross_entropy: shapes x {x_BxTxD.shape}, kernel "
                      f"{kernel_DxV.shape}, targets {targets_BxT.shape} do not match")
@@ -158,5 +146,5 @@ def chunked_cross_entropy(x_BxTxD, kernel_DxV, targets_BxT, *, chunk_tokens: int
   total = jnp.zeros((), jnp.float32)
   for i in range(k):
     sl = slice(i * c, (i + 1) * c)
-    total = total + _nll_sum(x_NxD[sl], kernel_DxV, tgt_N[sl], w_N[sl], rows)
+    total = total + _nll_sum(x_NxD[sl], kernel_DxV, tgt_N[sl], w_N[sl], impl)
   return total / n

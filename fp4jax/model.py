@@ -32,14 +32,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fp4jax import _platform
+from fp4jax import _platform, execution
+from fp4jax.execution import Execution
 from fp4jax.layers import Dense, MixedMatmul, NVFP4Matmul
 from fp4jax.ops.attention import AttentionConfig, nvfp4_attention
 from fp4jax.recipe import Recipe
 from fp4jax.sharding import BATCH_AXES
-
-ATTENTION_IMPLS = ("auto", "cudnn", "xla")
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -50,9 +48,13 @@ class ModelConfig:
     d_model: residual width D.
     n_layers: number of Transformer blocks L.
     n_heads: query heads N.
-    n_kv_heads: key/value heads K (GQA; ``n_heads % n_kv_heads == 0``); None means ``n_heads``.
-    head_dim: per-head width H; None means ``d_model // n_heads``.
-    d_ff: SwiGLU hidden width F; None means the multiple of 16 nearest ``8/3 * d_model``.
+    n_kv_heads: key/value heads K (GQA; ``n_heads % n_kv_heads == 0``); None gives ``n_heads``.
+    head_dim: per-head width H; None gives ``d_model // n_heads``.
+    d_ff: SwiGLU hidden width F; None gives the multiple of 16 nearest ``8/3 * d_model``.
+
+  A width given as None is set from the others when the config is made, so every width is read
+  from its field (``cfg.head_dim``); ``dataclasses.replace`` copies the set widths, so give None
+  again to derive one anew (e.g. ``replace(cfg, n_heads=8, head_dim=None)``).
     qk_norm: RMSNorm on queries and keys (per head) before RoPE.
     rope_theta: RoPE base.
     norm_eps: RMSNorm epsilon.
@@ -64,10 +66,6 @@ class ModelConfig:
       (NVFP4 moments' global scales) cover the run. Off by default: XLA on the CPU compiles the
       NVFP4 graph inside a scan much more slowly than unrolled.
     remat: rematerialize each block's activations in the backward pass (saves memory).
-    attention: "auto" (cuDNN flash attention when the default backend is a GPU and the shapes
-      allow it: bfloat16/float16 compute, head_dim a multiple of 8 up to 128; else XLA),
-      "cudnn" or "xla". ``jax.nn.dot_product_attention``'s own default is XLA, which
-      materializes float32 B×N×T×T scores and probabilities (and a B×N×T×T mask).
   """
 
   vocab_size: int
@@ -84,40 +82,28 @@ class ModelConfig:
   init_std: float = 0.02
   scan_layers: bool = False
   remat: bool = False
-  attention: str = "auto"
 
   def __post_init__(self):
     for f in ("vocab_size", "d_model", "n_layers", "n_heads"):
       if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
         raise ValueError(f"ModelConfig.{f}={getattr(self, f)!r}: expected a positive int")
-    if self.n_heads % self.kv_heads:
-      raise ValueError(f"ModelConfig: n_heads={self.n_heads} is not a multiple of "
-                       f"n_kv_heads={self.kv_heads}")
     if self.head_dim is None and self.d_model % self.n_heads:
       raise ValueError(f"ModelConfig: d_model={self.d_model} is not divisible by "
                        f"n_heads={self.n_heads}; set head_dim")
-    if self.hdim % 2:
-      raise ValueError(f"ModelConfig: head_dim={self.hdim} must be even for RoPE")
+    derived = {"n_kv_heads": self.n_heads, "head_dim": self.d_model // self.n_heads,
+               "d_ff": 16 * max(1, round(8 * self.d_model / 3 / 16))}
+    for f, value in derived.items():
+      if getattr(self, f) is None:
+        object.__setattr__(self, f, value)
+      elif not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+        raise ValueError(f"ModelConfig.{f}={getattr(self, f)!r}: expected a positive int or None")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"ModelConfig: n_heads={self.n_heads} is not a multiple of "
+                       f"n_kv_heads={self.n_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for RoPE")
     if self.dtype not in ("bfloat16", "float32"):
       raise ValueError(f"ModelConfig.dtype={self.dtype!r}: expected 'bfloat16' or 'float32'")
-    if self.attention not in ATTENTION_IMPLS:
-      raise ValueError(f"ModelConfig.attention={self.attention!r}: expected one of "
-                       f"{ATTENTION_IMPLS}")
-    if self.attention == "cudnn" and not _cudnn_shapes_ok(self):
-      raise ValueError(f"ModelConfig.attention='cudnn' needs dtype bfloat16 and head_dim a "
-                       f"multiple of 8 up to 128 (got dtype={self.dtype}, head_dim={self.hdim})")
-
-  @property
-  def kv_heads(self) -> int:
-    return self.n_kv_heads or self.n_heads
-
-  @property
-  def hdim(self) -> int:
-    return self.head_dim or self.d_model // self.n_heads
-
-  @property
-  def ff(self) -> int:
-    return self.d_ff or 16 * max(1, round(8 * self.d_model / 3 / 16))
 
   @property
   def compute_dtype(self):
@@ -125,9 +111,9 @@ class ModelConfig:
 
   def num_params(self, *, embedding: bool = True) -> int:
     """Number of parameters (dense projections; a LoRA-SVD branch is not counted)."""
-    d, h = self.d_model, self.hdim
-    attn = d * h * (2 * self.n_heads + 2 * self.kv_heads)
-    mlp = 3 * d * self.ff
+    d, h = self.d_model, self.head_dim
+    attn = d * h * (2 * self.n_heads + 2 * self.n_kv_heads)
+    mlp = 3 * d * self.d_ff
     norms = 2 * d + (2 * h if self.qk_norm else 0)
     n = self.n_layers * (attn + mlp + norms) + d + d * self.vocab_size
     return n + (self.vocab_size * d if embedding else 0)
@@ -138,27 +124,30 @@ class ModelConfig:
     The attention term counts the full T×T score matrix (PaLM's convention), not the causal half.
     """
     return 6 * self.num_params(embedding=False) + 12 * self.n_layers * seq_len * self.n_heads * \
-        self.hdim
+        self.head_dim
 
 
 def _cudnn_shapes_ok(cfg: ModelConfig) -> bool:
-  return cfg.dtype == "bfloat16" and cfg.hdim % 8 == 0 and cfg.hdim <= 128
+  return cfg.dtype == "bfloat16" and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
 
 
-def attention_impl(cfg: ModelConfig) -> str:
+BF16_ATTENTION_IMPLEMENTATIONS = ("auto", "cudnn", "xla")  # DotProductAttention's
+
+
+def attention_impl(cfg: ModelConfig, implementation: str = "auto") -> str:
   """The ``implementation`` passed to ``jax.nn.dot_product_attention`` ("cudnn" or "xla").
 
   "auto" resolves at trace time: cuDNN when computations go to a CUDA GPU by default
   (``fp4jax._platform.default_platform``) and the shapes allow it, else XLA (CPU tests, a
   ``jax.default_device(cpu)`` scope, float32 models).
   """
-  impl = _platform.resolve(cfg.attention, "cudnn")
-  return "xla" if cfg.attention == "auto" and not _cudnn_shapes_ok(cfg) else impl
+  impl = _platform.resolve(implementation, "cudnn")
+  return "xla" if implementation == "auto" and not _cudnn_shapes_ok(cfg) else impl
 
 
 def projection_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
   """(in_features, out_features) of every projection role, for ``fp4jax.sharding``."""
-  d, nh, kh, f = cfg.d_model, cfg.n_heads * cfg.hdim, cfg.kv_heads * cfg.hdim, cfg.ff
+  d, nh, kh, f = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_ff
   return {"qkv": (d, nh + 2 * kh), "o": (nh, d), "gate_up": (d, 2 * f), "down": (f, d),
           "embedding": (cfg.vocab_size, d), "lm_head": (d, cfg.vocab_size)}
 
@@ -228,7 +217,8 @@ def _swiglu(gu_BxTxFx2):
 
 
 def make_projection(in_features: int, out_features: int, precision: str, recipe: Recipe,
-                    cfg: ModelConfig, std: float, rngs: nnx.Rngs, role: str) -> Dense:
+                    cfg: ModelConfig, std: float, rngs: nnx.Rngs, role: str,
+                    execution: Execution = Execution()) -> Dense:
   """One block projection in the given precision (``bf16``, ``nvfp4`` or ``nvfp4_lorasvd``).
 
   Args:
@@ -241,14 +231,16 @@ def make_projection(in_features: int, out_features: int, precision: str, recipe:
     rngs: parameter RNGs.
     role: the projection's name in its block (``qkv``, ``o``, ``gate_up``, ``down``): with
       ``nvfp4_lorasvd``, ``recipe.lora_on(role)`` says whether it carries the branch.
+    execution: which code runs the NVFP4 matmul (``execution.matmul``, ``.gemm``, ``.amax``).
 
   Returns:
     A ``fp4jax.layers.Dense`` called as ``layer(x, key=k)``, whose matmul is ``MixedMatmul`` (bf16),
-    ``NVFP4Matmul(recipe.matmul_config())`` (nvfp4: NVIDIA's recipe, unless the recipe's linear
-    ablation fields change it), or the latter with a bf16 rank-``recipe.lora_rank`` branch split
+    ``NVFP4Matmul(recipe.matmul)`` (nvfp4: NVIDIA's recipe unless the recipe's ``matmul`` changes
+    it), or the latter with a bf16 rank-``recipe.lora_rank`` branch split
     from the initial weight's SVD (nvfp4_lorasvd, on the projections of ``recipe.lora_projections``).
   """
-  matmul = MixedMatmul() if precision == "bf16" else NVFP4Matmul(recipe.matmul_config())
+  matmul = MixedMatmul() if precision == "bf16" else NVFP4Matmul(
+      recipe.matmul, implementation=execution.matmul, gemm=execution.gemm, amax=execution.amax)
   rank = recipe.lora_rank if precision == "nvfp4_lorasvd" and recipe.lora_on(role) else 0
   return Dense(in_features, out_features, matmul=matmul, rank=rank, rngs=rngs,
                kernel_init=nnx.initializers.normal(std), dtype=cfg.compute_dtype)
@@ -283,17 +275,32 @@ def rope(x_BxTxNxH, positions_T, theta: float):
 
 @dataclasses.dataclass(frozen=True)
 class DotProductAttention:
-  """Causal ``jax.nn.dot_product_attention`` on cuDNN or XLA, per ``attention_impl(cfg)``.
+  """Causal ``jax.nn.dot_product_attention`` on cuDNN or XLA, per ``attention_impl``.
 
-  The default attention op of ``Attention``: ``op(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, key)`` ->
-  (B, T, N, H) in q's dtype (deterministic: ``key`` is unused).
+  The attention op of BF16 attention: ``op(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, key)`` -> (B, T, N, H)
+  in q's dtype (deterministic: ``key`` is unused).
+
+  Attributes:
+    cfg: the model config (dtype and head_dim decide whether cuDNN takes the shapes).
+    implementation: "auto" (cuDNN flash attention when computations go to a CUDA GPU and the shapes
+      allow it: bfloat16 compute, head_dim a multiple of 8 up to 128; else XLA, which materializes
+      float32 B×N×T×T scores), "cudnn" or "xla".
   """
 
   cfg: ModelConfig
+  implementation: str = "auto"
+
+  def __post_init__(self):
+    execution.check("BF16 attention", self.implementation, BF16_ATTENTION_IMPLEMENTATIONS)
+    if self.implementation == "cudnn" and not _cudnn_shapes_ok(self.cfg):
+      raise ValueError(f"BF16 attention: implementation='cudnn' needs dtype bfloat16 and head_dim a "
+                       f"multiple of 8 up to 128 (got dtype={self.cfg.dtype}, "
+                       f"head_dim={self.cfg.head_dim})")
 
   def __call__(self, q, k, v, *, key=None):
     del key
-    return _attention(q, k, v, attention_impl(self.cfg), fallback=self.cfg.attention == "auto")
+    return _attention(q, k, v, attention_impl(self.cfg, self.implementation),
+                      fallback=self.implementation == "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,12 +309,18 @@ class NVFP4Attention:
 
   ``op(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, key)`` -> (B, T, N, H) in q's dtype; ``key`` draws the
   stochastic rounding of dS (a fresh key per step and block, as the projections take).
+
+  Attributes:
+    config: what the products compute (``AttentionConfig``).
+    implementation: which code computes them (``nvfp4_attention``'s ``implementation``).
   """
 
   config: AttentionConfig
+  implementation: str = "auto"
 
   def __call__(self, q, k, v, *, key=None):
-    return nvfp4_attention(q, k, v, causal=True, key=key, config=self.config)
+    return nvfp4_attention(q, k, v, causal=True, key=key, config=self.config,
+                           implementation=self.implementation)
 
 
 class Attention(nnx.Module):
@@ -319,23 +332,25 @@ class Attention(nnx.Module):
     precision: the projections' precision (``Recipe.block_linear``).
     rngs: parameter RNGs.
     attention_op: ``op(q, k, v, *, key)`` computing causal attention from RoPE'd heads (default:
-      ``NVFP4Attention(recipe.attention_config())`` for NVFP4 attention, else
-      ``DotProductAttention(cfg)``).
+      ``NVFP4Attention(recipe.attention_op)`` for NVFP4 attention, else
+      ``DotProductAttention(cfg)``, each with ``execution.attention``).
+    execution: which code runs the projections and the attention (``fp4jax.execution``).
   """
 
   def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs,
-               attention_op: Callable | None = None):
-    d, n, k, h = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.hdim
+               attention_op: Callable | None = None, execution: Execution = Execution()):
+    d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    self.qkv = make_projection(d, (n + 2 * k) * h, precision, recipe, cfg, cfg.init_std, rngs, "qkv")
-    self.o = make_projection(n * h, d, precision, recipe, cfg, out_std, rngs, "o")
+    self.qkv = make_projection(d, (n + 2 * k) * h, precision, recipe, cfg, cfg.init_std, rngs, "qkv",
+                               execution)
+    self.o = make_projection(n * h, d, precision, recipe, cfg, out_std, rngs, "o", execution)
     if cfg.qk_norm:
       self.q_norm = RMSNorm(h, cfg.norm_eps)
       self.k_norm = RMSNorm(h, cfg.norm_eps)
     self.cfg = cfg
     if attention_op is None:
-      config = recipe.attention_config()
-      attention_op = DotProductAttention(cfg) if config is None else NVFP4Attention(config)
+      attention_op = (DotProductAttention(cfg, execution.attention) if recipe.attention == "bf16"
+                      else NVFP4Attention(recipe.attention_op, _nvfp4_attention_impl(execution)))
     self.attention_op = attention_op
 
   def __call__(self, x_BxTxD, key):
@@ -348,7 +363,7 @@ class Attention(nnx.Module):
     pos_T = jnp.arange(t)
     q, k = rope(q, pos_T, cfg.rope_theta), rope(k, pos_T, cfg.rope_theta)
     o_BxTxNxH = self.attention_op(q, k, v, key=_fold_key(key, 2))
-    return self.o(o_BxTxNxH.reshape(b, t, cfg.n_heads * cfg.hdim), key=k_o)
+    return self.o(o_BxTxNxH.reshape(b, t, cfg.n_heads * cfg.head_dim), key=k_o)
 
   def _qkv(self, x_BxTxD, key):
     """q (B, T, N, H), k and v (B, T, K, H) from the one qkv projection.
@@ -359,7 +374,7 @@ class Attention(nnx.Module):
     numerics (bf16), else slices the fused GEMM's output.
     """
     b, t, _ = x_BxTxD.shape
-    n, kv, h = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.hdim
+    n, kv, h = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
     g = n // kv
 
     def columns(slot, width):
@@ -386,14 +401,24 @@ def _attention(q, k, v, impl: str, fallback: bool):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
 
+def _nvfp4_attention_impl(execution: Execution) -> str:
+  """``execution.attention`` for NVFP4 attention ("cudnn" runs BF16 attention only)."""
+  if execution.attention == "cudnn":
+    raise ValueError("Execution.attention='cudnn' runs BF16 attention only; NVFP4 attention "
+                     "(recipe attention='nvfp4') takes 'auto', 'xla', 'pallas' or 'pallas_interpret'")
+  return execution.attention
+
+
 class Mlp(nnx.Module):
   """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused in one (D, 2F) projection."""
 
-  def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs,
+               execution: Execution = Execution()):
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    self.gate_up = make_projection(cfg.d_model, 2 * cfg.ff, precision, recipe, cfg, cfg.init_std,
-                                   rngs, "gate_up")
-    self.down = make_projection(cfg.ff, cfg.d_model, precision, recipe, cfg, out_std, rngs, "down")
+    self.gate_up = make_projection(cfg.d_model, 2 * cfg.d_ff, precision, recipe, cfg, cfg.init_std,
+                                   rngs, "gate_up", execution)
+    self.down = make_projection(cfg.d_ff, cfg.d_model, precision, recipe, cfg, out_std, rngs, "down",
+                                execution)
 
   def __call__(self, x_BxTxD, key):
     k_gu, k_down = _split_key(key, 2)
@@ -420,11 +445,11 @@ class Block(nnx.Module):
   """Pre-norm Transformer block."""
 
   def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs,
-               attention_op: Callable | None = None):
+               attention_op: Callable | None = None, execution: Execution = Execution()):
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-    self.attn = Attention(cfg, recipe, precision, rngs, attention_op)
+    self.attn = Attention(cfg, recipe, precision, rngs, attention_op, execution)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-    self.mlp = Mlp(cfg, recipe, precision, rngs)
+    self.mlp = Mlp(cfg, recipe, precision, rngs, execution)
 
   def __call__(self, x_BxTxD, key):
     k_attn, k_mlp = _split_key(key, 2)
@@ -439,19 +464,20 @@ class Transformer(nnx.Module):
     cfg: model hyperparameters.
     recipe: precision recipe (``Recipe.block_linear`` gives each block's projections).
     rngs: parameter RNGs.
+    execution: which code runs each op (``fp4jax.execution.Execution``; the numerics are the
+      recipe's whatever it says).
     attention_op: the attention op of every block (default: ``NVFP4Attention`` when the recipe's
-      attention is NVFP4, else ``DotProductAttention(cfg)``; see
-      ``Attention``).
+      attention is NVFP4, else ``DotProductAttention(cfg)``; see ``Attention``).
   """
 
   def __init__(self, cfg: ModelConfig, recipe: Recipe, *, rngs: nnx.Rngs,
-               attention_op: Callable | None = None):
+               execution: Execution = Execution(), attention_op: Callable | None = None):
     self.cfg, self.recipe = cfg, recipe
     precisions = [recipe.block_linear(i, cfg.n_layers) for i in range(cfg.n_layers)]
     self.needs_key = any(p != "bf16" for p in precisions) or recipe.attention != "bf16"
     self.segments = _runs(precisions)
     self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs)
-    blocks = [Block(cfg, recipe, p, rngs, attention_op) for p in precisions]
+    blocks = [Block(cfg, recipe, p, rngs, attention_op, execution) for p in precisions]
     if cfg.scan_layers:  # stacked once here (the same initial values as unrolled)
       blocks = [_stack(blocks[start:stop]) for start, stop in self.segments]
     self.blocks = nnx.List(blocks)

@@ -1,4 +1,4 @@
-"""The precision recipe: which parts of training run in NVFP4, as one frozen dataclass.
+"""The precision recipe: what training computes in NVFP4, as one frozen dataclass of numerics.
 
 The four modules are pluggable and cumulative (docs/DESIGN.md, "The linear recipe")::
 
@@ -11,14 +11,13 @@ Embeddings, the LM head, norms and softmax always stay high precision. ``bf16_fi
 ``bf16_last_blocks`` keep the linear layers of the first/last k Transformer blocks in BF16 (NVIDIA
 keeps ~15% of the linear layers, mostly the last blocks, in BF16).
 
-``attention_pv``, ``attention_ds`` and ``attention_reuse`` are the attention ablations of the
-loss-gap study (``fp4jax.ops.AttentionConfig``): the P·V / dO·Vᵀ / Pᵀ·dO operands (V, P, dO) in
-NVFP4 instead of BF16, dS in BF16 instead of NVFP4, and a backward on the unquantized q, k instead
-of the forward's Q(q), Q(k). Each is one flag, e.g. ``--config.recipe.attention_ds=bf16``. ``linear_hadamard`` and
-``linear_grad_rounding`` are the linear layers' ablations (``fp4jax.ops.MatmulConfig``): the wgrad
-without its random Hadamard transform, and the output gradient dy rounded to nearest instead of
-stochastically (in the dgrad and the wgrad). ``linear_rounding_bits="counter"`` draws the stochastic
-rounding's bits from a keyed hash instead of ``jax.random.bits`` (cheaper in the kernels).
+What each NVFP4 module computes is the config of its op, nested as one field, so an ablation is one
+field in one place: ``matmul`` (``fp4jax.ops.MatmulConfig``: the NVFP4 projections' GEMMs, e.g.
+``--config.recipe.matmul.hadamard=False``), ``attention_op`` (``fp4jax.ops.AttentionConfig``: the
+NVFP4 attention's operands, e.g. ``--config.recipe.attention_op.ds=bf16``) and ``moments``
+(``fp4jax.optim.AdamNvfp4Options``: how NVFP4 moments are stored, e.g.
+``--config.recipe.moments.mu_rounding=nearest``). Each applies where its module is NVFP4. Which code
+runs an op (kernels, cuDNN, XLA) is not part of a recipe: see ``fp4jax.execution``.
 
 Named presets: ``bf16``, ``fp4_linear``, ``fp4_linear_lorasvd``, ``fp4_full_stack``
 (``get_recipe(name)``).
@@ -28,10 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from fp4jax.kernels.nvfp4_quantize import BIT_SOURCES
-from fp4jax.nvfp4 import ROUNDINGS
+from fp4jax.layers import DEFAULT_LORA_RANK
 from fp4jax.ops.attention import AttentionConfig
 from fp4jax.ops.matmul import MatmulConfig
+from fp4jax.optim.adam import AdamNvfp4Options
 
 LINEAR_CHOICES = ("bf16", "nvfp4", "nvfp4_lorasvd")
 ATTENTION_CHOICES = ("bf16", "nvfp4")
@@ -39,10 +38,12 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a Transformer block's projectio
 OPTIMIZER_STATE_CHOICES = ("fp32", "nvfp4")
 NEWTON_SCHULZ_CHOICES = ("bf16", "nvfp4")
 MODULES = ("linear", "attention", "optimizer_states", "newton_schulz")  # what a preset sets
+_NESTED = {"matmul": MatmulConfig, "attention_op": AttentionConfig, "moments": AdamNvfp4Options}
+
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-  """Precision of each expensive part of training.
+  """Precision of each expensive part of training, and what each NVFP4 part computes.
 
   Attributes:
     linear: precision of the Transformer block projections (q, k, v, o, gate, up, down).
@@ -54,25 +55,23 @@ class Recipe:
     lora_rank: rank of the BF16 low-rank branch when ``linear == "nvfp4_lorasvd"``.
     lora_resplit_every: re-split every LoRA-SVD projection (new top-r SVD of ``W_res + A·B``) every
       this many steps; 0 splits once at init (Metis). Adam moments are kept across a re-split.
+      A schedule of the run: a resumed run may change it.
     lora_lr_scale: the low-rank branch's learning rate (``lora_a``, ``lora_b``) as a multiple of
       the run's: their updates are scaled by it after the optimizer (weight decay included, as a
       learning rate scales it). 1.0 leaves the optimizer as it is; 0.0 freezes the branch.
     lora_projections: which block projections carry the branch: ``"all"`` or some of
       ``PROJECTIONS`` separated by commas (e.g. ``"gate_up,down"``: the MLP only); the others stay
       plain NVFP4.
-    attention_pv: with ``attention="nvfp4"``, the operands V, P and dO of P·V, dO·Vᵀ and Pᵀ·dO:
-      ``"bf16"`` (the method: the sensitive branches protected) or ``"nvfp4"`` (ablation).
-    attention_ds: with ``attention="nvfp4"``, dS in dQ = dS·K and dK = dSᵀ·Q: ``"nvfp4"`` (the
-      method, stochastic rounding) or ``"bf16"`` (ablation).
-    attention_reuse: with ``attention="nvfp4"``, the backward reuses the forward's packed Q(q),
-      Q(k) (True, the method) or uses the unquantized q and k (False, ablation: drop-in QAT).
-    linear_hadamard: the NVFP4 projections' wgrad operands get the 16-point random Hadamard
-      transform over tokens (True, NVIDIA's recipe) or not (False, ablation).
-    linear_grad_rounding: rounding of the output gradient dy of the NVFP4 projections in the dgrad
-      and the wgrad: ``"stochastic"`` (NVIDIA's recipe, unbiased) or ``"nearest"`` (ablation).
-    linear_rounding_bits: the random bits of the NVFP4 projections' stochastic rounding
-      (``MatmulConfig.rounding_bits``): ``"random"`` (``jax.random.bits``) or ``"counter"`` (a keyed
-      hash, 8 bits per element; cheaper in the quantizer kernels, a different random stream).
+    matmul: the GEMMs of the NVFP4 projections (``linear`` nvfp4 or nvfp4_lorasvd): NVIDIA's recipe
+      (``MatmulConfig.nvfp4()``) by default. Ablations: ``hadamard=False`` (no random Hadamard
+      transform of the wgrad operands), ``dy_dgrad_rounding`` / ``dy_wgrad_rounding="nearest"``
+      (the output gradient rounded to nearest), ``rounding_bits="counter"`` (a keyed hash's bits
+      for stochastic rounding: a different random stream, cheaper in the kernels).
+    attention_op: the products of NVFP4 attention (``attention="nvfp4"``): the method
+      (``AttentionConfig.nvfp4()``: q, k and dS in NVFP4, V, P, dO in BF16, tensor reuse) by
+      default. Ablations: ``v``/``p``/``do="nvfp4"`` (the P·V branch quantized too), ``ds="bf16"``,
+      ``reuse=False`` (the backward on the unquantized q, k).
+    moments: how NVFP4 moments are stored (``optimizer_states="nvfp4"``): ``AdamNvfp4Options()``.
   """
 
   linear: str = "bf16"
@@ -81,16 +80,13 @@ class Recipe:
   newton_schulz: str = "bf16"
   bf16_first_blocks: int = 0
   bf16_last_blocks: int = 0
-  lora_rank: int = 16
+  lora_rank: int = DEFAULT_LORA_RANK
   lora_resplit_every: int = 0
   lora_lr_scale: float = 1.0
   lora_projections: str = "all"
-  attention_pv: str = "bf16"
-  attention_ds: str = "nvfp4"
-  attention_reuse: bool = True
-  linear_hadamard: bool = True
-  linear_grad_rounding: str = "stochastic"
-  linear_rounding_bits: str = "random"
+  matmul: MatmulConfig = MatmulConfig.nvfp4()
+  attention_op: AttentionConfig = AttentionConfig.nvfp4()
+  moments: AdamNvfp4Options = AdamNvfp4Options()
 
   def __post_init__(self):
     for field, choices in (("linear", LINEAR_CHOICES), ("attention", ATTENTION_CHOICES),
@@ -106,25 +102,23 @@ class Recipe:
     if (isinstance(self.lora_lr_scale, bool) or not isinstance(self.lora_lr_scale, int | float)
         or not 0 <= self.lora_lr_scale < float("inf")):
       raise ValueError(f"Recipe.lora_lr_scale={self.lora_lr_scale!r}: expected a finite number >= 0")
-    for field in ("attention_pv", "attention_ds"):
-      if getattr(self, field) not in ATTENTION_CHOICES:
-        raise ValueError(f"Recipe.{field}={getattr(self, field)!r}: expected one of {ATTENTION_CHOICES}")
-    for field in ("attention_reuse", "linear_hadamard"):
-      if not isinstance(getattr(self, field), bool):
-        raise ValueError(f"Recipe.{field}={getattr(self, field)!r}: expected a bool")
-    if self.linear_grad_rounding not in ROUNDINGS:
-      raise ValueError(f"Recipe.linear_grad_rounding={self.linear_grad_rounding!r}: expected one of "
-                       f"{ROUNDINGS}")
     roles = self.lora_projections.split(",") if isinstance(self.lora_projections, str) else [None]
     if self.lora_projections != "all" and (not all(r in PROJECTIONS for r in roles)
                                            or len(set(roles)) != len(roles)):
       raise ValueError(f"Recipe.lora_projections={self.lora_projections!r}: expected 'all' or distinct "
                        f"names of {PROJECTIONS} separated by commas")
-    if self.linear_rounding_bits not in BIT_SOURCES:
-      raise ValueError(f"Recipe.linear_rounding_bits={self.linear_rounding_bits!r}: expected one of "
-                       f"{BIT_SOURCES}")
     if self.linear == "nvfp4_lorasvd" and self.lora_rank < 1:
       raise ValueError("Recipe.lora_rank must be >= 1 when linear='nvfp4_lorasvd'")
+    for field, cls in _NESTED.items():
+      value = getattr(self, field)
+      if isinstance(value, dict):  # from a config file or JSON: validated by the class
+        try:
+          value = cls(**value)
+        except TypeError as e:
+          raise ValueError(f"Recipe.{field}: {e}") from None
+        object.__setattr__(self, field, value)
+      if not isinstance(value, cls):
+        raise ValueError(f"Recipe.{field} must be a {cls.__name__}, got {type(value).__name__}")
 
   def lora_on(self, projection: str) -> bool:
     """Whether the block projection ``projection`` (one of ``PROJECTIONS``) carries the LoRA-SVD
@@ -149,26 +143,16 @@ class Recipe:
       return "bf16"
     return self.linear
 
-  def attention_config(self):
-    """The ``fp4jax.ops.AttentionConfig`` of ``attention="nvfp4"`` (None for BF16 attention):
-    ``AttentionConfig.nvfp4()`` with the ablation fields applied."""
-    if self.attention == "bf16":
-      return None
-    pv = self.attention_pv
-    return AttentionConfig.nvfp4(v=pv, p=pv, do=pv, ds=self.attention_ds, reuse=self.attention_reuse)
-
-  def matmul_config(self) -> MatmulConfig:
-    """The ``fp4jax.ops.MatmulConfig`` of the NVFP4 block projections: NVIDIA's recipe
-    (``MatmulConfig.nvfp4()``) with the linear ablation fields applied."""
-    r = self.linear_grad_rounding
-    return MatmulConfig.nvfp4(hadamard=self.linear_hadamard, dy_dgrad_rounding=r, dy_wgrad_rounding=r,
-                              rounding_bits=self.linear_rounding_bits)
-
   def replace(self, **changes) -> Recipe:
-    """A copy with ``changes`` applied (validated)."""
+    """A copy with ``changes`` applied (validated); a nested config may be given as a dict of the
+    fields to change, e.g. ``replace(matmul={"hadamard": False})``."""
+    for field in _NESTED:
+      if isinstance(changes.get(field), dict):
+        changes[field] = dataclasses.replace(getattr(self, field), **changes[field])
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict:
+    """The recipe as nested plain dicts (JSON-able: tuples become lists in JSON)."""
     return dataclasses.asdict(self)
 
 
@@ -187,7 +171,7 @@ def get_recipe(name: str, **overrides) -> Recipe:
   Args:
     name: one of ``PRESETS`` (``bf16``, ``fp4_linear``, ``fp4_linear_lorasvd``,
       ``fp4_full_stack``).
-    **overrides: fields to change, e.g. ``bf16_last_blocks=2``.
+    **overrides: fields to change, e.g. ``bf16_last_blocks=2`` or ``matmul={"hadamard": False}``.
 
   Returns:
     The ``Recipe``.

@@ -184,7 +184,7 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
   abstract = nnx.eval_shape(lambda: Transformer(cfg, recipe, rngs=nnx.Rngs(0)))
   graphdef, _ = nnx.split(abstract)
   segments = abstract.segments
-  hdim_ok = cfg.hdim % nvfp4.BLOCK == 0  # the attention reference's head dims
+  hdim_ok = cfg.head_dim % nvfp4.BLOCK == 0  # the attention reference's head dims
 
   def forward(params, taps, inputs, targets, key):
     """Loss and recorded tensors of the unrolled model with probes (taps: zeros or None)."""
@@ -197,7 +197,7 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
     for name, attn in _attentions(model):
       attn.attention_op = _ProbedAttention(attn.attention_op, name, rec)
     x_BxTxD = model.features(inputs, key=key)
-    loss = chunked_cross_entropy(x_BxTxD, model.lm_head.kernel[...], targets, rows=cross_entropy)
+    loss = chunked_cross_entropy(x_BxTxD, model.lm_head.kernel[...], targets, implementation=cross_entropy)
     return loss, rec.seen
 
   def telemetry(state, batch):

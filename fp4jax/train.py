@@ -37,7 +37,8 @@ from fp4jax import telemetry
 from fp4jax.checkpoint import Checkpointer, CheckpointSaveError
 from fp4jax.data import to_global_batch
 from fp4jax.layers import Dense
-from fp4jax.loss import LOSS_ROWS, chunked_cross_entropy
+from fp4jax.execution import Execution
+from fp4jax.loss import chunked_cross_entropy
 from fp4jax.metrics import MetricsWriter, peak_flops
 from fp4jax.model import ModelConfig, Transformer, projection_dims
 from fp4jax.preemption import StopSignals, TrainingInterrupted
@@ -136,36 +137,40 @@ def _lora_mask(params):
 
 
 def make_optimizer(cfg: OptimizerConfig, recipe: Recipe, total_steps: int,
-                   seed: int = 0, sharded_state: bool = False) -> optax.GradientTransformation:
+                   seed: int = 0, sharded_state: bool = False,
+                   execution: Execution = Execution()) -> optax.GradientTransformation:
   """The optimizer of a run: clipping, then AdamW or Muon, with the recipe's state format.
 
   Args:
     cfg: optimizer config.
-    recipe: ``optimizer_states`` ("fp32"/"nvfp4"), ``newton_schulz`` ("bf16"/"nvfp4", Muon's
-      Newton–Schulz operands) and ``lora_lr_scale`` (the LoRA-SVD branch's updates times this;
+    recipe: ``optimizer_states`` ("fp32"/"nvfp4") with ``moments`` (how NVFP4 moments are
+      stored), ``newton_schulz`` ("bf16"/"nvfp4", Muon's Newton–Schulz operands) and
+      ``lora_lr_scale`` (the LoRA-SVD branch's updates times this;
       at 1.0 the chain has no such step).
     total_steps: for the schedule.
     seed: seed of the stochastic rounding of NVFP4 optimizer states.
     sharded_state: the mesh shards parameters and optimizer state (FSDP or tensor parallel): NVFP4
-      AdamW then updates through XLA, which partitions the update, instead of the Pallas
-      kernels, which take whole leaves.
+      AdamW then updates through XLA where ``execution.optimizer`` is "auto" (XLA partitions the
+      update; the Pallas kernels take whole leaves).
+    execution: ``execution.optimizer`` runs the NVFP4 AdamW update.
 
   Returns:
     An ``optax.GradientTransformation``.
   """
   lr = make_schedule(cfg, total_steps)
   quant = recipe.optimizer_states == "nvfp4"
-  kernel = "xla" if sharded_state else "auto"
+  impl = "xla" if sharded_state and execution.optimizer == "auto" else execution.optimizer
   if cfg.name == "muon":
     # One Muon implementation for every recipe (so a comparison changes only the precision):
     # NS operands in recipe.newton_schulz, momentum / Adam moments NVFP4 if optimizer_states is.
     tx = optim.muon_nvfp4(lr, eps=cfg.eps, weight_decay=cfg.weight_decay,
                           ns_precision=recipe.newton_schulz, quantize=quant, adam_b1=cfg.b1,
                           adam_b2=cfg.b2, adam_weight_decay=cfg.weight_decay,
-                          weight_decay_mask=_decay_mask, seed=seed, adam_kernel=kernel)
+                          weight_decay_mask=_decay_mask, seed=seed, adam_options=recipe.moments,
+                          adam_implementation=impl)
   elif quant:
     tx = optim.adamw_nvfp4(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                           mask=_decay_mask, seed=seed, kernel=kernel)
+                           mask=_decay_mask, seed=seed, options=recipe.moments, implementation=impl)
   else:
     tx = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                      mask=_decay_mask)
@@ -176,15 +181,16 @@ def make_optimizer(cfg: OptimizerConfig, recipe: Recipe, total_steps: int,
   return tx
 
 
-def abstract_model(model_cfg: ModelConfig, recipe: Recipe):
+def abstract_model(model_cfg: ModelConfig, recipe: Recipe, execution: Execution = Execution()):
   """``(graphdef, abstract params)`` of the model, without allocating it."""
-  model = nnx.eval_shape(lambda: Transformer(model_cfg, recipe, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: Transformer(model_cfg, recipe, execution=execution,
+                                             rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
   return graphdef, nnx.to_pure_dict(state)
 
 
 def init_state(model_cfg: ModelConfig, recipe: Recipe, tx: optax.GradientTransformation,
-               mesh, seed: int = 0):
+               mesh, seed: int = 0, execution: Execution = Execution()):
   """A freshly initialized, sharded train state.
 
   Args:
@@ -193,12 +199,13 @@ def init_state(model_cfg: ModelConfig, recipe: Recipe, tx: optax.GradientTransfo
     tx: the optimizer.
     mesh: a (data, fsdp, tensor) mesh.
     seed: parameter init and step RNG seed.
+    execution: which code runs each op of the model (part of the graphdef, not of the state).
 
   Returns:
     ``(graphdef, state, state_shardings)``: ``nnx.merge(graphdef, state["params"])`` is the
     model; the shardings pytree mirrors ``state``.
   """
-  graphdef, abstract = abstract_model(model_cfg, recipe)
+  graphdef, abstract = abstract_model(model_cfg, recipe, execution)
   p_sh = shd.param_shardings(abstract, mesh, projection_dims(model_cfg))
   rep = shd.replicated(mesh)
 
@@ -219,7 +226,7 @@ def init_state(model_cfg: ModelConfig, recipe: Recipe, tx: optax.GradientTransfo
   return graphdef, state, shardings
 
 
-def loss_fn(graphdef, params, inputs_BxT, targets_BxT, key, *, cross_entropy: str = "auto"):
+def loss_fn(graphdef, params, inputs_BxT, targets_BxT, key, *, execution: Execution = Execution()):
   """Mean next-token cross-entropy of the model ``nnx.merge(graphdef, params)``.
 
   The LM head and the loss run chunked (``fp4jax.loss.chunked_cross_entropy``): the float32
@@ -231,17 +238,18 @@ def loss_fn(graphdef, params, inputs_BxT, targets_BxT, key, *, cross_entropy: st
     graphdef, params: the model.
     inputs_BxT, targets_BxT: int token ids.
     key: the step's PRNG key (the NVFP4 projections' random bits).
-    cross_entropy: the loss's pass over the logits (``chunked_cross_entropy``'s ``rows``:
-      "auto", "pallas", "xla" or "pallas_interpret").
+    execution: ``execution.cross_entropy`` runs the loss's pass over the logits
+      (``chunked_cross_entropy``'s ``implementation``); the model's ops run as its graphdef says.
   """
   model = nnx.merge(graphdef, params)
   x_BxTxD = model.features(inputs_BxT, key=key)
   return chunked_cross_entropy(x_BxTxD, model.lm_head.kernel[...], targets_BxT,
-                               recompute=model.cfg.remat, rows=cross_entropy)
+                               recompute=model.cfg.remat,
+                               implementation=execution.cross_entropy)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callable | None = None,
-                    grad_accum: int = 1, cross_entropy: str = "auto"):
+                    grad_accum: int = 1, execution: Execution = Execution()):
   """The pure train step ``(state, batch) -> (state, metrics)``.
 
   Args:
@@ -249,7 +257,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
     tx: the optimizer.
     schedule: learning-rate schedule, reported as metric ``lr``.
     grad_accum: micro-batches per step (the batch's leading axis is split into this many).
-    cross_entropy: the loss's pass over the logits (see ``loss_fn``).
+    execution: as in ``loss_fn``.
 
   Returns:
     The step function. ``batch`` is ``{"inputs", "targets"}`` of shape (B, T); metrics are
@@ -257,7 +265,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
   """
 
   def grads_of(params, inputs, targets, key):
-    loss = lambda p: loss_fn(graphdef, p, inputs, targets, key, cross_entropy=cross_entropy)  # noqa: E731
+    loss = lambda p: loss_fn(graphdef, p, inputs, targets, key, execution=execution)  # noqa: E731
     return jax.value_and_grad(loss)(params)
 
   def step_fn(state, batch):
@@ -313,27 +321,26 @@ def make_resplit(graphdef, params_shardings, seed: int = 0):
                  donate_argnums=0)
 
 
-def make_eval_step(graphdef, cross_entropy: str = "auto"):
+def make_eval_step(graphdef, execution: Execution = Execution()):
   """``(params, batch) -> mean loss``, with one fixed key for the NVFP4 projections' random bits
   (every evaluation sees the same rounding)."""
   key = jax.random.key(0)
 
   def eval_fn(params, batch):
-    return loss_fn(graphdef, params, batch["inputs"], batch["targets"], key,
-                   cross_entropy=cross_entropy)
+    return loss_fn(graphdef, params, batch["inputs"], batch["targets"], key, execution=execution)
   return eval_fn
 
 
 def jit_steps(graphdef, tx, schedule, shardings, mesh, grad_accum: int = 1,
-              cross_entropy: str = "auto"):
+              execution: Execution = Execution()):
   """The train and eval steps, jitted with shardings (state donated to the train step)."""
   bsh = NamedSharding(mesh, P(shd.BATCH_AXES, None))
   batch_sh = {"inputs": bsh, "targets": bsh}
   rep = shd.replicated(mesh)
-  train_jit = jax.jit(make_train_step(graphdef, tx, schedule, grad_accum, cross_entropy),
+  train_jit = jax.jit(make_train_step(graphdef, tx, schedule, grad_accum, execution),
                       in_shardings=(shardings, batch_sh), out_shardings=(shardings, rep),
                       donate_argnums=0)
-  eval_jit = jax.jit(make_eval_step(graphdef, cross_entropy),
+  eval_jit = jax.jit(make_eval_step(graphdef, execution),
                      in_shardings=(shardings["params"], batch_sh), out_shardings=rep)
 
   return _UnderMesh(train_jit, mesh), _UnderMesh(eval_jit, mesh)
@@ -383,9 +390,6 @@ class TrainConfig:
     seq_len: tokens per example.
     grad_accum: micro-batches per update.
     seed: parameter init / step RNG seed.
-    cross_entropy: the loss's pass over each chunk's float32 logits (``fp4jax.loss``): "auto"
-      (the fused Pallas kernel ``fp4jax.kernels.cross_entropy`` when computations go to a CUDA GPU,
-      else XLA), "pallas" or "xla". Same loss up to summation order.
     log_every: write metrics every this many steps (also at the first step of a run, at eval
       steps and at the last step).
     eval_every: evaluate on the held-out split every this many steps (0: only at the end).
@@ -406,7 +410,6 @@ class TrainConfig:
   seq_len: int
   grad_accum: int = 1
   seed: int = 0
-  cross_entropy: str = "auto"
   log_every: int = 10
   eval_every: int = 0
   eval_batches: int = 8
@@ -430,9 +433,6 @@ class TrainConfig:
     if not isinstance(self.telemetry_every, int) or self.telemetry_every < 0:
       raise ValueError(f"TrainConfig.telemetry_every={self.telemetry_every!r}: expected an int "
                        ">= 0 (0: off)")
-    if self.cross_entropy not in LOSS_ROWS:
-      raise ValueError(f"TrainConfig.cross_entropy={self.cross_entropy!r}: expected one of "
-                       f"{LOSS_ROWS}")
 
 
 def run_identity(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
@@ -442,15 +442,15 @@ def run_identity(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfi
   A resumed run must have the same model, recipe and optimizer kind (else its checkpoint does not
   fit); the optimizer's settings, the data, batch size, sequence length and seed may change only
   when allowed (``fp4jax.workdir.identity_changes``). Schedules of the run (steps, logging,
-  checkpoint and LoRA re-split cadence) and kernel choices may change freely.
+  checkpoint and LoRA re-split cadence) and its ``fp4jax.execution.Execution`` (which code runs
+  each op: not an argument here) may change freely.
 
   Args:
     model_cfg, recipe, opt_cfg, train_cfg: the run's configs.
     data: JSON-able description of the training data (corpus, tokenizer), or None.
   """
   r = {k: v for k, v in recipe.to_dict().items() if k != "lora_resplit_every"}  # a schedule
-  m = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k != "attention"}  # a kernel
-  return {"model": m, "recipe": r, "optimizer": dataclasses.asdict(opt_cfg),
+  return {"model": dataclasses.asdict(model_cfg), "recipe": r, "optimizer": dataclasses.asdict(opt_cfg),
           "batch_size": train_cfg.batch_size, "seq_len": train_cfg.seq_len,
           "seed": train_cfg.seed, "data": dict(data or {})}
 
@@ -517,7 +517,7 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
           train_cfg: TrainConfig, workdir, train_iter: Iterator,
           eval_batches: Callable[[], Iterator] | None = None, *, mesh=None,
           data_info: Mapping | None = None, config: Mapping | None = None,
-          allow_changes: Sequence[str] = ()) -> dict:
+          allow_changes: Sequence[str] = (), execution: Execution = Execution()) -> dict:
   """Trains (or resumes from ``<workdir>/checkpoints``) and logs to ``<workdir>/metrics.jsonl``.
 
   Progress goes to stdout from process 0: a live bar on a terminal, else one line per logged step
@@ -548,6 +548,8 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
       ``<workdir>/config_history.jsonl`` (every start).
     allow_changes: identity fields a resume may change (``fp4jax.workdir.CHANGEABLE``, e.g.
       "seed", "optimizer.learning_rate"); the changes are recorded in the history.
+    execution: which code runs each op (``fp4jax.execution.Execution``); not part of the run's
+      identity, so a resume may change it.
 
   Returns:
     Summary: ``step``, ``loss`` (last), ``eval_loss`` (last), ``tokens_per_s``, ``mfu``.
@@ -579,11 +581,11 @@ def train(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfig,
         "command starts again from the latest checkpoint", lambda: lock.release(force=True)))
     return _train(model_cfg, recipe, opt_cfg, train_cfg, workdir, train_iter, eval_batches,
                   mesh, run_identity(model_cfg, recipe, opt_cfg, train_cfg, data_info), config,
-                  allow_changes, stop)
+                  allow_changes, stop, execution)
 
 
 def _train(model_cfg, recipe, opt_cfg, tc, workdir, train_iter, eval_batches, mesh, identity,
-           config, allow_changes, stop: StopSignals) -> dict:
+           config, allow_changes, stop: StopSignals, execution: Execution) -> dict:
   ckpt = Checkpointer(workdir / "checkpoints", every=tc.checkpoint_every or tc.steps,
                       keep=tc.keep_checkpoints, log=_say)
   start = ckpt.intact_step() or 0
@@ -599,13 +601,14 @@ def _train(model_cfg, recipe, opt_cfg, tc, workdir, train_iter, eval_batches, me
     _check_eval_data(eval_batches)
   mesh = mesh if mesh is not None else shd.make_mesh(tc.mesh_shape)
   sharded = any(mesh.shape.get(axis, 1) > 1 for axis in ("fsdp", "tensor"))
-  tx = make_optimizer(opt_cfg, recipe, tc.steps, seed=tc.seed, sharded_state=sharded)
+  tx = make_optimizer(opt_cfg, recipe, tc.steps, seed=tc.seed, sharded_state=sharded,
+                      execution=execution)
   schedule = make_schedule(opt_cfg, tc.steps)
-  graphdef, state, shardings = init_state(model_cfg, recipe, tx, mesh, tc.seed)
+  graphdef, state, shardings = init_state(model_cfg, recipe, tx, mesh, tc.seed, execution)
   train_step, eval_step = jit_steps(graphdef, tx, schedule, shardings, mesh, tc.grad_accum,
-                                    tc.cross_entropy)
+                                    execution)
   tele = (telemetry.jit_telemetry(model_cfg, recipe, opt_cfg, shardings, mesh,
-                                  cross_entropy=tc.cross_entropy) if tc.telemetry_every else None)
+                                  cross_entropy=execution.cross_entropy) if tc.telemetry_every else None)
   every = recipe.lora_resplit_every if recipe.linear == "nvfp4_lorasvd" else 0
   resplit = make_resplit(graphdef, shardings["params"], tc.seed) if every else None
   if start:

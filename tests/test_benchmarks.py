@@ -49,14 +49,16 @@ def test_train_step_recipe_specs():
   from fp4jax.recipe import get_recipe
 
   assert recipe_of("fp4_linear") == get_recipe("fp4_linear")
-  r = recipe_of("fp4_linear:linear_rounding_bits=counter:linear_hadamard=false:lora_rank=4")
-  assert (r.linear_rounding_bits, r.linear_hadamard, r.lora_rank) == ("counter", False, 4)
+  r = recipe_of("fp4_linear:matmul.rounding_bits=counter:matmul.hadamard=false:lora_rank=4")
+  assert (r.matmul.rounding_bits, r.matmul.hadamard, r.lora_rank) == ("counter", False, 4)
   with pytest.raises(ValueError, match="not FIELD=VALUE"):
     recipe_of("fp4_linear:counter")
   with pytest.raises(ValueError, match="no_such_field"):
     recipe_of("fp4_linear:no_such_field=1")
-  with pytest.raises(ValueError, match="linear_rounding_bits"):
-    recipe_of("fp4_linear:linear_rounding_bits=philox")
+  with pytest.raises(ValueError, match="rounding_bits"):
+    recipe_of("fp4_linear:matmul.rounding_bits=philox")
+  with pytest.raises(ValueError, match="hadamrd"):
+    recipe_of("fp4_linear:matmul.hadamrd=false")
 
 
 def test_triton_kernels_of_a_lowered_step():
@@ -64,10 +66,10 @@ def test_triton_kernels_of_a_lowered_step():
   step lowered for an H200, one per distinct IR and launch setting."""
   import argparse
 
-  from benchmarks.compile_time import lower_step, matmul_implementation, triton_kernels
+  from benchmarks.compile_time import execution_of, lower_step, triton_kernels
 
-  with matmul_implementation("pallas"):
-    lowered, row = lower_step("cuda", "tiny", "fp4_linear", argparse.Namespace(scan=False, batch=2, seq=32))
+  lowered, row = lower_step("cuda", "tiny", "fp4_linear", argparse.Namespace(scan=False, batch=2, seq=32),
+                            execution_of("pallas"))
   kernels = triton_kernels(lowered)
   assert 0 < len(kernels) <= row["triton_calls"] == sum(k["calls"] for k in kernels)
   assert {k["name"] for k in kernels} >= {"nvfp4_amax", "nvfp4_quantize_pairs", "nvfp4_quantize_slabs"}

@@ -30,7 +30,8 @@ def run(tmp_path_factory):
     (text / f"{i:03d}-{name}.txt").write_text(body)
   cfg = tiny.get_config()
   cfg.update(steps=3, batch_size=B, seq_len=T, eval_batches=1000, checkpoint_every=0,
-             mesh_shape=(1, 1, 1), progress=False, tensorboard=False, cross_entropy="xla")
+             mesh_shape=(1, 1, 1), progress=False, tensorboard=False)
+  cfg.execution.cross_entropy = "xla"
   cfg.model.update(d_model=32, n_layers=1, n_heads=2)
   cfg.data.update(corpus=str(text), dir=str(root / "tokens"))
   launcher.run(cfg, root / "run")

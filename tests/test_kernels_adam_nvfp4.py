@@ -55,7 +55,7 @@ def _tx(impl, rounding="stochastic", config=AdamKernelConfig(), **kw):
   """scale_by_adam_nvfp4 with ``kernel=impl`` on leaves of >= 1024 elements; ``rounding``: both
   moments' or a pair (m, √v)."""
   mu, nu = (rounding, rounding) if isinstance(rounding, str) else rounding
-  return optim.scale_by_adam_nvfp4(kernel=impl, kernel_config=config, options=optim.AdamNvfp4Options(
+  return optim.scale_by_adam_nvfp4(implementation=impl, block_sizes=config, options=optim.AdamNvfp4Options(
       min_size=1024, mu_rounding=mu, nu_rounding=nu), **kw)
 
 
@@ -123,7 +123,7 @@ def test_many_programs_and_ragged_tail(block_rows, stats_block_rows):
 
 def test_leaves_outside_the_kernels_use_the_xla_path():
   """A leaf blocked along its first axis (a (64, 72) LM head) goes through XLA beside the kernels'
-  leaves: the same state as kernel="xla"."""
+  leaves: the same state as implementation="xla"."""
   shapes = {"w": (64, 128), "head": (64, 72)}
   _, s_x = _run(_tx("xla"), 2, shapes=shapes)
   _, s_k = _run(_tx("pallas_interpret"), 2, shapes=shapes)
@@ -203,7 +203,7 @@ def test_auto_takes_the_kernels_on_a_cuda_gpu_only(monkeypatch):
   assert _uses_pallas(tx, monkeypatch, "cuda")
   assert not _uses_pallas(tx, monkeypatch, "cpu")
   assert not _uses_pallas(tx, monkeypatch, "rocm")
-  assert not _uses_pallas(optim.adamw_nvfp4(1e-3, options=options, kernel="xla"), monkeypatch, "cuda")
+  assert not _uses_pallas(optim.adamw_nvfp4(1e-3, options=options, implementation="xla"), monkeypatch, "cuda")
 
 
 def test_train_uses_xla_when_the_state_is_sharded(monkeypatch):

@@ -1,4 +1,4 @@
-"""fp4jax.layers: Fp4Dense and LoraSvdDense (SVD split, re-split, randomized SVD, gradients, errors)."""
+"""fp4jax.layers: fp4_dense and lora_svd_dense (SVD split, re-split, randomized SVD, gradients, errors)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from fp4jax import nvfp4
-from fp4jax.layers import Fp4Dense, LoraSvdDense, lora_svd_split, randomized_svd
+from fp4jax.layers import fp4_dense, lora_svd_dense, lora_svd_split, randomized_svd
 from fp4jax.ops import MatmulConfig, nvfp4_matmul
 
 K, N, R = 64, 48, 8
@@ -39,17 +39,17 @@ def _rel(a, b):
 
 
 def test_fp4dense_bf16_equals_plain_dense_and_nvfp4_equals_the_op():
-  layer = Fp4Dense(K, N, config=BF16, rngs=nnx.Rngs(0), use_bias=True)
+  layer = fp4_dense(K, N, config=BF16, rngs=nnx.Rngs(0), use_bias=True)
   layer.bias[...] = jnp.arange(N, dtype=jnp.float32)
   x = _x()
   want = jnp.dot(x, layer.kernel[...].astype(jnp.bfloat16), preferred_element_type=jnp.float32)
   want = want.astype(jnp.bfloat16) + layer.bias[...].astype(jnp.bfloat16)[None, None]
   np.testing.assert_array_equal(layer(x), want)
   assert layer.kernel[...].dtype == jnp.float32 and layer(x).dtype == jnp.bfloat16
-  assert Fp4Dense(K, N, config=BF16, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16).kernel[...].dtype == jnp.bfloat16
-  assert Fp4Dense(K, N, config=BF16, rngs=nnx.Rngs(0), dtype=jnp.float32)(x).dtype == jnp.float32
+  assert fp4_dense(K, N, config=BF16, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16).kernel[...].dtype == jnp.bfloat16
+  assert fp4_dense(K, N, config=BF16, rngs=nnx.Rngs(0), dtype=jnp.float32)(x).dtype == jnp.float32
 
-  q = Fp4Dense(K, N, config=NVFP4, rngs=nnx.Rngs(0))
+  q = fp4_dense(K, N, config=NVFP4, rngs=nnx.Rngs(0))
   key = jax.random.key(3)
   got = jax.jit(lambda x, w, k: (q(x, key=k), nvfp4_matmul(x, w, key=k, config=NVFP4)))(x, q.kernel[...], key)
   np.testing.assert_array_equal(*got)
@@ -57,7 +57,7 @@ def test_fp4dense_bf16_equals_plain_dense_and_nvfp4_equals_the_op():
 
 def test_lorasvd_init_preserves_w_and_is_a_balanced_top_r_svd():
   w = _spiked()
-  layer = LoraSvdDense(K, N, rank=R, config=BF16, rngs=nnx.Rngs(0), kernel_init=_const_init(w))
+  layer = lora_svd_dense(K, N, rank=R, config=BF16, rngs=nnx.Rngs(0), kernel_init=_const_init(w))
   w_eff = layer.effective_kernel()
   np.testing.assert_allclose(w_eff, w, rtol=0, atol=4 * np.finfo(np.float32).eps * float(jnp.abs(w).max()))
   a, b = layer.lora_a[...], layer.lora_b[...]
@@ -85,7 +85,7 @@ def test_lorasvd_takes_error_out_of_the_quantized_weight():
 
 
 def test_resplit_preserves_the_effective_weight():
-  layer = LoraSvdDense(K, N, rank=R, config=BF16, rngs=nnx.Rngs(0), kernel_init=_const_init(_spiked()))
+  layer = lora_svd_dense(K, N, rank=R, config=BF16, rngs=nnx.Rngs(0), kernel_init=_const_init(_spiked()))
   # Emulate training: move all three parameters.
   ks = jax.random.split(jax.random.key(0), 3)
   for p, k in zip((layer.kernel, layer.lora_a, layer.lora_b), ks):
@@ -99,7 +99,7 @@ def test_resplit_preserves_the_effective_weight():
   s = np.linalg.svd(np.asarray(before), compute_uv=False)
   np.testing.assert_allclose(np.linalg.svd(np.asarray(layer.kernel[...]), compute_uv=False)[0], s[R], rtol=2e-2)
   # From a jitted training step too; with bf16 A, B (exact after a split) W_eff is still kept.
-  layer = LoraSvdDense(K, N, rank=R, config=BF16, rngs=nnx.Rngs(0), lora_param_dtype=jnp.bfloat16)
+  layer = lora_svd_dense(K, N, rank=R, config=BF16, rngs=nnx.Rngs(0), lora_param_dtype=jnp.bfloat16)
   assert layer.lora_a[...].dtype == jnp.bfloat16 and layer.kernel[...].dtype == jnp.float32
   before = layer.effective_kernel()
   nnx.jit(lambda m: m.resplit())(layer)
@@ -115,7 +115,7 @@ def test_randomized_svd_finds_the_top_directions_and_split_stays_exact():
   np.testing.assert_allclose(vt @ vt.T, np.eye(R), atol=1e-5)
   a, b, w_res = lora_svd_split(w, R, method="randomized", key=jax.random.key(0))
   np.testing.assert_allclose(w_res + a @ b, w, atol=4e-7 * float(jnp.abs(w).max()))
-  layer = LoraSvdDense(128, 96, rank=R, config=BF16, rngs=nnx.Rngs(0), kernel_init=_const_init(w),
+  layer = lora_svd_dense(128, 96, rank=R, config=BF16, rngs=nnx.Rngs(0), kernel_init=_const_init(w),
                        svd="randomized")
   np.testing.assert_allclose(layer.effective_kernel(), w, atol=4e-7 * float(jnp.abs(w).max()))
   with pytest.raises(ValueError, match="needs a `key`"):
@@ -125,7 +125,7 @@ def test_randomized_svd_finds_the_top_directions_and_split_stays_exact():
 
 def test_lorasvd_forward_and_gradients():
   """y = nvfp4_matmul(x, W_res) + (x·A)·B in bf16; gradients reach all three params through nnx.jit."""
-  layer = LoraSvdDense(K, N, rank=R, config=NVFP4, rngs=nnx.Rngs(0), kernel_init=_const_init(_spiked()))
+  layer = lora_svd_dense(K, N, rank=R, config=NVFP4, rngs=nnx.Rngs(0), kernel_init=_const_init(_spiked()))
   x, key = _x(), jax.random.key(5)
 
   @nnx.jit
@@ -153,7 +153,7 @@ def test_lorasvd_forward_and_gradients():
 
 
 def test_jit_equals_no_jit_for_the_layers():
-  layer = LoraSvdDense(K, N, rank=R, config=BF16, rngs=nnx.Rngs(0), use_bias=True)
+  layer = lora_svd_dense(K, N, rank=R, config=BF16, rngs=nnx.Rngs(0), use_bias=True)
   x = _x()
   np.testing.assert_array_equal(layer(x), nnx.jit(lambda m, x: m(x))(layer, x))
 
@@ -161,20 +161,20 @@ def test_jit_equals_no_jit_for_the_layers():
 def test_bad_arguments_raise_clear_errors():
   rngs = nnx.Rngs(0)
   with pytest.raises(ValueError, match="rank must be in"):
-    LoraSvdDense(K, N, rank=0, config=BF16, rngs=rngs)
+    lora_svd_dense(K, N, rank=0, config=BF16, rngs=rngs)
   with pytest.raises(ValueError, match="rank must be in"):
-    LoraSvdDense(K, N, rank=N + 1, config=BF16, rngs=rngs)
+    lora_svd_dense(K, N, rank=N + 1, config=BF16, rngs=rngs)
   with pytest.raises(ValueError, match="svd method"):
-    LoraSvdDense(K, N, rank=R, config=BF16, rngs=rngs, svd="qr")
+    lora_svd_dense(K, N, rank=R, config=BF16, rngs=rngs, svd="qr")
   with pytest.raises(ValueError, match="config must be a MatmulConfig"):
-    Fp4Dense(K, N, config="nvfp4", rngs=rngs)
-  layer = Fp4Dense(K, N, config=NVFP4, rngs=rngs)
+    fp4_dense(K, N, config="nvfp4", rngs=rngs)
+  layer = fp4_dense(K, N, config=NVFP4, rngs=rngs)
   with pytest.raises(ValueError, match="needs `key`"):
     layer(_x())
   with pytest.raises(ValueError, match="disagree on K"):
     layer(_x(shape=(2, 16, 32)), key=jax.random.key(0))
   with pytest.raises(ValueError, match="not a multiple of 16"):
-    Fp4Dense(K, 40, config=NVFP4, rngs=rngs)(_x(), key=jax.random.key(0))
+    fp4_dense(K, 40, config=NVFP4, rngs=rngs)(_x(), key=jax.random.key(0))
   with pytest.raises(ValueError, match="rank must be in"):
     lora_svd_split(jnp.ones((8, 8)), 9)
   with pytest.raises(ValueError, match="2-D"):
@@ -182,12 +182,12 @@ def test_bad_arguments_raise_clear_errors():
 
 
 def test_one_dense_with_an_injected_matmul():
-  """Fp4Dense / LoraSvdDense are Dense with NVFP4Matmul (and a rank); Dense.split gives column
+  """fp4_dense / lora_svd_dense are Dense with NVFP4Matmul (and a rank); Dense.split gives column
   groups: separate GEMMs for the bf16 matmul, slices of the one GEMM for NVFP4 (same bits)."""
   from fp4jax.layers import Dense, MixedMatmul, NVFP4Matmul
-  q = Fp4Dense(K, N, config=NVFP4, rngs=nnx.Rngs(0))
+  q = fp4_dense(K, N, config=NVFP4, rngs=nnx.Rngs(0))
   assert type(q) is Dense and q.matmul == NVFP4Matmul(NVFP4) and q.rank == 0
-  lora = LoraSvdDense(K, N, rank=R, config=NVFP4, rngs=nnx.Rngs(0))
+  lora = lora_svd_dense(K, N, rank=R, config=NVFP4, rngs=nnx.Rngs(0))
   assert type(lora) is Dense and lora.rank == R
   x, key = _x(), jax.random.key(2)
   cols = (lambda a: a[..., :16], lambda a: a[..., 16:])

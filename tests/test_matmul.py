@@ -27,10 +27,9 @@ from fp4jax.ops import (
 from fp4jax.ops import matmul
 
 M0, M1, K, N = 2, 16, 32, 32
-NVFP4 = MatmulConfig.nvfp4(implementation="xla")
+NVFP4 = MatmulConfig.nvfp4()
 # Every operand stochastically rounded: each GEMM is then unbiased for the *exact* product.
-ALL_SR = MatmulConfig.nvfp4(x_rounding="stochastic", w_rounding="stochastic", x_wgrad_rounding="stochastic",
-                            implementation="xla")
+ALL_SR = MatmulConfig.nvfp4(x_rounding="stochastic", w_rounding="stochastic", x_wgrad_rounding="stochastic")
 N_KEYS = 128
 
 
@@ -42,9 +41,13 @@ def _data(dtype=jnp.float32, seed=0):
   return x, w, dy
 
 
-def _vjp(x, w, dy, key, config):
-  y, vjp = jax.vjp(lambda x, w: nvfp4_matmul(x, w, key=key, config=config), x, w)
+def _vjp(x, w, dy, key, config, implementation="xla", gemm="auto", amax="kernel"):
+  y, vjp = jax.vjp(lambda x, w: nvfp4_matmul(x, w, key=key, config=config, implementation=implementation,
+                                             gemm=gemm, amax=amax), x, w)
   return (y, *vjp(dy))
+
+
+_RUN = ("config", "implementation", "gemm", "amax")  # the static arguments of _vjp
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -58,7 +61,7 @@ def _with_refs(x, w, dy, key, config):
   return op, ref, flat, exact
 
 
-_jit_vjp = jax.jit(_vjp, static_argnames="config")
+_jit_vjp = jax.jit(_vjp, static_argnames=_RUN)
 
 
 def _over_keys(x, w, dy, keys, config):
@@ -78,8 +81,7 @@ def _bits_equal(a, b):
 
 def test_config_presets_validation_and_hashing():
   assert not MatmulConfig.bf16().quantized and not MatmulConfig.bf16().needs_key
-  assert NVFP4.quantized and NVFP4.needs_key and NVFP4 == MatmulConfig(implementation="xla")
-  assert MatmulConfig().implementation == "auto"
+  assert NVFP4.quantized and NVFP4.needs_key and NVFP4 == MatmulConfig()
   assert MatmulConfig.bf16(hadamard=True).needs_key  # Hadamard signs are random
   no_random = MatmulConfig.nvfp4(dy_dgrad_rounding="nearest", dy_wgrad_rounding="nearest", hadamard=False)
   assert no_random.quantized and not no_random.needs_key
@@ -90,10 +92,15 @@ def test_config_presets_validation_and_hashing():
     MatmulConfig(x_rounding="up")
   with pytest.raises(ValueError, match="fwd must be a bool"):
     MatmulConfig(fwd=1)
-  with pytest.raises(ValueError, match="implementation must be one of"):
-    MatmulConfig(implementation="triton")
+  x, w = jnp.ones((32, 32)), jnp.ones((32, 32))
+  with pytest.raises(ValueError, match="nvfp4_matmul: implementation must be one of"):
+    nvfp4_matmul(x, w, key=jax.random.key(0), config=NVFP4, implementation="triton")
   with pytest.raises(ValueError, match="amax must be one of"):
-    MatmulConfig(amax="fused")
+    nvfp4_matmul(x, w, key=jax.random.key(0), config=NVFP4, amax="fused")
+  with pytest.raises(ValueError, match="gemm must be one of"):
+    nvfp4_matmul(x, w, key=jax.random.key(0), config=NVFP4, gemm="fp4")
+  with pytest.raises(TypeError):  # what runs an op is not part of what it computes
+    MatmulConfig(implementation="xla")
 
 
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
@@ -192,9 +199,9 @@ def test_hadamard_cancels_in_the_unquantized_wgrad():
 def test_residuals_are_packed_nvfp4(implementation):
   """The backward keeps Q(w) and Q(H·x) packed (uint8 codes + e4m3 scales), no float copy of x or w."""
   x, w, _ = _data(jnp.bfloat16)
-  config = dataclasses.replace(NVFP4, implementation=implementation)
   vjp_fn = jax.eval_shape(lambda x, w: jax.vjp(
-      lambda x, w: nvfp4_matmul(x, w, key=jax.random.key(0), config=config), x, w)[1], x, w)
+      lambda x, w: nvfp4_matmul(x, w, key=jax.random.key(0), config=NVFP4, implementation=implementation),
+      x, w)[1], x, w)
   leaves = [(tuple(l.shape), l.dtype) for l in jax.tree.leaves(vjp_fn)]
   assert ((K, N // 2), jnp.uint8) in leaves and ((M0 * M1 // 2, K), jnp.uint8) in leaves
   floats = [s for s, d in leaves if jnp.issubdtype(d, jnp.floating) and d != jnp.float8_e4m3fn]
@@ -247,39 +254,39 @@ def test_bad_arguments_raise_clear_errors():
 # The quantizer-kernel implementation
 
 
-@functools.partial(jax.jit, static_argnames="config")
-def _both_implementations(x, w, dy, key, config):
+@functools.partial(jax.jit, static_argnames=("config", "gemm", "amax"))
+def _both_implementations(x, w, dy, key, config, gemm="auto", amax="kernel"):
   """(the XLA implementation's y, dx, dw; the kernels' in interpret mode), one program."""
-  impl = lambda name: dataclasses.replace(config, implementation=name)  # noqa: E731
-  return _vjp(x, w, dy, key, impl("xla")), _vjp(x, w, dy, key, impl("pallas_interpret"))
+  return (_vjp(x, w, dy, key, config, "xla", gemm, amax),
+          _vjp(x, w, dy, key, config, "pallas_interpret", gemm, amax))
 
 
 KERNEL_CASES = [
     # Nearest x and w, stochastic dy, the Hadamard transform on the wgrad operands; x 3-D.
-    ("recipe, 3-D x", NVFP4, (M0, M1, K)),
+    ("recipe, 3-D x", NVFP4, (M0, M1, K), {}),
     # Every forward/dgrad rounding flipped, no Hadamard; x 2-D.
     ("flipped roundings, no Hadamard, 2-D x",
      MatmulConfig.nvfp4(x_rounding="stochastic", w_rounding="stochastic", dy_dgrad_rounding="nearest",
-                        hadamard=False), (M0 * M1, K)),
+                        hadamard=False), (M0 * M1, K), {}),
     # Q(w) for the dgrad only (packed, no decoded forward operand); the Hadamard transform in f32.
-    ("dgrad only", MatmulConfig.nvfp4(fwd=False, wgrad=False), (M0, M1, K)),
+    ("dgrad only", MatmulConfig.nvfp4(fwd=False, wgrad=False), (M0, M1, K), {}),
     # The GEMMs through jax.nn.scaled_matmul: the kernels then write no decoded operand.
-    ("scaled_matmul GEMMs", MatmulConfig.nvfp4(gemm="scaled_matmul"), (M0, M1, K)),
+    ("scaled_matmul GEMMs", NVFP4, (M0, M1, K), {"gemm": "scaled_matmul"}),
     # The quantizer kernels' first pass as an XLA reduction.
-    ("amax in XLA", MatmulConfig.nvfp4(amax="xla"), (M0, M1, K)),
+    ("amax in XLA", NVFP4, (M0, M1, K), {"amax": "xla"}),
     # Stochastic rounding with counter-hash bits (x stochastic too), every implementation alike.
     ("counter rounding bits", MatmulConfig.nvfp4(rounding_bits="counter", x_rounding="stochastic"),
-     (M0, M1, K)),
+     (M0, M1, K), {}),
 ]
 
 
-@pytest.mark.parametrize("name,config,x_shape", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
-def test_kernel_implementation_equals_xla_bit_for_bit(name, config, x_shape):
+@pytest.mark.parametrize("name,config,x_shape,run", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
+def test_kernel_implementation_equals_xla_bit_for_bit(name, config, x_shape, run):
   """Forward, dgrad and wgrad of ``implementation="pallas_interpret"`` equal ``"xla"``'s bits: the
   kernels quantize to the same codes (same keys, same Hadamard order) and the GEMMs are the same."""
   x, w, dy = _data(jnp.bfloat16)
   x, dy = x.reshape(*x_shape[:-1], K), dy.reshape(*x_shape[:-1], N)
-  xla, kernels = _both_implementations(x, w, dy, jax.random.key(7), config)
+  xla, kernels = _both_implementations(x, w, dy, jax.random.key(7), config, **run)
   for out, a, b in zip(("y", "dx", "dw"), xla, kernels):
     assert a.shape == b.shape and a.dtype == b.dtype, out
     assert _bits_equal(a, b), (name, out)
@@ -293,12 +300,12 @@ def test_auto_is_xla_on_the_cpu_and_kernel_choices_check_their_inputs():
   auto = MatmulConfig.nvfp4()
   hlo = jax.jit(lambda x, w: nvfp4_matmul(x, w, key=jax.random.key(0), config=auto)).lower(x, w).as_text()
   assert "custom_call" not in hlo  # neither the kernels nor their interpret-mode loops
-  pallas = MatmulConfig.nvfp4(implementation="pallas")
+  pallas = functools.partial(nvfp4_matmul, config=MatmulConfig.nvfp4(), implementation="pallas")
   with pytest.raises(ValueError, match="threefry2x32 .*implementation='xla'"):
-    nvfp4_matmul(x, w, key=jax.random.key(0, impl="rbg"), config=pallas)
+    pallas(x, w, key=jax.random.key(0, impl="rbg"))
   big = jax.ShapeDtypeStruct((2**27, 16), jnp.bfloat16)  # 2**31 elements
   with pytest.raises(ValueError, match="fewer than 2\\*\\*31 elements"):
-    jax.eval_shape(lambda x: nvfp4_matmul(x, jnp.ones((16, 16)), key=jax.random.key(0), config=pallas), big)
+    jax.eval_shape(lambda x: pallas(x, jnp.ones((16, 16)), key=jax.random.key(0)), big)
 
 
 def test_auto_takes_the_kernels_on_one_cuda_device_only(monkeypatch):
@@ -321,7 +328,7 @@ def test_counter_rounding_bits(monkeypatch):
   kind, since no threefry bits are drawn."""
   x, w, dy = _data(jnp.bfloat16)
   key = jax.random.key(7)
-  counter = MatmulConfig.nvfp4(rounding_bits="counter", implementation="xla")
+  counter = MatmulConfig.nvfp4(rounding_bits="counter")
   keys = matmul._keys(key, counter)
   want = nvfp4.quantize(dy, rounding="stochastic", bits=numerics.counter_bits(keys["dy_dgrad"], dy.shape))
   got = matmul.quantize_dy_dgrad(dy, keys, counter)
@@ -345,14 +352,14 @@ def test_counter_rounding_bits(monkeypatch):
   assert "__gpu$xla.gpu.triton" in hlo
 
 
-def _lowered_vjp(config):
+def _lowered_vjp(config, implementation="xla"):
   """The StableHLO text of ``nvfp4_matmul``'s forward and backward, lowered for an H200."""
   x = jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((512, 384), jnp.float32)
   dy = jax.ShapeDtypeStruct((4, 256, 384), jnp.bfloat16)
   key = jax.random.key(0)
   with jax.sharding.use_abstract_mesh(H200):
-    lowered = jax.jit(_vjp, static_argnames="config").trace(x, w, dy, key, config=config)
+    lowered = _jit_vjp.trace(x, w, dy, key, config=config, implementation=implementation)
     hlo = lowered.lower(lowering_platforms=("cuda",)).as_text()
   return hlo
 
@@ -361,7 +368,7 @@ def test_kernel_implementation_lowers_for_h200_to_a_small_program(triton_modules
   """The forward and backward with ``implementation="pallas"`` lower to CUDA with two Triton kernels
   per quantized operand (amax, quantize: five operands), in a program several times smaller than the
   XLA implementation's integer quantizer graphs, which XLA compiles slowly."""
-  kernels = _lowered_vjp(MatmulConfig.nvfp4(implementation="pallas"))
+  kernels = _lowered_vjp(NVFP4, "pallas")
   assert kernels.count("__gpu$xla.gpu.triton") == 10 and len(triton_modules) == 10
   assert sum("@nvfp4_quantize" in m for m in triton_modules) == 5
   xla = _lowered_vjp(NVFP4)
@@ -399,10 +406,8 @@ def test_scaled_matmul_gemms_equal_decoded_gemms(implementation):
   summation order (on the CPU, ``jax.nn.scaled_matmul`` dequantizes and dots in float32)."""
   x, w, dy = _data(jnp.float32)
   key = jax.random.key(5)
-  decoded = MatmulConfig.nvfp4(gemm="decoded", implementation=implementation)
-  native = dataclasses.replace(decoded, gemm="scaled_matmul")
-  for name, a, b in zip(("y", "dx", "dw"), _jit_vjp(x, w, dy, key, config=native),
-                        _jit_vjp(x, w, dy, key, config=decoded)):
+  run = functools.partial(_jit_vjp, x, w, dy, key, config=NVFP4, implementation=implementation)
+  for name, a, b in zip(("y", "dx", "dw"), run(gemm="scaled_matmul"), run(gemm="decoded")):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))), err_msg=name)
 
 
@@ -438,13 +443,13 @@ def test_gemm_auto_takes_scaled_matmul_on_fp4_tensor_cores_only(monkeypatch):
   for fp4_cores in (True, False):
     monkeypatch.setattr(_platform, "fp4_tensor_cores", lambda v=fp4_cores: v)
     with jax.sharding.use_abstract_mesh(H200):
-      jaxpr = jax.make_jaxpr(functools.partial(_vjp, config=MatmulConfig.nvfp4()))(x, w, dy, key)
+      jaxpr = jax.make_jaxpr(functools.partial(_vjp, config=NVFP4, implementation="auto"))(x, w, dy, key)
     counts = _count_primitives(jaxpr, names)
     assert counts["scaled_matmul_wrapper"] == (3 if fp4_cores else 0), counts
     assert counts["pallas_call"] >= 5, counts  # the quantizer kernels, either way
   # The CUDA lowering (XLA's quantizers: the Pallas kernels need an abstract H200 to lower on the CPU,
   # and scaled_matmul's custom partitioning cannot lower under an abstract mesh).
-  hlo = _jit_vjp.trace(x, w, dy, key, config=MatmulConfig.nvfp4(implementation="xla", gemm="scaled_matmul")).lower(
+  hlo = _jit_vjp.trace(x, w, dy, key, config=NVFP4, gemm="scaled_matmul").lower(
       lowering_platforms=("cuda",)).as_text()
   assert "__op$block_scaled_dot" in hlo  # (GEMMs of one shape share one lowered function)
 

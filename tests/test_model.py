@@ -1,5 +1,7 @@
 """fp4jax.model and fp4jax.sharding: shapes, causality, GQA, precision placement, sharding table."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from fp4jax import _platform, layers
 from fp4jax import sharding as shd
+from fp4jax.execution import Execution
 from fp4jax.layers import MixedMatmul, NVFP4Matmul
 from fp4jax.loss import chunked_cross_entropy, cross_entropy
 from fp4jax.model import NVFP4Attention, ModelConfig, Transformer, attention_impl, projection_dims, rope
@@ -20,8 +23,8 @@ CFG = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2
                   dtype="float32")
 
 
-def _model(cfg=CFG, recipe=None, seed=0):
-  return Transformer(cfg, recipe or get_recipe("bf16"), rngs=nnx.Rngs(seed))
+def _model(cfg=CFG, recipe=None, seed=0, execution=Execution()):
+  return Transformer(cfg, recipe or get_recipe("bf16"), rngs=nnx.Rngs(seed), execution=execution)
 
 
 def test_logits_shape_dtype_and_param_count():
@@ -142,7 +145,7 @@ def test_recipe_places_precision_per_block():
   gu, down = lora.blocks[0].mlp.gate_up, lora.blocks[3].mlp.down
   assert isinstance(gu.matmul, NVFP4Matmul) and gu.rank == 8
   assert isinstance(down.matmul, MixedMatmul) and down.rank == 0 and down.lora_a is None
-  assert gu.lora_a.shape == (64, 8) and gu.lora_b.shape == (8, 2 * cfg.ff)
+  assert gu.lora_a.shape == (64, 8) and gu.lora_b.shape == (8, 2 * cfg.d_ff)
   # lora_projections: the branch on the named projections only; the others stay plain NVFP4.
   mlp_only = _model(cfg, Recipe(linear="nvfp4_lorasvd", lora_rank=8, lora_projections="gate_up,down"))
   for b in mlp_only.blocks:
@@ -150,8 +153,8 @@ def test_recipe_places_precision_per_block():
     assert b.attn.qkv.rank == b.attn.o.rank == 0 and b.attn.qkv.lora_a is None
     assert isinstance(b.attn.qkv.matmul, NVFP4Matmul)
   # The linear ablations reach every NVFP4 projection.
-  ablated = _model(cfg, Recipe(linear="nvfp4", linear_hadamard=False, linear_grad_rounding="nearest"))
   want = MatmulConfig.nvfp4(hadamard=False, dy_dgrad_rounding="nearest", dy_wgrad_rounding="nearest")
+  ablated = _model(cfg, Recipe(linear="nvfp4", matmul=want))
   assert all(b.attn.qkv.matmul.config == want and b.mlp.down.matmul.config == want for b in ablated.blocks)
 
 
@@ -179,7 +182,7 @@ def test_nvfp4_forward_is_close_to_bf16_with_same_weights():
 def test_attention_nvfp4_runs_the_nvfp4_op_with_its_ablations():
   """recipe attention='nvfp4': every block's attention op is nvfp4_attention with the recipe's
   AttentionConfig; the model needs a key, trains (finite gradients) and differs from bf16 attention."""
-  recipe = Recipe(attention="nvfp4", attention_ds="bf16", attention_reuse=False)
+  recipe = Recipe(attention="nvfp4", attention_op=AttentionConfig.nvfp4(ds="bf16", reuse=False))
   m = _model(recipe=recipe)
   assert m.needs_key
   op = m.blocks[0].attn.attention_op
@@ -206,10 +209,24 @@ def test_attention_nvfp4_runs_the_nvfp4_op_with_its_ablations():
     (dict(d_model=0), "d_model"),
     (dict(dtype="float16"), "dtype"),
     (dict(head_dim=15), "must be even"),
+    (dict(d_ff=0), "d_ff"),
+    (dict(n_kv_heads=1.5), "n_kv_heads"),
 ])
 def test_model_config_errors(kw, match):
   with pytest.raises(ValueError, match=match):
     ModelConfig(**{**dict(vocab_size=64, d_model=64, n_layers=1, n_heads=4), **kw})
+
+
+def test_model_config_widths_are_fields():
+  """A width left None is derived once, when the config is made: every width is read from its
+  field; ``dataclasses.replace`` keeps the derived values unless given None again."""
+  cfg = ModelConfig(vocab_size=64, d_model=384, n_layers=1, n_heads=6)
+  assert (cfg.n_kv_heads, cfg.head_dim, cfg.d_ff) == (6, 64, 1024)
+  assert ModelConfig(vocab_size=64, d_model=384, n_layers=1, n_heads=6, head_dim=32, d_ff=512,
+                     n_kv_heads=2).head_dim == 32
+  wider = dataclasses.replace(cfg, n_heads=3, n_kv_heads=None, head_dim=None)
+  assert (wider.n_kv_heads, wider.head_dim, wider.d_ff) == (3, 128, 1024)
+  assert not hasattr(cfg, "hdim") and not hasattr(cfg, "attention")
 
 
 def test_sharding_table():
@@ -234,7 +251,7 @@ def test_sharding_table():
   path = (jax.tree_util.DictKey("blocks"), jax.tree_util.DictKey(0), jax.tree_util.DictKey("mlp"),
           jax.tree_util.DictKey("down"), jax.tree_util.DictKey("lora_a"))
   dims = projection_dims(CFG)
-  assert shd.param_spec(path, (CFG.ff, 16), dims["down"], mesh) == P("tensor", None)
+  assert shd.param_spec(path, (CFG.d_ff, 16), dims["down"], mesh) == P("tensor", None)
   assert shd.param_spec(path, (16, 64), dims["down"], mesh) == P(None, "fsdp")
   assert shd.param_spec(path, (3, 16, 64), dims["down"], mesh) == P(None, None, "fsdp")
   # A dimension that does not divide stays unsharded.
@@ -384,7 +401,7 @@ def test_chunked_cross_entropy_pallas_rows_match_xla(chunk):
   """The fused loss kernel (interpret mode) in the forward rule: the same loss and gradients as
   the XLA passes, up to summation order and a bf16 ulp of the saved cotangent."""
   x, w, t = _ce_inputs(v=300)  # V not a power of two: the kernel masks its padding columns
-  f = lambda x, w, rows: chunked_cross_entropy(x, w, t, chunk_tokens=chunk, rows=rows)  # noqa: E731
+  f = lambda x, w, impl: chunked_cross_entropy(x, w, t, chunk_tokens=chunk, implementation=impl)  # noqa: E731
   l0, (dx0, dw0) = jax.value_and_grad(lambda x, w: f(x, w, "xla"), (0, 1))(x, w)
   l1, (dx1, dw1) = jax.jit(jax.value_and_grad(lambda x, w: f(x, w, "pallas_interpret"),
                                               (0, 1)))(x, w)
@@ -393,7 +410,7 @@ def test_chunked_cross_entropy_pallas_rows_match_xla(chunk):
   np.testing.assert_allclose(np.asarray(dx1, np.float32), np.asarray(dx0, np.float32), rtol=0,
                              atol=2 ** -8 * amax(dx0))
   np.testing.assert_allclose(dw1, dw0, rtol=0, atol=2 ** -8 * amax(dw0))
-  with pytest.raises(ValueError, match="rows"):
+  with pytest.raises(ValueError, match="chunked_cross_entropy: implementation must be one of"):
     f(x, w, "triton")
 
 
@@ -406,11 +423,17 @@ def test_chunked_cross_entropy_rejects_bad_input():
 
 
 def test_attention_option_validated_and_xla_on_cpu():
-  with pytest.raises(ValueError, match="attention"):
-    ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2, attention="flash")
-  with pytest.raises(ValueError, match="cudnn"):
-    ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2, attention="cudnn",
-                dtype="float32")
+  small = ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2, dtype="float32")
+  with pytest.raises(ValueError, match="Execution.attention"):
+    Execution(attention="flash")
+  with pytest.raises(ValueError, match="BF16 attention: implementation must be one of"):
+    _model(small, execution=Execution(attention="pallas"))
+  with pytest.raises(ValueError, match="'cudnn' needs dtype bfloat16"):
+    _model(small, execution=Execution(attention="cudnn"))
+  with pytest.raises(ValueError, match="runs BF16 attention only"):
+    _model(small, get_recipe("fp4_full_stack"), execution=Execution(attention="cudnn"))
+  op = _model(small, get_recipe("fp4_full_stack"), execution=Execution(attention="xla")).blocks[0].attn
+  assert op.attention_op.implementation == "xla"
   assert attention_impl(CFG) == "xla"  # float32 model
   bf16 = ModelConfig(vocab_size=8, d_model=64, n_layers=1, n_heads=4)
   assert attention_impl(bf16) == ("cudnn" if _platform.default_platform() == "cuda" else "xla")
@@ -444,13 +467,14 @@ fa.check_compute_capability = lambda c: tuple(map(int, c.split("."))) <= (9, 0)
 dispatch.prim_requires_devices_during_lowering.clear()
 mlir.register_lowering(cp.custom_partitioning_p, lambda ctx, *v, call, **_: mlir.lower_fun(
     core.jaxpr_as_fun(call), multiple_results=True)(ctx, *v))
-cfg = ModelConfig(vocab_size=512, d_model=128, n_layers=2, n_heads=2, attention="cudnn",
-                  scan_layers=True)
-g, st = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, get_recipe("bf16"), rngs=nnx.Rngs(0))))
+from fp4jax.execution import Execution
+cfg = ModelConfig(vocab_size=512, d_model=128, n_layers=2, n_heads=2, scan_layers=True)
+g, st = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, get_recipe("bf16"), rngs=nnx.Rngs(0),
+                                                     execution=Execution(attention="cudnn"))))
 def loss(st, tok):
   m = nnx.merge(g, st)
   return chunked_cross_entropy(m.features(tok), m.lm_head.kernel[...], tok, chunk_tokens=256,
-                               rows="pallas")
+                               implementation="pallas")
 tok = jax.ShapeDtypeStruct((4, 256), jnp.int32)
 mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
     device_kind="NVIDIA H200", num_cores=None, platform="gpu"))

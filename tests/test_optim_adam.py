@@ -212,10 +212,10 @@ def test_bad_options_raise(kwargs, match):
 def test_bad_arguments_raise():
   with pytest.raises(ValueError, match="options must be an AdamNvfp4Options"):
     optim.scale_by_adam_nvfp4(options=dict(min_size=0))
-  with pytest.raises(ValueError, match="kernel_config must be an AdamKernelConfig"):
-    optim.scale_by_adam_nvfp4(kernel_config=dict(block_rows=64))
-  with pytest.raises(ValueError, match="kernel must be one of"):
-    optim.scale_by_adam_nvfp4(kernel="triton")
+  with pytest.raises(ValueError, match="block_sizes must be an AdamKernelConfig"):
+    optim.scale_by_adam_nvfp4(block_sizes=dict(block_rows=64))
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    optim.scale_by_adam_nvfp4(implementation="triton")
   with pytest.raises(TypeError):  # the storage knobs live in the options object only
     optim.adamw_nvfp4(1e-3, min_size=0)
 
@@ -289,7 +289,7 @@ def test_grouped_leaves_equal_ungrouped_bit_for_bit(monkeypatch):
   for platform in ("cuda", "cpu"):
     monkeypatch.setattr(_platform, "default_platform", lambda p=platform: p)
     assert _common.group_by_default() == (platform != "cpu")
-    tx = optim.adamw_nvfp4(1e-3, kernel="xla")
+    tx = optim.adamw_nvfp4(1e-3, implementation="xla")
     state, step = tx.init(params), jax.jit(tx.update)
     for g in grads:
       u, state = step(g, state, params)

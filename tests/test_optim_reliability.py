@@ -137,15 +137,15 @@ def test_injected_hyperparameters_take_effect(name):
 
 def test_traced_adam_constants_and_ns_steps():
   """b1, b2, eps, eps_root and ns_steps as traced arrays skip what needs static values: the
-  kernels, which compile the constants in (kernel="pallas" cannot lower on the CPU: the XLA path
+  kernels, which compile the constants in (implementation="pallas" cannot lower on the CPU: the XLA path
   ran), the choice of square root and the Python Newton–Schulz loop; the results are the constant
   ones' (to float32 rounding: optax's constants are float32 arrays)."""
   params = {"w": jax.random.normal(jax.random.key(1), (64, 64))}
   g = _grads(params, 0)
   for eps_root in (0.0, 1e-12):
-    plain = optim.scale_by_adam_nvfp4(eps_root=eps_root, kernel="xla")
+    plain = optim.scale_by_adam_nvfp4(eps_root=eps_root, implementation="xla")
     injected = optax.inject_hyperparams(optim.scale_by_adam_nvfp4)(eps_root=eps_root,
-                                                                    kernel="pallas")
+                                                                    implementation="pallas")
     u1, s1 = jax.jit(plain.update)(g, plain.init(params))
     u2, s2 = jax.jit(injected.update)(g, injected.init(params))
     np.testing.assert_allclose(u2["w"], u1["w"], rtol=1e-5)

@@ -1,12 +1,15 @@
-"""fp4jax.recipe: presets, validation, BF16-exempt blocks, the attention config."""
+"""fp4jax.recipe: presets, validation, BF16-exempt blocks, the nested op configs."""
 
 import dataclasses
 
 import pytest
 
 from fp4jax import recipe as recipe_lib
+from fp4jax.execution import Execution
+from fp4jax.layers import DEFAULT_LORA_RANK
 from fp4jax.ops.attention import AttentionConfig
 from fp4jax.ops.matmul import MatmulConfig
+from fp4jax.optim import AdamNvfp4Options
 from fp4jax.recipe import PROJECTIONS, Recipe, get_recipe
 
 
@@ -59,17 +62,42 @@ def test_bf16_exempt_blocks():
     r.block_linear(6, 6)
 
 
-def test_attention_config_of_the_recipe():
-  assert get_recipe("fp4_linear").attention_config() is None
-  assert get_recipe("fp4_full_stack").attention_config() == AttentionConfig.nvfp4()
-  pv = Recipe(attention="nvfp4", attention_pv="nvfp4").attention_config()
-  assert pv.v == pv.p == pv.do == "nvfp4" and pv.ds == "nvfp4" and pv.reuse
-  assert Recipe(attention="nvfp4", attention_ds="bf16", attention_reuse=False).attention_config() == \
-      AttentionConfig.nvfp4(ds="bf16", reuse=False)
-  with pytest.raises(ValueError, match="attention_ds"):
-    Recipe(attention_ds="fp8")
-  with pytest.raises(ValueError, match="attention_reuse"):
-    Recipe(attention_reuse="yes")
+def test_op_configs_nest_in_the_recipe():
+  """Each NVFP4 module's numerics is its op's config, one field of the recipe; a nested change is
+  one field in one place, validated by the op config itself."""
+  full = get_recipe("fp4_full_stack")
+  assert (full.matmul, full.attention_op, full.moments) == (
+      MatmulConfig.nvfp4(), AttentionConfig.nvfp4(), AdamNvfp4Options())
+  r = full.replace(attention_op={"ds": "bf16", "reuse": False}, matmul={"hadamard": False})
+  assert r.attention_op == AttentionConfig.nvfp4(ds="bf16", reuse=False)
+  assert r.matmul == MatmulConfig.nvfp4(hadamard=False) and r.moments == full.moments
+  assert get_recipe("fp4_linear", matmul={"rounding_bits": "counter"}).matmul == MatmulConfig.nvfp4(
+      rounding_bits="counter")
+  with pytest.raises(ValueError, match="AttentionConfig.ds"):
+    full.replace(attention_op={"ds": "fp8"})
+  with pytest.raises(ValueError, match="rounding_bits"):
+    full.replace(matmul={"rounding_bits": "philox"})
+  with pytest.raises(ValueError, match="Recipe.moments"):
+    Recipe(moments={"mu_roundng": "nearest"})
+  with pytest.raises(ValueError, match="Recipe.matmul must be a MatmulConfig"):
+    Recipe(matmul=AttentionConfig.nvfp4())
+  assert Recipe(matmul={"hadamard": False}).matmul == MatmulConfig.nvfp4(hadamard=False)
+  assert Recipe().lora_rank == DEFAULT_LORA_RANK  # one default, the layer's
+
+
+def test_recipe_holds_no_execution_choice():
+  """What a recipe computes is all it holds: no field of it, nested ones included, names the code
+  that runs an op (``fp4jax.execution``)."""
+  def fields(obj):
+    for f in dataclasses.fields(obj):
+      v = getattr(obj, f.name)
+      yield f.name
+      if dataclasses.is_dataclass(v):
+        yield from fields(v)
+  names = set(fields(get_recipe("fp4_full_stack")))
+  assert not names & {"implementation", "gemm", "amax", "kernel", "block_sizes", "interpret",
+                       "cross_entropy", "optimizer"}
+  assert "recipe" not in {f.name for f in dataclasses.fields(Execution)}
 
 
 def test_lora_projections():
@@ -81,21 +109,6 @@ def test_lora_projections():
       Recipe(lora_projections=bad)
   with pytest.raises(ValueError, match="unknown projection"):
     r.lora_on("mlp")
-
-
-def test_matmul_config_of_the_recipe():
-  assert Recipe().matmul_config() == MatmulConfig.nvfp4()
-  assert Recipe(linear_hadamard=False).matmul_config() == MatmulConfig.nvfp4(hadamard=False)
-  assert Recipe(linear_grad_rounding="nearest").matmul_config() == MatmulConfig.nvfp4(
-      dy_dgrad_rounding="nearest", dy_wgrad_rounding="nearest")
-  with pytest.raises(ValueError, match="linear_grad_rounding"):
-    Recipe(linear_grad_rounding="up")
-  with pytest.raises(ValueError, match="linear_hadamard"):
-    Recipe(linear_hadamard=1)
-  assert Recipe(linear_rounding_bits="counter").matmul_config() == MatmulConfig.nvfp4(
-      rounding_bits="counter")
-  with pytest.raises(ValueError, match="linear_rounding_bits"):
-    Recipe(linear_rounding_bits="philox")
 
 
 def test_presets_set_exactly_the_modules():

@@ -1,6 +1,7 @@
 """experiments.study: the arm table, the gap arithmetic, a two-arm study with --collect and reuse;
 the LoRA-SVD branch's learning-rate scale (Recipe.lora_lr_scale) in the optimizer."""
 
+import dataclasses
 import json
 import math
 import statistics
@@ -25,11 +26,13 @@ def test_every_arm_builds_a_valid_config():
   assert len(set(st.ARM_NAMES)) == len(st.ARMS)
   for arm in st.ARMS:
     c = st.arm_config(cfg, arm)
-    _, recipe, opt, tc = launcher.from_config(c, vocab_size=256)
+    _, recipe, opt, tc, _ = launcher.from_config(c, vocab_size=256)
     for k in MODULES:
       assert getattr(recipe, k) == arm.recipe.get(k, getattr(PRESETS[arm.preset], k)), arm.name
     for k, v in arm.recipe.items():
-      if k != "lora_resplit_every":
+      if isinstance(v, dict):  # a nested op config: the named fields set, the others the preset's
+        assert getattr(recipe, k) == dataclasses.replace(getattr(PRESETS[arm.preset], k), **v), arm.name
+      elif k != "lora_resplit_every":
         assert getattr(recipe, k) == v, arm.name
     for k, v in arm.optimizer.items():
       assert getattr(opt, k) == v, arm.name
@@ -102,7 +105,8 @@ def test_gaps_against_the_bf16_seed_mean_and_their_spread():
 def _small_config(steps=3):
   cfg = tiny.get_config()
   cfg.update(steps=steps, batch_size=4, seq_len=32, eval_batches=1, checkpoint_every=0,
-             mesh_shape=(1, 1, 1), progress=False, tensorboard=False, cross_entropy="xla")
+             mesh_shape=(1, 1, 1), progress=False, tensorboard=False)
+  cfg.execution.cross_entropy = "xla"
   cfg.model.update(d_model=32, n_layers=1, n_heads=2)
   return cfg
 
@@ -230,7 +234,7 @@ def test_lora_lr_scale(opt):
 
 def test_lora_mask_finds_every_branch_of_the_model():
   cfg = tiny.get_config()
-  model_cfg, recipe, _, _ = launcher.from_config(cfg, vocab_size=256)
+  model_cfg, recipe, *_ = launcher.from_config(cfg, vocab_size=256)
   _, params = abstract_model(model_cfg, get_recipe("fp4_linear_lorasvd"))
   paths = [jax.tree_util.keystr(p) for p, m in jax.tree_util.tree_leaves_with_path(_lora_mask(params)) if m]
   projections = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)

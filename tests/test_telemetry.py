@@ -10,6 +10,7 @@ import pytest
 
 from fp4jax import data, nvfp4, telemetry
 from fp4jax import sharding as shd
+from fp4jax.execution import Execution
 from fp4jax.metrics import read_jsonl
 from fp4jax.model import ModelConfig
 from fp4jax.recipe import get_recipe
@@ -42,9 +43,10 @@ def test_train_loop_logs_telemetry_every_n_steps(data_dir, tmp_path):
   model = ModelConfig(vocab_size=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       dtype="float32")
   tc = TrainConfig(steps=4, batch_size=B, seq_len=T, log_every=3, telemetry_every=2,
-                   mesh_shape=(1, 1, 1), progress=False, cross_entropy="xla")
+                   mesh_shape=(1, 1, 1), progress=False)
   it = data.make_iterator(data_dir, "train", T, B, seed=0)
-  train(model, get_recipe("bf16"), OptimizerConfig(warmup_steps=2), tc, tmp_path, it)
+  train(model, get_recipe("bf16"), OptimizerConfig(warmup_steps=2), tc, tmp_path, it,
+        execution=Execution(cross_entropy="xla"))
   rows = {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl")}
   assert sorted(rows) == [1, 2, 3, 4]
   for step, row in rows.items():

@@ -247,7 +247,7 @@ def test_launcher_cli_writes_metrics(tmp_path):
          "--config.model.n_layers=1", "--config.batch_size=4", "--config.seq_len=16",
          "--config.mesh_shape=(1,1,1)", f"--config.data.corpus={text_dir}",
          f"--config.data.dir={tmp_path / 'tokens'}", "--config.tensorboard=False",
-         "--config.recipe.bf16_last_blocks=1", "--config.cross_entropy=xla",
+         "--config.recipe.bf16_last_blocks=1", "--config.execution.cross_entropy=xla",
          f"--compilation_cache={tmp_path / 'xla_cache'}"]
   r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
@@ -398,18 +398,31 @@ def test_config_fields_come_from_the_dataclasses():
   from experiments.configs import tiny
   from experiments.train import from_config
   from fp4jax.recipe import Recipe
+  from fp4jax.execution import Execution
+  from fp4jax.ops import AttentionConfig, MatmulConfig
   cfg = tiny.get_config("fp4_linear")
-  model, recipe, opt, tc = from_config(cfg, vocab_size=257)
+  model, recipe, opt, tc, execution = from_config(cfg, vocab_size=257)
   assert recipe == get_recipe("fp4_linear") and opt.b2 == OptimizerConfig().b2
-  assert tc.tensorboard is True and tc.cross_entropy == "auto" and tc.steps == 200
+  assert tc.tensorboard is True and execution == Execution() and tc.steps == 200
   assert model.vocab_size == 384 and model.qk_norm == ModelConfig(1, 8, 1, 1).qk_norm
-  for section, cls in (("model", ModelConfig), ("optimizer", OptimizerConfig), ("recipe", Recipe)):
+  for section, cls in (("model", ModelConfig), ("optimizer", OptimizerConfig), ("recipe", Recipe),
+                       ("execution", Execution), ("recipe.matmul", MatmulConfig),
+                       ("recipe.attention_op", AttentionConfig)):
     assert set(cfg[section]) == {f.name for f in dataclasses.fields(cls)}
   assert {f.name for f in dataclasses.fields(TrainConfig)} <= set(cfg)
-  with cfg.unlocked():
-    cfg.optimizer.momentum = 0.9
-  with pytest.raises(ValueError, match=r"config.optimizer: unknown key\(s\) \['momentum'\]"):
-    from_config(cfg, vocab_size=257)
+  # A nested recipe field is one key of the config; its section maps back to the op's config.
+  cfg.recipe.matmul.hadamard = False
+  cfg.recipe.attention_op.ds_tile = [32, 32]
+  _, recipe, *_ = from_config(cfg, vocab_size=257)
+  assert recipe.matmul == MatmulConfig.nvfp4(hadamard=False)
+  assert recipe.attention_op.ds_tile == (32, 32)
+  for section, key in (("optimizer", "momentum"), ("recipe.matmul", "hadamrd"),
+                       ("execution", "kernel")):
+    bad = tiny.get_config("fp4_linear")
+    with bad.unlocked():
+      bad[section][key] = 0
+    with pytest.raises(ValueError, match=rf"config.{section}: unknown key\(s\) \['{key}'\]"):
+      from_config(bad, vocab_size=257)
 
 
 def test_loss_fn_is_the_cross_entropy_of_the_model_logits():

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import _platform, nvfp4
+from fp4jax import _platform, execution, nvfp4
 from fp4jax.kernels import attention as attention_kernels
 from fp4jax.kernels import nvfp4_quantize
 
@@ -44,7 +44,6 @@ _HIGHEST = lax.Precision.HIGHEST
 FORMATS = ("bf16", "nvfp4")
 OPERANDS = ("q", "k", "v", "p", "do", "ds")
 HEAD_DIMS = (64, 128)  # the flash kernels' head dims; the XLA path takes any multiple of 16
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
 SCALE_SCOPES = ("tile", "matrix", "tensor")
 # One key per random choice, in a fixed order so that a config switch never moves another's bits.
 _KEY_NAMES = ("q", "k", "v", "p", "do", "ds")
@@ -491,7 +490,7 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
     key: a ``jax.random`` key for stochastic rounding (the default config rounds dS stochastically);
       None only when ``config.needs_key`` is False. Same key, same bits; use a fresh key per step.
     config: an ``AttentionConfig``: ``.nvfp4()`` (the default) or ``.bf16()``.
-    implementation: ``"xla"`` (the jnp reference, ``nvfp4_attention_reference``), ``"pallas"`` (the
+    implementation: which code computes it (``fp4jax.execution``): ``"xla"`` (the jnp reference, ``nvfp4_attention_reference``), ``"pallas"`` (the
       flash kernels of ``fp4jax.kernels.attention``, CUDA), ``"pallas_interpret"`` (the kernels in
       interpret mode, for tests) or ``"auto"``: ``"pallas"`` when computations go to a CUDA GPU, the
       mesh in context has one device and D is in {64, 128}, else ``"xla"``. With a quantized P the
@@ -524,10 +523,7 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
   """
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   _check(q, k, v, key, causal, config)
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"nvfp4_attention: implementation must be one of {IMPLEMENTATIONS}, got "
-                     f"{implementation!r}")
-  impl = implementation
+  impl = execution.check("nvfp4_attention", implementation)
   head_dim = q.shape[-1]
   if impl == "auto":
     impl = (_platform.resolve(impl, "pallas", "xla", whole_arrays=True) if head_dim in HEAD_DIMS

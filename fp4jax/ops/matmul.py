@@ -11,11 +11,12 @@ is ``fp4jax.nvfp4.gemm``: the packed operands decoded to bf16 (``e2m1 × e4m3`` 
 float32-accumulated dot, then both float32 global scales one at a time: an NVFP4 tensor-core GEMM
 up to summation order.
 
-Two implementations compute the same bits (``MatmulConfig.implementation``): ``"xla"`` quantizes
+Two implementations compute the same bits (``nvfp4_matmul(implementation=...)``, the vocabulary of
+``fp4jax.execution``): ``"xla"`` quantizes
 with ``nvfp4.quantize`` and decodes inside ``nvfp4.gemm``; ``"pallas"`` quantizes each operand once
 with the kernels of ``fp4jax.kernels.nvfp4_quantize`` (one custom call each, the Hadamard transform
 and the random bits fused), which also write the decoded bf16 operand a GEMM reads at once, so the
-step's program stays small and XLA compiles it quickly. ``MatmulConfig.gemm`` chooses how the
+step's program stays small and XLA compiles it quickly. ``gemm`` chooses how the
 GEMMs multiply: decoded bf16 operands on bf16 tensor cores (Hopper: exact emulation), or the packed
 operands through ``jax.nn.scaled_matmul`` (``nvfp4.scaled_matmul_gemm``) on GPUs with FP4 tensor
 cores (compute capability 10.0 and up), picked by default from the device.
@@ -40,19 +41,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import _platform, nvfp4
+from fp4jax import _platform, execution, nvfp4
 from fp4jax.kernels import nvfp4_quantize
 
 _F32 = jnp.float32
 _HIGHEST = lax.Precision.HIGHEST
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
-GEMMS = ("auto", "decoded", "scaled_matmul")
 _KERNEL_MAX_ELEMENTS = 2**31 - 1  # the quantizer kernels' 32-bit addressing
 
 
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig:
-  """Which GEMMs of ``nvfp4_matmul`` run in NVFP4, and how each operand is rounded (hashable, static).
+  """What ``nvfp4_matmul`` computes: which GEMMs run in NVFP4 and how each operand is rounded
+  (hashable, static). Which code computes it is ``nvfp4_matmul``'s ``implementation``, not a field.
 
   The defaults are NVIDIA's recipe (``MatmulConfig.nvfp4()``); ``MatmulConfig.bf16()`` turns every
   GEMM and the Hadamard transform off. Any field can be switched alone, e.g.
@@ -69,22 +69,6 @@ class MatmulConfig:
     dy_wgrad_rounding: rounding of ``H·dy`` (1×16 along tokens) in the wgrad.
     hadamard: random Hadamard transform H on the token axis of both wgrad operands (also applied,
       in f32, when ``wgrad`` is False, where it only changes rounding).
-    implementation: which code computes it, with the same bits: ``"xla"`` (``nvfp4.quantize``),
-      ``"pallas"`` (the quantizer kernels of ``fp4jax.kernels.nvfp4_quantize``, CUDA),
-      ``"pallas_interpret"`` (those kernels in interpret mode, for CPU tests), or ``"auto"``:
-      ``"pallas"`` when computations go to a CUDA GPU (``fp4jax._platform.resolve``), the mesh in
-      context (``jax.set_mesh``) has one device, and the kernels take the operands (fewer than
-      2**31 elements each, threefry keys), else ``"xla"``.
-    gemm: how each quantized GEMM multiplies, with the same result up to float32 summation order:
-      ``"decoded"`` (the operands decoded exactly to bf16, a bf16 tensor-core GEMM with float32
-      accumulation: ``nvfp4.gemm``; Hopper and every other device), ``"scaled_matmul"`` (the packed
-      operands as float4_e2m1fn elements and float8_e4m3fn scales into ``jax.nn.scaled_matmul``:
-      ``nvfp4.scaled_matmul_gemm``, cuDNN's block-scaled GEMM on FP4 tensor cores), or ``"auto"``:
-      ``"scaled_matmul"`` on a CUDA GPU of compute capability 10.0 or more
-      (``fp4jax._platform.fp4_tensor_cores``), else ``"decoded"``.
-    amax: with the quantizer kernels, how their first pass forms each operand's ``max|x|``:
-      ``"kernel"`` (a Pallas kernel) or ``"xla"`` (an XLA reduction, so each operand is one Triton
-      kernel); the same bits either way (``nvfp4_quantize.quantize(amax=...)``).
     rounding_bits: the random bits of stochastic rounding, in every implementation alike:
       ``"random"`` (``jax.random.bits`` of the operand's key: 22 bits per element, threefry2x32,
       the default) or ``"counter"`` (``numerics.counter_bits``: one keyed integer hash per pair of
@@ -102,27 +86,14 @@ class MatmulConfig:
   x_wgrad_rounding: str = "nearest"
   dy_wgrad_rounding: str = "stochastic"
   hadamard: bool = True
-  implementation: str = "auto"
-  gemm: str = "auto"
-  amax: str = "kernel"
   rounding_bits: str = "random"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
-      if f.name == "implementation":
-        if v not in IMPLEMENTATIONS:
-          raise ValueError(f"MatmulConfig.implementation must be one of {IMPLEMENTATIONS}, got {v!r}")
-      elif f.name == "gemm":
-        if v not in GEMMS:
-          raise ValueError(f"MatmulConfig.gemm must be one of {GEMMS}, got {v!r}")
-      elif f.name == "amax":
-        if v not in nvfp4_quantize.AMAX_PASSES:
-          raise ValueError(f"MatmulConfig.amax must be one of {nvfp4_quantize.AMAX_PASSES}, got {v!r}")
-      elif f.name == "rounding_bits":
+      if f.name == "rounding_bits":
         if v not in nvfp4_quantize.BIT_SOURCES:
-          raise ValueError(f"MatmulConfig.rounding_bits must be one of {nvfp4_quantize.BIT_SOURCES}, "
-                           f"got {v!r}")
+          raise ValueError(f"MatmulConfig.rounding_bits must be one of {nvfp4_quantize.BIT_SOURCES}, got {v!r}")
       elif f.name.endswith("rounding"):
         if v not in nvfp4.ROUNDINGS:
           raise ValueError(f"MatmulConfig.{f.name} must be one of {nvfp4.ROUNDINGS}, got {v!r}")
@@ -153,6 +124,15 @@ class MatmulConfig:
             or ((self.fwd or self.dgrad) and sr(self.w_rounding))
             or (self.dgrad and sr(self.dy_dgrad_rounding))
             or (self.wgrad and (sr(self.x_wgrad_rounding) or sr(self.dy_wgrad_rounding))))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """How one call executes (static): the resolved implementation, GEMM and kernel amax pass."""
+
+  implementation: str = "xla"
+  gemm: str = "decoded"
+  amax: str = "kernel"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,36 +213,36 @@ _quantize_kernels = jax.jit(nvfp4_quantize.quantize, static_argnames=(
     "block", "axis", "rounding", "bit_source", "decoded", "block_sizes", "amax", "interpret"))
 
 
-def _kernel_quantize(a, rounding, key, config, *, decoded, hadamard_key=None, **layout):
+def _kernel_quantize(a, rounding, key, config, run, *, decoded, hadamard_key=None, **layout):
   """``nvfp4_quantize.quantize`` of one GEMM operand: the tensor ``_q`` gives with the same key and
   ``config.rounding_bits``, and with ``decoded`` its bf16 ``scaled_elements`` (else None)."""
   out = _quantize_kernels(a, rounding=rounding, key=key if rounding == "stochastic" else None,
-                          hadamard_key=hadamard_key, decoded=decoded, amax=config.amax,
+                          hadamard_key=hadamard_key, decoded=decoded, amax=run.amax,
                           bit_source=config.rounding_bits,
-                          interpret=config.implementation == "pallas_interpret", **layout)
+                          interpret=run.implementation == "pallas_interpret", **layout)
   return out if decoded else (out, None)
 
 
-def _gemm(a, b, dims, config, decoded=(None, None)) -> jax.Array:
-  """One quantized GEMM of two ``NVFP4Tensor``s as ``config.gemm`` says: ``nvfp4.gemm`` (with the
+def _gemm(a, b, dims, run, decoded=(None, None)) -> jax.Array:
+  """One quantized GEMM of two ``NVFP4Tensor``s as ``run.gemm`` says: ``nvfp4.gemm`` (with the
   decoded bf16 operands the quantizer kernels wrote, where given) or ``nvfp4.scaled_matmul_gemm``."""
-  if config.gemm == "scaled_matmul":
+  if run.gemm == "scaled_matmul":
     return nvfp4.scaled_matmul_gemm(a, b, dims)
   return nvfp4.gemm(a, b, dims, decoded=decoded)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _matmul(x_MxK, w_KxN, key, config, x_dtype, w_dtype):
-  return _matmul_fwd(x_MxK, w_KxN, key, config, x_dtype, w_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _matmul(x_MxK, w_KxN, key, config, run, x_dtype, w_dtype):
+  return _matmul_fwd(x_MxK, w_KxN, key, config, run, x_dtype, w_dtype)[0]
 
 
-def _matmul_fwd(x_MxK, w_KxN, key, config, x_dtype, w_dtype):
-  if config.implementation != "xla":
-    return _matmul_fwd_kernels(x_MxK, w_KxN, key, config, x_dtype)
+def _matmul_fwd(x_MxK, w_KxN, key, config, run, x_dtype, w_dtype):
+  if run.implementation != "xla":
+    return _matmul_fwd_kernels(x_MxK, w_KxN, key, config, run, x_dtype)
   keys = _keys(key, config)
   qw = quantize_w(w_KxN, keys, config) if (config.fwd or config.dgrad) else None
   if config.fwd:
-    y = _gemm(quantize_x(x_MxK, keys, config), qw, _NN, config)
+    y = _gemm(quantize_x(x_MxK, keys, config), qw, _NN, run)
   else:
     y = _fdot(x_MxK, w_KxN.astype(x_dtype), _NN)
   w_res = qw if config.dgrad else w_KxN
@@ -270,48 +250,48 @@ def _matmul_fwd(x_MxK, w_KxN, key, config, x_dtype, w_dtype):
   return y.astype(x_dtype), (w_res, x_res, keys)
 
 
-def _matmul_fwd_kernels(x_MxK, w_KxN, key, config, x_dtype):
+def _matmul_fwd_kernels(x_MxK, w_KxN, key, config, run, x_dtype):
   """The forward with the quantizer kernels: Q(w) and Q(x) decoded by the kernels for the GEMM,
   Q(w) and Q(H·x) kept packed for the backward."""
   keys = _keys(key, config)
-  decoded = config.gemm == "decoded"
+  decoded = run.gemm == "decoded"
   qw = None
   if config.fwd or config.dgrad:
-    qw = _kernel_quantize(w_KxN, config.w_rounding, keys["w"], config, decoded=config.fwd and decoded,
+    qw = _kernel_quantize(w_KxN, config.w_rounding, keys["w"], config, run, decoded=config.fwd and decoded,
                           block=(16, 16))
   if config.fwd:
-    qx = _kernel_quantize(x_MxK, config.x_rounding, keys["x"], config, decoded=decoded, axis=-1)
-    y = _gemm(qx[0], qw[0], _NN, config, (qx[1], qw[1]))
+    qx = _kernel_quantize(x_MxK, config.x_rounding, keys["x"], config, run, decoded=decoded, axis=-1)
+    y = _gemm(qx[0], qw[0], _NN, run, (qx[1], qw[1]))
   else:
     y = _fdot(x_MxK, w_KxN.astype(x_dtype), _NN)
   w_res = qw[0] if config.dgrad else w_KxN
   x_res = x_MxK
   if config.wgrad:
-    x_res = _kernel_quantize(x_MxK, config.x_wgrad_rounding, keys["x_wgrad"], config, decoded=False,
+    x_res = _kernel_quantize(x_MxK, config.x_wgrad_rounding, keys["x_wgrad"], config, run, decoded=False,
                              axis=0, hadamard_key=keys["hadamard"] if config.hadamard else None)[0]
   return y.astype(x_dtype), (w_res, x_res, keys)
 
 
-def _matmul_bwd(config, x_dtype, w_dtype, res, dy_MxN):
+def _matmul_bwd(config, run, x_dtype, w_dtype, res, dy_MxN):
   w_res, x_res, keys = res
-  kernels = config.implementation != "xla"
-  decoded = config.gemm == "decoded"
+  kernels = run.implementation != "xla"
+  decoded = run.gemm == "decoded"
   if config.dgrad:
     if kernels:
-      qdy = _kernel_quantize(dy_MxN, config.dy_dgrad_rounding, keys["dy_dgrad"], config, decoded=decoded,
+      qdy = _kernel_quantize(dy_MxN, config.dy_dgrad_rounding, keys["dy_dgrad"], config, run, decoded=decoded,
                              axis=-1)
-      dx = _gemm(qdy[0], w_res, _NT, config, (qdy[1], None))
+      dx = _gemm(qdy[0], w_res, _NT, run, (qdy[1], None))
     else:
-      dx = _gemm(quantize_dy_dgrad(dy_MxN, keys, config), w_res, _NT, config)
+      dx = _gemm(quantize_dy_dgrad(dy_MxN, keys, config), w_res, _NT, run)
   else:
     dx = _fdot(dy_MxN, w_res.astype(x_dtype), _NT)
   if config.wgrad:
     if kernels:
-      qdy = _kernel_quantize(dy_MxN, config.dy_wgrad_rounding, keys["dy_wgrad"], config, decoded=decoded,
+      qdy = _kernel_quantize(dy_MxN, config.dy_wgrad_rounding, keys["dy_wgrad"], config, run, decoded=decoded,
                              axis=0, hadamard_key=keys["hadamard"] if config.hadamard else None)
-      dw = _gemm(x_res, qdy[0], _TN, config, (None, qdy[1]))
+      dw = _gemm(x_res, qdy[0], _TN, run, (None, qdy[1]))
     else:
-      dw = _gemm(x_res, quantize_dy_wgrad(dy_MxN, keys, config), _TN, config)
+      dw = _gemm(x_res, quantize_dy_wgrad(dy_MxN, keys, config), _TN, run)
   elif config.hadamard:
     dw = lax.dot_general(wgrad_operand(x_res, keys), wgrad_operand(dy_MxN, keys), (_TN, ((), ())),
                          precision=_HIGHEST, preferred_element_type=_F32)
@@ -353,16 +333,19 @@ def _check(x, w, key, config) -> None:
     _keys(None, config)  # raises the key error
 
 
-def _resolve(config: MatmulConfig, sizes, key) -> MatmulConfig:
-  """``config`` with its implementation and GEMM resolved: ``"auto"`` picks the kernels on a CUDA
-  GPU when they take these operands (an explicit kernel choice that cannot take them raises), and
-  ``scaled_matmul`` GEMMs on a GPU with FP4 tensor cores."""
-  if config.gemm == "auto":
+def _resolve(config: MatmulConfig, implementation: str, gemm: str, amax: str, sizes, key) -> _Run:
+  """The ``_Run`` of one call: ``"auto"`` picks the kernels on a CUDA GPU when they take these
+  operands (an explicit kernel choice that cannot take them raises), and ``scaled_matmul`` GEMMs on
+  a GPU with FP4 tensor cores."""
+  impl = execution.check("nvfp4_matmul", implementation)
+  if gemm not in execution.GEMMS:
+    raise ValueError(f"nvfp4_matmul: gemm must be one of {execution.GEMMS}, got {gemm!r}")
+  if amax not in execution.AMAX_PASSES:
+    raise ValueError(f"nvfp4_matmul: amax must be one of {execution.AMAX_PASSES}, got {amax!r}")
+  if gemm == "auto":
     gemm = "scaled_matmul" if _platform.fp4_tensor_cores() else "decoded"
-    config = dataclasses.replace(config, gemm=gemm)
-  impl = config.implementation
   if impl == "xla":
-    return config
+    return _Run("xla", gemm, amax)
   too_large = max(sizes) > _KERNEL_MAX_ELEMENTS
   # The kernels reproduce jax.random.bits of threefry2x32 keys (JAX's default) only.
   other_key = (config.needs_key and config.rounding_bits == "random"
@@ -377,10 +360,11 @@ def _resolve(config: MatmulConfig, sizes, key) -> MatmulConfig:
     raise ValueError(f"nvfp4_matmul: implementation={impl!r} draws jax.random.bits of threefry2x32 "
                      "keys (JAX's default, with jax_threefry_partitionable); got a key of "
                      f"{jax.random.key_impl(key)}: use implementation='xla'")
-  return dataclasses.replace(config, implementation=impl)
+  return _Run(impl, gemm, amax)
 
 
-def nvfp4_matmul(x, w, *, key=None, config: MatmulConfig) -> jax.Array:
+def nvfp4_matmul(x, w, *, key=None, config: MatmulConfig, implementation: str = "auto",
+                 gemm: str = "auto", amax: str = "kernel") -> jax.Array:
   """``x @ w`` with the forward, dgrad and wgrad GEMMs in NVFP4 as ``config`` says (differentiable).
 
   Args:
@@ -389,8 +373,23 @@ def nvfp4_matmul(x, w, *, key=None, config: MatmulConfig) -> jax.Array:
     w: ``[K, N]`` weight; quantized from its own dtype (an f32 master weight is quantized directly).
     key: a ``jax.random`` key for stochastic rounding and the Hadamard signs; may be None only when
       ``config.needs_key`` is False. Same key, same bits; use a fresh key per step.
-    config: a ``MatmulConfig`` (``MatmulConfig.nvfp4()`` is NVIDIA's recipe, ``.bf16()`` plain); its
-      ``implementation`` chooses the code, not the result.
+    config: a ``MatmulConfig`` (``MatmulConfig.nvfp4()`` is NVIDIA's recipe, ``.bf16()`` plain).
+    implementation: which code quantizes, with the same bits (``fp4jax.execution``): ``"xla"``
+      (``nvfp4.quantize``), ``"pallas"`` (the quantizer kernels of ``fp4jax.kernels.nvfp4_quantize``,
+      CUDA), ``"pallas_interpret"`` (those kernels in interpret mode, for CPU tests), or ``"auto"``:
+      ``"pallas"`` when computations go to a CUDA GPU (``fp4jax._platform.resolve``), the mesh in
+      context (``jax.set_mesh``) has one device, and the kernels take the operands (fewer than
+      2**31 elements each, threefry keys), else ``"xla"``.
+    gemm: how each quantized GEMM multiplies, with the same result up to float32 summation order:
+      ``"decoded"`` (the operands decoded exactly to bf16, a bf16 tensor-core GEMM with float32
+      accumulation: ``nvfp4.gemm``; Hopper and every other device), ``"scaled_matmul"`` (the packed
+      operands as float4_e2m1fn elements and float8_e4m3fn scales into ``jax.nn.scaled_matmul``:
+      ``nvfp4.scaled_matmul_gemm``, cuDNN's block-scaled GEMM on FP4 tensor cores), or ``"auto"``:
+      ``"scaled_matmul"`` on a CUDA GPU of compute capability 10.0 or more
+      (``fp4jax._platform.fp4_tensor_cores``), else ``"decoded"``.
+    amax: with the quantizer kernels, how their first pass forms each operand's ``max|x|``:
+      ``"kernel"`` (a Pallas kernel) or ``"xla"`` (an XLA reduction, so each operand is one Triton
+      kernel); the same bits either way (``nvfp4_quantize.quantize(amax=...)``).
 
   Returns:
     ``[..., N]`` in ``x``'s dtype (f32 accumulation). Gradients come back in ``x``'s and ``w``'s
@@ -399,14 +398,15 @@ def nvfp4_matmul(x, w, *, key=None, config: MatmulConfig) -> jax.Array:
 
   Raises:
     ValueError: shapes that disagree, K/N/M not a multiple of 16 where a GEMM needs it (M only for
-      the wgrad), non-float inputs, a missing key, or a kernel implementation that cannot take the
-      operands (2**31 elements or more, a key that is not threefry2x32).
+      the wgrad), non-float inputs, a missing key, an unknown implementation, gemm or amax, or a
+      kernel implementation that cannot take the operands (2**31 elements or more, a key that is
+      not threefry2x32).
   """
   x, w = jnp.asarray(x), jnp.asarray(w)
   _check(x, w, key, config)
   x_MxK = x.reshape(-1, w.shape[0])
-  config = _resolve(config, (x.size, w.size, x_MxK.shape[0] * w.shape[1]), key)
-  y = _matmul(x_MxK, w, key, config, x.dtype, w.dtype)
+  run = _resolve(config, implementation, gemm, amax, (x.size, w.size, x_MxK.shape[0] * w.shape[1]), key)
+  y = _matmul(x_MxK, w, key, config, run, x.dtype, w.dtype)
   return y.reshape(*x.shape[:-1], w.shape[1])
 
 

@@ -16,7 +16,7 @@ entries decaying (round-to-nearest re-rounds them to the same code); its bits ar
 hash that XLA fuses into the quantizer (``fp4jax.numerics.counter_bits``). docs/DESIGN.md,
 "Optimizer states", gives the measurements behind each choice.
 
-The NVFP4 leaves are updated by plain jnp that XLA fuses and partitions (``kernel="xla"``) or by two
+The NVFP4 leaves are updated by plain jnp that XLA fuses and partitions (``implementation="xla"``) or by two
 Pallas Triton kernels (``fp4jax.kernels.adam_nvfp4``, the default on a CUDA GPU); both give the same
 state bits. Leaves that the storage rule keeps in float32 (``fp4jax.optim._common``) run
 ``optax.scale_by_adam``'s arithmetic unchanged on float32 moments, whatever the parameters' dtype.
@@ -34,14 +34,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fp4jax import _platform, numerics
+from fp4jax import _platform, execution, numerics
 from fp4jax.kernels import adam_nvfp4 as adam_kernel
 from fp4jax.kernels.adam_nvfp4 import AdamKernelConfig
 from fp4jax.optim import _common
 from fp4jax.optim._common import DEFAULT_MIN_SIZE
-
-KERNELS = ("auto", "pallas", "pallas_interpret", "xla")
-
 
 @dataclasses.dataclass(frozen=True)
 class AdamNvfp4Options:
@@ -118,8 +115,8 @@ def scale_by_adam_nvfp4(
     quantize: bool = True,
     options: AdamNvfp4Options = AdamNvfp4Options(),
     seed: int = 0,
-    kernel: str = "auto",
-    kernel_config: AdamKernelConfig = AdamKernelConfig(),
+    implementation: str = "auto",
+    block_sizes: AdamKernelConfig = AdamKernelConfig(),
 ) -> optax.GradientTransformation:
   r"""Adam's scaling (no learning rate) with m and √v stored as NVFP4.
 
@@ -141,7 +138,7 @@ def scale_by_adam_nvfp4(
       ``optax.scale_by_adam`` bit for bit with float32 moments (module docstring).
     options: the storage knobs (``AdamNvfp4Options``).
     seed: stochastic rounding uses ``fold_in(key(seed), count)``: deterministic, nothing to store.
-    kernel: how NVFP4 leaves are updated: ``"pallas"`` (two Pallas Triton kernels,
+    implementation: which code updates NVFP4 leaves (``fp4jax.execution``): ``"pallas"`` (two Pallas Triton kernels,
       ``fp4jax.kernels.adam_nvfp4``; CUDA GPUs), ``"xla"`` (plain jnp), ``"pallas_interpret"`` (the
       kernels in interpret mode, for CPU tests) or ``"auto"``: ``"pallas"`` when computations go to
       a CUDA GPU by default, else ``"xla"``. Both give the same state bits. The kernels take leaves
@@ -149,7 +146,7 @@ def scale_by_adam_nvfp4(
       that shards the state (FSDP, tensor parallel) use ``"xla"``, which XLA partitions. The
       kernels compile ``b1``, ``b2``, ``eps`` and ``eps_root`` in: traced values (from
       ``optax.inject_hyperparams`` under ``jax.jit``) take the XLA path.
-    kernel_config: the kernels' launch settings.
+    block_sizes: the kernels' launch settings (``AdamKernelConfig``).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ScaleByAdamNvfp4State``.
@@ -166,10 +163,9 @@ def scale_by_adam_nvfp4(
   """
   if not isinstance(options, AdamNvfp4Options):
     raise ValueError(f"options must be an AdamNvfp4Options, got {type(options).__name__}")
-  if kernel not in KERNELS:
-    raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-  if not isinstance(kernel_config, AdamKernelConfig):
-    raise ValueError(f"kernel_config must be an AdamKernelConfig, got {type(kernel_config).__name__}")
+  execution.check("scale_by_adam_nvfp4", implementation)
+  if not isinstance(block_sizes, AdamKernelConfig):
+    raise ValueError(f"block_sizes must be an AdamKernelConfig, got {type(block_sizes).__name__}")
   min_size, clip_update = options.min_size, options.clip_update
   mu_rounding, nu_rounding = options.mu_rounding, options.nu_rounding
   stochastic = "stochastic" in (mu_rounding, nu_rounding)
@@ -208,7 +204,7 @@ def scale_by_adam_nvfp4(
     key = _common.step_key(seed, count_inc) if stochastic else None
     q_idx = [i for i, q in enumerate(quantized) if q]
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(quantized))]
-    impl = _platform.resolve(kernel, "pallas", "xla")
+    impl = _platform.resolve(implementation, "pallas", "xla")
     fused = []
     if impl != "xla" and hyper is not None:
       fused = [i for i in q_idx if adam_kernel.supports(mu_leaves[i])
@@ -220,7 +216,7 @@ def scale_by_adam_nvfp4(
           [nu_leaves[i] for i in fused], fused, key, hyper,
           numerics.bias_factors(b1, b2, eps_root, count_inc),
           _clip_bound(count_inc), numerics.runtime_zero(count_inc),
-          config=kernel_config, interpret=impl == "pallas_interpret")
+          config=block_sizes, interpret=impl == "pallas_interpret")
       for j, i in enumerate(fused):
         u_leaves[i], mu_new[i], nu_new[i] = (o[j] for o in outs)
     leaf_fn = lambda g, m, v, k: _leaf_update(g, m, v, k, count_inc)  # noqa: E731
@@ -282,8 +278,8 @@ def adamw_nvfp4(
     quantize: bool = True,
     options: AdamNvfp4Options = AdamNvfp4Options(),
     seed: int = 0,
-    kernel: str = "auto",
-    kernel_config: AdamKernelConfig = AdamKernelConfig(),
+    implementation: str = "auto",
+    block_sizes: AdamKernelConfig = AdamKernelConfig(),
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW with NVFP4 moments: ``chain(scale_by_adam_nvfp4, add_decayed_weights, scale_by_lr)``.
 
@@ -302,7 +298,7 @@ def adamw_nvfp4(
     b1, b2, eps, eps_root, nesterov: as ``optax.adamw``.
     weight_decay: decoupled weight decay, multiplied by the learning rate.
     mask: which leaves get weight decay (pytree of bools or callable), as ``optax.adamw``.
-    quantize, options, seed, kernel, kernel_config: as ``scale_by_adam_nvfp4``.
+    quantize, options, seed, implementation, block_sizes: as ``scale_by_adam_nvfp4``.
 
   Returns:
     An optax transformation. With ``quantize=False`` it equals ``optax.adamw`` bit for bit on
@@ -323,7 +319,8 @@ def adamw_nvfp4(
   """
   return optax.chain(
       scale_by_adam_nvfp4(b1, b2, eps, eps_root, nesterov=nesterov, quantize=quantize,
-                          options=options, seed=seed, kernel=kernel, kernel_config=kernel_config),
+                          options=options, seed=seed, implementation=implementation,
+                          block_sizes=block_sizes),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )

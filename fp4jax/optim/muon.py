@@ -236,7 +236,7 @@ def muon_nvfp4(
     muon_mask: Callable | Mapping | None = None,
     adam_options: AdamNvfp4Options = AdamNvfp4Options(),
     seed: int = 0,
-    adam_kernel: str = "auto",
+    adam_implementation: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   """Muon for 2-D weights, ``adamw_nvfp4`` for embeddings, the LM head and non-2-D leaves.
 
@@ -255,7 +255,7 @@ def muon_nvfp4(
       ``default_muon_mask`` (2-D and not named like an embedding or LM head).
     adam_options: ``options`` of the AdamW side (``AdamNvfp4Options``).
     seed: ``seed`` of the AdamW side's stochastic rounding.
-    adam_kernel: ``kernel`` of the AdamW side (``scale_by_adam_nvfp4``: "auto", "pallas", "xla",
+    adam_implementation: ``implementation`` of the AdamW side (``scale_by_adam_nvfp4``: "auto", "pallas", "xla",
       "pallas_interpret").
 
   Returns:
@@ -282,5 +282,6 @@ def muon_nvfp4(
   )
   adam_tx = adamw_nvfp4(learning_rate if adam_learning_rate is None else adam_learning_rate,
                         adam_b1, adam_b2, eps, weight_decay=adam_weight_decay, nesterov=nesterov,
-                        quantize=quantize, options=adam_options, seed=seed, kernel=adam_kernel)
+                        quantize=quantize, options=adam_options, seed=seed,
+                        implementation=adam_implementation)
   return partitioned(muon_tx, adam_tx, default_muon_mask if muon_mask is None else muon_mask)

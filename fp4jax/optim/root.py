@@ -109,7 +109,7 @@ def root(
     muon_mask: Callable | Mapping | None = None,
     adam_options: AdamNvfp4Options = AdamNvfp4Options(),
     seed: int = 0,
-    adam_kernel: str = "auto",
+    adam_implementation: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   """ROOT for 2-D weights, ``adamw_nvfp4`` for embeddings, the LM head and non-2-D leaves.
 
@@ -126,7 +126,7 @@ def root(
     muon_mask: which leaves ROOT takes (see ``muon_nvfp4``); default ``default_muon_mask``.
     adam_options: ``options`` of the AdamW side (``AdamNvfp4Options``).
     seed: ``seed`` of the AdamW side's stochastic rounding.
-    adam_kernel: ``kernel`` of the AdamW side (``scale_by_adam_nvfp4``: "auto", "pallas", "xla",
+    adam_implementation: ``implementation`` of the AdamW side (``scale_by_adam_nvfp4``: "auto", "pallas", "xla",
       "pallas_interpret").
 
   Returns:
@@ -153,5 +153,5 @@ def root(
   )
   adam_tx = adamw_nvfp4(learning_rate if adam_learning_rate is None else adam_learning_rate,
                         adam_b1, adam_b2, adam_eps, weight_decay=weight_decay, quantize=quantize,
-                        options=adam_options, seed=seed, kernel=adam_kernel)
+                        options=adam_options, seed=seed, implementation=adam_implementation)
   return partitioned(root_tx, adam_tx, default_muon_mask if muon_mask is None else muon_mask)

@@ -12,14 +12,12 @@ For fixed inputs and keys, on the GPU and on the CPU backend of the same process
    GPU, against the XLA implementation on the CPU, within float32 accumulation tolerance (the same
    operands; only the GEMM's summation order may differ), and far (> 1e-2) from the unquantized
    product: the quantization was not folded away;
-3. ``Fp4Dense`` and ``LoraSvdDense`` (bf16 activations, params built on the CPU, the default
+3. ``fp4_dense`` and ``lora_svd_dense`` (bf16 activations, params built on the CPU, the default
    ``implementation="auto"``: the kernels on the GPU, XLA on the CPU): output and every parameter
    and input gradient within bf16 output tolerance.
 
 float32 GEMMs run at full precision on the GPU too (tests/conftest.py sets "highest"), not TF32.
 """
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +26,7 @@ import pytest
 from _check import bits_differ, devices, on, rel, table
 from flax import nnx
 
-from fp4jax.layers import Fp4Dense, LoraSvdDense
+from fp4jax.layers import fp4_dense, lora_svd_dense
 from fp4jax.ops import MatmulConfig, matmul, nvfp4_matmul
 
 pytestmark = pytest.mark.gpu
@@ -46,12 +44,12 @@ def inputs(dtype):
   return x.astype(dtype), w.astype(np.float32), dy.astype(dtype)
 
 
-def _operands(x, w, dy, key, config):
-  """The quantized operands of the three GEMMs (what each GEMM multiplies), by ``config``'s
-  implementation (``"xla"`` or ``"pallas"``), and the XLA implementation's float32 H·x."""
+def _operands(x, w, dy, key, config, implementation):
+  """The quantized operands of the three GEMMs (what each GEMM multiplies), by ``implementation``
+  (``"xla"`` or ``"pallas"``), and the XLA implementation's float32 H·x."""
   keys = matmul._keys(key, config)
   x2, dy2 = x.reshape(-1, K), dy.reshape(-1, N)
-  if config.implementation == "xla":
+  if implementation == "xla":
     ops = {"x (fwd, 1x16 along K)": matmul.quantize_x(x2, keys, config),
            "w (fwd+dgrad, 16x16)": matmul.quantize_w(w, keys, config),
            "dy (dgrad, 1x16 along N, SR)": matmul.quantize_dy_dgrad(dy2, keys, config),
@@ -60,7 +58,8 @@ def _operands(x, w, dy, key, config):
     if config.hadamard:
       ops["H.x f32 (before quantization)"] = matmul.wgrad_operand(x2, keys)
     return ops
-  q = lambda a, r, k, **kw: matmul._kernel_quantize(a, r, keys[k], config, decoded=False, **kw)[0]  # noqa: E731
+  run = matmul._Run(implementation)
+  q = lambda a, r, k, **kw: matmul._kernel_quantize(a, r, keys[k], config, run, decoded=False, **kw)[0]  # noqa: E731
   hkey = keys["hadamard"] if config.hadamard else None
   return {"x (fwd, 1x16 along K)": q(x2, config.x_rounding, "x", axis=-1),
           "w (fwd+dgrad, 16x16)": q(w, config.w_rounding, "w", block=(16, 16)),
@@ -77,11 +76,9 @@ def operand_rows(dev, cpu):
   rows, ok = [], True
   for base, tag in ((NVFP4, ""), (MatmulConfig.nvfp4(hadamard=False), " [no Hadamard]"),
                     (MatmulConfig.nvfp4(rounding_bits="counter"), " [counter bits]")):
-    want = on(cpu, lambda *a, c=base: _operands(*a, dataclasses.replace(c, implementation="xla")),
-              x, w, dy, key)
+    want = on(cpu, lambda *a, c=base: _operands(*a, c, "xla"), x, w, dy, key)
     for impl in ("xla", "pallas"):
-      config = dataclasses.replace(base, implementation=impl)
-      got = on(dev, lambda *a, c=config: _operands(*a, c), x, w, dy, key)
+      got = on(dev, lambda *a, c=base, i=impl: _operands(*a, c, i), x, w, dy, key)
       for name in got:
         if tag == " [no Hadamard]" and "H." not in name:
           continue
@@ -97,18 +94,18 @@ def matmul_rows(dev, cpu):
   key = jax.random.key(KEY_SEED)
   rows, ok = [], True
 
-  def fwd_bwd(x, w, dy, key, config):
-    y, vjp = jax.vjp(lambda x, w: nvfp4_matmul(x, w, key=key, config=config), x, w)
+  def fwd_bwd(x, w, dy, key, config, implementation="xla"):
+    y, vjp = jax.vjp(lambda x, w: nvfp4_matmul(x, w, key=key, config=config,
+                                               implementation=implementation), x, w)
     return (y, *vjp(dy))
 
   unq = on(cpu, lambda x, w, dy: fwd_bwd(x, w, dy, None, MatmulConfig.bf16()), x, w, dy)
   for base, name in ((NVFP4, "nvfp4"), (MatmulConfig.nvfp4(hadamard=False), "nvfp4, no Hadamard"),
                      (MatmulConfig.bf16(), "bf16")):
-    xla = dataclasses.replace(base, implementation="xla")
-    c = on(cpu, lambda x, w, dy, key, config=xla: fwd_bwd(x, w, dy, key, config), x, w, dy, key)
+    config = base
+    c = on(cpu, lambda x, w, dy, key: fwd_bwd(x, w, dy, key, config), x, w, dy, key)
     for impl in ("xla", "pallas"):
-      config = dataclasses.replace(base, implementation=impl)
-      g = on(dev, lambda x, w, dy, key, config=config: fwd_bwd(x, w, dy, key, config), x, w, dy, key)
+      g = on(dev, lambda x, w, dy, key, i=impl: fwd_bwd(x, w, dy, key, config, i), x, w, dy, key)
       for out, gv, cv, uv in zip(("y", "dx", "dw"), g, c, unq):
         r, r_unq = rel(gv, cv), rel(gv, uv)
         tol = 1e-4 if (out == "dw" and config.hadamard) else 1e-5
@@ -124,8 +121,8 @@ def layer_rows(dev, cpu):
   key = jax.random.key(KEY_SEED)
   rows, ok = [], True
   with jax.default_device(cpu):
-    layers = {"Fp4Dense": Fp4Dense(K, N, config=NVFP4, rngs=nnx.Rngs(0), use_bias=True),
-              "LoraSvdDense r=16": LoraSvdDense(K, N, rank=16, config=NVFP4, rngs=nnx.Rngs(0), svd="exact")}
+    layers = {"fp4_dense": fp4_dense(K, N, config=NVFP4, rngs=nnx.Rngs(0), use_bias=True),
+              "lora_svd_dense r=16": lora_svd_dense(K, N, rank=16, config=NVFP4, rngs=nnx.Rngs(0), svd="exact")}
   for name, layer in layers.items():
     graphdef, params = nnx.split(layer)
 

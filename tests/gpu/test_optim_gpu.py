@@ -43,8 +43,8 @@ OPTIMIZERS = {
     "adamw_nvfp4 nearest": (lambda: optim.adamw_nvfp4(1e-3, options=optim.AdamNvfp4Options(
         mu_rounding="nearest", nu_rounding="nearest")), 1e-5, 3),
     "adamw_nvfp4 stochastic, other launch settings": (
-        lambda: optim.adamw_nvfp4(1e-3, kernel_config=OTHER_LAUNCHES), 1e-5, 3),
-    "adamw_nvfp4 stochastic, XLA on the GPU too": (lambda: optim.adamw_nvfp4(1e-3, kernel="xla"), 1e-5, 3),
+        lambda: optim.adamw_nvfp4(1e-3, block_sizes=OTHER_LAUNCHES), 1e-5, 3),
+    "adamw_nvfp4 stochastic, XLA on the GPU too": (lambda: optim.adamw_nvfp4(1e-3, implementation="xla"), 1e-5, 3),
     "muon_nvfp4": (lambda: optim.muon_nvfp4(0.02, adam_options=optim.AdamNvfp4Options(min_size=0)),
                    0.3, 2),
 }

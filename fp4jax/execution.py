@@ -1,0 +1,84 @@
+"""How a run is executed: which code runs each op. Never part of what a run computes.
+
+Every op with more than one implementation takes the same argument, ``implementation``, with its
+value from one vocabulary, ``IMPLEMENTATIONS``:
+
+  auto              the op's fastest path where computations go (``fp4jax._platform.resolve``):
+                    its Pallas kernel (or cuDNN) on a CUDA GPU, XLA elsewhere
+  xla               jnp code that XLA compiles for any device (the reference numerics)
+  pallas            the op's Pallas GPU kernels (Triton lowering; CUDA)
+  pallas_interpret  those kernels in Pallas interpret mode (CPU tests of the kernels)
+  cudnn             cuDNN's flash attention (``jax.nn.dot_product_attention``; BF16 attention only)
+
+Each op accepts the subset its docstring names (``check`` raises for the others) and computes the
+same numbers with each, up to float32 summation order where its docstring says so. Kernel launch
+settings are not chosen here: each Pallas kernel takes one frozen ``BlockSizes`` dataclass of its
+own module, with defaults tuned on the H200.
+
+``Execution`` gathers the choices of one training run (the ``execution`` section of an experiment
+config: ``--config.execution.attention=xla``). A resumed run may change any of them: the run's
+identity (``fp4jax.train.run_identity``) is its numerics — model, recipe, optimizer, data — and
+holds nothing of this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fp4jax.kernels.nvfp4_quantize import AMAX_PASSES  # the quantizer kernels' first passes
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret", "cudnn")
+KERNEL_IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")  # an op with Pallas kernels
+GEMMS = ("auto", "decoded", "scaled_matmul")
+
+
+def check(where: str, implementation, supported=KERNEL_IMPLEMENTATIONS) -> str:
+  """``implementation`` if ``supported`` (a subset of ``IMPLEMENTATIONS``) holds it, else a
+  ``ValueError`` naming ``where`` (the op or config field) and the accepted values."""
+  if implementation not in supported:
+    raise ValueError(f"{where}: implementation must be one of {tuple(supported)}, got "
+                     f"{implementation!r}")
+  return implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+  """Which code runs each op of a training step (hashable; none of it changes the numerics beyond
+  float32 summation order).
+
+  Attributes:
+    matmul: the NVFP4 projections' quantizers (``fp4jax.ops.nvfp4_matmul``): ``auto``, ``xla``,
+      ``pallas`` or ``pallas_interpret``. BF16 projections are one ``jnp.dot``.
+    gemm: how an NVFP4 GEMM multiplies: ``decoded`` (operands decoded exactly to bf16, bf16 tensor
+      cores), ``scaled_matmul`` (``jax.nn.scaled_matmul`` on FP4 tensor cores, compute capability
+      >= 10.0) or ``auto`` (``scaled_matmul`` where the GPU has FP4 tensor cores, else ``decoded``).
+    amax: with the quantizer kernels, how their first pass forms each operand's ``max|x|``:
+      ``kernel`` (a Pallas kernel) or ``xla`` (an XLA reduction, one Triton kernel per operand).
+    attention: BF16 attention (``jax.nn.dot_product_attention``): ``auto`` (cuDNN on a CUDA GPU when
+      the shapes allow it: bf16 compute, head_dim a multiple of 8 up to 128; else XLA), ``cudnn`` or
+      ``xla``. NVFP4 attention (``fp4jax.ops.nvfp4_attention``): ``auto``, ``xla``, ``pallas`` or
+      ``pallas_interpret``.
+    cross_entropy: the loss's pass over each chunk's float32 logits (``fp4jax.loss``): ``auto``
+      (the fused Pallas kernel on a CUDA GPU, else XLA), ``xla``, ``pallas`` or
+      ``pallas_interpret``.
+    optimizer: the NVFP4 AdamW update (``fp4jax.optim.scale_by_adam_nvfp4``): ``auto``, ``xla``,
+      ``pallas`` or ``pallas_interpret``. A mesh that shards the optimizer state makes ``auto``
+      ``xla`` (the kernels take whole leaves).
+  """
+
+  matmul: str = "auto"
+  gemm: str = "auto"
+  amax: str = "kernel"
+  attention: str = "auto"
+  cross_entropy: str = "auto"
+  optimizer: str = "auto"
+
+  def __post_init__(self):
+    check("Execution.matmul", self.matmul)
+    check("Execution.attention", self.attention, IMPLEMENTATIONS)
+    check("Execution.cross_entropy", self.cross_entropy)
+    check("Execution.optimizer", self.optimizer)
+    if self.gemm not in GEMMS:
+      raise ValueError(f"Execution.gemm must be one of {GEMMS}, got {self.gemm!r}")
+    if self.amax not in AMAX_PASSES:
+      raise ValueError(f"Execution.amax must be one of {AMAX_PASSES}, got {self.amax!r}")
