@@ -61,10 +61,12 @@ class ModelConfig:
     dtype: compute dtype of activations and matmul operands ("bfloat16" or "float32").
     init_std: standard deviation of the projection and embedding initializers.
     scan_layers: apply each run of consecutive same-precision blocks with one ``lax.scan`` (one
-      compiled block instead of L; same initial values and numerics as unrolled). The run's
-      parameters are then stacked leaves (L_run, ...), so optimizer statistics kept per leaf
-      (NVFP4 moments' global scales) cover the run. Off by default: XLA on the CPU compiles the
-      NVFP4 graph inside a scan much more slowly than unrolled.
+      compiled block instead of L; the same initial values and forward/backward numerics as
+      unrolled). The run's parameters are then stacked leaves (L_run, ...), a different parameter
+      tree (checkpoints of the two do not restore into each other), and optimizer statistics kept
+      per leaf cover the whole run: NVFP4 moments get one global scale per stacked leaf instead of
+      one per block's leaf, and Muon, which orthogonalizes 2-D leaves, does not apply. Off by
+      default so that a run's optimizer numerics are the per-block ones of the method.
     remat: rematerialize each block's activations in the backward pass (saves memory).
   """
 
@@ -87,19 +89,19 @@ class ModelConfig:
     for f in ("vocab_size", "d_model", "n_layers", "n_heads"):
       if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
         raise ValueError(f"ModelConfig.{f}={getattr(self, f)!r}: expected a positive int")
-    if self.head_dim is None and self.d_model % self.n_heads:
-      raise ValueError(f"ModelConfig: d_model={self.d_model} is not divisible by "
-                       f"n_heads={self.n_heads}; set head_dim")
-    derived = {"n_kv_heads": self.n_heads, "head_dim": self.d_model // self.n_heads,
-               "d_ff": 16 * max(1, round(8 * self.d_model / 3 / 16))}
+    derived = {"n_kv_heads": lambda: self.n_heads, "head_dim": lambda: self.d_model // self.n_heads,
+               "d_ff": lambda: 16 * max(1, round(8 * self.d_model / 3 / 16))}
     for f, value in derived.items():
+      if f == "head_dim" and self.head_dim is None and self.d_model % self.n_heads:
+        raise ValueError(f"ModelConfig: d_model={self.d_model} is not divisible by "
+                         f"n_heads={self.n_heads}; set head_dim")
       if getattr(self, f) is None:
-        object.__setattr__(self, f, value)
+        object.__setattr__(self, f, value())
       elif not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
         raise ValueError(f"ModelConfig.{f}={getattr(self, f)!r}: expected a positive int or None")
-    if self.n_heads % self.n_kv_heads:
-      raise ValueError(f"ModelConfig: n_heads={self.n_heads} is not a multiple of "
-                       f"n_kv_heads={self.n_kv_heads}")
+      if f == "n_kv_heads" and self.n_heads % self.n_kv_heads:
+        raise ValueError(f"ModelConfig: n_heads={self.n_heads} is not a multiple of "
+                         f"n_kv_heads={self.n_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for RoPE")
     if self.dtype not in ("bfloat16", "float32"):

@@ -431,8 +431,8 @@ def test_attention_option_validated_and_xla_on_cpu():
   with pytest.raises(ValueError, match="'cudnn' needs dtype bfloat16"):
     _model(small, execution=Execution(attention="cudnn"))
   with pytest.raises(ValueError, match="runs BF16 attention only"):
-    _model(small, get_recipe("fp4_full_stack"), execution=Execution(attention="cudnn"))
-  op = _model(small, get_recipe("fp4_full_stack"), execution=Execution(attention="xla")).blocks[0].attn
+    _model(small, Recipe(attention="nvfp4"), execution=Execution(attention="cudnn"))
+  op = _model(small, Recipe(attention="nvfp4"), execution=Execution(attention="xla")).blocks[0].attn
   assert op.attention_op.implementation == "xla"
   assert attention_impl(CFG) == "xla"  # float32 model
   bf16 = ModelConfig(vocab_size=8, d_model=64, n_layers=1, n_heads=4)
@@ -508,8 +508,8 @@ def test_attention_lowers_to_cudnn_for_h200_without_scores_or_full_logits():
 
 
 def test_auto_attention_falls_back_to_xla_when_cudnn_refuses(monkeypatch):
-  """On a 'GPU' without cuDNN (here: the CPU pretending), attention='auto' warns and uses XLA;
-  attention='cudnn' raises."""
+  """On a 'GPU' without cuDNN (here: the CPU pretending), ``Execution.attention='auto'``
+  warns and uses XLA; ``'cudnn'`` raises."""
   monkeypatch.setattr(_platform, "default_platform", lambda: "cuda")
   cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4)
   assert attention_impl(cfg) == "cudnn"
@@ -519,9 +519,8 @@ def test_auto_attention_falls_back_to_xla_when_cudnn_refuses(monkeypatch):
   monkeypatch.undo()
   np.testing.assert_array_equal(logits, _model(cfg)(tokens))
   if jax.default_backend() == "cpu":
-    strict = ModelConfig(**{**cfg.__dict__, "attention": "cudnn"})
     with pytest.raises(RuntimeError, match="cuDNN"):
-      _model(strict)(tokens)
+      _model(cfg, execution=Execution(attention="cudnn"))(tokens)
 
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])  # MHA, GQA, MQA

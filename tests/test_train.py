@@ -247,7 +247,8 @@ def test_launcher_cli_writes_metrics(tmp_path):
          "--config.model.n_layers=1", "--config.batch_size=4", "--config.seq_len=16",
          "--config.mesh_shape=(1,1,1)", f"--config.data.corpus={text_dir}",
          f"--config.data.dir={tmp_path / 'tokens'}", "--config.tensorboard=False",
-         "--config.recipe.bf16_last_blocks=1", "--config.execution.cross_entropy=xla",
+         "--config.recipe.bf16_last_blocks=1", "--config.recipe.matmul.hadamard=False",
+         "--config.execution.cross_entropy=xla",
          f"--compilation_cache={tmp_path / 'xla_cache'}"]
   r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
@@ -264,8 +265,10 @@ def test_launcher_cli_writes_metrics(tmp_path):
   cfg = json.loads((tmp_path / "run" / "config.json").read_text())
   assert cfg["config"]["steps"] == 4 and cfg["vocab_size"] == 384  # 257 rounded up to 128
   assert cfg["config"]["recipe"]["bf16_last_blocks"] == 1
-  r = subprocess.run(cmd + ["--config.steps=5"], cwd=REPO, capture_output=True, text=True,
-                     timeout=300)
+  assert cfg["config"]["recipe"]["matmul"]["hadamard"] is False
+  # Which code runs an op is not part of the run: a resume may change it.
+  r = subprocess.run(cmd + ["--config.steps=5", "--config.execution.attention=xla"], cwd=REPO,
+                     capture_output=True, text=True, timeout=300)
   assert r.returncode == 0 and "resumed from step 4 of 5" in r.stdout, r.stdout + r.stderr[-3000:]
   bad = subprocess.run(cmd[:4] + ["--config.no_such_field=1"], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
