@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.optim_lm import init_params, loss_fn, stdlib_bytes
-from fp4jax import optim
+from fp4jax import analysis, optim
 from fp4jax.optim import ns
 
 PRECS = ns.PRECISIONS  # ("fp32", "bf16", "nvfp4")
@@ -57,7 +57,7 @@ def table_orthogonality(mats):
     ref = jax.jit(lambda x: optim.newton_schulz(x, precision="fp32"))(x)
     for p in PRECS:
       y = jax.jit(lambda x, p=p: optim.newton_schulz(x, precision=p))(x)
-      e = optim.orthogonality_error(y)
+      e = analysis.orthogonality_error(y)
       dist = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
       rows.append((name, p, e["s_min"], e["s_max"], e["s_std"], dist))
       print(f"  {name} {p}: {e}", flush=True)

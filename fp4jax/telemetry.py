@@ -23,7 +23,7 @@ would cost). Names are ``telemetry/<module>/<tensor>_{rel_err,snr_db}``::
                          dw      xᵀ·dy                              the wgrad GEMM Q(H·x)ᵀ·Q(H·dy)
   blocks.{i}.attn        q, k    RoPE'd queries and keys            1×16 along the head dim
                          ds      the backward's dS, on the first    the op's ``AttentionConfig``:
-                                 ``ATTENTION_EXAMPLES`` sequences   ``fp4jax.ops.attention``'s
+                                 ``ATTENTION_EXAMPLES`` sequences   ``fp4jax.analysis``'s
                          ds_dq,  dS·K and dSᵀ·Q from Q(dS)          ``ds_scale_error``, "tile" scope
                          ds_dk
   <parameter module>     mu, nu  Adam's m and √v of the update      1×16, stochastic, as
@@ -55,7 +55,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fp4jax import nvfp4, optim
+from fp4jax import analysis, nvfp4, optim
 from fp4jax.layers import Dense, NVFP4Matmul
 from fp4jax.loss import chunked_cross_entropy
 from fp4jax.model import ModelConfig, Transformer
@@ -364,7 +364,7 @@ def _run_ds(ds) -> dict:
 
     def one(a, config=config):
       q, k, v, do, key = a
-      tile = attention_ops.ds_scale_error(q, k, v, do, key=key, config=config)["tile"]
+      tile = analysis.ds_scale_error(q, k, v, do, key=key, config=config)["tile"]
       return tile["ds_rel"], tile["dq_rel"], tile["dk_rel"]
 
     args = tuple(jnp.stack(xs) for xs in zip(*(a for _, _, a in jobs), strict=True))
