@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.optim_lm import init_params, loss_fn, stdlib_bytes
+from benchmarks.optim_lm import init_model, loss_of, stdlib_bytes
 from fp4jax import analysis, optim
 from fp4jax.optim import ns
 
@@ -45,9 +45,11 @@ def matrices(quick: bool):
   out[f"same, ROOT-clipped at q0.9 {n}x{2 * n}"] = np.clip(heavy, -thr, thr)
   data = stdlib_bytes(1 << 16)
   x = np.stack([data[i * 65:i * 65 + 64] for i in range(16)]).astype(np.int32)
-  grads = jax.grad(loss_fn)(init_params(jax.random.key(0)), x, np.roll(x, -1, 1))
-  out["byte-LM gradient, fc1 128x512"] = np.asarray(grads["blocks"][0]["fc1"])
-  out["byte-LM gradient, qkv 128x384"] = np.asarray(grads["blocks"][0]["qkv"])
+  graphdef, params = init_model(0)
+  grads = jax.grad(loss_of(graphdef))(params, x, np.roll(x, -1, 1))
+  for name, g in (("gate_up", grads["blocks"][0]["mlp"]["gate_up"]["kernel"]),
+                  ("qkv", grads["blocks"][0]["attn"]["qkv"]["kernel"])):
+    out[f"byte-LM gradient, {name} {g.shape[0]}x{g.shape[1]}"] = np.asarray(g)
   return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
 
