@@ -1,14 +1,14 @@
-"""A tiny byte-level Transformer LM for ``optim_states`` and ``optim_ns`` (CPU-sized, fixed seeds).
+"""The byte-level LM of ``optim_states`` and ``optim_ns``: ``fp4jax.model`` at a CPU size, fixed seeds.
 
-2 blocks, d=128, 4 heads, context 64, trained on Python's own standard-library sources (local, no
-network), bytes as tokens: small enough to train every candidate optimizer state on a CPU.
-Parameter names follow the usual conventions (``embed``, ``pos_embed``, ``lm_head``), so the
-Muon/ROOT routing sends them to AdamW.
+``MODEL``: a ``fp4jax.model.Transformer`` with 2 blocks, d=128, 4 heads, float32 compute, at the
+``bf16`` recipe (no projection quantized: only the optimizer differs between runs), trained on
+Python's own standard-library sources (local, no network), bytes as tokens, context 64. Its loss,
+train step and parameters are ``fp4jax.train``'s (``loss_fn``, ``make_train_step``); parameter
+names are the model's (``embed``, ``lm_head``), which the Muon/ROOT routing sends to AdamW.
 """
 
 from __future__ import annotations
 
-import functools
 import pathlib
 import sysconfig
 import time
@@ -17,8 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
+
+from fp4jax import train as train_lib
+from fp4jax.model import ModelConfig, Transformer
+from fp4jax.recipe import get_recipe
 
 VOCAB = 256
+SEQ = 64
+MODEL = ModelConfig(vocab_size=VOCAB, d_model=128, n_layers=2, n_heads=4, dtype="float32")
+RECIPE = get_recipe("bf16")
 
 
 def stdlib_bytes(max_bytes: int = 4 << 20) -> np.ndarray:
@@ -43,62 +51,35 @@ def batches(data: np.ndarray, batch: int, seq: int, seed: int):
     yield w[:, :-1], w[:, 1:]
 
 
-def init_params(key, d: int = 128, layers: int = 2, seq: int = 64, mlp: int = 4):
-  keys = iter(jax.random.split(key, 4 + 4 * layers))
-  normal = lambda shape, std=0.02: std * jax.random.normal(next(keys), shape)  # noqa: E731
-  blocks = [{
-      "ln1": jnp.ones((d,)), "qkv": normal((d, 3 * d)), "proj": normal((d, d)) / np.sqrt(2 * layers),
-      "ln2": jnp.ones((d,)), "fc1": normal((d, mlp * d)), "fc2": normal((mlp * d, d)) / np.sqrt(2 * layers),
-  } for _ in range(layers)]
-  return {"embed": normal((VOCAB, d)), "pos_embed": normal((seq, d)), "blocks": blocks,
-          "ln_f": jnp.ones((d,)), "lm_head": normal((d, VOCAB))}
+def init_model(seed: int = 0):
+  """``(graphdef, params)`` of ``MODEL``: params a pure dict keyed like ``fp4jax.model``."""
+  graphdef, state = nnx.split(Transformer(MODEL, RECIPE, rngs=nnx.Rngs(seed)))
+  return graphdef, nnx.to_pure_dict(state)
 
 
-def _rms_norm(x_BxTxD, scale_D):
-  return x_BxTxD * jax.lax.rsqrt(jnp.mean(x_BxTxD**2, -1, keepdims=True) + 1e-6) * scale_D
-
-
-def forward(params, tokens_BxT, heads: int = 4):
-  b, t = tokens_BxT.shape
-  x = params["embed"][tokens_BxT] + params["pos_embed"][None, :t]
-  d = x.shape[-1]
-  mask_TxT = jnp.tril(jnp.ones((t, t), bool))
-  for blk in params["blocks"]:
-    h = _rms_norm(x, blk["ln1"])
-    q, k, v = jnp.split(h @ blk["qkv"], 3, axis=-1)
-    q, k, v = (z.reshape(b, t, heads, d // heads) for z in (q, k, v))
-    s_BxHxTxT = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // heads)
-    p = jax.nn.softmax(jnp.where(mask_TxT, s_BxHxTxT, -1e9), axis=-1)
-    o = jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, d)
-    x = x + o @ blk["proj"]
-    h = _rms_norm(x, blk["ln2"])
-    x = x + jax.nn.gelu(h @ blk["fc1"]) @ blk["fc2"]
-  return _rms_norm(x, params["ln_f"]) @ params["lm_head"]
-
-
-def loss_fn(params, inputs_BxT, targets_BxT):
-  logits = forward(params, inputs_BxT)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxT).mean()
+def loss_of(graphdef):
+  """``loss(params, inputs_BxT, targets_BxT)``: ``fp4jax.train.loss_fn`` of the model (no random
+  bits: the recipe quantizes nothing)."""
+  def loss(params, inputs_BxT, targets_BxT):
+    return train_lib.loss_fn(graphdef, params, inputs_BxT, targets_BxT, None)
+  return loss
 
 
 def train(tx: optax.GradientTransformation, steps: int, *, seed: int = 0, data=None,
-          batch: int = 16, seq: int = 64, log_every: int = 0, name: str = ""):
-  """Trains the tiny LM with ``tx``; returns the per-step losses (np.ndarray) and seconds."""
+          batch: int = 16, seq: int = SEQ, log_every: int = 0, name: str = ""):
+  """Trains ``MODEL`` with ``tx`` (``fp4jax.train.make_train_step``); returns the per-step losses
+  (np.ndarray) and seconds."""
   data = stdlib_bytes() if data is None else data
-  params = init_params(jax.random.key(seed), seq=seq)
-  opt_state = tx.init(params)
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, x, y):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
+  graphdef, params = init_model(seed)
+  state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
+           "rng": jax.random.key_data(jax.random.key(seed))}
+  step = jax.jit(train_lib.make_train_step(graphdef, tx), donate_argnums=0)
   losses, it, t0 = [], batches(data, batch, seq, seed + 1), time.perf_counter()
   for i in range(steps):
     x, y = next(it)
-    params, opt_state, loss = step(params, opt_state, x, y)
-    losses.append(float(loss))
+    state, metrics = step(state, {"inputs": x, "targets": y})
+    losses.append(float(metrics["loss"]))
     if log_every and (i + 1) % log_every == 0:
       print(f"  {name} step {i + 1}: loss {np.mean(losses[-log_every:]):.4f}", flush=True)
   return np.asarray(losses), time.perf_counter() - t0
+

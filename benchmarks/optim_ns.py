@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.optim_lm import init_params, loss_fn, stdlib_bytes
-from fp4jax import optim
+from benchmarks.optim_lm import init_model, loss_of, stdlib_bytes
+from fp4jax import analysis, optim
 from fp4jax.optim import ns
 
 PRECS = ns.PRECISIONS  # ("fp32", "bf16", "nvfp4")
@@ -45,9 +45,11 @@ def matrices(quick: bool):
   out[f"same, ROOT-clipped at q0.9 {n}x{2 * n}"] = np.clip(heavy, -thr, thr)
   data = stdlib_bytes(1 << 16)
   x = np.stack([data[i * 65:i * 65 + 64] for i in range(16)]).astype(np.int32)
-  grads = jax.grad(loss_fn)(init_params(jax.random.key(0)), x, np.roll(x, -1, 1))
-  out["byte-LM gradient, fc1 128x512"] = np.asarray(grads["blocks"][0]["fc1"])
-  out["byte-LM gradient, qkv 128x384"] = np.asarray(grads["blocks"][0]["qkv"])
+  graphdef, params = init_model(0)
+  grads = jax.grad(loss_of(graphdef))(params, x, np.roll(x, -1, 1))
+  for name, g in (("gate_up", grads["blocks"][0]["mlp"]["gate_up"]["kernel"]),
+                  ("qkv", grads["blocks"][0]["attn"]["qkv"]["kernel"])):
+    out[f"byte-LM gradient, {name} {g.shape[0]}x{g.shape[1]}"] = np.asarray(g)
   return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
 
@@ -57,7 +59,7 @@ def table_orthogonality(mats):
     ref = jax.jit(lambda x: optim.newton_schulz(x, precision="fp32"))(x)
     for p in PRECS:
       y = jax.jit(lambda x, p=p: optim.newton_schulz(x, precision=p))(x)
-      e = optim.orthogonality_error(y)
+      e = analysis.orthogonality_error(y)
       dist = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
       rows.append((name, p, e["s_min"], e["s_max"], e["s_std"], dist))
       print(f"  {name} {p}: {e}", flush=True)

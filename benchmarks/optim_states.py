@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks.optim_lm import batches, init_params, loss_fn, stdlib_bytes, train
+from benchmarks.optim_lm import batches, init_model, loss_of, stdlib_bytes, train
 from fp4jax import optim
 
 _LOG_SCALE = 2.0**-40  # log-companded candidate: store log2(1 + v / c)
@@ -52,7 +52,8 @@ def _set_lr(lr):
 
 def shadow(steps: int, seed: int = 0):
   data = stdlib_bytes()
-  params = init_params(jax.random.key(seed))
+  graphdef, params = init_model(seed)
+  loss_fn = loss_of(graphdef)
   ref = optax.adamw(LR, b1=B1, b2=B2, weight_decay=WD)
   core_ref = optax.scale_by_adam(B1, B2)
   cands = {k: optim.scale_by_adam_nvfp4(B1, B2, options=v) for k, v in CANDIDATES.items()}

@@ -483,6 +483,8 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
   """Runs the selected arms, then writes (and optionally collects) the study's rows and table.
 
   Args:
+    eval_tokens: held-out tokens per arm's evaluation (default: the config's ``study.eval_tokens``,
+      else the whole validation split).
     parallel: with more than 1, the arms train up to that many at a time, each in a process of its
       own (``run_parallel``) started with this command's flags ``argv`` (the program's command line
       without its name).
@@ -495,6 +497,8 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
       ``parallel``.
   """
   workdir = Path(workdir)
+  if eval_tokens is None:  # the config's study.eval_tokens, if it sets one
+    eval_tokens = cfg.get("study", {}).get("eval_tokens")
   selected = select_arms(arms)
   if parallel < 1:
     raise ValueError(f"--parallel={parallel}: give 1 or more arms at a time")

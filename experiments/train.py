@@ -152,8 +152,8 @@ def from_config(cfg, vocab_size: int | None = None):
   """Typed arguments of ``fp4jax.train.train`` from an experiment ConfigDict.
 
   ``cfg.recipe``, ``cfg.model``, ``cfg.optimizer`` and ``cfg.execution`` become ``Recipe``,
-  ``ModelConfig``, ``OptimizerConfig`` and ``Execution``; the top-level fields other than ``name``
-  and ``data`` a ``TrainConfig``.
+  ``ModelConfig``, ``OptimizerConfig`` and ``Execution``; the top-level fields other than ``name``,
+  ``data`` and ``study`` (``experiments.study``'s settings) a ``TrainConfig``.
 
   Args:
     cfg: the experiment config.
@@ -169,6 +169,7 @@ def from_config(cfg, vocab_size: int | None = None):
   c = cfg.to_dict()
   c.pop("name", None)
   c.pop("data", None)
+  c.pop("study", None)  # experiments.study's settings
   model = dict(c.pop("model"))
   if model.get("vocab_size") is None:
     if vocab_size is None:

@@ -200,6 +200,11 @@ def _add_bias(y, b_N):
   return (y.astype(jnp.float32) + b).astype(y.dtype)
 
 
+def _last(_, value):
+  """``sow``'s reduction that keeps the last value recorded."""
+  return value
+
+
 def _param(value, metadata: Mapping[str, Any]):
   return nnx.Param(value, **dict(metadata))
 
@@ -228,6 +233,10 @@ class Dense(nnx.Module):
     svd_oversample, svd_power_iters: randomized SVD settings.
     kernel_metadata, lora_a_metadata, lora_b_metadata, bias_metadata: extra ``nnx.Param``
       metadata (e.g. ``out_sharding``).
+    probe: record the matmul's operands under ``nnx.capture`` (``fp4jax.telemetry``): its input as
+      the ``nnx.Intermediate`` ``x`` and its output through the ``nnx.Perturbation`` ``y`` (whose
+      gradient is the output's cotangent); ``split`` then takes one GEMM. False (the default)
+      leaves the layer's computation as it is.
   """
 
   def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs,
@@ -238,7 +247,7 @@ class Dense(nnx.Module):
                svd_power_iters: int = 2, kernel_metadata: Mapping[str, Any] = _NO_METADATA,
                lora_a_metadata: Mapping[str, Any] = _NO_METADATA,
                lora_b_metadata: Mapping[str, Any] = _NO_METADATA,
-               bias_metadata: Mapping[str, Any] = _NO_METADATA):
+               bias_metadata: Mapping[str, Any] = _NO_METADATA, probe: bool = False):
     if not callable(matmul):
       raise ValueError(f"Dense: matmul must be callable, got {type(matmul).__name__}")
     if not isinstance(rank, int) or not 0 <= rank <= min(in_features, out_features):
@@ -249,6 +258,7 @@ class Dense(nnx.Module):
     self.matmul, self.dtype, self.param_dtype = matmul, dtype, param_dtype
     self.lora_dtype, self.svd = lora_dtype, svd
     self.svd_oversample, self.svd_power_iters = svd_oversample, svd_power_iters
+    self.probe = probe
     shape = (in_features, out_features)
     self.lora_a = self.lora_b = nnx.data(None)
     if rank:
@@ -276,7 +286,11 @@ class Dense(nnx.Module):
   def __call__(self, x_BxTxK, *, key=None):
     """Applies the layer. ``key``: fresh per step; None only if the matmul draws no random bits."""
     x = self._cast(x_BxTxK)
+    if self.probe:
+      self.sow(nnx.Intermediate, "x", x, reduce_fn=_last)
     y = self.matmul(x, self.kernel[...], key=key)
+    if self.probe:
+      y = self.perturb("y", y)
     if self.rank:
       ld = self.lora_dtype
       xa = mixed_matmul(x, self.lora_a[...], ld)
@@ -291,12 +305,12 @@ class Dense(nnx.Module):
 
     Each ``c`` takes an array's columns from its last axis (e.g. a reshape and a slice), so it
     applies to the kernel as well as to the output. Where the matmul has a ``split`` and the layer
-    no low-rank branch or bias, each group is its own GEMM on ``c(kernel)``: the same forward bits,
-    without strided copies of the fused output. Otherwise (an NVFP4 matmul quantizes the whole
+    no low-rank branch, bias or probe, each group is its own GEMM on ``c(kernel)``: the same forward
+    bits, without strided copies of the fused output. Otherwise (an NVFP4 matmul quantizes the whole
     kernel with one global scale) it is one GEMM whose output is sliced.
     """
     split = getattr(self.matmul, "split", None)
-    if split is None or self.rank or self.bias is not None:
+    if split is None or self.rank or self.bias is not None or self.probe:
       y = self(x_BxTxK, key=key)
       return tuple(c(y) for c in columns)
     kernel = self.kernel[...]

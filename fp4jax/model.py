@@ -220,7 +220,7 @@ def _swiglu(gu_BxTxFx2):
 
 def make_projection(in_features: int, out_features: int, precision: str, recipe: Recipe,
                     cfg: ModelConfig, std: float, rngs: nnx.Rngs, role: str,
-                    execution: Execution = Execution()) -> Dense:
+                    execution: Execution = Execution(), probe: bool = False) -> Dense:
   """One block projection in the given precision (``bf16``, ``nvfp4`` or ``nvfp4_lorasvd``).
 
   Args:
@@ -234,6 +234,7 @@ def make_projection(in_features: int, out_features: int, precision: str, recipe:
     role: the projection's name in its block (``qkv``, ``o``, ``gate_up``, ``down``): with
       ``nvfp4_lorasvd``, ``recipe.lora_on(role)`` says whether it carries the branch.
     execution: which code runs the NVFP4 matmul (``execution.matmul``, ``.gemm``, ``.amax``).
+    probe: ``Dense``'s probe (``fp4jax.telemetry``).
 
   Returns:
     A ``fp4jax.layers.Dense`` called as ``layer(x, key=k)``, whose matmul is ``MixedMatmul`` (bf16),
@@ -245,7 +246,7 @@ def make_projection(in_features: int, out_features: int, precision: str, recipe:
       recipe.matmul, implementation=execution.matmul, gemm=execution.gemm, amax=execution.amax)
   rank = recipe.lora_rank if precision == "nvfp4_lorasvd" and recipe.lora_on(role) else 0
   return Dense(in_features, out_features, matmul=matmul, rank=rank, rngs=rngs,
-               kernel_init=nnx.initializers.normal(std), dtype=cfg.compute_dtype)
+               kernel_init=nnx.initializers.normal(std), dtype=cfg.compute_dtype, probe=probe)
 
 
 def _split_key(key, n: int) -> tuple:
@@ -337,15 +338,20 @@ class Attention(nnx.Module):
       ``NVFP4Attention(recipe.attention_op)`` for NVFP4 attention, else
       ``DotProductAttention(cfg)``, each with ``execution.attention``).
     execution: which code runs the projections and the attention (``fp4jax.execution``).
+    probe: record the attention op's operands under ``nnx.capture`` (``fp4jax.telemetry``): q, k
+      and v as ``nnx.Intermediate``s and its output through the ``nnx.Perturbation`` ``out``; the
+      projections get ``Dense``'s probe. False (the default) leaves the computation as it is.
   """
 
   def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs,
-               attention_op: Callable | None = None, execution: Execution = Execution()):
+               attention_op: Callable | None = None, execution: Execution = Execution(),
+               probe: bool = False):
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     self.qkv = make_projection(d, (n + 2 * k) * h, precision, recipe, cfg, cfg.init_std, rngs, "qkv",
-                               execution)
-    self.o = make_projection(n * h, d, precision, recipe, cfg, out_std, rngs, "o", execution)
+                               execution, probe)
+    self.o = make_projection(n * h, d, precision, recipe, cfg, out_std, rngs, "o", execution, probe)
+    self.probe = probe
     if cfg.qk_norm:
       self.q_norm = RMSNorm(h, cfg.norm_eps)
       self.k_norm = RMSNorm(h, cfg.norm_eps)
@@ -364,7 +370,12 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     pos_T = jnp.arange(t)
     q, k = rope(q, pos_T, cfg.rope_theta), rope(k, pos_T, cfg.rope_theta)
+    if self.probe:
+      for name, value in (("q", q), ("k", k), ("v", v)):
+        self.sow(nnx.Intermediate, name, value, reduce_fn=lambda _, x: x)
     o_BxTxNxH = self.attention_op(q, k, v, key=_fold_key(key, 2))
+    if self.probe:
+      o_BxTxNxH = self.perturb("out", o_BxTxNxH)
     return self.o(o_BxTxNxH.reshape(b, t, cfg.n_heads * cfg.head_dim), key=k_o)
 
   def _qkv(self, x_BxTxD, key):
@@ -415,12 +426,12 @@ class Mlp(nnx.Module):
   """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused in one (D, 2F) projection."""
 
   def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs,
-               execution: Execution = Execution()):
+               execution: Execution = Execution(), probe: bool = False):
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     self.gate_up = make_projection(cfg.d_model, 2 * cfg.d_ff, precision, recipe, cfg, cfg.init_std,
-                                   rngs, "gate_up", execution)
+                                   rngs, "gate_up", execution, probe)
     self.down = make_projection(cfg.d_ff, cfg.d_model, precision, recipe, cfg, out_std, rngs, "down",
-                                execution)
+                                execution, probe)
 
   def __call__(self, x_BxTxD, key):
     k_gu, k_down = _split_key(key, 2)
@@ -447,11 +458,12 @@ class Block(nnx.Module):
   """Pre-norm Transformer block."""
 
   def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs,
-               attention_op: Callable | None = None, execution: Execution = Execution()):
+               attention_op: Callable | None = None, execution: Execution = Execution(),
+               probe: bool = False):
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-    self.attn = Attention(cfg, recipe, precision, rngs, attention_op, execution)
+    self.attn = Attention(cfg, recipe, precision, rngs, attention_op, execution, probe)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-    self.mlp = Mlp(cfg, recipe, precision, rngs, execution)
+    self.mlp = Mlp(cfg, recipe, precision, rngs, execution, probe)
 
   def __call__(self, x_BxTxD, key):
     k_attn, k_mlp = _split_key(key, 2)
@@ -470,16 +482,20 @@ class Transformer(nnx.Module):
       recipe's whatever it says).
     attention_op: the attention op of every block (default: ``NVFP4Attention`` when the recipe's
       attention is NVFP4, else ``DotProductAttention(cfg)``; see ``Attention``).
+    probe: every block's attention op and projections record their operands under
+      ``nnx.capture`` (``Attention``, ``fp4jax.layers.Dense``): the model of ``fp4jax.telemetry``,
+      unrolled (``scan_layers=False``). False (the default): no recording, no cost.
   """
 
   def __init__(self, cfg: ModelConfig, recipe: Recipe, *, rngs: nnx.Rngs,
-               execution: Execution = Execution(), attention_op: Callable | None = None):
+               execution: Execution = Execution(), attention_op: Callable | None = None,
+               probe: bool = False):
     self.cfg, self.recipe = cfg, recipe
     precisions = [recipe.block_linear(i, cfg.n_layers) for i in range(cfg.n_layers)]
     self.needs_key = any(p != "bf16" for p in precisions) or recipe.attention != "bf16"
     self.segments = _runs(precisions)
     self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs)
-    blocks = [Block(cfg, recipe, p, rngs, attention_op, execution) for p in precisions]
+    blocks = [Block(cfg, recipe, p, rngs, attention_op, execution, probe) for p in precisions]
     if cfg.scan_layers:  # stacked once here (the same initial values as unrolled)
       blocks = [_stack(blocks[start:stop]) for start, stop in self.segments]
     self.blocks = nnx.List(blocks)

@@ -3,8 +3,10 @@
 ``make_telemetry(model_cfg, recipe, opt_cfg)`` returns a pure function ``(state, batch) -> {name:
 float32 scalar}`` over the train state of ``fp4jax.train`` and one batch. It runs the model's
 forward and backward on the batch with the step's key (the train step's own rounding bits), records
-the tensors that NVFP4 quantizes (probes on each projection's matmul and each attention op; a
-``scan_layers`` model runs unrolled), and measures for each ``x`` and its quantization
+the tensors that NVFP4 quantizes (the model is built with ``probe=True``: each projection's matmul
+and each attention op record their operands under ``nnx.capture``, and the gradients of their
+``nnx.Perturbation``s are their outputs' cotangents; a ``scan_layers`` model runs unrolled), and
+measures for each ``x`` and its quantization
 ``x̂ = deq(Q(x))``::
 
   rel_err = ‖x̂ − x‖ / ‖x‖          snr_db = −20 · log10(rel_err)      (0 and inf when x = 0)
@@ -23,7 +25,7 @@ would cost). Names are ``telemetry/<module>/<tensor>_{rel_err,snr_db}``::
                          dw      xᵀ·dy                              the wgrad GEMM Q(H·x)ᵀ·Q(H·dy)
   blocks.{i}.attn        q, k    RoPE'd queries and keys            1×16 along the head dim
                          ds      the backward's dS, on the first    the op's ``AttentionConfig``:
-                                 ``ATTENTION_EXAMPLES`` sequences   ``fp4jax.ops.attention``'s
+                                 ``ATTENTION_EXAMPLES`` sequences   ``fp4jax.analysis``'s
                          ds_dq,  dS·K and dSᵀ·Q from Q(dS)          ``ds_scale_error``, "tile" scope
                          ds_dk
   <parameter module>     mu, nu  Adam's m and √v of the update      1×16, stochastic, as
@@ -44,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,12 +57,14 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fp4jax import nvfp4, optim
+from fp4jax import analysis, nvfp4
 from fp4jax.layers import Dense, NVFP4Matmul
+from fp4jax.execution import Execution
 from fp4jax.loss import chunked_cross_entropy
 from fp4jax.model import ModelConfig, Transformer
 from fp4jax.ops import attention as attention_ops
 from fp4jax.ops.matmul import MatmulConfig, nvfp4_matmul_vjp_reference
+from fp4jax.optim.state import DEFAULT_MIN_SIZE, block_axis, stores_nvfp4
 from fp4jax.recipe import Recipe
 from fp4jax.sharding import BATCH_AXES
 
@@ -69,44 +73,6 @@ PREFIX = "telemetry/"
 ATTENTION_EXAMPLES = 4
 _F32 = jnp.float32
 _HIGHEST = lax.Precision.HIGHEST
-
-
-def _fq(x, block, axis, rounding, key):
-  """deq(Q(x)) in float32."""
-  key = key if rounding == "stochastic" else None
-  return nvfp4.quantize(x, block=block, axis=axis, rounding=rounding, key=key).dequantize(_F32)
-
-
-class _Recorder:
-  """Collects the tensors of one traced forward; ``taps`` (zeros added to each probed output) turn
-  the outputs' cotangents into gradients of the loss."""
-
-  def __init__(self, taps: Mapping | None):
-    self.taps, self.seen = taps, {}
-
-  def add(self, name: str, y, **tensors):
-    self.seen[name] = {**tensors, "y": y}
-    return y if self.taps is None else y + self.taps[name]
-
-
-class _ProbedMatmul:
-  """A Dense's matmul that records its input (a plain object: nnx keeps it as static data)."""
-
-  def __init__(self, inner: Callable, name: str, recorder: _Recorder):
-    self.inner, self.name, self.recorder = inner, name, recorder
-
-  def __call__(self, x, kernel, *, key=None):
-    return self.recorder.add(self.name, self.inner(x, kernel, key=key), x=x)
-
-
-class _ProbedAttention:
-  """An attention op that records its q, k, v."""
-
-  def __init__(self, inner: Callable, name: str, recorder: _Recorder):
-    self.inner, self.name, self.recorder = inner, name, recorder
-
-  def __call__(self, q, k, v, *, key=None):
-    return self.recorder.add(self.name, self.inner(q, k, v, key=key), q=q, k=k, v=v)
 
 
 def _projections(model: Transformer):
@@ -136,10 +102,6 @@ def _adam_states(opt_state):
   return [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s)]
 
 
-def _block_axis(shape) -> int:
-  return max(ax for ax, n in enumerate(shape) if n % nvfp4.BLOCK == 0 and n > 0)
-
-
 def _name(path, segments=None) -> tuple[str, str]:
   """(module, tensor prefix) of a parameter path: ``blocks.0.attn.qkv`` and ``""`` for its kernel,
   ``lora_a.`` for its LoRA factor. With ``segments`` (``scan_layers``), ``blocks/{j}`` is named
@@ -153,8 +115,16 @@ def _name(path, segments=None) -> tuple[str, str]:
 
 
 def _matmul_config(dense: Dense) -> MatmulConfig:
-  inner = dense.matmul.inner if isinstance(dense.matmul, _ProbedMatmul) else dense.matmul
-  return inner.config if isinstance(inner, NVFP4Matmul) else MatmulConfig.nvfp4()
+  return dense.matmul.config if isinstance(dense.matmul, NVFP4Matmul) else MatmulConfig.nvfp4()
+
+
+def _by_module(state) -> dict[str, dict]:
+  """Captured variables (``nnx.capture``) as ``{module: {name: value}}``, e.g.
+  ``{"blocks.0.attn.qkv": {"x": ...}}``."""
+  out: dict = {}
+  for path, var in nnx.to_flat_state(state):
+    out.setdefault(".".join(map(str, path[:-1])), {})[path[-1]] = var.get_value()
+  return out
 
 
 def _attention_config(op) -> attention_ops.AttentionConfig:
@@ -164,7 +134,7 @@ def _attention_config(op) -> attention_ops.AttentionConfig:
 
 
 def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
-                   cross_entropy: str = "auto",
+                   execution: Execution = Execution(),
                    attention_examples: int = ATTENTION_EXAMPLES) -> Callable:
   """The telemetry function of a run (module docstring): ``(state, batch) -> {name: scalar}``.
 
@@ -172,7 +142,7 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
     model_cfg, recipe: the run's model and recipe (``state["params"]`` is that model's pure dict).
     opt_cfg: the run's ``fp4jax.train.OptimizerConfig`` (Adam's ``b1``, ``b2`` and ``grad_clip``);
       None skips the Adam moments.
-    cross_entropy: the loss's pass over the logits (``fp4jax.train.loss_fn``).
+    execution: which code runs each op (the run's ``fp4jax.execution.Execution``).
     attention_examples: sequences of the batch that the dS telemetry looks at.
 
   Returns:
@@ -181,33 +151,37 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
     (and ``telemetry/loss``, the batch's loss). Jit it (``jit_telemetry``).
   """
   cfg = dataclasses.replace(model_cfg, scan_layers=False, remat=False)
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, recipe, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, recipe, rngs=nnx.Rngs(0), execution=execution,
+                                                probe=True))
   graphdef, _ = nnx.split(abstract)
   segments = abstract.segments
   hdim_ok = cfg.head_dim % nvfp4.BLOCK == 0  # the attention reference's head dims
 
-  def forward(params, taps, inputs, targets, key):
-    """Loss and recorded tensors of the unrolled model with probes (taps: zeros or None)."""
+  def loss_fn(model, inputs, targets, key):
+    x_BxTxD = model.features(inputs, key=key)
+    return chunked_cross_entropy(x_BxTxD, model.lm_head.kernel[...], targets,
+                                 implementation=execution.cross_entropy)
+
+  def forward(params, perturbations, inputs, targets, key):
+    """Loss, recorded tensors (``nnx.Intermediate``) and zero perturbations of the probed model;
+    ``perturbations`` (zeros, or None to make them) are added to the probed outputs."""
     if model_cfg.scan_layers:
       params = _unstack(params, segments)
     model = nnx.merge(graphdef, params)
-    rec = _Recorder(taps)
-    for name, dense in _projections(model):
-      dense.matmul = _ProbedMatmul(dense.matmul, name, rec)
-    for name, attn in _attentions(model):
-      attn.attention_op = _ProbedAttention(attn.attention_op, name, rec)
-    x_BxTxD = model.features(inputs, key=key)
-    loss = chunked_cross_entropy(x_BxTxD, model.lm_head.kernel[...], targets, implementation=cross_entropy)
-    return loss, rec.seen
+    # Perturbation first: it is an Intermediate too.
+    loss, zeros, seen = nnx.capture(loss_fn, nnx.Perturbation, nnx.Intermediate,
+                                    init=perturbations)(model, inputs, targets, key)
+    return loss, (seen, zeros)
 
   def telemetry(state, batch):
     params, inputs, targets = state["params"], batch["inputs"], batch["targets"]
     key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-    shapes = jax.eval_shape(lambda p: forward(p, None, inputs, targets, key)[1], params)
-    taps = {n: jnp.zeros(s["y"].shape, s["y"].dtype) for n, s in shapes.items()}
-    loss, vjp, seen = jax.vjp(lambda p, t: forward(p, t, inputs, targets, key), params, taps,
-                              has_aux=True)
+    shapes = jax.eval_shape(lambda p: forward(p, None, inputs, targets, key)[1][1], params)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    loss, vjp, (seen, _) = jax.vjp(lambda p, z: forward(p, z, inputs, targets, key), params, zeros,
+                                   has_aux=True)
     grads, dys = vjp(jnp.ones((), loss.dtype))
+    seen, dys = _by_module(seen), _by_module(dys)
     base = jax.random.fold_in(key, 0x7E1E)
     keys = (jax.random.fold_in(base, i) for i in itertools.count())
     model = nnx.merge(graphdef, _unstack(params, segments) if model_cfg.scan_layers else params)
@@ -216,7 +190,7 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
       config = _matmul_config(dense)
       w = dense.kernel[...].astype(_F32)
       x = seen[name]["x"].reshape(-1, dense.in_features)
-      dy = dys[name].reshape(-1, dense.out_features).astype(x.dtype)
+      dy = dys[name]["y"].reshape(-1, dense.out_features).astype(x.dtype)
       quant.add(f"{name}/w", _tiles(w), (16, 16), config.w_rounding, next(keys),
                 ref_norm=_norm(dense.effective_kernel()))
       quant.add(f"{name}/x", _rows(x, -1), (1, 16), config.x_rounding, next(keys))
@@ -229,7 +203,8 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
       quant.add(f"{name}/k", _rows(k, -1), (1, 16), config.k_rounding, next(keys))
       if hdim_ok:
         n = min(attention_examples, inputs.shape[0])
-        ds.append((name, config, (q[:n], k[:n], v[:n], dys[name][:n].astype(q.dtype), next(keys))))
+        do = dys[name]["out"][:n].astype(q.dtype)
+        ds.append((name, config, (q[:n], k[:n], v[:n], do, next(keys))))
     if opt_cfg is not None:
       _add_moments(quant, state["opt_state"], grads, opt_cfg, keys,
                    segments if model_cfg.scan_layers else None)
@@ -315,7 +290,9 @@ class _Jobs:
       def one(a, block=block, rounding=rounding, keys=keys):
         rows, j, i = a
         x = rows[HEAD:]
-        err = _fq(rows, block, -1, rounding, jax.random.fold_in(keys[j], i))[HEAD:] - x
+        fq = nvfp4.fake_quant(rows, block=block, axis=-1, rounding=rounding,
+                              key=jax.random.fold_in(keys[j], i))
+        err = fq[HEAD:] - x
         return jnp.sum(jnp.square(err)), jnp.sum(jnp.square(x))
 
       errs, refs = lax.map(one, (jnp.concatenate(chunks), jnp.asarray(job), jnp.asarray(index)))
@@ -364,7 +341,7 @@ def _run_ds(ds) -> dict:
 
     def one(a, config=config):
       q, k, v, do, key = a
-      tile = attention_ops.ds_scale_error(q, k, v, do, key=key, config=config)["tile"]
+      tile = analysis.ds_scale_error(q, k, v, do, key=key, config=config)["tile"]
       return tile["ds_rel"], tile["dq_rel"], tile["dk_rel"]
 
     args = tuple(jnp.stack(xs) for xs in zip(*(a for _, _, a in jobs), strict=True))
@@ -388,14 +365,14 @@ def _add_moments(quant: _Jobs, opt_state, grads, opt_cfg, keys, segments) -> Non
     mus = jax.tree_util.tree_flatten_with_path(state.mu, is_leaf=is_q)[0]
     nus = jax.tree.leaves(state.nu, is_leaf=is_q)
     for (path, mu), nu in zip(mus, nus, strict=True):
-      if not (is_q(mu) or optim.stores_nvfp4(mu.shape, optim.DEFAULT_MIN_SIZE)):
+      if not (is_q(mu) or stores_nvfp4(mu.shape, DEFAULT_MIN_SIZE)):
         continue
       g = _at(grads, path).astype(_F32)
       m_old = mu.dequantize(_F32) if is_q(mu) else mu
       v_old = jnp.square(nu.dequantize(_F32)) if is_q(nu) else nu
       m = b1 * m_old + (1 - b1) * g
       s = jnp.sqrt(b2 * v_old + (1 - b2) * g * g)
-      axis = mu.axis if is_q(mu) else _block_axis(mu.shape)
+      axis = mu.axis if is_q(mu) else block_axis(mu.shape)
       module, prefix = _name(path, segments)
       quant.add(f"{module}/{prefix}mu", _rows(m, axis), (1, 16), "stochastic", next(keys))
       quant.add(f"{module}/{prefix}nu", _rows(s, axis), (1, 16), "stochastic", next(keys))
@@ -408,10 +385,10 @@ def _at(tree, path):
 
 
 def jit_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg, shardings, mesh, *,
-                  cross_entropy: str = "auto") -> Callable:
+                  execution: Execution = Execution()) -> Callable:
   """``make_telemetry`` jitted with the train state's shardings (not donated) and the batch split
   over the mesh's batch axes; the outputs are replicated."""
-  fn = jax.jit(make_telemetry(model_cfg, recipe, opt_cfg, cross_entropy=cross_entropy),
+  fn = jax.jit(make_telemetry(model_cfg, recipe, opt_cfg, execution=execution),
                in_shardings=(shardings, {k: NamedSharding(mesh, P(BATCH_AXES, None))
                                          for k in ("inputs", "targets")}),
                out_shardings=NamedSharding(mesh, P()))

@@ -607,8 +607,8 @@ def _train(model_cfg, recipe, opt_cfg, tc, workdir, train_iter, eval_batches, me
   graphdef, state, shardings = init_state(model_cfg, recipe, tx, mesh, tc.seed, execution)
   train_step, eval_step = jit_steps(graphdef, tx, schedule, shardings, mesh, tc.grad_accum,
                                     execution)
-  tele = (telemetry.jit_telemetry(model_cfg, recipe, opt_cfg, shardings, mesh,
-                                  cross_entropy=execution.cross_entropy) if tc.telemetry_every else None)
+  tele = (telemetry.jit_telemetry(model_cfg, recipe, opt_cfg, shardings, mesh, execution=execution)
+          if tc.telemetry_every else None)
   every = recipe.lora_resplit_every if recipe.linear == "nvfp4_lorasvd" else 0
   resplit = make_resplit(graphdef, shardings["params"], tc.seed) if every else None
   if start:

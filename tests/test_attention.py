@@ -19,11 +19,11 @@ from jax.sharding import AbstractMesh
 from nvfp4_np_reference import dequantize_ref, quantize_ref
 
 from fp4jax import _platform, nvfp4
+from fp4jax.analysis import ds_scale_error
 from fp4jax.ops import attention as attn
 from fp4jax.ops.attention import (
     AttentionConfig,
     ds_bits,
-    ds_scale_error,
     fake_quant_ds,
     nvfp4_attention,
     nvfp4_attention_reference,

@@ -7,7 +7,7 @@ import optax
 import pytest
 from optax.contrib import MuonDimensionNumbers
 
-from fp4jax import nvfp4, optim
+from fp4jax import analysis, nvfp4, optim
 from fp4jax.optim import ns
 
 MUON = jnp.asarray(optim.MUON_COEFFS)
@@ -57,7 +57,7 @@ def test_nvfp4_newton_schulz_orthogonalizes():
   ref = optim.newton_schulz(x, precision="fp32")
   two = jax.jit(lambda x: optim.newton_schulz(x, precision="nvfp4"))(x)
   assert two.shape == x.shape
-  e = optim.orthogonality_error(two)
+  e = analysis.orthogonality_error(two)
   assert 0.55 < e["s_min"] and e["s_max"] < 1.3
   assert float(jnp.linalg.norm(two - ref) / jnp.linalg.norm(ref)) < 0.2
 

@@ -83,7 +83,7 @@ def _measure(model, recipe, opt=None):
   _, state, shardings = init_state(model, recipe, tx, mesh)
   rng = np.random.default_rng(0)
   batch = {k: jnp.asarray(rng.integers(0, 256, (2, 32)), jnp.int32) for k in ("inputs", "targets")}
-  fn = telemetry.jit_telemetry(model, recipe, opt, shardings, mesh, cross_entropy="xla")
+  fn = telemetry.jit_telemetry(model, recipe, opt, shardings, mesh, execution=Execution(cross_entropy="xla"))
   row = telemetry.measure(fn, state, batch)
   _check_pairs(row)
   return state, row
@@ -121,6 +121,35 @@ def test_lorasvd_weight_error_is_relative_to_the_effective_weight():
   # The low-rank branch holds the dominant directions: less error than quantizing W_eff.
   assert got < err(w_eff) / np.linalg.norm(w_eff)
   assert not any("mu_rel_err" in k for k in row)  # no optimizer config: no moments
+
+
+def test_probed_dense_records_its_input_and_output_cotangent():
+  """``probe=True``: under ``nnx.capture`` a Dense sows its matmul's input and its output's
+  perturbation, whose gradient is the output's cotangent; ``probe=False`` records nothing."""
+  from flax import nnx
+
+  from fp4jax.layers import Dense
+
+  x = jax.random.normal(jax.random.key(0), (2, 3, 16))
+  w = jax.random.normal(jax.random.key(1), (2, 3, 32))
+  dense = Dense(16, 32, rngs=nnx.Rngs(0), probe=True, use_bias=True)
+  loss = lambda d, x: jnp.sum(w * d(x))  # noqa: E731
+  _, zeros, _ = nnx.capture(loss, nnx.Perturbation, nnx.Intermediate)(dense, x)
+
+  graphdef, params = nnx.split(dense)
+
+  def with_perturbation(z):  # the module is merged under the transform that traces it
+    out, _, seen = nnx.capture(loss, nnx.Perturbation, nnx.Intermediate, init=z)(
+        nnx.merge(graphdef, params), x)
+    return out, seen
+
+  (_, seen), vjp = jax.vjp(with_perturbation, zeros)
+  (dy,) = vjp((jnp.ones(()), jax.tree.map(jnp.zeros_like, seen)))
+  np.testing.assert_array_equal(seen["x"].get_value(), x)
+  np.testing.assert_array_equal(dy["y"].get_value(), w)
+  plain = Dense(16, 32, rngs=nnx.Rngs(0), use_bias=True)
+  _, none, nothing = nnx.capture(loss, nnx.Perturbation, nnx.Intermediate)(plain, x)
+  assert not jax.tree.leaves(none) and not jax.tree.leaves(nothing)
 
 
 def test_telemetry_every_must_be_a_non_negative_int():

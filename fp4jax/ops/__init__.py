@@ -1,10 +1,12 @@
-"""Differentiable NVFP4 ops (``custom_vjp``), each beside its pure-jnp reference."""
+"""Differentiable NVFP4 ops (``custom_vjp``), each beside its pure-jnp reference.
+
+Error studies of these ops (``ds_scale_error``) are in ``fp4jax.analysis``.
+"""
 
 from fp4jax.ops.attention import (
     AttentionConfig,
     AttentionResiduals,
     ds_bits,
-    ds_scale_error,
     fake_quant_ds,
     nvfp4_attention,
     nvfp4_attention_reference,
@@ -22,7 +24,6 @@ __all__ = [
     "AttentionConfig",
     "AttentionResiduals",
     "ds_bits",
-    "ds_scale_error",
     "fake_quant_ds",
     "nvfp4_attention",
     "nvfp4_attention_reference",

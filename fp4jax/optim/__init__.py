@@ -6,21 +6,24 @@
 - ``root`` / ``scale_by_root_nvfp4``: ROOT (shape-specific coefficients, outlier soft-thresholding).
 - ``newton_schulz``, ``nvfp4_dot``, ``nvfp4_gram``: the orthogonalization and its forward-only NVFP4
   products.
-- ``state_nbytes``, ``state_sharding``: bytes of a state; shardings that follow the parameters.
+- ``state_nbytes``, ``state_sharding``, ``stores_nvfp4``: bytes of a state; shardings that follow
+  the parameters; the storage rule (``fp4jax.optim.state``).
+
+Error studies of these transformations (``orthogonality_error``) are in ``fp4jax.analysis``.
 
 No transformation depends on a model, config or mesh; all take ``jax.ShapeDtypeStruct`` params in
 ``init``.
 """
 
 from fp4jax.kernels.adam_nvfp4 import AdamKernelConfig
-from fp4jax.optim._common import DEFAULT_MIN_SIZE, state_nbytes, state_sharding, stores_nvfp4
 from fp4jax.optim.adam import (AdamNvfp4Options, ScaleByAdamNvfp4State, adam_update_bound,
                                adamw_nvfp4, scale_by_adam_nvfp4)
 from fp4jax.optim.muon import (ScaleByMuonNvfp4State, default_muon_mask, muon_nvfp4,
                                scale_by_muon_nvfp4, scale_by_orthogonalized_momentum,
                                scale_by_shape)
-from fp4jax.optim.ns import MUON_COEFFS, newton_schulz, nvfp4_dot, nvfp4_gram, orthogonality_error
+from fp4jax.optim.ns import MUON_COEFFS, newton_schulz, nvfp4_dot, nvfp4_gram
 from fp4jax.optim.root import ROOT_NS_COEFFS, root, root_coeffs, scale_by_root_nvfp4
+from fp4jax.optim.state import DEFAULT_MIN_SIZE, state_nbytes, state_sharding, stores_nvfp4
 
 __all__ = [
     "DEFAULT_MIN_SIZE",
@@ -37,7 +40,6 @@ __all__ = [
     "newton_schulz",
     "nvfp4_dot",
     "nvfp4_gram",
-    "orthogonality_error",
     "root",
     "root_coeffs",
     "scale_by_adam_nvfp4",

@@ -18,7 +18,7 @@ hash that XLA fuses into the quantizer (``fp4jax.numerics.counter_bits``). docs/
 
 The NVFP4 leaves are updated by plain jnp that XLA fuses and partitions (``implementation="xla"``) or by two
 Pallas Triton kernels (``fp4jax.kernels.adam_nvfp4``, the default on a CUDA GPU); both give the same
-state bits. Leaves that the storage rule keeps in float32 (``fp4jax.optim._common``) run
+state bits. Leaves that the storage rule keeps in float32 (``fp4jax.optim.state``) run
 ``optax.scale_by_adam``'s arithmetic unchanged on float32 moments, whatever the parameters' dtype.
 With ``quantize=False``, ``adamw_nvfp4`` is therefore ``optax.adamw`` bit for bit on float32
 parameters; on bfloat16 ones it is ``optax.adamw`` whose ``init`` was given float32 copies of the
@@ -38,7 +38,7 @@ from fp4jax import _platform, execution, numerics
 from fp4jax.kernels import adam_nvfp4 as adam_kernel
 from fp4jax.kernels.adam_nvfp4 import AdamKernelConfig
 from fp4jax.optim import _common
-from fp4jax.optim._common import DEFAULT_MIN_SIZE
+from fp4jax.optim.state import DEFAULT_MIN_SIZE
 
 @dataclasses.dataclass(frozen=True)
 class AdamNvfp4Options:
@@ -48,7 +48,7 @@ class AdamNvfp4Options:
 
   Attributes:
     min_size: leaves with fewer elements keep float32 moments (the storage rule of
-      ``fp4jax.optim._common``).
+      ``fp4jax.optim.state``).
     mu_rounding: rounding of the stored first moment, ``"stochastic"`` or ``"nearest"``.
     nu_rounding: rounding of the stored √v.
     clip_update: clip the updates of NVFP4 leaves to ``adam_update_bound``, the guard against

@@ -166,12 +166,3 @@ def newton_schulz(x_MxN, coeffs: Sequence[float] = MUON_COEFFS, steps: int = 5, 
   else:  # an array (optax.inject_hyperparams): a loop of as many steps
     x = lax.fori_loop(0, steps, step, x)
   return x.T if transposed else x
-
-
-def orthogonality_error(x_MxN) -> dict[str, float]:
-  """Singular-value spread of an NS output: min, max, std, and max |σ - 1| (float64 SVD on host)."""
-  import numpy as np  # noqa: PLC0415 - host-side diagnostics only
-
-  s = np.linalg.svd(np.asarray(x_MxN, np.float64), compute_uv=False)
-  return {"s_min": float(s.min()), "s_max": float(s.max()), "s_std": float(s.std()),
-          "max_dev": float(np.abs(s - 1.0).max())}
