@@ -166,7 +166,7 @@ def test_parallel_arms_train_in_processes_of_their_own(tmp_path):
          "--eval_tokens=256", "--notelemetry", "--compilation_cache=", "--config.steps=3",
          "--config.batch_size=4", "--config.seq_len=32", "--config.eval_batches=1",
          "--config.checkpoint_every=0", "--config.progress=False", "--config.tensorboard=False",
-         "--config.cross_entropy=xla", "--config.model.d_model=32", "--config.model.n_layers=1",
+         "--config.execution.cross_entropy=xla", "--config.model.d_model=32", "--config.model.n_layers=1",
          "--config.model.n_heads=2", "--config.mesh_shape=(1,1,1)"]
   r = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-2000:]
