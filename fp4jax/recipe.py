@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fp4jax.kernels.nvfp4_quantize import BIT_SOURCES
+from fp4jax.numerics import BIT_SOURCES
 from fp4jax.nvfp4 import ROUNDINGS
 from fp4jax.ops.attention import AttentionConfig
 from fp4jax.ops.matmul import MatmulConfig
