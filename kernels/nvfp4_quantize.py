@@ -520,7 +520,7 @@ def threefry_key(key) -> bool:
 
 
 def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_source="random",
-             hadamard_key=None, decoded=False, block_sizes: BlockSizes = BlockSizes(),
+             hadamard_key=None, decoded=False, block_sizes: BlockSizes | None = None,
              amax: str = "kernel", interpret=False):
   """Quantizes ``x`` to NVFP4 in two Pallas kernels: ``nvfp4.quantize``'s tensor, bit for bit.
 
@@ -546,7 +546,7 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
       the random Hadamard transform along the blocked axis, fused into both kernels.
     decoded: also return the decoded operand ``elements × block scales`` (``NVFP4Tensor.
       scaled_elements(bfloat16)``: exact; the global scale is not applied).
-    block_sizes: kernel tiling (``BlockSizes``).
+    block_sizes: kernel tiling (``BlockSizes``; None: ``BlockSizes()``).
     amax: the first pass, ``max|x|`` (of ``hadamard(x)`` with ``hadamard_key``) as a float32 bit
       pattern: ``"kernel"`` (a Pallas kernel) or ``"xla"`` (``amax_bits``: a reduction that XLA
       fuses and compiles with its own emitters, one Triton kernel fewer per operand; docs/DESIGN.md,
@@ -559,9 +559,15 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
 
   Raises:
     ValueError: what ``nvfp4.quantize`` rejects; ``hadamard_key`` with ``block=(16, 16)``;
-      ``bit_source="random"`` with a key that is not threefry2x32; 2**31 elements or more.
+      ``bit_source="random"`` with a key that is not threefry2x32; 2**31 elements or more; a
+      ``block_sizes`` that is not a ``BlockSizes``.
   """
   x = lax.stop_gradient(jnp.asarray(x))
+  if block_sizes is None:
+    block_sizes = BlockSizes()
+  if not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be an nvfp4_quantize.BlockSizes or None, got "
+                     f"{type(block_sizes).__name__}")
   block, axis = _check(x, block, axis, rounding, key, bit_source, hadamard_key)
   if amax not in AMAX_PASSES:
     raise ValueError(f"amax must be one of {AMAX_PASSES}, got {amax!r}")
