@@ -100,7 +100,8 @@ def check_cudnn_flash(fn, args):
   return fused
 
 
-# Launch settings of the sweep (the product of the lists): on the GPU, and on the CPU with --small.
+# Launch settings of the sweep (the product of the lists; fields of ``kernels.BlockSizes``): on the
+# GPU, and on the CPU with --small.
 FWD_SWEEP = dict(block_q=(64, 128), block_k=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3))
 BWD_SWEEP = dict(block_q=(64, 128), block_k=(64, 128), num_warps=(4, 8), num_stages=(1, 2))
 SMALL_SWEEP = dict(block_q=(64,), block_k=(64, 128), num_warps=(4,), num_stages=(2,))
@@ -116,11 +117,11 @@ def sweep(q, k, v, do, key, *, interpret, iters, budget_s, show=6):
   for settings in [dict.fromkeys(BWD_SWEEP)] + _settings(grids[0]):
     for dq in kernels.DQ_ACCUMULATIONS:
       fn = functools.partial(_bwd, ds_rounding="stochastic", dq_accumulation=dq, interpret=interpret,
-                             **settings)
+                             block_sizes=kernels.BlockSizes(**settings))
       jobs.append((f"bwd nvfp4 dS, {dq} dQ", settings, jax.jit(fn), (q, k, v, o, lse, do, key)))
   for settings in [dict.fromkeys(FWD_SWEEP)] + _settings(grids[1]):
     fn = functools.partial(kernels.attention_fwd, causal=True, sm_scale=scale, interpret=interpret,
-                           **settings)
+                           block_sizes=kernels.BlockSizes(**settings))
     jobs.append(("fwd", settings, jax.jit(fn), (q, k, v)))
   results, start = [], time.perf_counter()
   for i, (name, settings, fn, args) in enumerate(jobs):

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.timing import environment_line, median_seconds
-from fp4jax.kernels.cross_entropy import softmax_xent_rows, softmax_xent_rows_reference
+from fp4jax.kernels.cross_entropy import BlockSizes, softmax_xent_rows, softmax_xent_rows_reference
 
 
 def bf16_ulp_distance(a, b):
@@ -52,7 +52,7 @@ def _differences(out, ref):
 
 
 def configs(tiny):
-  """(rows_per_program, num_warps, tile_v); the first is the default."""
+  """(rows_per_program, num_warps, tile_v) of ``BlockSizes``; the first is the default."""
   if tiny:
     return [(None, None, None), (2, 4, 256)]
   return [(None, None, None)] + [(1, 8, 2048), (1, 8, 8192), (1, 16, 8192), (2, 8, 4096),
@@ -93,8 +93,8 @@ def main(argv=None):
   failed = []
   for r, nw, tile in configs(args.tiny):
     name = f"kernel R={r or 'def'} warps={nw or 'def'} tile={tile or 'def'}"
-    fn = jax.jit(functools.partial(softmax_xent_rows, rows_per_program=r, num_warps=nw,
-                                   tile_v=tile, interpret=interpret))
+    block_sizes = BlockSizes(rows_per_program=r, num_warps=nw, tile_v=tile)
+    fn = jax.jit(functools.partial(softmax_xent_rows, block_sizes=block_sizes, interpret=interpret))
     try:
       out = jax.block_until_ready(fn(logits, tgt, w))
     except Exception as e:  # a sweep point the compiler refuses: report it, keep going

@@ -16,7 +16,8 @@ on the GPU").
   ``rounded``, ``rounded_ema``, and Adam's moments and direction built on them (``adam_moments``,
   ``bias_factors``, ``adam_direction``).
 - Stochastic-rounding bits from a keyed counter hash: ``counter_bits`` (``counter_words``,
-  ``counter_hash``, ``lane_bits``: the pieces the kernels use).
+  ``counter_hash``, ``lane_bits``: the pieces the kernels use); ``BIT_SOURCES`` names the two
+  sources of rounding bits, ``stochastic_bits`` draws from either.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ from jax import lax
 from fp4jax._fp32 import F32_MAX, div_rn, flush_subnormals, sqrt_rn
 
 __all__ = [
-    "E2M1_MAX", "E4M3_MAX", "F32_MAX", "INV6", "LANES", "adam_direction", "adam_moments",
-    "bias_factors", "counter_bits", "counter_hash", "counter_words", "decode_e2m1", "div_rn",
+    "BIT_SOURCES", "E2M1_MAX", "E4M3_MAX", "F32_MAX", "INV6", "LANES", "adam_direction",
+    "adam_moments", "bias_factors", "counter_bits", "counter_hash", "counter_words", "decode_e2m1", "div_rn",
     "e2m1_codes", "e2m1_rne_code", "e2m1_stochastic_code", "e4m3_block_scales", "e4m3_to_f32",
     "flush_subnormals", "lane_bits", "round_to_e4m3", "rounded", "rounded_ema", "runtime_zero",
-    "sqrt_rn",
+    "sqrt_rn", "stochastic_bits",
 ]
 
 E2M1_MAX = 6.0
@@ -367,3 +368,25 @@ def counter_bits(key, shape, lane: int = 0) -> jax.Array:
     raise ValueError(f"counter_bits: {size} elements, more than 2^32 counters")
   idx = jnp.arange(size, dtype=jnp.uint32).reshape(shape)
   return lane_bits(counter_hash(idx >> 1, k1, k2), 2 * lane + (idx & 1))
+
+
+BIT_SOURCES = ("random", "counter")  # the sources of stochastic-rounding bits (``stochastic_bits``)
+
+
+def stochastic_bits(key, shape, bit_source="random") -> jax.Array:
+  """The uint32 stochastic-rounding bits of a tensor of ``shape`` drawn from ``key``.
+
+  Args:
+    key: a ``jax.random`` key.
+    shape: the tensor's shape.
+    bit_source: ``"random"``: ``jax.random.bits(key, shape, uint32)`` (what ``nvfp4.quantize(key=key)``
+      draws); ``"counter"``: ``counter_bits(key, shape)``.
+
+  Returns:
+    uint32 bits of ``shape``, for ``nvfp4.quantize(bits=...)``.
+  """
+  if bit_source == "random":
+    return jax.random.bits(key, shape, jnp.uint32)
+  if bit_source == "counter":
+    return counter_bits(key, shape)
+  raise ValueError(f"bit_source must be one of {BIT_SOURCES}, got {bit_source!r}")

@@ -39,7 +39,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fp4jax import numerics, nvfp4
-from fp4jax.kernels._util import store
+from fp4jax.kernels._common import (division, div_rn, f8_bytes, key_words, load, max_all, mul_rn,
+                                    pad_pow2, ref_words, sqrt_rn, store)
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
 
 _HALF = BLOCK // 2
@@ -107,42 +108,8 @@ def supports(mu) -> bool:
           and mu.size < 2**31)
 
 
-def _pad_pow2(x):
-  x = x.reshape(-1)
-  return jnp.pad(x, (0, pl.next_power_of_2(x.size) - x.size))
-
-
 # ----------------------------------------------------------------------------------------------
 # The kernels
-
-
-def _ptx(op, *args):
-  """A correctly rounded float32 PTX instruction, elementwise (Triton's ``/`` and ``sqrt`` are not)."""
-  args = [jnp.broadcast_to(jnp.asarray(a, jnp.float32), args[-1].shape) for a in args]
-  operands = ", ".join(f"${i + 1}" for i in range(len(args)))
-  return plgpu.elementwise_inline_asm(
-      f"{op} $0, {operands};", args=args, constraints=",".join(["=f"] + ["f"] * len(args)),
-      pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])[0]
-
-
-def _recip_rn(x, interpret):
-  """IEEE ``1 / x``: PTX ``div.rn.f32`` on the GPU; the CPU's division (IEEE) in interpret mode, where
-  ``numerics.div_rn`` on vectors compiles slowly on XLA:CPU. Both equal ``numerics.div_rn`` for the
-  normal ``x`` they get (``1 / (dscale * S_dec)`` with a normal tensor amax)."""
-  return jnp.float32(1.0) / x if interpret else _ptx("div.rn.f32", 1.0, x)
-
-
-def _mul_rn(interpret):
-  """The moments' products (``numerics.rounded_ema``'s ``mul``): PTX ``mul.rn.f32`` on the GPU, which
-  ptxas never fuses into an addition: one instruction, where ``rounded`` adds an integer operation
-  per product. None (``numerics.rounded``) in interpret mode."""
-  return None if interpret else lambda a, b: _ptx("mul.rn.f32", a, b)
-
-
-def _sqrt_rn(x, interpret):
-  """IEEE ``sqrt``: PTX ``sqrt.rn.f32`` on the GPU (subnormals included), ``numerics.sqrt_rn`` in
-  interpret mode: the same bits."""
-  return numerics.sqrt_rn(x) if interpret else _ptx("sqrt.rn.f32", x)
 
 
 def _rows_ok(nb, br, shape, pid):
@@ -163,17 +130,6 @@ def _each_leaf(n_prog, n_leaves, body):
     pl.when(j_of == j)(functools.partial(body, j, pid_in))
 
 
-def _load(ref, ok, evict=None):
-  """``ref``'s block, zeros where ``ok`` (if not None) is False; ``evict``: an L2 eviction hint."""
-  if ok is None:
-    return ref[...] if evict is None else plgpu.load(ref, eviction_policy=evict)
-  if ref.dtype == jnp.float8_e4m3fn:  # Triton cannot cast an `other` to f8: zero the bytes after
-    return lax.bitcast_convert_type(
-        jnp.where(ok, _f8_bytes(plgpu.load(ref, mask=ok, eviction_policy=evict)), jnp.uint8(0)),
-        jnp.float8_e4m3fn)
-  return plgpu.load(ref, mask=ok, other=0, eviction_policy=evict)
-
-
 def _halves(ref, ok2, ok3, split, evict=None):
   """The even and odd elements of each 16-element block row of ``ref`` (rows, 8, 2).
 
@@ -181,12 +137,8 @@ def _halves(ref, ok2, ok3, split, evict=None):
   strided loads (``encode``, whose other tiles have a layout that makes the split cost more than it
   saves)."""
   if split:
-    return jnp.unstack(_load(ref, ok3, evict), axis=-1)
-  return [_load(ref.at[:, :, jnp.int32(h)], ok2, evict) for h in range(2)]
-
-
-def _f8_bytes(x):
-  return lax.bitcast_convert_type(x, jnp.uint8)
+    return jnp.unstack(load(ref, ok3, evict), axis=-1)
+  return [load(ref.at[:, :, jnp.int32(h)], ok2, evict) for h in range(2)]
 
 
 def _moments(hp, zero, f_ref, leaf, gs, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret,
@@ -194,9 +146,9 @@ def _moments(hp, zero, f_ref, leaf, gs, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2
   """Per half h of the gradient's halves ``gs``: (g, m, v) in float32, (rows, 8) each
   (``numerics.adam_moments``)."""
   # Codes widened once: 32-bit integer arithmetic from here (bytes cost the GPU byte permutes).
-  mcode, vcode = (_load(r, ok2, evict).astype(jnp.int32) for r in (mc_ref, vc_ref))
-  mscale = numerics.e4m3_to_f32(_f8_bytes(_load(ms_ref, ok1, evict)))[:, None]
-  vscale = numerics.e4m3_to_f32(_f8_bytes(_load(vs_ref, ok1, evict)))[:, None]
+  mcode, vcode = (load(r, ok2, evict).astype(jnp.int32) for r in (mc_ref, vc_ref))
+  mscale = numerics.e4m3_to_f32(f8_bytes(load(ms_ref, ok1, evict)))[:, None]
+  vscale = numerics.e4m3_to_f32(f8_bytes(load(vs_ref, ok1, evict)))[:, None]
   mg, vg = f_ref[_F32_HEAD + 2 * leaf], f_ref[_F32_HEAD + 2 * leaf + 1]
   out = []
   for h, g in enumerate(gs):
@@ -206,14 +158,9 @@ def _moments(hp, zero, f_ref, leaf, gs, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2
     m_old = (numerics.decode_e2m1((mcode >> shift) & 0xF) * mscale) * mg
     s_old = (numerics.decode_e2m1((vcode >> shift) & 0xF) * vscale) * vg
     v_old = s_old * s_old  # v from the stored √v
-    m, v = numerics.adam_moments(m_old, v_old, g, hp.b1, hp.b2, zero, _mul_rn(interpret))
+    m, v = numerics.adam_moments(m_old, v_old, g, hp.b1, hp.b2, zero, mul_rn(interpret))
     out.append((g, m, v))
   return out
-
-
-def _max2d(x):
-  # One axis at a time: a full reduction failed to lower to Triton (a 2-D sharding on the scalar).
-  return jnp.max(jnp.max(x, axis=1), axis=0)
 
 
 def _stats_kernel(i_ref, f_ref, a_in, *refs, hp: AdamHyper, nb: int, n_prog: int,
@@ -239,10 +186,10 @@ def _stats_leaf(i_ref, f_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, a_ref, *, h
     abs_v.append(jnp.where(jnp.isnan(v), jnp.inf, jnp.abs(v)))
   # The halves maxed elementwise first: one cross-warp reduction (shared memory and barriers) per
   # moment and program.
-  amax_m = _max2d(jnp.maximum(*abs_m))
-  amax_v = _max2d(jnp.maximum(*abs_v))
+  amax_m = max_all(jnp.maximum(*abs_m))  # one axis at a time: a full reduction fails to lower
+  amax_v = max_all(jnp.maximum(*abs_v))
   # max(sqrt_rn(v)) = sqrt_rn(max(v)): sqrt_rn is monotone, and its results are never subnormal.
-  amax_s = _sqrt_rn(jnp.full((1,), amax_v, jnp.float32), interpret)
+  amax_s = sqrt_rn(jnp.full((1,), amax_v, jnp.float32), interpret)
   # Into the leaf's two entries of the amax buffer: the int32 max of the bit patterns is the
   # float max for values >= 0 (+inf included), and the buffer starts at 0.
   # Scalar values: for a (1,)-shaped int32 value the atomic's Triton lowering takes its float path.
@@ -275,7 +222,7 @@ def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret):
   block_amax = jnp.where(finite, block_amax, 0.0)
   dscale, dcode = numerics.e4m3_block_scales(block_amax, mconst)
   # quantize's table entry for this block's scale byte: 1 / (e4m3(code) * S_dec).
-  escale = jnp.minimum(_recip_rn(numerics.e4m3_to_f32(dcode) * s_dec, interpret),
+  escale = jnp.minimum(div_rn(1.0, numerics.e4m3_to_f32(dcode) * s_dec, division(interpret)),
                        numerics.F32_MAX)[:, None]
   zero_block = ((dscale == 0) | ~finite)[:, None]
   codes = [numerics.e2m1_codes(x, escale, zero_block, rounding, b, jnp.int32)
@@ -304,7 +251,7 @@ def _encode_leaf(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, vs_
   evict_in, evict_u = ("evict_first", "evict_last") if evict_hints else (None, None)
   halves = _moments(hp, zero, f_ref, leaf, _halves(g_ref, ok2, None, split=False, evict=evict_in),
                     mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret, evict_in)
-  roots = [_sqrt_rn(v, interpret) for _, _, v in halves]  # √v: stored, and the update's root
+  roots = [sqrt_rn(v, interpret) for _, _, v in halves]  # √v: stored, and the update's root
   us = [numerics.adam_direction(m, v, s, g, factors, hp.b1, hp.eps, hp.eps_root, hp.nesterov,
                                bound if hp.clip_update else None).astype(u_out.dtype)
         for (g, m, v), s in zip(halves, roots)]
@@ -318,8 +265,7 @@ def _encode_leaf(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, vs_
     pairs = ((lax.broadcasted_iota(jnp.uint32, (br, _HALF), 0) + row0) * _HALF
              + lax.broadcasted_iota(jnp.uint32, (br, _HALF), 1))
     k = _INT_HEAD + 2 * leaf
-    pair_hash = numerics.counter_hash(pairs, lax.bitcast_convert_type(i_ref[k], jnp.uint32),
-                                     lax.bitcast_convert_type(i_ref[k + 1], jnp.uint32))
+    pair_hash = numerics.counter_hash(pairs, *ref_words(i_ref, k))
   outs = ((mc_out, ms_out, mg_out), (vc_out, vs_out, vg_out))
   for j, (rounding, (c_out, s_out, g_out)) in enumerate(
       zip((hp.mu_rounding, hp.nu_rounding), outs)):
@@ -339,18 +285,18 @@ def _encode_leaf(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, vs_
 # The update of a list of leaves
 
 
-def _key_words(key, leaf_ids):
+def _leaf_key_words(key, leaf_ids):
   """Per leaf, the ``counter_words`` of its key (int32, (L, 2)), as the XLA path keys the leaf
   (``fold_in(key, leaf)``; m and √v are its lanes 0 and 1)."""
-  def words(i):
-    return jnp.stack(numerics.counter_words(jax.random.fold_in(key, i)))
-  w = jax.vmap(words)(jnp.asarray(leaf_ids, jnp.uint32))
-  return lax.bitcast_convert_type(w, jnp.int32)
+  return jax.vmap(lambda i: key_words(jax.random.fold_in(key, i)))(jnp.asarray(leaf_ids, jnp.uint32))
 
 
 def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, bound, zero,
                   *, config: AdamKernelConfig = AdamKernelConfig(), interpret: bool = False):
   """The kernels' AdamW update of NVFP4 leaves (``supports(mu)`` true for each).
+
+  Reference: the XLA path of ``fp4jax.optim.scale_by_adam_nvfp4`` (``kernel="xla"``), built on
+  ``numerics.adam_moments`` and ``numerics.adam_direction``: the same state bits.
 
   Args:
     grads: gradient leaves (float32 or bfloat16).
@@ -373,13 +319,13 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
     return [], [], []
   ints = [jnp.broadcast_to(zero, (1,)), jnp.zeros((_INT_HEAD - 1,), jnp.int32)]
   if key is not None:
-    ints.append(_key_words(key, leaf_ids).reshape(-1))
-  ints = _pad_pow2(jnp.concatenate(ints))
+    ints.append(_leaf_key_words(key, leaf_ids).reshape(-1))
+  ints = pad_pow2(jnp.concatenate(ints))
   floats = jnp.stack([*bias_factors, jnp.float32(0) if bound is None else bound]
                      ).astype(jnp.float32)
   old_scales = jnp.stack([t.global_scale.astype(jnp.float32) for pair in zip(mus, nus)
                           for t in pair])
-  floats = _pad_pow2(jnp.concatenate([floats, jnp.zeros((_F32_HEAD - 5,), jnp.float32),
+  floats = pad_pow2(jnp.concatenate([floats, jnp.zeros((_F32_HEAD - 5,), jnp.float32),
                                       old_scales]))
 
   amax = _amaxes(grads, mus, nus, hp, ints, floats, config, interpret)
@@ -389,7 +335,7 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
   s_dec = jnp.where(finite, s_dec, jnp.nan)
   table = jnp.stack([s_enc * jnp.float32(numerics.INV6), s_dec, finite.astype(jnp.float32),
                      jnp.zeros_like(s_enc)], axis=-1)  # (L, 2, 4)
-  table = _pad_pow2(table)
+  table = pad_pow2(table)
 
   us, mus_new, nus_new = [None] * len(grads), [None] * len(grads), [None] * len(grads)
   for group, nb, br, n_prog, shared in _launches(grads, config.block_rows, config.launch_group):

@@ -40,14 +40,15 @@ kernels and the reference draw the same bits whatever the blocking. Each kernel 
 ds tiles: the backward's blocks are multiples of ``ds_tile``.
 
 Everything inside the kernels lowers to Triton for sm_90: no float4 casts (E2M1 and E4M3 values
-rounded with float32 additions and integer operations on bit patterns, ``_e2m1_value`` and
-``_e4m3_value``), the divisions of the quantizer correctly rounded (PTX ``div.rn.f32`` and, for
-reciprocals, ``rcp.rn.f32``; the CPU's division in interpret mode, see ``_div``), power-of-two
-blocks; see tests/test_kernels_attention.py for the CPU-side CUDA lowering check.
+rounded with float32 additions and integer operations on bit patterns, ``_common.e2m1_value`` and
+``_common.e4m3_value``), the divisions of the quantizer correctly rounded (PTX ``div.rn.f32`` and,
+for reciprocals, ``rcp.rn.f32``; the CPU's division in interpret mode, see ``_common.div_rn``),
+power-of-two blocks; see tests/test_kernels_attention.py for the CPU-side CUDA lowering check.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -58,51 +59,41 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fp4jax import numerics
+from fp4jax.kernels._common import (BLOCK, E2M1_X_E4M3_MAX, F32_SIGN_BITS, ROUNDINGS, abs_bits,
+                                    check_positive, check_powers_of_two, div_rn, e2m1_value,
+                                    e4m3_value, float_of, int_bits, is_pow2, key_words,
+                                    pow2_at_least, recip_rn, ref_words, round_up)
 
-ROUNDINGS = ("nearest", "stochastic")
 DQ_ACCUMULATIONS = ("recompute", "atomic")
 DS_TILE = (64, 64)
-_B = 16  # dS is quantized in 16x16 blocks
-_E2M1_X_E4M3_MAX = 2688.0  # 6 * 448: S_enc = 2688 / amax
 
 
-def _is_pow2(n) -> bool:
-  return isinstance(n, (int, np.integer)) and n >= 1 and (n & (n - 1)) == 0
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Launch settings of the attention kernels (frozen and hashable: a static argument); None takes
+  the kernel's default (see each entry point). They change the tiling, not the numerics: the
+  results are the same for every setting, but for the float32 summation order of the forward's
+  online softmax and of the accumulations over the blocks.
+
+  Attributes:
+    block_q: query rows per tile, a power of two.
+    block_k: keys per tile, a power of two.
+    num_warps: Triton warps per program, a power of two.
+    num_stages: Triton pipelining stages, a positive int.
+  """
+
+  block_q: int | None = None
+  block_k: int | None = None
+  num_warps: int | None = None
+  num_stages: int | None = None
+
+  def __post_init__(self):
+    check_powers_of_two(self, lambda name: 1, allow_none=True, exclude=("num_stages",))
+    check_positive(self, "num_stages", allow_none=True)
 
 
 # ----------------------------------------------------------------------------------------------
 # dS quantization (shared by the kernels and the jnp path)
-
-
-def _ptx(op, *args):
-  """A correctly rounded float32 PTX instruction, elementwise (Triton's ``/`` is not)."""
-  shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
-  args = [jnp.broadcast_to(jnp.asarray(a, jnp.float32), shape) for a in args]
-  operands = ", ".join(f"${i + 1}" for i in range(len(args)))
-  return plgpu.elementwise_inline_asm(
-      f"{op} $0, {operands};", args=args, constraints=",".join(["=f"] + ["f"] * len(args)),
-      pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]
-
-
-def _div(a, b, division: str):
-  """``a / b`` for a, b >= 0, correctly rounded by ``division``: ``"ptx"`` (PTX ``div.rn.f32``, inside
-  GPU kernels), ``"exact"`` (``numerics.div_rn``, integer arithmetic) or ``"backend"`` (the backend's
-  IEEE division, for interpret mode on the CPU, where ``div_rn`` inside a kernel compiles for
-  minutes). All three agree unless a subnormal is involved, which the CPU flushes to zero: here only
-  for ds tiles whose amax is below ~3e-35 (S_dec subnormal)."""
-  if division == "ptx":
-    return _ptx("div.rn.f32", a, b)
-  if division == "exact":
-    return numerics.div_rn(jnp.asarray(a, jnp.float32), b)
-  return jnp.asarray(a, jnp.float32) / b
-
-
-def _recip(b, division: str):
-  """``1 / b`` correctly rounded, as ``_div(1.0, b, division)``; inside GPU kernels PTX
-  ``rcp.rn.f32``, the same correctly rounded reciprocal in fewer instructions than ``div.rn.f32``."""
-  if division == "ptx":
-    return _ptx("rcp.rn.f32", b)
-  return _div(1.0, b, division)
 
 
 def _tile_max(x, rows: int, cols: int):
@@ -118,16 +109,7 @@ def _expand(s, rows: int, cols: int):
   return jnp.broadcast_to(s[:, None, :, None], (m, rows, n, cols)).reshape(m * rows, n * cols)
 
 
-_SIGN = np.int32(-(2**31))  # the float32 sign bit as int32
 _F32_TINY = np.float32(2.0**-126)  # the smallest normal float32
-
-
-def _bits(x):
-  return lax.bitcast_convert_type(x, jnp.int32)
-
-
-def _float(b):
-  return lax.bitcast_convert_type(b, jnp.float32)
 
 
 def _block_amax(x, rows: int, cols: int):
@@ -138,40 +120,9 @@ def _block_amax(x, rows: int, cols: int):
   flush (below 2^-126 -> 0) and NaN -> +inf are non-decreasing in the pattern, so they are applied to
   each block's max pattern instead of to every element: one AND and one integer max per element, the
   same on every backend (a float max of NaN differs: the GPU's ignores it)."""
-  m = _tile_max(_bits(x) & 0x7FFFFFFF, rows, cols)
+  m = _tile_max(abs_bits(x), rows, cols)
   m = jnp.where(m < 0x00800000, 0, jnp.minimum(m, 0x7F800000))
-  return _float(m)
-
-
-def _e4m3_value(v):
-  """``numerics.round_to_e4m3(v)[0]`` (the value, no byte) for float32 ``v`` in [0, 448].
-
-  ``(v + M) - M`` rounds ``v`` to a multiple of the float32 ulp at ``M``, ties to even: with ``M =
-  2^(e + 20)`` (``e`` the exponent of ``v``) that keeps 3 mantissa bits, E4M3's normal rounding; with
-  ``M`` at least 2^14 (ulp 2^-9), values below 2^-6 round to E4M3's subnormal step 2^-9. Equal for
-  every float32 in [0, 448] (tests/test_kernels_attention.py checks it exhaustively)."""
-  big = _float(jnp.maximum((_bits(v) & 0x7F800000) + (20 << 23), 0x46800000))  # 0x46800000: 2^14
-  return (v + big) - big
-
-
-def _e2m1_value(a, rounding: str, r):
-  """The E2M1 value (float32) of magnitudes ``a`` in [0, 6]: ``decode_e2m1(e2m1_rne_code(a))`` or, with
-  ``rounding="stochastic"``, ``decode_e2m1(e2m1_stochastic_code(a, bits))`` for int32 ``r = bits >>
-  10`` (the 22 random bits that it adds), equal for every ``a`` in [0, 6] and every ``bits``
-  (tests/test_kernels_attention.py).
-
-  Nearest: the E2M1 grid has the step 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], so ``(a + M) - M``
-  with ``M = 2^22 · 2^max(e, 0)`` (``e`` the exponent of ``a``: the ulp at ``M`` is the step) rounds
-  to it, ties to even, which is E2M1's tie to the even code: two integer operations for ``M`` and
-  two additions, where ``e2m1_rne_code`` takes seven comparisons and ``decode_e2m1`` a select.
-  Stochastic: ``e2m1_stochastic_code``'s pattern rounding (``a``, or ``a + 1`` below 1, plus the top 22
-  random bits, truncated to a multiple of 2^22) is already the pattern of the rounded value (of the
-  value plus 1 below 1): no code and no decode."""
-  if rounding == "nearest":
-    m = _float(jnp.maximum((_bits(a) & 0x7F800000) + (22 << 23), 0x4A800000))  # 0x4A800000: 2^22
-    return (a + m) - m
-  one = jnp.where(a < 1.0, jnp.float32(1.0), jnp.float32(0.0))
-  return _float((_bits(a + one) + r) & -(1 << 22)) - one
+  return float_of(m)
 
 
 def _fake_quant_blocks(x, block_amax, s_enc, s_dec, block, rounding: str, bits, division: str,
@@ -186,18 +137,18 @@ def _fake_quant_blocks(x, block_amax, s_enc, s_dec, block, rounding: str, bits, 
   ``x`` is not flushed: an element below 2^-126 (and a NaN) is coded +0 by the same comparison and
   select that code the zero blocks' elements 0; the others keep their product with the block's
   encode scale. The code
-  is never formed: the rounded magnitude comes out as its float32 value (``_e2m1_value``) with ``x``'s
+  is never formed: the rounded magnitude comes out as its float32 value (``e2m1_value``) with ``x``'s
   sign bit, which is ``decode_e2m1`` of ``numerics.e2m1_codes``' code."""
   rows, cols = block
-  dscale = _e4m3_value(jnp.clip(jnp.minimum(block_amax * (s_enc * jnp.float32(numerics.INV6)),
+  dscale = e4m3_value(jnp.clip(jnp.minimum(block_amax * (s_enc * jnp.float32(numerics.INV6)),
                                             numerics.F32_MAX), 0.0, numerics.E4M3_MAX))
-  escale = jnp.minimum(_recip(dscale * s_dec, division), numerics.F32_MAX)
+  escale = jnp.minimum(recip_rn(dscale * s_dec, division), numerics.F32_MAX)
   zero_block = dscale == 0 if valid is None else (dscale == 0) | ~valid
   per_elem = functools.partial(_expand, rows=rows, cols=cols)
   ax = jnp.abs(x)
   a = jnp.minimum(ax * per_elem(escale), numerics.E2M1_MAX)  # |x * escale|, as escale > 0
   r = None if bits is None else (bits >> 10).astype(jnp.int32)
-  signed = _float(_bits(_e2m1_value(a, rounding, r)) | (_bits(x) & _SIGN))
+  signed = float_of(int_bits(e2m1_value(a, rounding, r)) | (int_bits(x) & F32_SIGN_BITS))
   # One comparison per element drops both the zero blocks and the elements below 2^-126: against
   # NaN (zero blocks) every comparison is false.
   keep = ax >= per_elem(jnp.where(zero_block, jnp.float32(jnp.nan), _F32_TINY))
@@ -212,23 +163,23 @@ def _quantize_tile(ds, bits, ds_tile, rounding: str, division: str):
   ``nvfp4.dequantize(·, bf16)``, step for step (see that function for the order of operations).
   """
   tq, tk = ds_tile
-  block_amax = _block_amax(ds, _B, _B)  # (M/16, N/16)
-  amax = _tile_max(block_amax, tq // _B, tk // _B)  # per ds tile
+  block_amax = _block_amax(ds, BLOCK, BLOCK)  # (M/16, N/16)
+  amax = _tile_max(block_amax, tq // BLOCK, tk // BLOCK)  # per ds tile
   finite = amax <= numerics.F32_MAX
   amax = jnp.where(finite, amax, 0.0)
-  s_enc = jnp.minimum(_div(_E2M1_X_E4M3_MAX, amax, division), numerics.F32_MAX)
+  s_enc = jnp.minimum(div_rn(E2M1_X_E4M3_MAX, amax, division), numerics.F32_MAX)
   s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
-  s_dec = jnp.where(finite, _recip(s_enc, division), jnp.nan)
-  per_block = functools.partial(_expand, rows=tq // _B, cols=tk // _B)
+  s_dec = jnp.where(finite, recip_rn(s_enc, division), jnp.nan)
+  per_block = functools.partial(_expand, rows=tq // BLOCK, cols=tk // BLOCK)
   s_enc_b, s_dec_b, finite_b = per_block(s_enc), per_block(s_dec), per_block(finite)
   return _fake_quant_blocks(ds, jnp.where(finite_b, block_amax, 0.0), s_enc_b, s_dec_b,
-                            (_B, _B), rounding, bits, division, finite_b)
+                            (BLOCK, BLOCK), rounding, bits, division, finite_b)
 
 
 # Q(P): 1×16 blocks along the keys and the global scale of amax = 1 (P <= 1), as
 # ``fp4jax.ops.attention._probs_operand`` quantizes P: S_enc = 2688 / 1 and S_dec = 1 / 2688, float32
 # and correctly rounded.
-_P_S_ENC = np.float32(_E2M1_X_E4M3_MAX)
+_P_S_ENC = np.float32(E2M1_X_E4M3_MAX)
 _P_S_DEC = np.float32(1.0) / _P_S_ENC
 
 
@@ -236,15 +187,10 @@ def _quantize_p_tile(p, bits, rounding: str, division: str):
   """A 2-D float32 P tile (keys along the columns, a multiple of 16) -> ``deq(Q(P))`` in bf16: 1×16
   blocks along the keys with the fixed global scale of ``amax = 1``, as ``nvfp4.quantize(·,
   block=(1, 16))`` and ``dequantize(·, bf16)`` of a tensor whose amax is 1. A NaN of P is coded +0."""
-  block_amax = _block_amax(p, 1, _B)  # (M, N/16)
+  block_amax = _block_amax(p, 1, BLOCK)  # (M, N/16)
   const = lambda v: jnp.full(block_amax.shape, v, jnp.float32)  # noqa: E731
-  return _fake_quant_blocks(p, block_amax, const(_P_S_ENC), const(_P_S_DEC), (1, _B), rounding,
+  return _fake_quant_blocks(p, block_amax, const(_P_S_ENC), const(_P_S_DEC), (1, BLOCK), rounding,
                             bits, division)
-
-
-def _key_words(key):
-  """The two counter-hash words of ``key`` (uint32)."""
-  return numerics.counter_words(key)
 
 
 def _tile_bits(k1, k2, bh, row0, col0, m: int, n: int):
@@ -274,7 +220,7 @@ def ds_rounding_bits(key, shape) -> jax.Array:
   b_, h_, t, s = shape
   if s % 4:
     raise ValueError(f"ds_rounding_bits: the key axis ({s}) must be a multiple of 4")
-  k1, k2 = _key_words(key)
+  k1, k2 = numerics.counter_words(key)
   bh = jnp.arange(b_ * h_, dtype=jnp.uint32)
   bits = jax.vmap(lambda i: _tile_bits(k1, k2, i, 0, 0, t, s))(bh)
   return bits.reshape(b_, h_, t, s)
@@ -291,8 +237,8 @@ def _check_rounding(fn: str, arg: str, rounding, key, key_arg: str):
 
 def _check_ds_tile(ds_tile):
   if (not isinstance(ds_tile, tuple) or len(ds_tile) != 2
-      or any(not _is_pow2(t) or t < _B for t in ds_tile)):
-    raise ValueError(f"ds_tile must be a pair of powers of two >= {_B}, got {ds_tile!r}")
+      or any(not is_pow2(t) or t < BLOCK for t in ds_tile)):
+    raise ValueError(f"ds_tile must be a pair of powers of two >= {BLOCK}, got {ds_tile!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -400,11 +346,6 @@ def _ds_tile(q, k, v, do, lse, delta, mask, *, sm_scale, quant, division, p_quan
   return _p_operand(p, p_quant, do.dtype, division), ds_op
 
 
-def _words(w_ref, at: int = 0):
-  """The two uint32 key words at ``w_ref[at:at + 2]`` (0: dS's key, 2: P's)."""
-  return tuple(lax.bitcast_convert_type(w_ref[at + i], jnp.uint32) for i in range(2))
-
-
 def _dkdv_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, sm_scale, causal,
                  block_q, group, n_heads, n_rows, n_keys, pad, ds, division, atomic_dq, p_rounding):
   """dK and dV of one key block; with ``atomic_dq`` also ``dQ += dS·K`` per tile, by atomic adds to
@@ -428,8 +369,8 @@ def _dkdv_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_re
     if masked:
       mask = _mask(i * block_q, col0, block_q, bk, causal=causal, n_rows=n_rows if pad else None,
                    n_cols=n_keys if pad else None)
-    quant = None if ds is None else (_words(w_ref), b * n_heads + h, i * block_q, col0, *ds)
-    p_quant = None if p_rounding is None else (_words(w_ref, 2), b * n_heads + h, i * block_q, col0,
+    quant = None if ds is None else (ref_words(w_ref), b * n_heads + h, i * block_q, col0, *ds)
+    p_quant = None if p_rounding is None else (ref_words(w_ref, 2), b * n_heads + h, i * block_q, col0,
                                                p_rounding)
     p, ds_op = _ds_tile(q, k, v, do, lse, delta, mask, sm_scale=sm_scale, quant=quant,
                         division=division, p_quant=p_quant)
@@ -488,7 +429,7 @@ def _dq_kernel(w_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *
   def body(j, dq, masked):
     k, v, mask = _key_tile(k_ref, v_ref, j, row0, bq, block_k, masked=masked, causal=causal,
                            pad=pad, n_rows=n_rows, n_keys=n_keys)
-    quant = None if ds is None else (_words(w_ref), b * n_heads + h, row0, j * block_k, *ds)
+    quant = None if ds is None else (ref_words(w_ref), b * n_heads + h, row0, j * block_k, *ds)
     _, ds_op = _ds_tile(q, k, v, do, lse, delta, mask, sm_scale=sm_scale, quant=quant,
                         division=division)
     return dq + _dot(ds_op, k)
@@ -511,7 +452,7 @@ def _pv_kernel(w_ref, q_ref, k_ref, v_ref, lse_ref, o_ref, *, sm_scale, causal, 
     k, v, mask = _key_tile(k_ref, v_ref, j, row0, bq, block_k, masked=masked, causal=causal,
                            pad=pad, n_rows=n_rows, n_keys=n_keys)
     p = _probs_tile(q, k, lse, mask, sm_scale)
-    p_op = _p_operand(p, (_words(w_ref, 2), b * n_heads + h, row0, j * block_k, p_rounding),
+    p_op = _p_operand(p, (ref_words(w_ref, 2), b * n_heads + h, row0, j * block_k, p_rounding),
                       v.dtype, division)
     return acc + _dot(p_op, v)
 
@@ -538,19 +479,13 @@ def _check(name, q, k, v, causal, sm_scale):
   if h % hk:
     raise ValueError(f"{name}: the query heads ({h}) must be a multiple of the key/value heads "
                      f"({hk})")
-  if d % _B or d > 256:
+  if d % BLOCK or d > 256:
     raise ValueError(f"{name}: head dim D={d} must be a multiple of 16, at most 256")
   if causal and k.shape[1] != t:
     raise ValueError(f"{name}: causal attention needs as many keys as queries, got T={t}, "
                      f"S={k.shape[1]}")
   if not isinstance(sm_scale, (float, int)) or not sm_scale > 0:
     raise ValueError(f"{name}: sm_scale must be a positive Python float, got {sm_scale!r}")
-
-
-def _check_blocks(name, **blocks):
-  for arg, value in blocks.items():
-    if value is not None and not _is_pow2(value):
-      raise ValueError(f"{name}: {arg}={value!r} must be a power of two")
 
 
 def _pad_to(x, axis, size):
@@ -565,34 +500,46 @@ def _params(num_warps, num_stages):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def attention_fwd(q, k, v, *, causal: bool, sm_scale: float, block_q: int | None = None,
-                  block_k: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, interpret: bool = False):
+def _block_sizes(name, block_sizes) -> BlockSizes:
+  if block_sizes is None:
+    return BlockSizes()
+  if not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"{name}: block_sizes must be an attention.BlockSizes or None, got "
+                     f"{type(block_sizes).__name__}")
+  return block_sizes
+
+
+def attention_fwd(q, k, v, *, causal: bool, sm_scale: float,
+                  block_sizes: BlockSizes | None = None, interpret: bool = False):
   """Flash attention forward with an online float32 softmax.
 
   ``S = dot(q, kᵀ) * sm_scale`` (f32 accumulation), ``P = softmax(S)`` (causal: query i sees keys
   j <= i), ``O = P·V`` with P cast to v's dtype, f32 accumulation.
+
+  Reference: ``fp4jax.ops.attention.nvfp4_attention_reference`` (its ``o`` and ``lse`` with
+  ``return_stats=True``), whose softmax and P·V run on the same decoded operands.
 
   Args:
     q: ``[B, T, H, D]`` (bf16: the decoded NVFP4 queries).
     k, v: ``[B, S, Hk, D]``, ``H % Hk == 0``.
     causal: mask keys after the query (needs S == T); key blocks past the diagonal are skipped.
     sm_scale: the softmax scale (``1 / sqrt(D)``).
-    block_q, block_k: rows and keys per tile, powers of two (default 128 and 64; at most T and S
-      rounded up to a power of two).
-    num_warps, num_stages: Triton launch settings (default 4 warps for D <= 64, else 8; 3 stages).
+    block_sizes: launch settings (``BlockSizes``; None fields take the defaults): ``block_q``,
+      ``block_k`` rows and keys per tile (default 128 and 64; at most T and S rounded up to a power
+      of two), ``num_warps`` (default 4 for D <= 64, else 8), ``num_stages`` (default 3).
     interpret: run in Pallas interpret mode (CPU).
 
   Returns:
     ``(o [B, T, H, D] q.dtype, lse [B, H, T] float32)``, ``lse = logsumexp(S)`` per row.
   """
   _check("attention_fwd", q, k, v, causal, sm_scale)
-  _check_blocks("attention_fwd", block_q=block_q, block_k=block_k, num_warps=num_warps)
+  bs = _block_sizes("attention_fwd", block_sizes)
+  block_q, block_k, num_warps, num_stages = bs.block_q, bs.block_k, bs.num_warps, bs.num_stages
   b, t, h, d = q.shape
   s, hk = k.shape[1], k.shape[2]
-  bq = min(block_q or 128, _pow2_at_least(t))
-  bk = min(block_k or 64, _pow2_at_least(s))
-  t_pad, s_pad = _round_up(t, bq), _round_up(s, bk)
+  bq = min(block_q or 128, pow2_at_least(t))
+  bk = min(block_k or 64, pow2_at_least(s))
+  t_pad, s_pad = round_up(t, bq), round_up(s, bk)
   q, k, v = _pad_to(q, 1, t_pad), _pad_to(k, 1, s_pad), _pad_to(v, 1, s_pad)
   group = h // hk
   warps = num_warps or (4 if d <= 64 else 8)
@@ -616,15 +563,12 @@ def attention_fwd(q, k, v, *, causal: bool, sm_scale: float, block_q: int | None
 
 def _key_words4(ds_key, p_key):
   """The kernels' key words: dS's two, then P's (zeros for a key that is not used)."""
-  words = [jnp.stack(_key_words(k)) if k is not None else jnp.zeros((2,), jnp.uint32)
-           for k in (ds_key, p_key)]
-  return lax.bitcast_convert_type(jnp.concatenate(words), jnp.int32)
+  return jnp.concatenate([key_words(k) if k is not None else jnp.zeros((2,), jnp.int32)
+                          for k in (ds_key, p_key)])
 
 
 def attention_pv(q, k, v, lse, *, causal: bool, sm_scale: float, p_rounding: str = "nearest",
-                 key=None, block_q: int | None = None, block_k: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None,
-                 interpret: bool = False):
+                 key=None, block_sizes: BlockSizes | None = None, interpret: bool = False):
   """``O = deq(Q(P))·V`` with ``P = exp(S − lse)`` from the forward's log-sum-exp: the output of
   attention with an NVFP4 P (``AttentionConfig.p = "nvfp4"``).
 
@@ -634,28 +578,32 @@ def attention_pv(q, k, v, lse, *, causal: bool, sm_scale: float, p_rounding: str
   recomputes the same P in its dK/dV kernel, quantizes it identically for ``dV = deq(Q(P))ᵀ·dO``.
   The flash forward (``attention_fwd``) gives ``lse`` and the O with the unquantized P that δ uses.
 
+  Reference: ``fp4jax.ops.attention.nvfp4_attention_reference`` with an NVFP4 P (``p="nvfp4"``).
+
   Args:
     q, k, v, causal, sm_scale: as ``attention_fwd``.
     lse: ``[B, H, T]`` float32, ``attention_fwd``'s log-sum-exp.
     p_rounding: ``"nearest"`` or ``"stochastic"``.
     key: a jax.random key, for stochastic rounding.
-    block_q, block_k: tile rows and keys, powers of two >= 16 (default 64 and 64).
-    num_warps, num_stages: Triton launch settings (default 4 warps for D <= 64, else 8; 2 stages).
+    block_sizes: launch settings (``BlockSizes``; None fields take the defaults): ``block_q``,
+      ``block_k`` tile rows and keys (default 64 and 64; at least 16), ``num_warps`` (default 4 for
+      D <= 64, else 8), ``num_stages`` (default 2).
     interpret: run in Pallas interpret mode (CPU).
 
   Returns:
     ``o`` ``[B, T, H, D]`` in q's dtype (float32 accumulation).
   """
   _check("attention_pv", q, k, v, causal, sm_scale)
-  _check_blocks("attention_pv", block_q=block_q, block_k=block_k, num_warps=num_warps)
+  bs = _block_sizes("attention_pv", block_sizes)
+  block_q, block_k, num_warps, num_stages = bs.block_q, bs.block_k, bs.num_warps, bs.num_stages
   _check_rounding("attention_pv", "p_rounding", p_rounding, key, "key")
   b, t, h, d = q.shape
   s, hk = k.shape[1], k.shape[2]
   if lse.shape != (b, h, t):
     raise ValueError(f"attention_pv: lse must be [B, H, T] = {(b, h, t)}, got {lse.shape}")
-  bq = max(_B, min(block_q or 64, _pow2_at_least(t)))
-  bk = max(_B, min(block_k or 64, _pow2_at_least(s)))
-  t_pad, s_pad = _round_up(t, bq), _round_up(s, bk)
+  bq = max(BLOCK, min(block_q or 64, pow2_at_least(t)))
+  bk = max(BLOCK, min(block_k or 64, pow2_at_least(s)))
+  t_pad, s_pad = round_up(t, bq), round_up(s, bk)
   group = h // hk
   q, lse = _pad_to(q, 1, t_pad), _pad_to(lse, 2, t_pad)
   k, v = _pad_to(k, 1, s_pad), _pad_to(v, 1, s_pad)
@@ -680,20 +628,11 @@ def attention_pv(q, k, v, lse, *, causal: bool, sm_scale: float, p_rounding: str
   return o[:, :t]
 
 
-def _pow2_at_least(n):
-  return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _round_up(n, m):
-  return -(-n // m) * m
-
-
 def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
                   ds_rounding: str | None = None, key=None, ds_tile=DS_TILE,
                   p_rounding: str | None = None, p_key=None,
-                  dq_accumulation: str = "recompute", block_q: int | None = None,
-                  block_k: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, interpret: bool = False):
+                  dq_accumulation: str = "recompute", block_sizes: BlockSizes | None = None,
+                  interpret: bool = False):
   """Flash attention backward: ``(dq, dk, dv)`` shaped and typed like q, k, v.
 
   ``P = exp(S - lse)`` recomputed with the forward's ``S``, ``dP = dO·Vᵀ``, ``δ = rowsum(dO ∘ O)``,
@@ -702,6 +641,9 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
   ``dV = Pᵀ·dO`` with P in bf16, or with ``p_rounding`` set ``deq(Q(P))`` as ``attention_pv``
   quantizes it (dS keeps the unquantized P). f32 accumulation; dK and dV sum over the query heads of
   each key/value head.
+
+  Reference: ``fp4jax.ops.attention.nvfp4_attention_vjp_reference`` (dS quantization:
+  ``fp4jax.ops.attention.fake_quant_ds``).
 
   ``dq_accumulation`` chooses how dQ is summed over the key blocks; dK and dV are computed the same
   way by either:
@@ -727,10 +669,10 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
       same quantization as ``attention_pv``'s).
     p_key: the key of P's stochastic rounding (``attention_pv``'s ``key``).
     dq_accumulation: ``"recompute"`` (default) or ``"atomic"``, see above.
-    block_q, block_k: tile rows and keys, powers of two (default ``ds_tile``); with NVFP4 dS,
-      multiples of ``ds_tile``.
-    num_warps, num_stages: Triton launch settings (default 4 warps, or 8 for ``"atomic"`` above
-      D 64; 2 stages).
+    block_sizes: launch settings (``BlockSizes``; None fields take the defaults): ``block_q``,
+      ``block_k`` tile rows and keys (default ``ds_tile`` with NVFP4 dS, else 64 and 64; with NVFP4
+      dS, multiples of ``ds_tile``), ``num_warps`` (default 4, or 8 for ``"atomic"`` above D 64),
+      ``num_stages`` (default 2).
     interpret: run in Pallas interpret mode (CPU; the programs run one after another, so the atomic
       adds of ``"atomic"`` are plain adds in a fixed order there).
 
@@ -747,7 +689,8 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
   if dq_accumulation not in DQ_ACCUMULATIONS:
     raise ValueError(f"attention_bwd: dq_accumulation must be one of {DQ_ACCUMULATIONS}, got "
                      f"{dq_accumulation!r}")
-  _check_blocks("attention_bwd", block_q=block_q, block_k=block_k, num_warps=num_warps)
+  bs = _block_sizes("attention_bwd", block_sizes)
+  block_q, block_k, num_warps, num_stages = bs.block_q, bs.block_k, bs.num_warps, bs.num_stages
   b, t, h, d = q.shape
   s, hk = k.shape[1], k.shape[2]
   if o.shape != q.shape or do.shape != q.shape:
@@ -766,11 +709,11 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
   if ds and (bq % ds_tile[0] or bk % ds_tile[1]):
     raise ValueError(f"attention_bwd: blocks ({bq}, {bk}) must be multiples of ds_tile {ds_tile}")
   if not ds:
-    bq, bk = min(bq, _pow2_at_least(t)), min(bk, _pow2_at_least(s))
+    bq, bk = min(bq, pow2_at_least(t)), min(bk, pow2_at_least(s))
     if p_rounding is not None:  # P's 1x16 blocks run along the key block
-      bk = max(bk, _B)
-  t_pad = _round_up(t, bq)
-  s_pad = _round_up(s, bk)
+      bk = max(bk, BLOCK)
+  t_pad = round_up(t, bq)
+  s_pad = round_up(s, bk)
   pad = t_pad != t or s_pad != s
   group = h // hk
   delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))

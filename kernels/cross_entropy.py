@@ -10,7 +10,7 @@
 where the XLA path (``fp4jax.loss``) makes separate passes over the (C, V) float32 array (row max,
 sum of exp, cotangent). ``softmax_xent_rows_reference`` is the same in plain jnp.
 
-Layout: each program takes ``rows_per_program`` rows and walks V in tiles of ``tile_v`` columns,
+Layout: each program takes ``BlockSizes.rows_per_program`` rows and walks V in tiles of ``tile_v`` columns,
 twice: an online max / sum of exp (and the target logit) in a first loop, the cotangent in a second
 (the second read of a program's rows mostly comes from L2). Any V works; the ragged last tile and
 the ragged last program are masked. Everything lowers to Triton (power-of-two blocks, masked loads
@@ -20,22 +20,40 @@ lowering on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fp4jax.kernels._util import store
-
-_IMPLS = ("pallas", "reference")
+from fp4jax.kernels._common import check_positive, check_powers_of_two, store
 
 
-def _is_pow2(n) -> bool:
-  return isinstance(n, (int, np.integer)) and n >= 1 and (n & (n - 1)) == 0
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Launch settings of ``softmax_xent_rows`` (frozen and hashable: a static argument); None takes
+  the default. The results are the same for every setting but for the order of float32 sums.
+
+  Attributes:
+    rows_per_program: rows per grid program, a power of two (default 1). C need not be a multiple:
+      the last program masks its rows.
+    num_warps: Triton warps per program, a power of two <= 32 (default 4).
+    tile_v: columns per tile, a power of two (default 2048, at most V rounded up to a power of two).
+    num_stages: Triton pipelining stages, a positive int (default: Triton's, 3 on CUDA).
+  """
+
+  rows_per_program: int | None = None
+  num_warps: int | None = None
+  tile_v: int | None = None
+  num_stages: int | None = None
+
+  def __post_init__(self):
+    check_powers_of_two(self, lambda name: 1, maximum=lambda name: 32 if name == "num_warps" else None,
+                        allow_none=True, exclude=("num_stages",))
+    check_positive(self, "num_stages", allow_none=True)
 
 
 def softmax_xent_rows_reference(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16):
@@ -137,12 +155,6 @@ def _check(logits_CxV, tgt_C, w_C, dl_dtype):
     raise ValueError(f"softmax_xent_rows: dl_dtype must be a floating dtype, got {dl_dtype}")
 
 
-def _check_pow2(name, value, hi=None):
-  if not _is_pow2(value) or (hi is not None and value > hi):
-    bound = f" <= {hi}" if hi is not None else ""
-    raise ValueError(f"softmax_xent_rows: {name}={value!r} must be a power of two{bound}")
-
-
 def _no_derivative(fn):
   """``fn`` with a JVP rule that raises a clear error (``pallas_call`` has none, and its own
   error, "Linearization failed", does not say where the derivative should come from)."""
@@ -158,10 +170,8 @@ def _no_derivative(fn):
   return f
 
 
-def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *, impl: str = "pallas",
-                      rows_per_program: int | None = None, num_warps: int | None = None,
-                      tile_v: int | None = None, num_stages: int | None = None,
-                      interpret: bool = False):
+def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *,
+                      block_sizes: BlockSizes | None = None, interpret: bool = False):
   """Row-wise logsumexp, target logit and weighted softmax-minus-onehot of float32 logits, fused.
 
   One kernel instead of XLA's separate passes: per row ``i``,
@@ -173,45 +183,39 @@ def softmax_xent_rows(logits_CxV, tgt_C, w_C, dl_dtype=jnp.bfloat16, *, impl: st
   forward rule of a ``jax.custom_vjp`` (``fp4jax.loss``), where ``dl`` is the saved residual
   whose GEMMs form the backward.
 
-  The kernels lower only for GPUs (Pallas Triton backend); on the CPU pass ``interpret=True``
-  or ``impl="reference"``.
+  The kernels lower only for GPUs (Pallas Triton backend); on the CPU pass ``interpret=True``, or
+  call the reference.
+
+  Reference: ``softmax_xent_rows_reference`` (plain jnp, same arguments and results).
 
   Args:
     logits_CxV: float32 logits, (C, V).
     tgt_C: integer target ids, (C,).
     w_C: per-row weights (float), (C,); 0 for padding rows.
     dl_dtype: dtype of ``dl`` (bfloat16: the dtype of the LM-head GEMM operands).
-    impl: ``"pallas"`` (the kernel) or ``"reference"`` (``softmax_xent_rows_reference``, plain XLA).
-    rows_per_program: rows per grid program, a power of two (default 1). C need not be a multiple:
-      the last program masks its rows.
-    num_warps: Triton warps per program, a power of two <= 32 (default 4).
-    tile_v: columns per tile, a power of two (default 2048, at most V rounded up to a power of two).
-    num_stages: Triton pipelining stages (default: Triton's, 3 on CUDA).
+    block_sizes: launch settings (``BlockSizes``; None: every default).
     interpret: run the kernel in Pallas interpret mode (CPU tests).
 
   Returns:
     ``(lse_C float32, tgt_logit_C float32, dl_CxV dl_dtype)``.
   """
   _check(logits_CxV, tgt_C, w_C, dl_dtype)
-  if impl not in _IMPLS:
-    raise ValueError(f"softmax_xent_rows: impl={impl!r}, expected one of {_IMPLS}")
+  if block_sizes is None:
+    block_sizes = BlockSizes()
+  if not isinstance(block_sizes, BlockSizes):
+    raise ValueError("softmax_xent_rows: block_sizes must be a cross_entropy.BlockSizes or None, got "
+                     f"{type(block_sizes).__name__}")
   c, v = logits_CxV.shape
   v_pad = pl.next_power_of_2(v)
   w_C = w_C.astype(jnp.float32)
-  if impl == "reference":
-    return _no_derivative(functools.partial(softmax_xent_rows_reference, dl_dtype=dl_dtype))(
-        logits_CxV, tgt_C, w_C)
 
-  r = 1 if rows_per_program is None else rows_per_program
-  _check_pow2("rows_per_program", r)
+  bs = block_sizes
+  r = 1 if bs.rows_per_program is None else bs.rows_per_program
   r = min(r, pl.next_power_of_2(c))  # no programs wider than all rows
-  tile = min(2048 if tile_v is None else tile_v, v_pad)
-  _check_pow2("tile_v", tile)
-  warps = 4 if num_warps is None else num_warps
+  tile = min(2048 if bs.tile_v is None else bs.tile_v, v_pad)
+  warps = 4 if bs.num_warps is None else bs.num_warps
+  num_stages = bs.num_stages
   kernel = functools.partial(_kernel, n_rows=c, n_cols=v, tile=tile)
-  _check_pow2("num_warps", warps, 32)
-  if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
-    raise ValueError(f"softmax_xent_rows: num_stages={num_stages!r} must be a positive int")
   # Out-of-range targets -> -1, so a target in the padding columns [V, V_pad) picks nothing.
   tgt_C = tgt_C.astype(jnp.int32)
   tgt_C = jnp.where((tgt_C >= 0) & (tgt_C < v), tgt_C, -1)

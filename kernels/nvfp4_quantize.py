@@ -30,7 +30,7 @@ with masked edges):
 The ``amax`` kernel reads the flattened tensor, or, with the Hadamard transform, the quantizer's
 layout through the transform.
 
-E2M1 rounding to nearest runs on float32 patterns (``_e2m1_rne_magnitude``: from 1 up the pattern
+E2M1 rounding to nearest runs on float32 patterns (``_common.e2m1_rne_magnitude``: from 1 up the pattern
 rounded to a multiple of 2^22, below 1 ``rint(2a)``), a few integer operations per element instead of
 ``numerics.e2m1_rne_code``'s seven comparisons, with the same codes for every float32 in [0, 6].
 
@@ -56,13 +56,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fp4jax import numerics, nvfp4
+from fp4jax.kernels._common import (BLOCK, F32_INF_BITS, F32_NORMAL_MIN_BITS, ROUNDINGS, abs_bits,
+                                    check_powers_of_two, div_rn, division, e2m1_codes, float_of,
+                                    e4m3_block_scales, key_words, load, max_all, ref_words, store)
+from fp4jax.numerics import BIT_SOURCES, stochastic_bits
 
-BLOCK = nvfp4.BLOCK
-BIT_SOURCES = ("random", "counter")
+__all__ = ["AMAX_PASSES", "BIT_SOURCES", "BLOCK", "BlockSizes", "amax_bits", "check_powers_of_two",
+           "hadamard_signs", "quantize", "quantize_reference", "stochastic_bits", "threefry_key"]
+
 AMAX_PASSES = ("kernel", "xla")
 _MIN_BB = 8  # the fewest blocks (or slab columns) of the contiguous axis that a divisor tile takes
-_F32_NORMAL_MIN_BITS = 0x00800000
-_F32_INF_BITS = 0x7F800000
 _TF_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
@@ -83,15 +86,6 @@ class BlockSizes:
     check_powers_of_two(self, lambda name: 1 if "warps" in name else BLOCK)
 
 
-def check_powers_of_two(settings, minimum) -> None:
-  """ValueError unless every field of the dataclass ``settings`` is a power of two of at least
-  ``minimum(field_name)`` (launch settings: elements per program, warps)."""
-  for f in dataclasses.fields(settings):
-    v, lo = getattr(settings, f.name), minimum(f.name)
-    if not isinstance(v, int) or v < lo or v & (v - 1):
-      raise ValueError(f"{type(settings).__name__}.{f.name} must be a power of two >= {lo}, got {v!r}")
-
-
 # ----------------------------------------------------------------------------------------------
 # References
 
@@ -101,17 +95,6 @@ def hadamard_signs(key) -> jax.Array:
   return nvfp4.hadamard_matrix(key)[:, 0] * 4.0
 
 
-def stochastic_bits(key, shape, bit_source="random") -> jax.Array:
-  """The uint32 rounding bits ``quantize`` draws from ``key``: ``jax.random.bits(key, shape, uint32)``
-  (``"random"``, what ``nvfp4.quantize(key=key)`` draws) or ``numerics.counter_bits(key, shape)``
-  (``"counter"``)."""
-  if bit_source == "random":
-    return jax.random.bits(key, shape, jnp.uint32)
-  if bit_source == "counter":
-    return numerics.counter_bits(key, shape)
-  raise ValueError(f"bit_source must be one of {BIT_SOURCES}, got {bit_source!r}")
-
-
 def amax_bits(x, *, hadamard_key=None, axis=-1) -> jax.Array:
   """``max|x|`` (of ``nvfp4.hadamard(x)`` in float32 with ``hadamard_key``) as a float32 bit pattern
   (int32), in one XLA reduction: the value the kernels' first pass computes (NaN and inf patterns
@@ -119,7 +102,7 @@ def amax_bits(x, *, hadamard_key=None, axis=-1) -> jax.Array:
   x = jnp.asarray(x)
   if hadamard_key is not None:
     x = nvfp4.hadamard(x.astype(jnp.float32), hadamard_key, axis)
-  return jnp.max(_abs_bits(x.astype(jnp.float32)))
+  return jnp.max(abs_bits(x.astype(jnp.float32)))
 
 
 def quantize_reference(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None,
@@ -140,27 +123,16 @@ def quantize_reference(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=
 # Pieces of the kernels
 
 
-def _div_rn(a, b, interpret):
-  """IEEE ``a / b`` (float32, ``b`` an array): PTX ``div.rn.f32`` on the GPU; in interpret mode the
-  CPU's division, IEEE for the normal operands it gets (``numerics.div_rn`` on vectors compiles
-  slowly on XLA:CPU)."""
-  if interpret:
-    return a / b
-  a = jnp.broadcast_to(jnp.asarray(a, jnp.float32), b.shape)
-  return plgpu.elementwise_inline_asm(
-      "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(b.shape, jnp.float32)])[0]
-
-
 def _tensor_scales(i_ref, interpret):
   """``(S_enc / 6, S_dec, finite)`` of the tensor as (1, 1) arrays, from the bit pattern of its
   ``max|x|`` (``i_ref[0]``), as ``nvfp4.quantize`` forms them (``nvfp4.global_decode_scale``): PTX
   ``div.rn.f32`` on the GPU, ``numerics.div_rn`` in interpret mode (subnormal quotients included)."""
-  div = (lambda a, b: numerics.div_rn(a, b)) if interpret else (lambda a, b: _div_rn(a, b, False))
+  exact = "exact" if interpret else "ptx"
+  div = lambda a, b: div_rn(a, b, exact)  # noqa: E731
   bits = jnp.full((1, 1), i_ref[0], jnp.int32)
-  bits = jnp.where(bits < _F32_NORMAL_MIN_BITS, 0, bits)  # subnormals flushed, as every element
-  finite = bits < _F32_INF_BITS  # NaN and inf patterns lie above every finite one
-  amax = lax.bitcast_convert_type(jnp.where(finite, bits, 0), jnp.float32)
+  bits = jnp.where(bits < F32_NORMAL_MIN_BITS, 0, bits)  # subnormals flushed, as every element
+  finite = bits < F32_INF_BITS  # NaN and inf patterns lie above every finite one
+  amax = float_of(jnp.where(finite, bits, 0))
   s_enc = jnp.minimum(div(jnp.float32(numerics.E4M3_MAX * numerics.E2M1_MAX), amax), numerics.F32_MAX)
   s_enc = jnp.where((amax == 0) | (s_enc == 0), jnp.float32(1.0), s_enc)
   s_dec = jnp.where(finite, div(jnp.float32(1.0), s_enc), jnp.float32(jnp.nan))
@@ -200,53 +172,16 @@ def _iota_index(shape, starts, strides):
   return jnp.zeros(shape, jnp.uint32) if idx is None else idx
 
 
-def _abs_bits(x32):
-  return lax.bitcast_convert_type(x32, jnp.int32) & 0x7FFFFFFF
-
-
-def _max_all(a):
-  """Full max of an int32 tile, one axis at a time (a full reduction does not lower to Triton)."""
-  while a.ndim:
-    a = jnp.max(a, axis=a.ndim - 1)
-  return a
-
-
 def _block_scales(block_amax, consts, interpret):
   """``nvfp4.quantize``'s per-block step, given the tensor's ``(S_enc / 6, S_dec, finite)``:
   ``(dscale, its E4M3 byte, escale = 1 / (dscale * S_dec), zero_block)``."""
   mconst, s_dec, finite = consts
   block_amax = jnp.where(finite, block_amax, 0.0)
-  dscale, dcode = _e4m3_block_scales(block_amax, mconst)
+  dscale, dcode = e4m3_block_scales(block_amax, mconst)
   # dscale is the value of its E4M3 byte (round_to_e4m3), so no decode of dcode is needed.
-  escale = jnp.minimum(_div_rn(1.0, dscale * s_dec, interpret), numerics.F32_MAX)
+  escale = jnp.minimum(div_rn(1.0, dscale * s_dec, division(interpret)), numerics.F32_MAX)
   zero_block = (dscale == 0) | ~finite
   return dscale, dcode.astype(jnp.uint8), escale, zero_block
-
-
-def _e4m3_block_scales(block_amax, m):
-  """``numerics.e4m3_block_scales(block_amax, m)`` in fewer operations, for finite ``block_amax >= 0``
-  and finite ``m > 0`` (the same value and byte for every float32 in [0, 448];
-  tests/test_kernels_quantize.py checks it exhaustively); the byte as int32.
-
-  From 2^-6 up, ``numerics.round_to_e4m3``'s pattern rounding, with the byte read off the rounded
-  pattern: its bits 20 and up are ``(biased exponent << 3) | mantissa``, so the byte is that minus
-  ``(127 - 7) << 3``. Below 2^-6 (E4M3 subnormals, multiples of 2^-9): ``v + 2^14`` rounds ``v`` to a
-  multiple of 2^-9, ties to even (the spacing of float32 in [2^14, 2^15)), its pattern is that of
-  2^14 plus the multiple (the value is that multiple times 2^-9: ``t - 2^14`` would be too, but
-  XLA:CPU folds ``(v + c) - c`` to ``v`` in interpret mode).
-  """
-  # clip(min(block_amax * m, FLT_MAX), 0, 448) for block_amax >= 0 and m > 0 (finite): the product
-  # is +0 or more, inf included.
-  v = jnp.minimum(block_amax * m, numerics.E4M3_MAX)
-  b = lax.bitcast_convert_type(v, jnp.int32)
-  r = b + (0x7FFFF + ((b >> 20) & 1))
-  normal_value = lax.bitcast_convert_type(r & jnp.int32(-(1 << 20)), jnp.float32)
-  normal_code = (r >> 20) - ((127 - 7) << 3)
-  t = v + jnp.float32(2.0**14)
-  sub_code = lax.bitcast_convert_type(t, jnp.int32) - 0x46800000  # the pattern of 2^14
-  sub_value = sub_code.astype(jnp.float32) * jnp.float32(2.0**-9)
-  small = v < 2.0**-6
-  return jnp.where(small, sub_value, normal_value), jnp.where(small, sub_code, normal_code)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,24 +199,13 @@ def _pair_ok(shape, pid_a, pid_b, n_a, n_b):
   return ok
 
 
-def _store(ref, val, ok):
-  if ok is None:
-    ref[...] = val
-  else:
-    plgpu.store(ref, val, mask=ok)
-
-
-def _load(ref, ok):
-  return ref[...] if ok is None else plgpu.load(ref, mask=ok, other=0)
-
-
 def _flat_amax_kernel(x_ref, o_ref, *, n_rows):
   """max|x| of a (rows, W) tile of the flattened tensor, as a float32 bit pattern."""
   br = x_ref.shape[0]
   ok = None
   if n_rows % br:
     ok = pl.program_id(0) * br + lax.broadcasted_iota(jnp.int32, x_ref.shape, 0) < n_rows
-  o_ref[...] = jnp.full((1, 1), _max_all(_abs_bits(_load(x_ref, ok).astype(jnp.float32))), jnp.int32)
+  o_ref[...] = jnp.full((1, 1), max_all(abs_bits(load(x_ref, ok).astype(jnp.float32))), jnp.int32)
 
 
 def _pair_quantize_kernel(i_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, n_a, n_b, rounding,
@@ -290,7 +214,7 @@ def _pair_quantize_kernel(i_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, 
   pid_a, pid_b = pl.program_id(0), pl.program_id(1)
   # Each byte's two elements (the low and the high nibble) as two (BA, S, BB, 8) halves, split in
   # registers right after the load: every later step is elementwise on the halves.
-  x = _load(x_ref, _pair_ok(x_ref.shape, pid_a, pid_b, n_a, n_b))
+  x = load(x_ref, _pair_ok(x_ref.shape, pid_a, pid_b, n_a, n_b))
   lo, hi = jnp.unstack(x.reshape(ba, s, bb, BLOCK // 2, 2), axis=-1)
   lo, hi = (numerics.flush_subnormals(v.astype(jnp.float32)) for v in (lo, hi))
   # Block amax over each block's 16 elements (axis 3 of both halves) and, for 16x16 tiles, its 16
@@ -306,17 +230,17 @@ def _pair_quantize_kernel(i_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, 
                       (s * n_b * BLOCK, n_b * BLOCK, BLOCK, 2))
     bits = _pair_bits(idx, i_ref, bit_source)
   bc = lambda v: v[:, None, :, None]  # noqa: E731  (BA, BB) -> against (BA, S, BB, 8)
-  code_lo, code_hi = (_e2m1_codes(v, bc(escale), rounding, b) for v, b in zip((lo, hi), bits))
+  code_lo, code_hi = (e2m1_codes(v, bc(escale), rounding, b) for v, b in zip((lo, hi), bits))
   zero = bc(zero_block)
   packed = jnp.where(zero, 0, code_lo | (code_hi << 4))
-  _store(codes_ref, packed.astype(jnp.uint8).reshape(codes_ref.shape),
+  store(codes_ref, packed.astype(jnp.uint8).reshape(codes_ref.shape),
          _pair_ok(codes_ref.shape, pid_a, pid_b, n_a, n_b))
-  _store(scales_ref, dcode[:, None, :], _pair_ok((ba, 1, bb), pid_a, pid_b, n_a, n_b))
+  store(scales_ref, dcode[:, None, :], _pair_ok((ba, 1, bb), pid_a, pid_b, n_a, n_b))
   if dec_ref:
     dec = [(numerics.decode_e2m1(jnp.where(zero, 0, c)) * bc(dscale)).astype(dec_ref[0].dtype)
            for c in (code_lo, code_hi)]
     dec = jnp.stack(dec, axis=-1).reshape(x.shape)
-    _store(dec_ref[0], dec, _pair_ok(x.shape, pid_a, pid_b, n_a, n_b))
+    store(dec_ref[0], dec, _pair_ok(x.shape, pid_a, pid_b, n_a, n_b))
 
 
 def _store_global_scale(g_ref, s_dec, pid_a, pid_b):
@@ -327,48 +251,19 @@ def _store_global_scale(g_ref, s_dec, pid_a, pid_b):
     g_ref[...] = s_dec.reshape(1)
 
 
-def _e2m1_rne_magnitude(a):
-  """``numerics.e2m1_rne_code(a)`` for float32 ``a`` in [0, 6] in fewer operations (equal for every
-  float32 in [0, 6]; tests/test_kernels_quantize.py checks it exhaustively).
-
-  From 1 up, each step of the E2M1 grid (1, 1.5, 2, 3, 4, 6) spans 2^22 float32 patterns, so the
-  code is the pattern rounded to a multiple of 2^22, ties to even, minus 252 (the pattern of 1.0 is
-  254 · 2^22). Below 1 the grid (0, 0.5, 1) is ``rint(2a)``: ``a + 2^22`` rounds ``a`` to a multiple of
-  1/2 (the spacing of float32 in [2^22, 2^23)), ties to even, and its pattern is that of 2^22
-  (``0x4A800000``) plus ``rint(2a)``.
-  """
-  b = lax.bitcast_convert_type(a, jnp.int32)
-  big = ((b + (0x1FFFFF + ((b >> 22) & 1))) >> 22) - 252
-  small = lax.bitcast_convert_type(a + jnp.float32(2.0**22), jnp.int32) - 0x4A800000
-  return jnp.where(a < 1.0, small, big)
-
-
-def _e2m1_codes(x32, escale, rounding, bits):
-  """``numerics.e2m1_codes(x32, escale, False, rounding, bits, int32)`` for subnormal-flushed ``x32``:
-  the magnitude as ``_e2m1_rne_magnitude`` (nearest) and the sign bit from the pattern (``x32 < 0``
-  for a flushed, finite value). The kernels zero the blocks of ``zero_block`` in the packed bytes,
-  one select per two codes."""
-  a = jnp.minimum(jnp.abs(x32 * escale), numerics.E2M1_MAX)
-  mag = _e2m1_rne_magnitude(a) if rounding == "nearest" else numerics.e2m1_stochastic_code(a, bits)
-  sign = (lax.bitcast_convert_type(x32, jnp.int32) >> 28) & 8
-  return mag | sign
-
-
 def _pair_bits(idx, i_ref, bit_source):
   """The uint32 rounding bits of the elements at flat indices ``idx`` (even) and ``idx + 1``; with the
   counter hash, one hash of the pair ``idx >> 1`` serves both (``numerics.counter_bits``)."""
   if bit_source != "counter":
     return _element_bits(idx, i_ref, bit_source), _element_bits(idx + jnp.uint32(1), i_ref, bit_source)
-  k1 = lax.bitcast_convert_type(i_ref[1], jnp.uint32)
-  k2 = lax.bitcast_convert_type(i_ref[2], jnp.uint32)
+  k1, k2 = ref_words(i_ref, 1)
   h = numerics.counter_hash(idx >> 1, k1, k2)
   return numerics.lane_bits(h, 0), numerics.lane_bits(h, 1)
 
 
 def _element_bits(idx, i_ref, bit_source):
   """The uint32 rounding bits of the elements at flat indices ``idx`` (``stochastic_bits``)."""
-  k1 = lax.bitcast_convert_type(i_ref[1], jnp.uint32)
-  k2 = lax.bitcast_convert_type(i_ref[2], jnp.uint32)
+  k1, k2 = ref_words(i_ref, 1)
   if bit_source == "counter":
     return numerics.lane_bits(numerics.counter_hash(idx >> 1, k1, k2), idx & 1)
   return _threefry_bits(idx, k1, k2)
@@ -396,7 +291,7 @@ def _slab_ok(shape, pid_a, pid_b, n_a, n_b):
 def _slabs(x_ref, s_ref, ok, mid, hadamard_on):
   """The 16 elements of each block of the tile as 16 float32 (BA, BB) slabs (Hadamard-transformed
   when ``hadamard_on``), subnormals flushed."""
-  xs = [numerics.flush_subnormals(_load(_slab_ref(x_ref, i, mid), ok).astype(jnp.float32))
+  xs = [numerics.flush_subnormals(load(_slab_ref(x_ref, i, mid), ok).astype(jnp.float32))
         for i in range(BLOCK)]
   if hadamard_on:
     xs = numerics.hadamard16_butterfly([x * s_ref[i] for i, x in enumerate(xs)])  # nvfp4.hadamard's order
@@ -436,8 +331,8 @@ def _slab_amax_kernel(s_ref, x_ref, o_ref, *, n_a, n_b, mid, hadamard_on):
   tile = _slab_tile(x_ref, mid)
   ok = _slab_ok(tile, pl.program_id(0), pl.program_id(1), n_a, n_b)
   xs = _slabs(x_ref, s_ref, ok, mid, hadamard_on)
-  m = functools.reduce(jnp.maximum, [_abs_bits(x) for x in xs])
-  o_ref[...] = jnp.full((1, 1), _max_all(m), jnp.int32)
+  m = functools.reduce(jnp.maximum, [abs_bits(x) for x in xs])
+  o_ref[...] = jnp.full((1, 1), max_all(m), jnp.int32)
 
 
 def _slab_quantize_kernel(i_ref, s_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, n_a, n_b, mid,
@@ -466,24 +361,24 @@ def _slab_quantize_kernel(i_ref, s_ref, x_ref, codes_ref, scales_ref, g_ref, *de
     else:
       bits = _element_bits(_iota_index((*tile, BLOCK), starts, (BLOCK * n_b, BLOCK, 1)), i_ref,
                            bit_source)
-  codes = _e2m1_codes(x, escale[..., None], rounding, bits)
+  codes = e2m1_codes(x, escale[..., None], rounding, bits)
   zero = zero_block[..., None]
   lo, hi = jnp.unstack(codes.reshape(*tile, BLOCK // 2, 2), axis=-1)
   packed = jnp.where(zero, 0, lo | (hi << 4)).astype(jnp.uint8)  # (BA, BB, 8): a block's bytes
   ok3 = None if ok is None else ok[:, :, None]
   if mid:  # byte p of each block is slab p of the codes
     for p, v in enumerate(_unstack_last(packed)):
-      _store(_slab_ref(codes_ref, p, mid), v, ok)
+      store(_slab_ref(codes_ref, p, mid), v, ok)
   else:  # a block's 8 bytes are contiguous: one (BA, BB, 8) store
-    _store(codes_ref, packed, ok3)
-  _store(scales_ref, dcode, ok)
+    store(codes_ref, packed, ok3)
+  store(scales_ref, dcode, ok)
   if dec_ref:
     dec = (numerics.decode_e2m1(jnp.where(zero, 0, codes)) * dscale[..., None]).astype(dec_ref[0].dtype)
     if mid:
       for i, v in enumerate(_unstack_last(dec)):
-        _store(_slab_ref(dec_ref[0], i, mid), v, ok)
+        store(_slab_ref(dec_ref[0], i, mid), v, ok)
     else:  # a block's 16 elements are contiguous: one (BA, BB, 16) store
-      _store(dec_ref[0], dec, ok3)
+      store(dec_ref[0], dec, ok3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -597,8 +492,8 @@ def _check(x, block, axis, rounding, key, bit_source, hadamard_key):
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"quantize needs a floating-point array, got dtype {x.dtype}")
   block, axis = nvfp4.block_layout(tuple(x.shape), block, axis)
-  if rounding not in nvfp4.ROUNDINGS:
-    raise ValueError(f"rounding must be one of {nvfp4.ROUNDINGS}, got {rounding!r}")
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
   if bit_source not in BIT_SOURCES:
     raise ValueError(f"bit_source must be one of {BIT_SOURCES}, got {bit_source!r}")
   if rounding == "stochastic":
@@ -624,16 +519,8 @@ def threefry_key(key) -> bool:
   return str(jax.random.key_impl(key)) == "threefry2x32" and jax.config.jax_threefry_partitionable
 
 
-def _key_words(key, bit_source):
-  if bit_source == "counter":
-    k1, k2 = numerics.counter_words(key)
-  else:
-    k1, k2 = jax.random.key_data(key).reshape(-1)[:2].astype(jnp.uint32)
-  return lax.bitcast_convert_type(jnp.stack([k1, k2]).astype(jnp.uint32), jnp.int32)
-
-
 def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_source="random",
-             hadamard_key=None, decoded=False, block_sizes: BlockSizes = BlockSizes(),
+             hadamard_key=None, decoded=False, block_sizes: BlockSizes | None = None,
              amax: str = "kernel", interpret=False):
   """Quantizes ``x`` to NVFP4 in two Pallas kernels: ``nvfp4.quantize``'s tensor, bit for bit.
 
@@ -659,7 +546,7 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
       the random Hadamard transform along the blocked axis, fused into both kernels.
     decoded: also return the decoded operand ``elements × block scales`` (``NVFP4Tensor.
       scaled_elements(bfloat16)``: exact; the global scale is not applied).
-    block_sizes: kernel tiling (``BlockSizes``).
+    block_sizes: kernel tiling (``BlockSizes``; None: ``BlockSizes()``).
     amax: the first pass, ``max|x|`` (of ``hadamard(x)`` with ``hadamard_key``) as a float32 bit
       pattern: ``"kernel"`` (a Pallas kernel) or ``"xla"`` (``amax_bits``: a reduction that XLA
       fuses and compiles with its own emitters, one Triton kernel fewer per operand; docs/DESIGN.md,
@@ -672,9 +559,15 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
 
   Raises:
     ValueError: what ``nvfp4.quantize`` rejects; ``hadamard_key`` with ``block=(16, 16)``;
-      ``bit_source="random"`` with a key that is not threefry2x32; 2**31 elements or more.
+      ``bit_source="random"`` with a key that is not threefry2x32; 2**31 elements or more; a
+      ``block_sizes`` that is not a ``BlockSizes``.
   """
   x = lax.stop_gradient(jnp.asarray(x))
+  if block_sizes is None:
+    block_sizes = BlockSizes()
+  if not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be an nvfp4_quantize.BlockSizes or None, got "
+                     f"{type(block_sizes).__name__}")
   block, axis = _check(x, block, axis, rounding, key, bit_source, hadamard_key)
   if amax not in AMAX_PASSES:
     raise ValueError(f"amax must be one of {AMAX_PASSES}, got {amax!r}")
@@ -711,7 +604,7 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
         in_specs=[whole, _specs(alay)[0]], out_specs=o_spec, name="nvfp4_amax", **params)(signs, xv)
 
   # The tensor's max|x| (its bit pattern) and the key's two words, for the second pass.
-  words = _key_words(key, bit_source) if rounding == "stochastic" else jnp.zeros((2,), jnp.int32)
+  words = key_words(key, bit_source) if rounding == "stochastic" else jnp.zeros((2,), jnp.int32)
   ints = jnp.concatenate([jnp.max(partial)[None], words, jnp.zeros((5,), jnp.int32)])
 
   # Pass 2: codes, scale bytes, and the decoded operand.

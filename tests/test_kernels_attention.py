@@ -2,6 +2,7 @@
 dS, the in-kernel dS quantizer bit for bit against nvfp4.quantize, and the CUDA (Triton) lowering for
 an abstract H200."""
 
+import dataclasses
 import functools
 import re
 
@@ -13,6 +14,7 @@ from conftest import H200
 from jax.experimental import pallas as pl
 
 from fp4jax import numerics, nvfp4
+from fp4jax.kernels import _common as C
 from fp4jax.kernels import attention as A
 from fp4jax.ops.attention import ds_bits, fake_quant_ds
 
@@ -83,7 +85,7 @@ CASES = [
 @pytest.mark.parametrize("b,t,h,hk,d,causal,bq,bk", CASES)
 def test_forward_matches_reference(b, t, h, hk, d, causal, bq, bk):
   q, k, v, do = _inputs(b, t, h, hk, d, seed=t + d)
-  o, lse = A.attention_fwd(q, k, v, causal=causal, sm_scale=d**-0.5, block_q=bq, block_k=bk,
+  o, lse = A.attention_fwd(q, k, v, causal=causal, sm_scale=d**-0.5, block_sizes=A.BlockSizes(bq, bk),
                            interpret=True)
   o_r, lse_r, *_ = _reference(q, k, v, do, causal=causal)
   assert o.dtype == q.dtype and lse.shape == (b, h, t) and lse.dtype == jnp.float32
@@ -95,8 +97,8 @@ def test_forward_matches_reference(b, t, h, hk, d, causal, bq, bk):
 def test_backward_bf16_ds_matches_reference(b, t, h, hk, d, causal, bq, bk):
   q, k, v, do = _inputs(b, t, h, hk, d, seed=t + d)
   o, lse, dq_r, dk_r, dv_r = _reference(q, k, v, do, causal=causal)
-  dq, dk, dv = A.attention_bwd(q, k, v, o, lse, do, causal=causal, sm_scale=d**-0.5, block_q=bq,
-                               block_k=bk, interpret=True)
+  dq, dk, dv = A.attention_bwd(q, k, v, o, lse, do, causal=causal, sm_scale=d**-0.5,
+                               block_sizes=A.BlockSizes(bq, bk), interpret=True)
   assert (dq.dtype, dk.shape, dv.shape) == (q.dtype, k.shape, v.shape)
   for got, want in ((dq, dq_r), (dk, dk_r), (dv, dv_r)):
     _close(got, want, 2e-2)
@@ -114,8 +116,8 @@ def test_backward_nvfp4_ds_matches_reference(rounding, causal, t, blocks):
   o, lse, dq_r, dk_r, dv_r = _reference(q, k, v, do, causal=causal, ds_rounding=rounding, key=key,
                                         ds_tile=ds_tile)
   dq, dk, dv = A.attention_bwd(q, k, v, o, lse, do, causal=causal, sm_scale=d**-0.5,
-                               ds_rounding=rounding, key=key, ds_tile=ds_tile, block_q=blocks[0],
-                               block_k=blocks[1], interpret=True)
+                               ds_rounding=rounding, key=key, ds_tile=ds_tile,
+                               block_sizes=A.BlockSizes(*blocks), interpret=True)
   _check_nvfp4_grads((dq, dk, dv), (dq_r, dk_r, dv_r), _reference(q, k, v, do, causal=causal)[2:])
 
 
@@ -150,8 +152,8 @@ def test_backward_atomic_dq_matches_reference_and_recompute(b, t, h, hk, d, caus
   o, lse, *want = _reference(q, k, v, do, causal=causal, ds_rounding=rounding, key=key,
                              ds_tile=ds_tile or A.DS_TILE)
   bwd = functools.partial(A.attention_bwd, q, k, v, o, lse, do, causal=causal, sm_scale=d**-0.5,
-                          ds_rounding=rounding, key=key, ds_tile=ds_tile or A.DS_TILE, block_q=bq,
-                          block_k=bk, interpret=True)
+                          ds_rounding=rounding, key=key, ds_tile=ds_tile or A.DS_TILE,
+                          block_sizes=A.BlockSizes(bq, bk), interpret=True)
   atomic, recompute = bwd(dq_accumulation="atomic"), bwd(dq_accumulation="recompute")
   assert [(x.shape, x.dtype) for x in atomic] == [(x.shape, x.dtype) for x in (q, k, v)]
   if rounding is None:
@@ -171,7 +173,7 @@ def _tile_quantizer_kernel(w_ref, ds_ref, out_ref, *, ds_tile, rounding, row0, c
   m, n = ds_ref.shape
   bits = None
   if rounding == "stochastic":
-    k1, k2 = A._words(w_ref)
+    k1, k2 = C.ref_words(w_ref)
     bits = A._tile_bits(k1, k2, bh, row0, col0, m, n)
   out_ref[...] = A._quantize_tile(ds_ref[...], bits, ds_tile, rounding, "backend")
 
@@ -205,7 +207,7 @@ def test_in_kernel_ds_quantizer_is_bit_exact(rounding):
     np.testing.assert_array_equal(whole[bi, hi, i:i + 64, j:j + 32].view(np.uint32),
                                   np.asarray(want, np.float32).view(np.uint32))
   # The kernel's code on a 64 x 64 block at (64, 64) of head (0, 1): two ds tiles.
-  words = jax.lax.bitcast_convert_type(jnp.stack(A._key_words(key)), jnp.int32)
+  words = C.key_words(key)
   bi, hi = 0, 1
   kernel = functools.partial(_tile_quantizer_kernel, ds_tile=(64, 32), rounding=rounding, row0=64,
                              col0=64, bh=bi * h + hi)
@@ -233,7 +235,7 @@ def test_e2m1_value_nearest_equals_the_codes_on_every_float32():
   """The kernels' E2M1 rounding to nearest (``(a + M) - M``) is ``decode_e2m1(e2m1_rne_code(a))`` on
   every float32 in [0, 6]."""
   top = int(np.float32(6.0).view(np.uint32))
-  assert _mismatches_over_float32(lambda a: A._e2m1_value(a, "nearest", None),
+  assert _mismatches_over_float32(lambda a: C.e2m1_value(a, "nearest", None),
                                   lambda a: numerics.decode_e2m1(numerics.e2m1_rne_code(a)), top) == 0
 
 
@@ -241,7 +243,7 @@ def test_e4m3_value_equals_round_to_e4m3_on_every_float32():
   """The kernels' E4M3 block-scale rounding (``(v + M) - M``) is ``round_to_e4m3``'s value on every
   float32 in [0, 448]."""
   top = int(np.float32(448.0).view(np.uint32))
-  assert _mismatches_over_float32(A._e4m3_value, lambda v: numerics.round_to_e4m3(v)[0], top) == 0
+  assert _mismatches_over_float32(C.e4m3_value, lambda v: numerics.round_to_e4m3(v)[0], top) == 0
 
 
 def test_e2m1_value_stochastic_equals_the_codes():
@@ -254,7 +256,7 @@ def test_e2m1_value_stochastic_equals_the_codes():
   @jax.jit
   def mismatches(a, bits):
     want = numerics.decode_e2m1(numerics.e2m1_stochastic_code(a, bits))
-    got = A._e2m1_value(a, "stochastic", (bits >> 10).astype(jnp.int32))
+    got = C.e2m1_value(a, "stochastic", (bits >> 10).astype(jnp.int32))
     as_bits = lambda v: jax.lax.bitcast_convert_type(v, jnp.uint32)  # noqa: E731
     return jnp.sum(as_bits(got) != as_bits(want))
 
@@ -353,7 +355,7 @@ def test_tile_quantizers_equal_the_numerics_encoders_on_special_values(rounding)
 
 def _p_quantizer_kernel(w_ref, p_ref, out_ref, *, rounding, row0, col0, bh):
   """The kernels' P tile step on one block (``_p_operand``): bits at (row0, col0), quantize, decode."""
-  out_ref[...] = A._p_operand(p_ref[...], (A._words(w_ref), bh, row0, col0, rounding),
+  out_ref[...] = A._p_operand(p_ref[...], (C.ref_words(w_ref), bh, row0, col0, rounding),
                               jnp.bfloat16, "backend")
 
 
@@ -375,7 +377,7 @@ def test_in_kernel_p_quantizer_is_bit_exact(rounding):
   keys = {"p": key}
   whole = np.asarray(ops._probs_operand(p, config, keys, jnp.bfloat16), np.float32)
   assert (whole != np.asarray(p.astype(jnp.bfloat16), np.float32)).mean() > 0.3  # it quantizes
-  words = jax.lax.bitcast_convert_type(jnp.stack(A._key_words(key)), jnp.int32)
+  words = C.key_words(key)
   for kv, gi, row0, col0 in [(0, 1, 0, 0), (1, 0, 16, 32), (1, 1, 32, 64)]:
     h = kv * g + gi
     kernel = functools.partial(_p_quantizer_kernel, rounding=rounding, row0=row0, col0=col0,
@@ -406,9 +408,9 @@ def test_attention_pv_and_quantized_p_backward_match_reference():
     dv_want = jnp.einsum("bhts,bthd->bshd", pq, do, preferred_element_type=jnp.float32)
     dv_want = dv_want.reshape(b, t, hk, h // hk, d).sum(3)
     o_pv = A.attention_pv(q, k, v, lse, causal=True, sm_scale=d**-0.5, p_rounding=rounding, key=key,
-                          block_q=32, block_k=16, interpret=True)
-    dq, dk, dv = A.attention_bwd(q, k, v, o, lse, do, causal=True, sm_scale=d**-0.5, block_q=32,
-                                 block_k=16, p_rounding=rounding, p_key=key, interpret=True)
+                          block_sizes=A.BlockSizes(32, 16), interpret=True)
+    dq, dk, dv = A.attention_bwd(q, k, v, o, lse, do, causal=True, sm_scale=d**-0.5,
+                                 block_sizes=A.BlockSizes(32, 16), p_rounding=rounding, p_key=key, interpret=True)
     _close(o_pv, o_want.astype(jnp.bfloat16), 1e-2)
     _close(dv, dv_want.astype(jnp.bfloat16), 1e-2)
     assert np.abs(np.float32(o_pv) - np.float32(o)).max() > 0.01  # Q(P) moved O
@@ -419,7 +421,7 @@ def test_attention_pv_and_quantized_p_backward_match_reference():
 def test_ds_rounding_bits_depend_on_the_element_only():
   key = jax.random.key(2)
   bits = np.asarray(A.ds_rounding_bits(key, (2, 3, 32, 64)))
-  k1, k2 = A._key_words(key)
+  k1, k2 = numerics.counter_words(key)
   tile = np.asarray(A._tile_bits(k1, k2, 1 * 3 + 2, 16, 32, 16, 32))
   np.testing.assert_array_equal(tile, bits[1, 2, 16:32, 32:64])
   assert ((bits & 0xFFFFFF) == 1 << 23).all()  # lane_bits: a byte, then the half step
@@ -443,14 +445,15 @@ def test_bad_arguments_raise_value_errors():
       (fwd, (q, k, v[..., :32]), {}, "k .* and v"),
       (fwd, (q[..., :24], k[..., :24], v[..., :24]), {}, "multiple of 16"),
       (fwd, (q[:, :, :1], k.repeat(2, 2), v.repeat(2, 2)), {}, "multiple of the key/value heads"),
-      (fwd, (q, k, v), dict(block_q=48), "block_q"),
+      (fwd, (q, k, v), dict(block_sizes=(64, 64)), "block_sizes"),
       (fwd, (q, k, v), dict(sm_scale=-1.0), "sm_scale"),
       (bwd, (q, k, v, q, lse[:, :1], do), {}, "lse"),
       (bwd, (q, k, v, q, lse, do[:, :16]), {}, "do"),
       (bwd, (q, k, v, q, lse, do), dict(ds_rounding="up"), "rounding"),
       (bwd, (q, k, v, q, lse, do), dict(ds_rounding="stochastic"), "key"),
       (bwd, (q, k, v, q, lse, do), dict(ds_rounding="nearest", ds_tile=(24, 64)), "ds_tile"),
-      (bwd, (q, k, v, q, lse, do), dict(ds_rounding="nearest", block_q=32), "multiples of ds_tile"),
+      (bwd, (q, k, v, q, lse, do), dict(ds_rounding="nearest", block_sizes=A.BlockSizes(block_q=32)),
+       "multiples of ds_tile"),
       (bwd, (q, k, v, q, lse, do), dict(dq_accumulation="sum"), "dq_accumulation"),
       (bwd, (q, k, v, q, lse, do), dict(p_rounding="up"), "p_rounding"),
       (bwd, (q, k, v, q, lse, do), dict(p_rounding="stochastic"), "p_key"),
@@ -460,6 +463,48 @@ def test_bad_arguments_raise_value_errors():
   ]:
     with pytest.raises(ValueError, match=match):
       call(*args, **kw)
+
+
+def test_block_sizes_are_validated():
+  """``BlockSizes``: None (the kernel's default) or powers of two; stages a positive int."""
+  assert A.BlockSizes() == A.BlockSizes(None, None, None, None)
+  A.BlockSizes(block_q=16, block_k=128, num_warps=8, num_stages=3)
+  for kw, match in [(dict(block_q=48), "block_q"), (dict(block_k=0), "block_k"),
+                    (dict(num_warps=6), "num_warps"), (dict(block_q=64.0), "block_q"),
+                    (dict(num_stages=0), "num_stages"), (dict(num_stages=True), "num_stages")]:
+    with pytest.raises(ValueError, match=match):
+      A.BlockSizes(**kw)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    A.BlockSizes().block_q = 64
+
+
+def test_entry_points_name_their_reference():
+  """Each kernel entry point's jnp reference is beside it or named in its docstring."""
+  from fp4jax.kernels import adam_nvfp4, cross_entropy, nvfp4_quantize
+  for fn, ref in [(A.attention_fwd, "nvfp4_attention_reference"),
+                  (A.attention_pv, "nvfp4_attention_reference"),
+                  (A.attention_bwd, "nvfp4_attention_vjp_reference"),
+                  (nvfp4_quantize.quantize, "quantize_reference"),
+                  (cross_entropy.softmax_xent_rows, "softmax_xent_rows_reference"),
+                  (adam_nvfp4.update_leaves, 'kernel="xla"')]:
+    assert ref in fn.__doc__, fn.__name__
+  assert callable(nvfp4_quantize.quantize_reference)
+  assert callable(cross_entropy.softmax_xent_rows_reference)
+
+
+def test_shared_helpers_are_defined_once():
+  """The kernels' shared pieces are defined in ``fp4jax.kernels._common`` and imported, not copied
+  (a function of that name defined in a kernel module is a second copy)."""
+  import inspect
+
+  from fp4jax.kernels import adam_nvfp4, cross_entropy, nvfp4_quantize
+  shared = {name for name, f in vars(C).items() if inspect.isfunction(f) and f.__module__ == C.__name__}
+  for module in (A, adam_nvfp4, cross_entropy, nvfp4_quantize):
+    for name, f in vars(module).items():
+      if inspect.isfunction(f) and f.__module__ == module.__name__:
+        assert name.lstrip("_") not in shared, (module.__name__, name)
+  assert nvfp4_quantize.BIT_SOURCES is numerics.BIT_SOURCES
+  assert nvfp4_quantize.stochastic_bits is numerics.stochastic_bits
 
 
 # (D, causal, ds_rounding, GQA group): both head dims, dS in bf16 and NVFP4 (both roundings).

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import H200
 
-from fp4jax.kernels.cross_entropy import softmax_xent_rows, softmax_xent_rows_reference
+from fp4jax.kernels.cross_entropy import BlockSizes, softmax_xent_rows, softmax_xent_rows_reference
 
 
 def _inputs(c, v, seed=0):
@@ -76,7 +76,8 @@ CASES = [
 @pytest.mark.parametrize("c,v,r,tile", CASES)
 def test_kernel_matches_reference_in_interpret_mode(c, v, r, tile):
   x, tgt, w = _inputs(c, v, seed=v + c)
-  lse, tl, dl = softmax_xent_rows(x, tgt, w, rows_per_program=r, tile_v=tile, interpret=True)
+  lse, tl, dl = softmax_xent_rows(x, tgt, w, block_sizes=BlockSizes(rows_per_program=r, tile_v=tile),
+                                 interpret=True)
   lse_r, tl_r, dl_r = softmax_xent_rows_reference(x, tgt, w)
   assert lse.shape == tl.shape == (c,) and dl.shape == (c, v) and dl.dtype == jnp.bfloat16
   np.testing.assert_allclose(lse, lse_r, rtol=1e-6, atol=1e-6)
@@ -100,7 +101,8 @@ def test_float32_dl_and_out_of_range_targets():
   c, v = 8, 300  # V_pad = 512: target 400 lies in the padding columns
   x, tgt, w = _inputs(c, v, seed=3)
   tgt = tgt.at[5].set(-1).at[6].set(v).at[7].set(400)
-  lse, tl, dl = softmax_xent_rows(x, tgt, w, jnp.float32, tile_v=128, interpret=True)
+  lse, tl, dl = softmax_xent_rows(x, tgt, w, jnp.float32, block_sizes=BlockSizes(tile_v=128),
+                               interpret=True)
   lse_r, tl_r, dl_r = softmax_xent_rows_reference(x, tgt, w, jnp.float32)
   assert dl.dtype == jnp.float32
   np.testing.assert_allclose(lse, lse_r, rtol=1e-6, atol=1e-6)
@@ -109,16 +111,9 @@ def test_float32_dl_and_out_of_range_targets():
   assert np.all(np.asarray(dl)[5:] >= 0)  # no one-hot subtracted
 
 
-def test_reference_impl_is_the_reference():
-  x, tgt, w = _inputs(16, 300, seed=1)
-  for a, b in zip(softmax_xent_rows(x, tgt, w, impl="reference"), softmax_xent_rows_reference(x, tgt, w)):
-    np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("impl", ["pallas", "reference"])
-def test_grad_raises_a_clear_error(impl):
+def test_grad_raises_a_clear_error():
   x, tgt, w = _inputs(8, 256)
-  loss = lambda x: jnp.sum(softmax_xent_rows(x, tgt, w, impl=impl, interpret=True)[0])
+  loss = lambda x: jnp.sum(softmax_xent_rows(x, tgt, w, interpret=True)[0])
   with pytest.raises(TypeError, match="not differentiable"):
     jax.grad(loss)(x)
   # Inside a custom_vjp forward rule (fp4jax.loss's use) it is not differentiated: no error.
@@ -139,14 +134,21 @@ def test_bad_arguments_raise_value_errors():
       ((x, tgt, tgt), {}, "w_C"),
       ((x, tgt, w, jnp.int32), {}, "dl_dtype"),
       ((x[:, :0], tgt, w), {}, "empty"),
-      ((x, tgt, w), dict(impl="fused"), "impl"),
-      ((x, tgt, w), dict(rows_per_program=3), "rows_per_program"),
-      ((x, tgt, w), dict(tile_v=100), "tile_v"),
-      ((x, tgt, w), dict(num_warps=64), "num_warps"),
-      ((x, tgt, w), dict(num_stages=0), "num_stages"),
+      ((x, tgt, w), dict(block_sizes=dict(tile_v=128)), "block_sizes"),
   ]:
     with pytest.raises(ValueError, match=match):
       call(*args, **kw)
+
+
+def test_block_sizes_are_validated():
+  """``BlockSizes``: None (the default) or powers of two, at most 32 warps; stages a positive int."""
+  assert BlockSizes() == BlockSizes(None, None, None, None)
+  BlockSizes(rows_per_program=4, num_warps=32, tile_v=4096, num_stages=2)
+  for kw, match in [(dict(rows_per_program=3), "rows_per_program"), (dict(tile_v=100), "tile_v"),
+                    (dict(num_warps=64), "num_warps"), (dict(num_stages=0), "num_stages"),
+                    (dict(num_warps=4.0), "num_warps")]:
+    with pytest.raises(ValueError, match=match):
+      BlockSizes(**kw)
 
 
 # (C, V, kwargs, the kernel's loads of logits): two reads per tile (statistics, then the cotangent).
@@ -156,7 +158,7 @@ LOWER_CASES = [
     (64, 32768, {}, ["1x2048"] * 2),
     (64, 50304, {}, ["1x2048", "1x2048 masked"] * 2),
     (62, 50304, dict(rows_per_program=4, tile_v=2048), ["4x2048 masked"] * 4),
-    (16, 70000, dict(num_warps=8), ["1x2048", "1x2048 masked"] * 2),
+    (16, 70000, dict(num_warps=8), ["1x2048", "1x2048 masked"] * 2),  # BlockSizes fields
 ]
 
 
@@ -164,7 +166,7 @@ LOWER_CASES = [
 def test_lowers_to_triton_for_h200(triton_modules, c, v, kw, loads):
   """The CUDA lowering of a jitted call for an abstract H200 (no GPU): one Triton custom call does
   all the work (no exp or reduction left to XLA), and the kernel reads the logits as intended."""
-  f = jax.jit(functools.partial(softmax_xent_rows, **kw))
+  f = jax.jit(functools.partial(softmax_xent_rows, block_sizes=BlockSizes(**kw)))
   args = (jax.ShapeDtypeStruct((c, v), jnp.float32), jax.ShapeDtypeStruct((c,), jnp.int32),
           jax.ShapeDtypeStruct((c,), jnp.float32))
   with jax.sharding.use_abstract_mesh(H200):  # abstract values only in here
@@ -182,13 +184,18 @@ def test_lowers_to_triton_for_h200(triton_modules, c, v, kw, loads):
   assert re.search(rf"num_warps = {kw.get('num_warps', 4)} : i32", hlo)
 
 
-def test_auto_rows_follow_the_default_platform(monkeypatch):
-  """``rows="auto"`` takes the kernel only where computations go to a CUDA GPU."""
+def test_auto_implementation_follows_the_default_platform(monkeypatch):
+  """``chunked_cross_entropy(implementation="auto")`` takes the kernel only where computations go
+  to a CUDA GPU; an unknown implementation names the op."""
   from fp4jax import _platform
-  from fp4jax.loss import rows_impl
-  for platform, want in (("cuda", "pallas"), ("rocm", "xla"), ("cpu", "xla")):
+  from fp4jax.loss import chunked_cross_entropy
+  x, w = jnp.zeros((2, 8, 16), jnp.bfloat16), jnp.zeros((16, 64), jnp.float32)
+  t = jnp.zeros((2, 8), jnp.int32)
+  # The kernel is the forward rule of the loss's custom_vjp: a gradient traces it.
+  loss = lambda impl: jax.grad(lambda w: chunked_cross_entropy(x, w, t, implementation=impl))(w)  # noqa: E731
+  for platform, kernel in (("cuda", True), ("rocm", False), ("cpu", False)):
     monkeypatch.setattr(_platform, "default_platform", lambda p=platform: p)
-    assert rows_impl("auto") == want
-  assert rows_impl("xla") == "xla"
-  with pytest.raises(ValueError, match="rows"):
-    rows_impl("cuda")
+    assert ("pallas_call" in str(jax.make_jaxpr(lambda: loss("auto"))())) == kernel, platform
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda: loss("xla"))())
+  with pytest.raises(ValueError, match="chunked_cross_entropy: implementation must be one of"):
+    loss("cuda")

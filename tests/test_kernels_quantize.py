@@ -11,6 +11,7 @@ import pytest
 from conftest import H200
 
 from fp4jax import numerics, nvfp4
+from fp4jax.kernels import _common as C
 from fp4jax.kernels import nvfp4_quantize as kq
 
 # Small tiles: several programs per axis and ragged edges on the CPU.
@@ -243,7 +244,7 @@ def test_e2m1_rne_magnitude_equals_thresholds_on_every_float32():
   """The kernels' E2M1 rounding (float32 patterns and ``rint(2a)``) is ``numerics.e2m1_rne_code`` on
   every float32 in [0, 6]."""
   assert _mismatches_on_every_float32(
-      6.0, lambda a: jnp.sum(kq._e2m1_rne_magnitude(a) != numerics.e2m1_rne_code(a))) == 0
+      6.0, lambda a: jnp.sum(C.e2m1_rne_magnitude(a) != numerics.e2m1_rne_code(a))) == 0
 
 
 def test_block_scale_is_the_value_of_its_byte():
@@ -259,7 +260,7 @@ def test_e4m3_block_scales_equal_numerics_on_every_float32():
   """The kernels' E4M3 block-scale rounding (pattern rounding, ``v + 2^14`` below 2^-6) gives
   ``numerics.e4m3_block_scales``' value and byte for every float32 in [0, 448] (``m = 1``)."""
   def count(v):
-    value, byte = kq._e4m3_block_scales(v, jnp.float32(1.0))
+    value, byte = C.e4m3_block_scales(v, jnp.float32(1.0))
     want_value, want_byte = numerics.e4m3_block_scales(v, jnp.float32(1.0))
     same_value = jax.lax.bitcast_convert_type(value, jnp.uint32) == jax.lax.bitcast_convert_type(
         want_value, jnp.uint32)
@@ -268,7 +269,7 @@ def test_e4m3_block_scales_equal_numerics_on_every_float32():
   assert _mismatches_on_every_float32(448.0, count) == 0
   # Above 448 (the kernels clip with one min): 448 and its byte, as numerics.
   big = jnp.asarray([448.00003, 480.0, 1e30, 3.4028235e38, np.inf], jnp.float32)
-  value, byte = kq._e4m3_block_scales(big, jnp.float32(1.0))
+  value, byte = C.e4m3_block_scales(big, jnp.float32(1.0))
   want_value, want_byte = numerics.e4m3_block_scales(big, jnp.float32(1.0))
   _assert_same(value, want_value)
   _assert_same(byte.astype(jnp.uint8), want_byte)

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import _platform, execution, nvfp4
+from fp4jax import _platform, execution, numerics, nvfp4
 from fp4jax.kernels import nvfp4_quantize
 
 _F32 = jnp.float32
@@ -92,8 +92,8 @@ class MatmulConfig:
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
       if f.name == "rounding_bits":
-        if v not in nvfp4_quantize.BIT_SOURCES:
-          raise ValueError(f"MatmulConfig.rounding_bits must be one of {nvfp4_quantize.BIT_SOURCES}, got {v!r}")
+        if v not in numerics.BIT_SOURCES:
+          raise ValueError(f"MatmulConfig.rounding_bits must be one of {numerics.BIT_SOURCES}, got {v!r}")
       elif f.name.endswith("rounding"):
         if v not in nvfp4.ROUNDINGS:
           raise ValueError(f"MatmulConfig.{f.name} must be one of {nvfp4.ROUNDINGS}, got {v!r}")
@@ -154,7 +154,7 @@ def _keys(key, config: MatmulConfig) -> dict:
 def _q(x, rounding, key, config, **kw):
   if rounding != "stochastic":
     return nvfp4.quantize(x, rounding=rounding, **kw)
-  bits = nvfp4_quantize.stochastic_bits(key, x.shape, config.rounding_bits)  # the kernels' bits
+  bits = numerics.stochastic_bits(key, x.shape, config.rounding_bits)  # the kernels' bits
   return nvfp4.quantize(x, rounding=rounding, bits=bits, **kw)
 
 

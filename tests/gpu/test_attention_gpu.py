@@ -20,6 +20,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from fp4jax import nvfp4
+from fp4jax.kernels import _common as C
 from fp4jax.kernels import attention as A
 from fp4jax.ops.attention import AttentionConfig, fake_quant_ds, nvfp4_attention
 
@@ -100,7 +101,7 @@ def _tile_quantizer_kernel(w_ref, ds_ref, out_ref, *, rounding, bh):
   m, n = ds_ref.shape
   bits = None
   if rounding == "stochastic":
-    k1, k2 = A._words(w_ref)
+    k1, k2 = C.ref_words(w_ref)
     bits = A._tile_bits(k1, k2, bh, pl.program_id(0) * m, pl.program_id(1) * n, m, n)
   out_ref[...] = A._quantize_tile(ds_ref[...], bits, A.DS_TILE, rounding, "ptx")
 
@@ -115,7 +116,7 @@ def test_in_kernel_ds_quantizer_equals_cpu(rounding):
   x[64:128, :64] *= 1e-37  # S_dec subnormal: div.rn.f32 keeps it, as numerics.div_rn does
   ds = jnp.asarray(x, jnp.float32)
   key = jax.random.key(9)
-  words = jax.lax.bitcast_convert_type(jnp.stack(A._key_words(key)), jnp.int32)
+  words = C.key_words(key)
   spec = pl.BlockSpec((64, 64), lambda i, j: (i, j))
   kernel = pl.pallas_call(
       functools.partial(_tile_quantizer_kernel, rounding=rounding, bh=bh),
