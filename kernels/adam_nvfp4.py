@@ -292,7 +292,7 @@ def _leaf_key_words(key, leaf_ids):
 
 
 def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, bound, zero,
-                  *, config: AdamKernelConfig = AdamKernelConfig(), interpret: bool = False):
+                  *, block_sizes: AdamKernelConfig = AdamKernelConfig(), interpret: bool = False):
   """The kernels' AdamW update of NVFP4 leaves (``supports(mu)`` true for each).
 
   Reference: the XLA path of ``fp4jax.optim.scale_by_adam_nvfp4`` (``kernel="xla"``), built on
@@ -307,14 +307,15 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
     bias_factors: ``numerics.bias_factors`` of the step (``numerics.adam_direction``).
     bound: the update clip bound (float32 scalar), or None (``hp.clip_update`` False).
     zero: ``numerics.runtime_zero`` of the step count (``numerics.adam_moments``).
-    config: the launch settings.
+    block_sizes: the launch settings.
     interpret: Pallas interpret mode (CPU tests).
 
   Returns:
     Lists ``(u, mu_new, nu_new)``: updates in the gradients' dtypes and the new stored moments.
   """
-  if not isinstance(config, AdamKernelConfig):
-    raise ValueError(f"config must be an AdamKernelConfig, got {type(config).__name__}")
+  if not isinstance(block_sizes, AdamKernelConfig):
+    raise ValueError(f"block_sizes must be an AdamKernelConfig, got {type(block_sizes).__name__}")
+  config = block_sizes
   if not grads:
     return [], [], []
   ints = [jnp.broadcast_to(zero, (1,)), jnp.zeros((_INT_HEAD - 1,), jnp.int32)]

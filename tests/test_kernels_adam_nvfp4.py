@@ -52,7 +52,7 @@ def _assert_updates_close(a, b):
 
 
 def _tx(impl, rounding="stochastic", config=AdamKernelConfig(), **kw):
-  """scale_by_adam_nvfp4 with ``kernel=impl`` on leaves of >= 1024 elements; ``rounding``: both
+  """scale_by_adam_nvfp4 with ``implementation=impl`` on leaves of >= 1024 elements; ``rounding``: both
   moments' or a pair (m, √v)."""
   mu, nu = (rounding, rounding) if isinstance(rounding, str) else rounding
   return optim.scale_by_adam_nvfp4(implementation=impl, block_sizes=config, options=optim.AdamNvfp4Options(
@@ -112,7 +112,7 @@ def test_many_programs_and_ragged_tail(block_rows, stats_block_rows):
     bcs = numerics.bias_factors(0.9, 0.95, 0.0, count_inc)
     return kernel.update_leaves([g[n] for n in names], [mu[n] for n in names],
                                 [nu[n] for n in names], ids, _common.step_key(0, count_inc), hp,
-                                bcs, bound, numerics.runtime_zero(count_inc), config=config,
+                                bcs, bound, numerics.runtime_zero(count_inc), block_sizes=config,
                                 interpret=True)
 
   us, mus, nus = direct(_tree(2), state.mu, state.nu, state.count)
@@ -149,9 +149,9 @@ def test_kernel_config_is_validated_and_hashable():
       AdamKernelConfig(**kw)
   hp = kernel.AdamHyper(0.9, 0.95, 1e-8, 0.0, False, True, "nearest", "nearest")
   z = _common.zeros_nvfp4((16, 64))
-  with pytest.raises(ValueError, match="config must be an AdamKernelConfig"):
+  with pytest.raises(ValueError, match="block_sizes must be an AdamKernelConfig"):
     kernel.update_leaves([jnp.zeros((16, 64))], [z], [z], [0], None, hp, (1.0, 1.0, 1.0, 0.0),
-                         1.0, jnp.int32(0), config={"block_rows": 64}, interpret=True)
+                         1.0, jnp.int32(0), block_sizes={"block_rows": 64}, interpret=True)
 
 
 def test_auto_follows_the_default_device():

@@ -216,7 +216,7 @@ def scale_by_adam_nvfp4(
           [nu_leaves[i] for i in fused], fused, key, hyper,
           numerics.bias_factors(b1, b2, eps_root, count_inc),
           _clip_bound(count_inc), numerics.runtime_zero(count_inc),
-          config=block_sizes, interpret=impl == "pallas_interpret")
+          block_sizes=block_sizes, interpret=impl == "pallas_interpret")
       for j, i in enumerate(fused):
         u_leaves[i], mu_new[i], nu_new[i] = (o[j] for o in outs)
     leaf_fn = lambda g, m, v, k: _leaf_update(g, m, v, k, count_inc)  # noqa: E731
