@@ -218,9 +218,9 @@ def _swiglu(gu_BxTxFx2):
   return jax.nn.silu(gu_BxTxFx2[..., 0]) * gu_BxTxFx2[..., 1]
 
 
-def make_projection(in_features: int, out_features: int, precision: str, recipe: Recipe,
-                    cfg: ModelConfig, std: float, rngs: nnx.Rngs, role: str,
-                    execution: Execution = Execution(), probe: bool = False) -> Dense:
+def _projection(in_features: int, out_features: int, precision: str, recipe: Recipe,
+               cfg: ModelConfig, std: float, rngs: nnx.Rngs, role: str,
+               execution: Execution = Execution(), probe: bool = False) -> Dense:
   """One block projection in the given precision (``bf16``, ``nvfp4`` or ``nvfp4_lorasvd``).
 
   Args:
@@ -348,9 +348,9 @@ class Attention(nnx.Module):
                probe: bool = False):
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    self.qkv = make_projection(d, (n + 2 * k) * h, precision, recipe, cfg, cfg.init_std, rngs, "qkv",
-                               execution, probe)
-    self.o = make_projection(n * h, d, precision, recipe, cfg, out_std, rngs, "o", execution, probe)
+    self.qkv = _projection(d, (n + 2 * k) * h, precision, recipe, cfg, cfg.init_std, rngs, "qkv",
+                          execution, probe)
+    self.o = _projection(n * h, d, precision, recipe, cfg, out_std, rngs, "o", execution, probe)
     self.probe = probe
     if cfg.qk_norm:
       self.q_norm = RMSNorm(h, cfg.norm_eps)
@@ -428,10 +428,10 @@ class Mlp(nnx.Module):
   def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs,
                execution: Execution = Execution(), probe: bool = False):
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    self.gate_up = make_projection(cfg.d_model, 2 * cfg.d_ff, precision, recipe, cfg, cfg.init_std,
-                                   rngs, "gate_up", execution, probe)
-    self.down = make_projection(cfg.d_ff, cfg.d_model, precision, recipe, cfg, out_std, rngs, "down",
-                                execution, probe)
+    self.gate_up = _projection(cfg.d_model, 2 * cfg.d_ff, precision, recipe, cfg, cfg.init_std,
+                              rngs, "gate_up", execution, probe)
+    self.down = _projection(cfg.d_ff, cfg.d_model, precision, recipe, cfg, out_std, rngs, "down",
+                           execution, probe)
 
   def __call__(self, x_BxTxD, key):
     k_gu, k_down = _split_key(key, 2)
@@ -441,7 +441,7 @@ class Mlp(nnx.Module):
     return self.down(h_BxTxF, key=k_down)
 
 
-def constrain_batch(x):
+def _constrain_batch(x):
   """Pins the leading (batch) axis of an activation to the mesh's batch axes, if a mesh is set.
 
   Without it, GSPMD may shard activations along a weight's FSDP axis and then replicate them
@@ -467,8 +467,8 @@ class Block(nnx.Module):
 
   def __call__(self, x_BxTxD, key):
     k_attn, k_mlp = _split_key(key, 2)
-    x_BxTxD = constrain_batch(x_BxTxD + self.attn(self.attn_norm(x_BxTxD), k_attn))
-    return constrain_batch(x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD), k_mlp))
+    x_BxTxD = _constrain_batch(x_BxTxD + self.attn(self.attn_norm(x_BxTxD), k_attn))
+    return _constrain_batch(x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD), k_mlp))
 
 
 class Transformer(nnx.Module):
@@ -532,7 +532,7 @@ class Transformer(nnx.Module):
                        "draw random bits: pass key=, a fresh key per step")
     cfg = self.cfg
     x_BxTxD = jnp.take(self.embed.embedding[...], tokens_BxT, axis=0).astype(cfg.compute_dtype)
-    x_BxTxD = constrain_batch(x_BxTxD)
+    x_BxTxD = _constrain_batch(x_BxTxD)
     if cfg.scan_layers:
       for (start, stop), stack in zip(self.segments, self.blocks, strict=True):
         x_BxTxD = _scan_blocks(stack, x_BxTxD, key, start, stop - start, cfg.remat)

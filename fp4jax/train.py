@@ -455,7 +455,7 @@ def run_identity(model_cfg: ModelConfig, recipe: Recipe, opt_cfg: OptimizerConfi
           "seed": train_cfg.seed, "data": dict(data or {})}
 
 
-class StepTimer:
+class _StepTimer:
   """Seconds per step since the last ``reset`` (call it after anything that is not a step:
   compilation, evaluation, a checkpoint save)."""
 
@@ -625,7 +625,7 @@ def _train(model_cfg, recipe, opt_cfg, tc, workdir, train_iter, eval_batches, me
   if start:
     writer.message(f"resumed from step {start} of {tc.steps}, data position "
                    f"{_position(train_iter)} ({ckpt.directory / str(start)})")
-  timer = StepTimer()
+  timer = _StepTimer()
   saved = start  # the newest step saved by this run (or restored)
 
   def is_eval(n: int) -> bool:
