@@ -84,6 +84,7 @@ def _run(x, sizes):
                                                ((32, 256), EVEN, ml_dtypes.bfloat16),
                                                ((40, 96), RAGGED, np.float32)],
                          ids=["ragged-bf16", "even-bf16", "ragged-f32"])
+@pytest.mark.slow
 def test_interpret_equals_nvfp4_quantize(data, shape, sizes, dtype):
   pytest.importorskip("triton")
   x = jnp.asarray(_inputs(shape)[data].astype(dtype))
@@ -107,6 +108,7 @@ def test_interpret_without_decoded():
   assert not any(_mismatches((got, 0), (want, 0)).values())
 
 
+@pytest.mark.slow
 def test_compiles_for_sm90():
   """Both kernels compile for sm_90 (in a fresh process: the interpreter's process cannot compile)."""
   pytest.importorskip("triton")

@@ -245,6 +245,7 @@ def test_non_finite_never_comes_back_finite(bad):
                                  np.float32)).all()
 
 
+@pytest.mark.slow
 def test_fake_quant_straight_through_gradient():
   x = INPUTS["normal"][:16, :64].astype(np.float32)
   g = jax.grad(lambda x: jnp.sum(nvfp4.fake_quant(x) * 3.0))(x)
@@ -263,6 +264,7 @@ def test_scaled_elements_exact_in_bf16():
   np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_agrees_with_jax_scaled_dot_general_forward():
   """jax.nn.scaled_dot_general(nvfp4) quantizes with a fixed global scale and (x / gs) / dscale.
 
@@ -313,6 +315,7 @@ def _check_scaled_dot_general(sms):
   assert np.isfinite(np.asarray(theirs)).all()
 
 
+@pytest.mark.slow
 def test_gemm_applies_the_global_scales_one_at_a_time():
   """``nvfp4.gemm`` (and ``optim.nvfp4_dot`` on it) multiplies by one global scale, then the other:
   two operands of amax 1e-20 have global scales ~3.7e-24, whose product (~1.4e-47) underflows

@@ -46,6 +46,7 @@ ALL_NVFP4 = optim.AdamNvfp4Options(min_size=0)
 @pytest.mark.parametrize("make", [lambda: optim.adamw_nvfp4(1e-2, options=ALL_NVFP4),
                                   lambda: optim.muon_nvfp4(1e-2, adam_options=ALL_NVFP4, ns_precision="fp32")],
                          ids=["adamw", "muon"])
+@pytest.mark.slow
 def test_state_sharding_follows_params_and_sharded_equals_unsharded(make):
   tx, mesh, params = make(), _mesh(), _params()
   p_sh = {k: NamedSharding(mesh, s) for k, s in SPECS.items()}

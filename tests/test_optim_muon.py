@@ -133,6 +133,7 @@ def test_shape_scaling():
   np.testing.assert_allclose(optim.scale_by_shape(0.2).update(u, None)[0]["w"], 0.2 * 8.0)
 
 
+@pytest.mark.slow
 def test_nvfp4_muon_trains_and_state_is_stable_under_cond():
   key1, key2 = jax.random.split(jax.random.key(8))
   x = jax.random.normal(key1, (128, 32))

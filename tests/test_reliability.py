@@ -114,6 +114,7 @@ def _losses(workdir):
 # --------------------------------------------------------------------------- signals
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_the_rerun_continues_exactly(tmp_path, text_dir):
   settings = _settings(text_dir, tmp_path / "tokens")
   run = tmp_path / "run"
@@ -287,6 +288,7 @@ class _StopAfter:
     self.it.set_state(state)
 
 
+@pytest.mark.slow
 def test_resume_is_honest(tmp_path, data_dir, capsys, caplog):
   corpus = {"corpus": {"name": "pydoc", "fingerprint": "abc"}}
   config = {"note": "first"}
