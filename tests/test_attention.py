@@ -128,6 +128,7 @@ def test_bf16_config_equals_dot_product_attention_full_with_more_keys():
     _close(a, b, 1e-2)
 
 
+@pytest.mark.slow
 def test_nvfp4_forward_is_attention_on_dequantized_q_k():
   q, k, v, do = _data()
   o = _op(q, k, v, do, KEY)[0]
@@ -182,6 +183,7 @@ def test_residuals_are_packed():
   assert res.q.shape == q.shape and res.q.dtype == q.dtype and isinstance(res.v, nvfp4.NVFP4Tensor)
 
 
+@pytest.mark.slow
 def test_reuse_off():
   """Without reuse the forward is the same, and the backward recomputes P from the unquantized q, k
   with the forward's log-sum-exp (a high-precision backward behind an FP4 forward): P is then not
@@ -311,6 +313,7 @@ def test_gqa_equals_repeated_kv_heads():
   np.testing.assert_allclose(dv, group_sum(dv_r), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_ragged_t_equals_zero_padded_problem():
   """T not a multiple of 16 (nor of a ds tile) gives the first T rows of the problem padded with zero
   tokens and a zero cotangent: zeros change no amax, and the rounding bits depend on position only."""
@@ -441,6 +444,7 @@ def test_dtype_mismatch():
 # In a model
 
 
+@pytest.mark.slow
 def test_jit_grad_through_a_tiny_attention_block():
   c = H * D // 4
   kx, kw, ko = jax.random.split(jax.random.key(0), 3)

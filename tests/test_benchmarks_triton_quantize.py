@@ -96,6 +96,7 @@ def test_interpret_equals_nvfp4_quantize(data, shape, sizes, dtype):
   assert got[0].shape == t.shape and got[0].dtype == t.dtype and got[0].axis == t.axis
 
 
+@pytest.mark.slow
 def test_interpret_without_decoded():
   pytest.importorskip("triton")
   x = jnp.asarray(_inputs((40, 96))["heavy"].astype(ml_dtypes.bfloat16))

@@ -106,6 +106,7 @@ def test_backward_bf16_ds_matches_reference(b, t, h, hk, d, causal, bq, bk):
     ("stochastic", True, 128, (64, 64)),
     ("nearest", False, 96, (64, 32)),  # padded to 128, two ds tiles of 32 per key block
 ])
+@pytest.mark.slow
 def test_backward_nvfp4_ds_matches_reference(rounding, causal, t, blocks):
   b, h, hk, d = 1, 2, 1, 64
   ds_tile = (64, 64) if blocks == (64, 64) else (64, 32)
@@ -140,6 +141,7 @@ ATOMIC_CASES = [
 
 
 @pytest.mark.parametrize("b,t,h,hk,d,causal,bq,bk,rounding,ds_tile", ATOMIC_CASES)
+@pytest.mark.slow
 def test_backward_atomic_dq_matches_reference_and_recompute(b, t, h, hk, d, causal, bq, bk, rounding,
                                                            ds_tile):
   """``dq_accumulation="atomic"`` (one kernel, dQ by atomic adds) against the reference with the

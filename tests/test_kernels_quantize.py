@@ -81,6 +81,7 @@ def test_interpret_equals_nvfp4_quantize(name, shape, dtype, kw, sizes):
 @pytest.mark.parametrize("fill", ["data", "nan"])
 @pytest.mark.parametrize("kw", [dict(), dict(axis=0, hadamard_key=HKEY), dict(block=(16, 16))],
                          ids=["rows", "hadamard", "tiles"])
+@pytest.mark.slow
 def test_xla_amax_pass_equals_the_kernel(kw, fill):
   """``amax="xla"``: the first pass as an XLA reduction gives the kernel's tensor bit for bit (of the
   Hadamard transform too, and a NaN reaches the global scale either way)."""
@@ -108,6 +109,7 @@ def test_tiles_divide_the_contiguous_axis(shape, axis, hadamard, used):
   assert lay.n_a * lay.n_b / (grid[0] * lay.tile[0] * grid[1] * tile_b) == used
 
 
+@pytest.mark.slow
 def test_stochastic_bits_are_nvfp4s():
   """The bits ``quantize_reference`` passes are those ``nvfp4.quantize`` draws from a key, and
   ``numerics.counter_bits``."""

@@ -125,6 +125,7 @@ def test_gemms_match_dequantized_reference_tightly():
     assert _bits_equal(o.reshape(f.shape), f)
 
 
+@pytest.mark.slow
 def test_error_against_bf16_is_within_documented_bound():
   """NVFP4 recipe vs the unquantized product: relative error 0.05–0.3 per GEMM output (Gaussian data).
 
@@ -162,6 +163,7 @@ def test_stochastic_rounding_makes_every_gemm_unbiased():
 
 
 @pytest.mark.parametrize("w_rounding", ["nearest", "stochastic"])
+@pytest.mark.slow
 def test_forward_and_dgrad_use_bit_identical_weight_values(w_rounding):
   """x = I and dy = I make y = Q(w)·s and dx = Q(w)ᵀ·s with the same scalar s: equal iff one Q(w)."""
   _, w, _ = _data()

@@ -507,6 +507,7 @@ def test_auto_attention_falls_back_to_xla_when_cudnn_refuses(monkeypatch):
 
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])  # MHA, GQA, MQA
+@pytest.mark.slow
 def test_bf16_qkv_split_gemms_equal_fused_gemm(monkeypatch, n_kv_heads):
   """The bf16 model's q, k, v from three GEMMs (``mixed_matmul_split``) == the fused qkv GEMM and
   slices: same loss bit for bit, gradients within float32 summation order of dx."""

@@ -78,6 +78,7 @@ def test_ties_round_to_even():
   np.testing.assert_array_equal(got[0], np.concatenate([want, -want]))
 
 
+@pytest.mark.slow
 def test_jit_equals_eager_and_layout():
   x = INPUTS["student_t2"].astype(np.float32)
   for block, axis in LAYOUTS:
@@ -135,6 +136,7 @@ def test_error_bound():
   assert 0.05 < rel < 0.15, rel
 
 
+@pytest.mark.slow
 def test_nbytes():
   t = nvfp4.quantize(np.ones((128, 256), np.float32))
   assert t.nbytes == 128 * 256 * 4.5 / 8 + 4
@@ -143,6 +145,7 @@ def test_nbytes():
   assert t.nbytes == t.codes.nbytes + t.scales.nbytes + t.global_scale.nbytes == 128 * 128 + 128 + 4
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_unbiased_and_deterministic():
   rng = np.random.default_rng(7)
   x = rng.standard_normal((16, 256)).astype(np.float32)
@@ -232,6 +235,7 @@ def test_stochastic_rounding_of_grid_values_is_exact():
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.slow
 def test_non_finite_never_comes_back_finite(bad):
   x = INPUTS["normal"].astype(np.float32).copy()
   x[3, 17] = bad

@@ -51,6 +51,7 @@ def test_select_arms():
     st.select_arms("fp4_linear,fp4_linear")
 
 
+@pytest.mark.slow
 def test_cli_errors(tmp_path):
   repo = st.Path(st.__file__).parents[1]
 

@@ -130,6 +130,7 @@ def test_telemetry_every_must_be_a_non_negative_int():
 
 
 @pytest.mark.parametrize("block", [(1, 16), (16, 16)])
+@pytest.mark.slow
 def test_chunked_error_equals_the_whole_tensors_error(block):
   """Tensors measured in chunks (the amax block carries each tensor's global scale) give the error
   of quantizing each tensor whole, bit for bit per block: chunks of 48 rows, tensors of 0, 16,
@@ -155,6 +156,7 @@ def test_chunked_error_equals_the_whole_tensors_error(block):
           np.linalg.norm(np.asarray(t)), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_chunked_stochastic_error_is_that_of_stochastic_rounding():
   """Stochastic rounding in chunks: each chunk has its own bits, and the error matches that of
   quantizing the tensor whole to within the rounding noise (1e5 blocks)."""
