@@ -1,5 +1,7 @@
 """Test-wide setup: 8 simulated CPU devices (sharding tests), float32 matmuls at full precision, and
-the ``gpu`` marker (GPU checks: skipped on the CPU; ``FP4JAX_GPU_TESTS=1 pytest -m gpu`` on the GPU).
+the ``gpu`` marker (GPU checks: skipped on the CPU; ``FP4JAX_GPU_TESTS=1 pytest -m gpu`` on the GPU) and
+the ``slow`` marker (notebooks, launcher subprocesses, interpret-mode kernels: ``pytest -m "not slow"``
+is the fast tier).
 
 XLA's CPU backend compiles without LLVM's optimizations (``--xla_backend_optimization_level=0``):
 the suite's time is mostly XLA compiling small programs, and without fast-math flags LLVM's
@@ -31,6 +33,7 @@ from jax.sharding import AbstractDevice, AbstractMesh  # noqa: E402
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the GPU machine with `pytest -m gpu`)")
+  config.addinivalue_line("markers", "slow: seconds to minutes on the CPU (the fast tier is `pytest -m \"not slow\"`)")
 
 
 def pytest_collection_modifyitems(config, items):

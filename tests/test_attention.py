@@ -128,6 +128,7 @@ def test_bf16_config_equals_dot_product_attention_full_with_more_keys():
     _close(a, b, 1e-2)
 
 
+@pytest.mark.slow
 def test_nvfp4_forward_is_attention_on_dequantized_q_k():
   q, k, v, do = _data()
   o = _op(q, k, v, do, KEY)[0]
@@ -182,6 +183,7 @@ def test_residuals_are_packed():
   assert res.q.shape == q.shape and res.q.dtype == q.dtype and isinstance(res.v, nvfp4.NVFP4Tensor)
 
 
+@pytest.mark.slow
 def test_reuse_off():
   """Without reuse the forward is the same, and the backward recomputes P from the unquantized q, k
   with the forward's log-sum-exp (a high-precision backward behind an FP4 forward): P is then not
@@ -280,6 +282,7 @@ def test_fake_quant_ds_scopes():
     fake_quant_ds(ds)
 
 
+@pytest.mark.slow
 def test_ds_scale_error():
   q, k, v, do = _data(t=64, h=2, hk=2)
   config = AttentionConfig.nvfp4(ds_tile=(32, 32))
@@ -297,6 +300,7 @@ def test_ds_scale_error():
 # GQA, ragged T, config switches
 
 
+@pytest.mark.slow
 def test_gqa_equals_repeated_kv_heads():
   q, k, v, do = _data(dtype=jnp.float32)
   rep = lambda x: jnp.repeat(x, H // HK, axis=2)  # noqa: E731
@@ -309,6 +313,7 @@ def test_gqa_equals_repeated_kv_heads():
   np.testing.assert_allclose(dv, group_sum(dv_r), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_ragged_t_equals_zero_padded_problem():
   """T not a multiple of 16 (nor of a ds tile) gives the first T rows of the problem padded with zero
   tokens and a zero cotangent: zeros change no amax, and the rounding bits depend on position only."""
@@ -321,6 +326,7 @@ def test_ragged_t_equals_zero_padded_problem():
     np.testing.assert_allclose(a, b[:, :t], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_config_switches_each_operand():
   q, k, v, do = _data()
   base = _op(q, k, v, do, KEY)
@@ -372,6 +378,7 @@ _PV = dict(v="nvfp4", p="nvfp4", do="nvfp4")
 @pytest.mark.parametrize("config", [
     NVFP4, NVFP4.nvfp4(reuse=False), NVFP4.nvfp4(**_PV), NVFP4.nvfp4(**_PV, p_rounding="stochastic"),
 ], ids=["reuse", "no reuse", "V P dO nvfp4", "V P dO nvfp4, P stochastic"])
+@pytest.mark.slow
 def test_pallas_interpret_runs_the_kernels_on_the_same_operands(config):
   """The op's kernel path (interpret mode) against its XLA path: O to bf16 rounding and dV exact; dQ
   and dK within the dS code flips that the kernels' own O and L (other summation order) cause, far
@@ -414,6 +421,7 @@ def test_bad_inputs(shapes, kwargs, match):
     nvfp4_attention(q, k, v, **{"key": KEY, **kwargs})
 
 
+@pytest.mark.slow
 def test_head_dim_16_on_the_xla_path():
   """The XLA path takes any head dim that is a multiple of 16 (a tiny model's D = 16): the forward
   equals bf16 attention on the decoded operands, as at D = 64."""
@@ -436,6 +444,7 @@ def test_dtype_mismatch():
 # In a model
 
 
+@pytest.mark.slow
 def test_jit_grad_through_a_tiny_attention_block():
   c = H * D // 4
   kx, kw, ko = jax.random.split(jax.random.key(0), 3)

@@ -61,6 +61,7 @@ def test_train_step_recipe_specs():
     recipe_of("fp4_linear:matmul.hadamrd=false")
 
 
+@pytest.mark.slow
 def test_triton_kernels_of_a_lowered_step():
   """`compile_time --lower-for=cuda --triton-compile`, first half: the Triton kernels come out of the
   step lowered for an H200, one per distinct IR and launch setting."""
@@ -78,6 +79,7 @@ def test_triton_kernels_of_a_lowered_step():
   assert len({(k["ir"], k["num_warps"], k["num_stages"]) for k in kernels}) == len(kernels)
 
 
+@pytest.mark.slow
 def test_triton_compile_of_kernels():
   """Second half: each kernel compiles for sm_90 with the triton package on the CPU (in a fresh
   process: another test module sets TRITON_INTERPRET, and Triton's interpreter cannot compile)."""

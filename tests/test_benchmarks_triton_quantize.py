@@ -84,6 +84,7 @@ def _run(x, sizes):
                                                ((32, 256), EVEN, ml_dtypes.bfloat16),
                                                ((40, 96), RAGGED, np.float32)],
                          ids=["ragged-bf16", "even-bf16", "ragged-f32"])
+@pytest.mark.slow
 def test_interpret_equals_nvfp4_quantize(data, shape, sizes, dtype):
   pytest.importorskip("triton")
   x = jnp.asarray(_inputs(shape)[data].astype(dtype))
@@ -95,6 +96,7 @@ def test_interpret_equals_nvfp4_quantize(data, shape, sizes, dtype):
   assert got[0].shape == t.shape and got[0].dtype == t.dtype and got[0].axis == t.axis
 
 
+@pytest.mark.slow
 def test_interpret_without_decoded():
   pytest.importorskip("triton")
   x = jnp.asarray(_inputs((40, 96))["heavy"].astype(ml_dtypes.bfloat16))
@@ -107,6 +109,7 @@ def test_interpret_without_decoded():
   assert not any(_mismatches((got, 0), (want, 0)).values())
 
 
+@pytest.mark.slow
 def test_compiles_for_sm90():
   """Both kernels compile for sm_90 (in a fresh process: the interpreter's process cannot compile)."""
   pytest.importorskip("triton")

@@ -391,6 +391,7 @@ def test_cli_prepare_and_info(text_dir, tmp_path, capsys):
   assert counts["train"] == 2 and counts["validation"] == 2
 
 
+@pytest.mark.slow
 def test_processes_preparing_the_same_data_at_once_all_get_it(tmp_path):
   """Arms of a parallel study (or two launches) prepare one data folder at the same time: one
   process tokenizes, the others wait for it and reuse its folder."""

@@ -14,6 +14,8 @@ from experiments.configs import tiny
 from fp4jax import data
 from fp4jax.metrics import read_jsonl
 
+pytestmark = pytest.mark.slow  # every test reads a run trained in the module fixture
+
 REPO = Path(__file__).resolve().parents[1]
 T, B = 32, 4
 

@@ -74,6 +74,7 @@ def _run(tx, steps, **tree_kw):
     (("nearest", "stochastic"), True, jnp.bfloat16, False),
     ("stochastic", False, jnp.float32, True),
 ])
+@pytest.mark.slow
 def test_interpret_equals_xla_path(rounding, nesterov, dtype, nan):
   u_x, s_x = _run(_tx("xla", rounding, nesterov=nesterov), 2, dtype=dtype, nan=nan)
   u_k, s_k = _run(_tx("pallas_interpret", rounding, nesterov=nesterov), 2, dtype=dtype, nan=nan)
@@ -91,6 +92,7 @@ def test_interpret_equals_xla_path(rounding, nesterov, dtype, nan):
 
 
 @pytest.mark.parametrize("block_rows, stats_block_rows", [(64, 64), (128, 128), (64, 256)])
+@pytest.mark.slow
 def test_many_programs_and_ragged_tail(block_rows, stats_block_rows):
   """The kernels called directly with small programs (8 and 6 programs, the last ragged; the first
   pass and encode with programs of different sizes) from a non-zero state give the XLA path's
@@ -121,6 +123,7 @@ def test_many_programs_and_ragged_tail(block_rows, stats_block_rows):
     _assert_updates_close(us[j], u_x[n])
 
 
+@pytest.mark.slow
 def test_leaves_outside_the_kernels_use_the_xla_path():
   """A leaf blocked along its first axis (a (64, 72) LM head) goes through XLA beside the kernels'
   leaves: the same state as implementation="xla"."""
@@ -219,6 +222,7 @@ def test_train_uses_xla_when_the_state_is_sharded(monkeypatch):
     assert not _uses_pallas(tx, monkeypatch, "cuda", shapes)
 
 
+@pytest.mark.slow
 def test_first_pass_with_spread_atomics(triton_modules):
   """``atomic_slots`` (each max folded into several copies, reduced by XLA; 1: one address) gives
   the XLA path's state in interpret mode, with more programs than copies and the reverse, and lowers
@@ -242,6 +246,7 @@ GROUPED = {"a": (64, 128), "b": (128, 64), "odd": (33, 160), "odd2": (33, 160), 
 
 
 @pytest.mark.parametrize("group,launches", [(12, 3), (2, 4)])
+@pytest.mark.slow
 def test_leaves_of_one_size_share_launches(triton_modules, group, launches):
   """Leaves of one size and dtype share each kernel's launch, at most ``launch_group`` at a time (their
   programs side by side, a branch per leaf): the XLA path's state in interpret mode, a NaN leaf and

@@ -108,6 +108,7 @@ def test_backward_bf16_ds_matches_reference(b, t, h, hk, d, causal, bq, bk):
     ("stochastic", True, 128, (64, 64)),
     ("nearest", False, 96, (64, 32)),  # padded to 128, two ds tiles of 32 per key block
 ])
+@pytest.mark.slow
 def test_backward_nvfp4_ds_matches_reference(rounding, causal, t, blocks):
   b, h, hk, d = 1, 2, 1, 64
   ds_tile = (64, 64) if blocks == (64, 64) else (64, 32)
@@ -142,6 +143,7 @@ ATOMIC_CASES = [
 
 
 @pytest.mark.parametrize("b,t,h,hk,d,causal,bq,bk,rounding,ds_tile", ATOMIC_CASES)
+@pytest.mark.slow
 def test_backward_atomic_dq_matches_reference_and_recompute(b, t, h, hk, d, causal, bq, bk, rounding,
                                                            ds_tile):
   """``dq_accumulation="atomic"`` (one kernel, dQ by atomic adds) against the reference with the
@@ -231,6 +233,7 @@ def _mismatches_over_float32(f, g, top):
   return sum(int(count(jnp.uint32(s))) for s in range(0, top + 1, chunk))
 
 
+@pytest.mark.slow
 def test_e2m1_value_nearest_equals_the_codes_on_every_float32():
   """The kernels' E2M1 rounding to nearest (``(a + M) - M``) is ``decode_e2m1(e2m1_rne_code(a))`` on
   every float32 in [0, 6]."""
@@ -239,6 +242,7 @@ def test_e2m1_value_nearest_equals_the_codes_on_every_float32():
                                   lambda a: numerics.decode_e2m1(numerics.e2m1_rne_code(a)), top) == 0
 
 
+@pytest.mark.slow
 def test_e4m3_value_equals_round_to_e4m3_on_every_float32():
   """The kernels' E4M3 block-scale rounding (``(v + M) - M``) is ``round_to_e4m3``'s value on every
   float32 in [0, 448]."""
@@ -246,6 +250,7 @@ def test_e4m3_value_equals_round_to_e4m3_on_every_float32():
   assert _mismatches_over_float32(C.e4m3_value, lambda v: numerics.round_to_e4m3(v)[0], top) == 0
 
 
+@pytest.mark.slow
 def test_e2m1_value_stochastic_equals_the_codes():
   """The kernels' stochastic E2M1 rounding is ``decode_e2m1(e2m1_stochastic_code(a, bits))``: 2^25
   random (a, bits) pairs (a uniform over the float32 patterns of [0, 6] and over the values), and
@@ -307,6 +312,7 @@ def _ds_tile_reference(ds, bits, ds_tile, rounding):
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.slow
 def test_tile_quantizers_equal_the_numerics_encoders_on_special_values(rounding):
   """The dS and P tile quantizers (pattern amax, value-domain E4M3 and E2M1 rounding, sign from the
   pattern, subnormals dropped by the final select) against the same steps written with
@@ -360,6 +366,7 @@ def _p_quantizer_kernel(w_ref, p_ref, out_ref, *, rounding, row0, col0, bh):
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.slow
 def test_in_kernel_p_quantizer_is_bit_exact(rounding):
   """The P tile quantizer inside a Pallas kernel (interpret mode), on a block at an offset, against the
   op's reference quantization of the whole P (``_probs_operand``: 1x16 blocks along the keys, the
@@ -388,6 +395,7 @@ def test_in_kernel_p_quantizer_is_bit_exact(rounding):
                                   whole[0, kv, gi, row0:row0 + 32, col0:col0 + 32].view(np.uint32))
 
 
+@pytest.mark.slow
 def test_attention_pv_and_quantized_p_backward_match_reference():
   """``attention_pv`` (O = deq(Q(P))·V) and ``attention_bwd(p_rounding=...)``'s dV = deq(Q(P))ᵀ·dO
   against the same products from the reference's quantized P, GQA and T not a multiple of the

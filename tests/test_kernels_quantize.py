@@ -64,6 +64,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,shape,dtype,kw,sizes", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.slow
 def test_interpret_equals_nvfp4_quantize(name, shape, dtype, kw, sizes):
   """``quantize_reference`` is ``nvfp4.quantize`` (of ``nvfp4.hadamard(x)`` with a Hadamard key) with the
   bits of ``stochastic_bits``; ``SMALL`` tiles give several programs per axis and ragged edges."""
@@ -81,6 +82,7 @@ def test_interpret_equals_nvfp4_quantize(name, shape, dtype, kw, sizes):
 @pytest.mark.parametrize("fill", ["data", "nan"])
 @pytest.mark.parametrize("kw", [dict(), dict(axis=0, hadamard_key=HKEY), dict(block=(16, 16))],
                          ids=["rows", "hadamard", "tiles"])
+@pytest.mark.slow
 def test_xla_amax_pass_equals_the_kernel(kw, fill):
   """``amax="xla"``: the first pass as an XLA reduction gives the kernel's tensor bit for bit (of the
   Hadamard transform too, and a NaN reaches the global scale either way)."""
@@ -108,6 +110,7 @@ def test_tiles_divide_the_contiguous_axis(shape, axis, hadamard, used):
   assert lay.n_a * lay.n_b / (grid[0] * lay.tile[0] * grid[1] * tile_b) == used
 
 
+@pytest.mark.slow
 def test_stochastic_bits_are_nvfp4s():
   """The bits ``quantize_reference`` passes are those ``nvfp4.quantize`` draws from a key, and
   ``numerics.counter_bits``."""
@@ -119,6 +122,7 @@ def test_stochastic_bits_are_nvfp4s():
 
 
 @pytest.mark.parametrize("fill", ["zeros", "nan", "inf"])
+@pytest.mark.slow
 def test_zeros_and_non_finite_as_nvfp4(fill):
   x = _data((32, 64), jnp.float32)
   if fill == "zeros":
@@ -240,6 +244,7 @@ def _mismatches_on_every_float32(top: float, count) -> int:
   return sum(int(chunk_count(jnp.uint32(s))) for s in range(0, top_bits + 1, chunk))
 
 
+@pytest.mark.slow
 def test_e2m1_rne_magnitude_equals_thresholds_on_every_float32():
   """The kernels' E2M1 rounding (float32 patterns and ``rint(2a)``) is ``numerics.e2m1_rne_code`` on
   every float32 in [0, 6]."""
@@ -256,6 +261,7 @@ def test_block_scale_is_the_value_of_its_byte():
   _assert_same(numerics.e4m3_to_f32(byte), value)
 
 
+@pytest.mark.slow
 def test_e4m3_block_scales_equal_numerics_on_every_float32():
   """The kernels' E4M3 block-scale rounding (pattern rounding, ``v + 2^14`` below 2^-6) gives
   ``numerics.e4m3_block_scales``' value and byte for every float32 in [0, 448] (``m = 1``)."""

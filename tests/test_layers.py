@@ -123,6 +123,7 @@ def test_randomized_svd_finds_the_top_directions_and_split_stays_exact():
   layer.resplit(jax.random.key(1))
 
 
+@pytest.mark.slow
 def test_lorasvd_forward_and_gradients():
   """y = nvfp4_matmul(x, W_res) + (x·A)·B in bf16; gradients reach all three params through nnx.jit."""
   layer = lora_svd_dense(K, N, rank=R, config=NVFP4, rngs=nnx.Rngs(0), kernel_init=_const_init(_spiked()))
@@ -181,6 +182,7 @@ def test_bad_arguments_raise_clear_errors():
     lora_svd_split(jnp.ones((8,)), 1)
 
 
+@pytest.mark.slow
 def test_one_dense_with_an_injected_matmul():
   """fp4_dense / lora_svd_dense are Dense with NVFP4Matmul (and a rank); Dense.split gives column
   groups: separate GEMMs for the bf16 matmul, slices of the one GEMM for NVFP4 (same bits)."""

@@ -119,6 +119,7 @@ def test_bf16_config_equals_jnp_dot_and_its_gradient_exactly(x_dtype):
     assert _bits_equal(g, r)
 
 
+@pytest.mark.slow
 def test_gemms_match_dequantized_reference_tightly():
   """Same quantized operands in f32: only summation order and scale placement differ (≈ K·eps)."""
   x, w, dy = _data()
@@ -131,6 +132,7 @@ def test_gemms_match_dequantized_reference_tightly():
     assert _bits_equal(o.reshape(f.shape), f)
 
 
+@pytest.mark.slow
 def test_error_against_bf16_is_within_documented_bound():
   """NVFP4 recipe vs the unquantized product: relative error 0.05–0.3 per GEMM output (Gaussian data).
 
@@ -153,6 +155,7 @@ def test_same_key_same_bits_other_key_other_bits():
   assert not _bits_equal(a[1], c[1]) and not _bits_equal(a[2], c[2])  # SR / Hadamard draw new bits
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_makes_every_gemm_unbiased():
   """Mean over keys converges to the exact product at the 1/sqrt(n) rate; one draw is far off."""
   x, w, dy = _data()
@@ -167,6 +170,7 @@ def test_stochastic_rounding_makes_every_gemm_unbiased():
 
 
 @pytest.mark.parametrize("w_rounding", ["nearest", "stochastic"])
+@pytest.mark.slow
 def test_forward_and_dgrad_use_bit_identical_weight_values(w_rounding):
   """x = I and dy = I make y = Q(w)·s and dx = Q(w)ᵀ·s with the same scalar s: equal iff one Q(w)."""
   _, w, _ = _data()
@@ -208,6 +212,7 @@ def test_residuals_are_packed_nvfp4(implementation):
   assert all(np.prod(s) <= 1 for s in floats), leaves  # only the two global scales
 
 
+@pytest.mark.slow
 def test_jit_equals_no_jit():
   x, w, dy = _data(jnp.bfloat16)
   key = jax.random.key(9)
@@ -281,6 +286,7 @@ KERNEL_CASES = [
 
 
 @pytest.mark.parametrize("name,config,x_shape,run", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
+@pytest.mark.slow
 def test_kernel_implementation_equals_xla_bit_for_bit(name, config, x_shape, run):
   """Forward, dgrad and wgrad of ``implementation="pallas_interpret"`` equal ``"xla"``'s bits: the
   kernels quantize to the same codes (same keys, same Hadamard order) and the GEMMs are the same."""
@@ -308,6 +314,7 @@ def test_auto_is_xla_on_the_cpu_and_kernel_choices_check_their_inputs():
     jax.eval_shape(lambda x: pallas(x, jnp.ones((16, 16)), key=jax.random.key(0)), big)
 
 
+@pytest.mark.slow
 def test_auto_takes_the_kernels_on_one_cuda_device_only(monkeypatch):
   """``"auto"`` on a CUDA GPU: the kernels, unless the mesh has several devices (they would see
   gathered operands) or the key is not threefry (their bits are threefry's)."""
@@ -322,6 +329,7 @@ def test_auto_takes_the_kernels_on_one_cuda_device_only(monkeypatch):
     assert ("__gpu$xla.gpu.triton" in hlo) == kernels, (mesh, key)
 
 
+@pytest.mark.slow
 def test_counter_rounding_bits(monkeypatch):
   """``rounding_bits="counter"``: each stochastic operand takes ``numerics.counter_bits`` of its key
   (a different stream from ``jax.random.bits``, unbiased), and on a CUDA GPU the kernels take any key
@@ -364,6 +372,7 @@ def _lowered_vjp(config, implementation="xla"):
   return hlo
 
 
+@pytest.mark.slow
 def test_kernel_implementation_lowers_for_h200_to_a_small_program(triton_modules):
   """The forward and backward with ``implementation="pallas"`` lower to CUDA with two Triton kernels
   per quantized operand (amax, quantize: five operands), in a program several times smaller than the
@@ -383,6 +392,7 @@ def test_kernel_implementation_lowers_for_h200_to_a_small_program(triton_modules
 
 @pytest.mark.parametrize("block,axis,k_axis", [((1, 16), 1, 1), ((1, 16), 0, 0), ((16, 16), 1, 1),
                                                ((16, 16), 1, 0)])
+@pytest.mark.slow
 def test_scaled_matmul_operand_layout(block, axis, k_axis):
   """``elements * repeat(scales, 16)`` along K is the tensor's ``scaled_elements`` with K last, exactly:
   the float4 bitcast of the codes, and a 16×16 tile's scale repeated over its rows."""
@@ -401,6 +411,7 @@ def test_scaled_matmul_operand_layout(block, axis, k_axis):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+@pytest.mark.slow
 def test_scaled_matmul_gemms_equal_decoded_gemms(implementation):
   """``gemm="scaled_matmul"`` gives the decoded GEMMs' forward, dgrad and wgrad up to float32
   summation order (on the CPU, ``jax.nn.scaled_matmul`` dequantizes and dots in float32)."""

@@ -27,6 +27,7 @@ def _model(cfg=CFG, recipe=None, seed=0, execution=Execution()):
   return Transformer(cfg, recipe or get_recipe("bf16"), rngs=nnx.Rngs(seed), execution=execution)
 
 
+@pytest.mark.slow
 def test_logits_shape_dtype_and_param_count():
   m = _model()
   tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, CFG.vocab_size)
@@ -38,6 +39,7 @@ def test_logits_shape_dtype_and_param_count():
   assert CFG.num_params(embedding=False) == n - CFG.vocab_size * CFG.d_model
 
 
+@pytest.mark.slow
 def test_initial_loss_is_near_log_vocab():
   m = _model()
   tokens = jax.random.randint(jax.random.key(1), (4, 32), 0, CFG.vocab_size)
@@ -167,6 +169,7 @@ def test_quantized_model_requires_a_key():
   assert not exempt.needs_key and exempt(tokens).shape == (1, 16, 64)
 
 
+@pytest.mark.slow
 def test_nvfp4_forward_is_close_to_bf16_with_same_weights():
   cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, dtype="float32")
   ref, fp4 = _model(cfg), _model(cfg, get_recipe("fp4_linear"))
@@ -179,6 +182,7 @@ def test_nvfp4_forward_is_close_to_bf16_with_same_weights():
   assert 0 < rel < 0.2  # quantized (not bit-equal) but close
 
 
+@pytest.mark.slow
 def test_attention_nvfp4_runs_the_nvfp4_op_with_its_ablations():
   """recipe attention='nvfp4': every block's attention op is nvfp4_attention with the recipe's
   AttentionConfig; the model needs a key, trains (finite gradients) and differs from bf16 attention."""
@@ -271,6 +275,7 @@ def test_make_mesh_errors_and_fill():
 
 
 @pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.slow
 def test_scan_layers_equals_unrolled(remat):
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, dtype="float32")
   unrolled = ModelConfig(**{**cfg.__dict__, "scan_layers": False})
@@ -303,6 +308,7 @@ def test_segments_follow_exempt_blocks():
   assert [b.mlp.down.kernel.shape[0] for b in scanned.blocks] == [1, 2, 2]
 
 
+@pytest.mark.slow
 def test_lorasvd_model_shards_low_rank_factors_and_runs():
   cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, dtype="float32")
   m = _model(cfg, Recipe(linear="nvfp4_lorasvd", lora_rank=4))
@@ -524,6 +530,7 @@ def test_auto_attention_falls_back_to_xla_when_cudnn_refuses(monkeypatch):
 
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])  # MHA, GQA, MQA
+@pytest.mark.slow
 def test_bf16_qkv_split_gemms_equal_fused_gemm(monkeypatch, n_kv_heads):
   """The bf16 model's q, k, v from three GEMMs (``mixed_matmul_split``) == the fused qkv GEMM and
   slices: same loss bit for bit, gradients within float32 summation order of dx."""

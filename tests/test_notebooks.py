@@ -11,6 +11,7 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+@pytest.mark.slow
 def test_notebook_runs(path, tmp_path, monkeypatch):
   nb = nbformat.read(path, as_version=4)
   # The kernel inherits these; monkeypatch restores them after the test.

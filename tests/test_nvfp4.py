@@ -78,6 +78,7 @@ def test_ties_round_to_even():
   np.testing.assert_array_equal(got[0], np.concatenate([want, -want]))
 
 
+@pytest.mark.slow
 def test_jit_equals_eager_and_layout():
   x = INPUTS["student_t2"].astype(np.float32)
   for block, axis in LAYOUTS:
@@ -135,6 +136,7 @@ def test_error_bound():
   assert 0.05 < rel < 0.15, rel
 
 
+@pytest.mark.slow
 def test_nbytes():
   t = nvfp4.quantize(np.ones((128, 256), np.float32))
   assert t.nbytes == 128 * 256 * 4.5 / 8 + 4
@@ -143,6 +145,7 @@ def test_nbytes():
   assert t.nbytes == t.codes.nbytes + t.scales.nbytes + t.global_scale.nbytes == 128 * 128 + 128 + 4
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_unbiased_and_deterministic():
   rng = np.random.default_rng(7)
   x = rng.standard_normal((16, 256)).astype(np.float32)
@@ -232,6 +235,7 @@ def test_stochastic_rounding_of_grid_values_is_exact():
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.slow
 def test_non_finite_never_comes_back_finite(bad):
   x = INPUTS["normal"].astype(np.float32).copy()
   x[3, 17] = bad
@@ -245,6 +249,7 @@ def test_non_finite_never_comes_back_finite(bad):
                                  np.float32)).all()
 
 
+@pytest.mark.slow
 def test_fake_quant_straight_through_gradient():
   x = INPUTS["normal"][:16, :64].astype(np.float32)
   g = jax.grad(lambda x: jnp.sum(nvfp4.fake_quant(x) * 3.0))(x)
@@ -263,6 +268,7 @@ def test_scaled_elements_exact_in_bf16():
   np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_agrees_with_jax_scaled_dot_general_forward():
   """jax.nn.scaled_dot_general(nvfp4) quantizes with a fixed global scale and (x / gs) / dscale.
 
@@ -313,6 +319,7 @@ def _check_scaled_dot_general(sms):
   assert np.isfinite(np.asarray(theirs)).all()
 
 
+@pytest.mark.slow
 def test_gemm_applies_the_global_scales_one_at_a_time():
   """``nvfp4.gemm`` (and ``optim.nvfp4_dot`` on it) multiplies by one global scale, then the other:
   two operands of amax 1e-20 have global scales ~3.7e-24, whose product (~1.4e-47) underflows

@@ -78,6 +78,7 @@ def test_state_bytes_per_param_gpt2_small():
   assert abs(ref - 8.0) < 1e-3
 
 
+@pytest.mark.slow
 def test_zero_second_moment_never_explodes():
   # √v of one block: one large entry, the rest flush to code 0; m is 1 everywhere; gradient 0.
   sqrt_v = jnp.full((16, 64), 1e-3).at[:, ::16].set(1e3)
@@ -109,6 +110,7 @@ def test_update_bound_is_tight_for_exact_adam(nesterov):
   assert float(adam_update_bound(1, B1, B2)) == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_lets_a_moment_decay():
   # Each block's first entry keeps m constant (g = m); the others stop getting gradient and must
   # decay like b1^t. Round-to-nearest re-rounds each decayed value back to its grid point.
@@ -146,6 +148,7 @@ def _train(tx, loss, params, steps):
   return float(first), float(loss(params))
 
 
+@pytest.mark.slow
 def test_converges_on_quadratic_and_regression():
   key1, key2, key3 = jax.random.split(jax.random.key(0), 3)
   target = jax.random.normal(key1, (32, 64))
@@ -163,6 +166,7 @@ def test_converges_on_quadratic_and_regression():
   assert last < 1e-3 * first
 
 
+@pytest.mark.slow
 def test_jit_equals_no_jit_and_state_structure_is_stable():
   params = {"w": jnp.ones((16, 64)) * 0.1, "b": jnp.zeros((7,))}
   tx = optim.adamw_nvfp4(1e-2, options=Options(min_size=0))
@@ -276,6 +280,7 @@ def test_lane_bits_round_up_with_the_probability_to_within_one_512th():
       assert abs(up - p) <= 1 / 512 + 1e-6, (lo, p, up)
 
 
+@pytest.mark.slow
 def test_grouped_leaves_equal_ungrouped_bit_for_bit(monkeypatch):
   # The XLA path groups same-shape leaves (vmap) when the default platform is an accelerator, and
   # updates them one by one on the CPU: the same bits.

@@ -46,6 +46,7 @@ ALL_NVFP4 = optim.AdamNvfp4Options(min_size=0)
 @pytest.mark.parametrize("make", [lambda: optim.adamw_nvfp4(1e-2, options=ALL_NVFP4),
                                   lambda: optim.muon_nvfp4(1e-2, adam_options=ALL_NVFP4, ns_precision="fp32")],
                          ids=["adamw", "muon"])
+@pytest.mark.slow
 def test_state_sharding_follows_params_and_sharded_equals_unsharded(make):
   tx, mesh, params = make(), _mesh(), _params()
   p_sh = {k: NamedSharding(mesh, s) for k, s in SPECS.items()}
@@ -86,6 +87,7 @@ def test_state_sharding_follows_params_and_sharded_equals_unsharded(make):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_orbax_round_trip_of_packed_state_into_shardings(tmp_path):
   tx = optim.muon_nvfp4(1e-2, adam_options=ALL_NVFP4, ns_precision="bf16")
   mesh, params = _mesh(), _params()
@@ -106,6 +108,7 @@ def test_orbax_round_trip_of_packed_state_into_shardings(tmp_path):
                restored, state)
 
 
+@pytest.mark.slow
 def test_state_sharding_drops_mesh_axes_a_leaf_does_not_divide():
   """A (16, 64) weight sharded 8 ways along its last axis: its NVFP4 codes (16, 32) keep the axis,
   its E4M3 scales (16, 4) cannot (4 blocks over 8 devices) and are replicated along it; a float32
@@ -137,6 +140,7 @@ class _MLP(nnx.Module):
     return self.fc2(jax.nn.relu(self.fc1(x)))
 
 
+@pytest.mark.slow
 def test_trains_a_flax_nnx_mlp_through_nnx_optimizer():
   model = _MLP(nnx.Rngs(0))
   tx = optim.adamw_nvfp4(1e-2, weight_decay=0.0, options=optim.AdamNvfp4Options(min_size=256))

@@ -24,6 +24,7 @@ def test_fp32_newton_schulz_matches_optax(shape):
   np.testing.assert_allclose(optim.newton_schulz(x, precision="fp32"), ref, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_nvfp4_products_equal_dequantized_reference_and_two_terms_are_closer():
   a, b = _matrix((32, 64), 1), _matrix((64, 48), 2)
   deq = jax.jit(lambda x, axis: nvfp4.quantize(x, axis=axis).dequantize(), static_argnums=1)
@@ -40,6 +41,7 @@ def test_nvfp4_products_equal_dequantized_reference_and_two_terms_are_closer():
     optim.nvfp4_dot(a, b, 3)
 
 
+@pytest.mark.slow
 def test_nvfp4_products_use_scaled_matmul_on_fp4_tensor_cores(monkeypatch):
   """Where the device has FP4 tensor cores, the products go through ``jax.nn.scaled_matmul`` (on the
   CPU: its float32 dequantize-then-dot) with the same value up to summation order."""
@@ -52,6 +54,7 @@ def test_nvfp4_products_use_scaled_matmul_on_fp4_tensor_cores(monkeypatch):
   np.testing.assert_allclose(ns.nvfp4_dot(a, b, 2), decoded, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_nvfp4_newton_schulz_orthogonalizes():
   x = _matrix((20, 40), 3)  # not multiples of 16: the padded path
   ref = optim.newton_schulz(x, precision="fp32")
@@ -133,6 +136,7 @@ def test_shape_scaling():
   np.testing.assert_allclose(optim.scale_by_shape(0.2).update(u, None)[0]["w"], 0.2 * 8.0)
 
 
+@pytest.mark.slow
 def test_nvfp4_muon_trains_and_state_is_stable_under_cond():
   key1, key2 = jax.random.split(jax.random.key(8))
   x = jax.random.normal(key1, (128, 32))

@@ -77,6 +77,7 @@ def _run(tx, params, steps, jit=True):
 
 @pytest.mark.parametrize("wrapper", ["none", "inject_hyperparams", "MultiSteps", "chain", "masked"])
 @pytest.mark.parametrize("name", list(TRANSFORMS))
+@pytest.mark.slow
 def test_transform_under_wrapper_on_odd_leaves(name, wrapper):
   params = _params(jnp.float32, TRANSFORMS[name][2])
   updates, _, specs = _run(_make(name, wrapper, params), params, steps=2)
@@ -94,6 +95,7 @@ def test_transform_under_wrapper_on_odd_leaves(name, wrapper):
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMS))
+@pytest.mark.slow
 def test_bfloat16_params(name):
   params = _params(jnp.bfloat16, TRANSFORMS[name][2])
   # Injected into bfloat16 parameters, optax's hyperparameters are bfloat16 arrays.
@@ -135,6 +137,7 @@ def test_injected_hyperparameters_take_effect(name):
   assert not np.array_equal(np.asarray(u_first["w"]), np.asarray(u_other["w"]))
 
 
+@pytest.mark.slow
 def test_traced_adam_constants_and_ns_steps():
   """b1, b2, eps, eps_root and ns_steps as traced arrays skip what needs static values: the
   kernels, which compile the constants in (implementation="pallas" cannot lower on the CPU: the XLA path

@@ -114,6 +114,7 @@ def _losses(workdir):
 # --------------------------------------------------------------------------- signals
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_the_rerun_continues_exactly(tmp_path, text_dir):
   settings = _settings(text_dir, tmp_path / "tokens")
   run = tmp_path / "run"
@@ -136,6 +137,7 @@ def test_sigterm_saves_the_current_step_and_the_rerun_continues_exactly(tmp_path
     assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=0), s
 
 
+@pytest.mark.slow
 def test_interrupt_during_compilation_exits_at_once(tmp_path, text_dir):
   # The NVFP4 train step compiles for seconds on the CPU; Ctrl-C must not wait for it.
   run = tmp_path / "run"
@@ -179,6 +181,7 @@ def test_run_lock(tmp_path):
     RunLock(tmp_path).__enter__()
 
 
+@pytest.mark.slow
 def test_second_launch_on_a_workdir_is_refused(tmp_path, text_dir):
   run = tmp_path / "run"
   run.mkdir()
@@ -210,6 +213,7 @@ def _flip_a_byte(step_dir: Path) -> Path:
   return path
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, data_dir, capsys):
   _train(tmp_path, data_dir, 6)
   first = _losses(tmp_path)
@@ -287,6 +291,7 @@ class _StopAfter:
     self.it.set_state(state)
 
 
+@pytest.mark.slow
 def test_resume_is_honest(tmp_path, data_dir, capsys, caplog):
   corpus = {"corpus": {"name": "pydoc", "fingerprint": "abc"}}
   config = {"note": "first"}
@@ -362,6 +367,7 @@ def test_compare_checks_every_recipe_before_training(tmp_path):
     (["--config=experiments/configs/tiny.py", "--config.steps=0", "--verbose"], 1,
      "error: TrainConfig.steps=0: expected a positive int"),
 ])
+@pytest.mark.slow
 def test_launcher_user_errors_are_short(tmp_path, args, rc, want):
   r = subprocess.run([sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}", *args],
                      cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)

@@ -54,6 +54,7 @@ def test_select_arms():
     st.select_arms("fp4_linear,fp4_linear")
 
 
+@pytest.mark.slow
 def test_cli_errors(tmp_path):
   repo = st.Path(st.__file__).parents[1]
 
@@ -111,6 +112,7 @@ def _small_config(steps=3):
   return cfg
 
 
+@pytest.mark.slow
 def test_two_arms_collect_and_reuse(tmp_path, capsys):
   cfg = _small_config()
   work, dest = tmp_path / "study", tmp_path / "results"
@@ -158,6 +160,7 @@ def test_child_command_keeps_the_flags_but_arms_parallel_and_collect():
       "--arms=bf16_s1"]
 
 
+@pytest.mark.slow
 def test_parallel_arms_train_in_processes_of_their_own(tmp_path):
   repo = st.Path(st.__file__).parents[1]
   work, dest = tmp_path / "study", tmp_path / "results"

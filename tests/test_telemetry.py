@@ -39,6 +39,7 @@ def _check_pairs(row: dict) -> None:
       assert row[k[:-len("rel_err")] + "snr_db"] == pytest.approx(-20 * math.log10(v), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_train_loop_logs_telemetry_every_n_steps(data_dir, tmp_path):
   model = ModelConfig(vocab_size=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       dtype="float32")
@@ -89,6 +90,7 @@ def _measure(model, recipe, opt=None):
   return state, row
 
 
+@pytest.mark.slow
 def test_nvfp4_adam_states_attention_and_scanned_blocks():
   """NVFP4 Adam states (measured on the fresh moments), dS of NVFP4 attention, and the stacked
   blocks of scan_layers."""
@@ -109,6 +111,7 @@ def test_nvfp4_adam_states_attention_and_scanned_blocks():
     assert 0.05 < row[f"telemetry/blocks.0-2.attn.qkv/{t}_rel_err"] < 0.3
 
 
+@pytest.mark.slow
 def test_lorasvd_weight_error_is_relative_to_the_effective_weight():
   model = ModelConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=4, dtype="bfloat16")
   state, row = _measure(model, get_recipe("fp4_linear_lorasvd"))
@@ -158,6 +161,7 @@ def test_telemetry_every_must_be_a_non_negative_int():
 
 
 @pytest.mark.parametrize("block", [(1, 16), (16, 16)])
+@pytest.mark.slow
 def test_chunked_error_equals_the_whole_tensors_error(block):
   """Tensors measured in chunks (the amax block carries each tensor's global scale) give the error
   of quantizing each tensor whole, bit for bit per block: chunks of 48 rows, tensors of 0, 16,
@@ -183,6 +187,7 @@ def test_chunked_error_equals_the_whole_tensors_error(block):
           np.linalg.norm(np.asarray(t)), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_chunked_stochastic_error_is_that_of_stochastic_rounding():
   """Stochastic rounding in chunks: each chunk has its own bits, and the error matches that of
   quantizing the tensor whole to within the rounding noise (1e5 blocks)."""

@@ -64,6 +64,7 @@ def _losses(workdir, key="loss"):
   return {s: r[key] for s, r in sorted(rows.items()) if key in r}
 
 
+@pytest.mark.slow
 def test_loss_falls_on_real_text(data_dir, tmp_path):
   it, ev = _iters(data_dir)
   tc = TrainConfig(steps=30, batch_size=B, seq_len=T, log_every=5, eval_every=15, eval_batches=2,
@@ -84,6 +85,7 @@ def test_loss_falls_on_real_text(data_dir, tmp_path):
   assert (tmp_path / "checkpoints" / "30").is_dir()  # final checkpoint
 
 
+@pytest.mark.slow
 def test_sharded_2x2x2_equals_single_device(data_dir):
   assert jax.device_count() == 8
   batch_np = next(data.make_iterator(data_dir, "train", T, B, seed=1))
@@ -138,6 +140,7 @@ class _StopAfter:
     self.it.set_state(state)
 
 
+@pytest.mark.slow
 def test_resume_reproduces_uninterrupted_run(data_dir, tmp_path):
   tc = TrainConfig(steps=10, batch_size=B, seq_len=T, log_every=1, checkpoint_every=4,
                    mesh_shape=(1, 1, 1), progress=False, tensorboard=False)
@@ -193,6 +196,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
   assert rows[-1]["step"] == 5 and rows[-1]["loss"] == "nan"
 
 
+@pytest.mark.slow
 def test_grad_accumulation_matches_full_batch(data_dir):
   batch_np = next(data.make_iterator(data_dir, "train", T, B, seed=2))
   mesh = shd.make_mesh((1, 1, 1))
@@ -239,6 +243,7 @@ def test_data_errors(data_dir):
     to_global_batch(bad, mesh)
 
 
+@pytest.mark.slow
 def test_launcher_cli_writes_metrics(tmp_path):
   text_dir = _write_text(tmp_path / "text", 20)
   cmd = [sys.executable, "-m", "experiments.train", "--config=experiments/configs/tiny.py",
@@ -309,6 +314,7 @@ def test_init_state_is_deterministic_and_sharded():
   assert head.scales.spec == P("fsdp", None)  # 272 / 16 = 17 scale columns: not over 2
 
 
+@pytest.mark.slow
 def test_checkpoint_roundtrip_with_packed_nvfp4_optimizer_states(data_dir, tmp_path):
   from fp4jax.checkpoint import Checkpointer
   from fp4jax.nvfp4 import NVFP4Tensor
@@ -428,6 +434,7 @@ def test_config_fields_come_from_the_dataclasses():
       from_config(bad, vocab_size=257)
 
 
+@pytest.mark.slow
 def test_loss_fn_is_the_cross_entropy_of_the_model_logits():
   """loss_fn runs the LM head chunked (no (B, T, V) logits) but is the same loss and gradient."""
   from flax import nnx
