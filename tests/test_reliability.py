@@ -34,7 +34,7 @@ OPT = OptimizerConfig(learning_rate=3e-3, warmup_steps=2, schedule="constant")
 RECIPE = get_recipe("bf16")
 # Launcher settings of the subprocess tests (dotted config paths).
 TINY = {"log_every": 1, "model.d_model": 32, "model.n_layers": 1, "batch_size": 4, "seq_len": 16,
-        "mesh_shape": (1, 1, 1), "tensorboard": False, "cross_entropy": "xla", "eval_every": 0,
+        "mesh_shape": (1, 1, 1), "tensorboard": False, "execution.cross_entropy": "xla", "eval_every": 0,
         "eval_batches": 1, "checkpoint_every": 1000, "optimizer.schedule": "constant",
         "optimizer.warmup_steps": 2}
 # The subprocess computes as the test process does (conftest's matmul precision).
