@@ -295,7 +295,7 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
                   *, block_sizes: AdamKernelConfig = AdamKernelConfig(), interpret: bool = False):
   """The kernels' AdamW update of NVFP4 leaves (``supports(mu)`` true for each).
 
-  Reference: the XLA path of ``fp4jax.optim.scale_by_adam_nvfp4`` (``kernel="xla"``), built on
+  Reference: the XLA path of ``fp4jax.optim.scale_by_adam_nvfp4`` (``implementation="xla"``), built on
   ``numerics.adam_moments`` and ``numerics.adam_direction``: the same state bits.
 
   Args:

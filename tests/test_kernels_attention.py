@@ -494,7 +494,7 @@ def test_entry_points_name_their_reference():
                   (A.attention_bwd, "nvfp4_attention_vjp_reference"),
                   (nvfp4_quantize.quantize, "quantize_reference"),
                   (cross_entropy.softmax_xent_rows, "softmax_xent_rows_reference"),
-                  (adam_nvfp4.update_leaves, 'kernel="xla"')]:
+                  (adam_nvfp4.update_leaves, 'implementation="xla"')]:
     assert ref in fn.__doc__, fn.__name__
   assert callable(nvfp4_quantize.quantize_reference)
   assert callable(cross_entropy.softmax_xent_rows_reference)
