@@ -110,15 +110,9 @@ class Recipe:
     if self.linear == "nvfp4_lorasvd" and self.lora_rank < 1:
       raise ValueError("Recipe.lora_rank must be >= 1 when linear='nvfp4_lorasvd'")
     for field, cls in _NESTED.items():
-      value = getattr(self, field)
-      if isinstance(value, dict):  # from a config file or JSON: validated by the class
-        try:
-          value = cls(**value)
-        except TypeError as e:
-          raise ValueError(f"Recipe.{field}: {e}") from None
-        object.__setattr__(self, field, value)
-      if not isinstance(value, cls):
-        raise ValueError(f"Recipe.{field} must be a {cls.__name__}, got {type(value).__name__}")
+      if not isinstance(getattr(self, field), cls):
+        raise ValueError(f"Recipe.{field} must be a {cls.__name__}, got "
+                         f"{type(getattr(self, field)).__name__}")
 
   def lora_on(self, projection: str) -> bool:
     """Whether the block projection ``projection`` (one of ``PROJECTIONS``) carries the LoRA-SVD

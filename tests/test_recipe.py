@@ -77,11 +77,12 @@ def test_op_configs_nest_in_the_recipe():
     full.replace(attention_op={"ds": "fp8"})
   with pytest.raises(ValueError, match="rounding_bits"):
     full.replace(matmul={"rounding_bits": "philox"})
-  with pytest.raises(ValueError, match="Recipe.moments"):
-    Recipe(moments={"mu_roundng": "nearest"})
+  with pytest.raises(TypeError, match="mu_roundng"):
+    full.replace(moments={"mu_roundng": "nearest"})
+  with pytest.raises(ValueError, match="Recipe.moments must be a AdamNvfp4Options"):
+    Recipe(moments={"mu_rounding": "nearest"})
   with pytest.raises(ValueError, match="Recipe.matmul must be a MatmulConfig"):
     Recipe(matmul=AttentionConfig.nvfp4())
-  assert Recipe(matmul={"hadamard": False}).matmul == MatmulConfig.nvfp4(hadamard=False)
   assert Recipe().lora_rank == DEFAULT_LORA_RANK  # one default, the layer's
 
 

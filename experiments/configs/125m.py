@@ -11,7 +11,7 @@ compute-optimal run.
 Expected time: 115.4 ms per 64×1024-token bf16 step on one H200 (MFU 44.4%;
 ``python -m benchmarks.train_step``, benchmarks/logs/train_step_unrolled_64x1024.txt), so ~40 min
 for the 10000 steps of 128×1024 tokens.
-Expected loss: not measured yet. The measured neighbour is the 20m study (``20m_study.py``: the same
+Expected loss: not measured. The measured neighbour is the 20m study (``20m_study.py``: the same
 mix corpus with BPE 8k, 49M tokens; experiments/results/20m_h200/table.md): bf16 held-out eval loss
 2.449, fp4_linear +1.42%, fp4_full_stack +2.86%. A larger model on more tokens should land below its
 loss (not directly comparable: a 32k vocabulary); the gaps are what to compare.

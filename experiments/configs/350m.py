@@ -8,7 +8,7 @@ Command::
 Hardware: 8 GPUs (FSDP over 8), or one H200 with ``--config.grad_accum=4``.
 Tokens: 15000 steps x 256 x 1024 = 3.9B. Needs a corpus larger than the built-in mix
 (``--config.data.corpus=<folder of .txt>``) to avoid many epochs.
-Expected time and loss: not measured yet. The measured neighbour is the 20m study (``20m_study.py``:
+Expected time and loss: not measured. The measured neighbour is the 20m study (``20m_study.py``:
 the same mix corpus with BPE 8k, 49M tokens; experiments/results/20m_h200/table.md): bf16 held-out
 eval loss 2.449, fp4_linear +1.42%, fp4_full_stack +2.86%. A larger model on more tokens should land
 below its loss (not directly comparable: a 32k vocabulary); the gaps are what to compare.
