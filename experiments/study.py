@@ -104,6 +104,40 @@ def _attn(name: str, what: str, **recipe) -> Arm:
              what=what)
 
 
+def _gemm(name: str, what: str, seed: int = 0, **matmul) -> Arm:
+  """An attribution arm: ``fp4_linear`` with only some GEMMs (or operands) in NVFP4, read against
+  bf16 at the same seed."""
+  return Arm(name, "fp4_linear", {"matmul": matmul}, seed=seed, group="attribution",
+             baseline=f"bf16_s{seed}", what=what)
+
+
+def _remedy(name: str, what: str, seed: int = 0, **matmul) -> Arm:
+  """A linear-layer remedy: ``fp4_linear`` with one ``MatmulConfig`` change, read against
+  ``fp4_linear`` at the same seed."""
+  return Arm(name, "fp4_linear", {"matmul": matmul}, seed=seed, group="remedy",
+             baseline="fp4_linear" if seed == 0 else f"fp4_linear_s{seed}", what=what)
+
+
+_ONLY = {  # attribution arms: (what, MatmulConfig fields)
+    "q_fwd": ("only the forward GEMM Q(x)·Q(W) in NVFP4", dict(dgrad=False, wgrad=False, hadamard=False)),
+    "q_fwd_w": ("only Q(W) of the forward (x in BF16)", dict(dgrad=False, wgrad=False, hadamard=False,
+                                                          bf16_operands="x")),
+    "q_fwd_x": ("only Q(x) of the forward (W in BF16)", dict(dgrad=False, wgrad=False, hadamard=False,
+                                                          bf16_operands="w")),
+    "q_dgrad": ("only the dgrad GEMM Q(dy)·Q(W)ᵀ in NVFP4", dict(fwd=False, wgrad=False, hadamard=False)),
+    "q_wgrad": ("only the wgrad GEMM Q(H·x)ᵀ·Q(H·dy) in NVFP4", dict(fwd=False, dgrad=False)),
+}
+_REMEDIES = {
+    "split_mean": ("x and dy split as 1·μᵀ + R: the token mean in BF16, R in NVFP4",
+                   dict(split="x,dy", split_method="mean")),
+    "split_subspace": ("x and dy split as U·P + R: a rank-16 subspace per step in BF16, R in NVFP4",
+                       dict(split="x,dy", split_method="subspace", split_rank=16)),
+    "two_term_fwd": ("the forward's x and W as two NVFP4 terms Q1 + Q(a − Q1)", dict(two_term="x,w")),
+    "two_term_bwd": ("the backward's dy (dgrad, wgrad) and H·x as two NVFP4 terms",
+                     dict(two_term="dy_dgrad,x_wgrad,dy_wgrad")),
+}
+
+
 ARMS: tuple[Arm, ...] = (
     *(Arm(f"bf16_s{s}", "bf16", seed=s, group="bf16", baseline="",
           what=f"the reference, seed {s}: the seeds' spread is the noise floor") for s in range(3)),
@@ -141,6 +175,11 @@ ARMS: tuple[Arm, ...] = (
           lora_projections="qkv,o"),
     _lora("lorasvd_mlp", "the branch on the MLP projections only (gate_up, down)",
           lora_projections="gate_up,down"),
+    Arm("fp4_linear_s1", "fp4_linear", seed=1, baseline="bf16_s1", what="fp4_linear, seed 1"),
+    *(_gemm(name + (f"_s{s}" if s else ""), what + (f", seed {s}" if s else ""), s, **fields)
+      for s in (0, 1) for name, (what, fields) in _ONLY.items()),
+    *(_remedy(name + (f"_s{s}" if s else ""), what + (f", seed {s}" if s else ""), s, **fields)
+      for s in (0, 1) for name, (what, fields) in _REMEDIES.items()),
 )
 ARM_NAMES = tuple(a.name for a in ARMS)
 _BY_NAME = {a.name: a for a in ARMS}

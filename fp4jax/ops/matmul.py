@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,16 @@ _HIGHEST = lax.Precision.HIGHEST
 _KERNEL_MAX_ELEMENTS = 2**31 - 1  # the quantizer kernels' 32-bit addressing
 
 
+OPERANDS = ("x", "w", "dy_dgrad", "x_wgrad", "dy_wgrad")  # the five quantized operands
+SPLIT_TENSORS = ("x", "dy")
+SPLIT_METHODS = ("mean", "subspace")
+_ROUNDING_FIELD = {op: f"{op}_rounding" for op in OPERANDS}
+
+
+def _names(value: str) -> tuple[str, ...]:
+  return tuple(value.split(",")) if value else ()
+
+
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig:
   """What ``nvfp4_matmul`` computes: which GEMMs run in NVFP4 and how each operand is rounded
@@ -57,6 +68,9 @@ class MatmulConfig:
   The defaults are NVIDIA's recipe (``MatmulConfig.nvfp4()``); ``MatmulConfig.bf16()`` turns every
   GEMM and the Hadamard transform off. Any field can be switched alone, e.g.
   ``MatmulConfig.nvfp4(hadamard=False, dy_dgrad_rounding="nearest")``.
+
+  The five operands of the quantized GEMMs are named ``OPERANDS``: ``x`` and ``w`` (forward),
+  ``dy_dgrad`` (and ``w``, the same ``Q(w)``: dgrad), ``x_wgrad`` and ``dy_wgrad`` (wgrad).
 
   Attributes:
     fwd: quantize the forward GEMM ``x · w``.
@@ -75,6 +89,25 @@ class MatmulConfig:
       elements, 8 bits per element, so each rounding probability is a multiple of 1/256, as on
       Blackwell's stochastic-rounding conversions). ``"counter"`` is a different random stream, not
       the same bits, and cheaper in the quantizer kernels (no threefry rounds).
+    bf16_operands: operands (``OPERANDS``, separated by commas) that enter their quantized GEMM
+      unquantized, in the compute dtype: the GEMM is then NVFP4 × BF16 (e.g. ``"x"``: a forward
+      with ``Q(w)`` only). For attributing the error to one operand.
+    two_term: operands (``OPERANDS``) quantized as two NVFP4 terms, ``a ≈ Q1 + Q2`` with
+      ``Q1 = Q(a)`` and ``Q2 = Q(a − Q1)`` (its own global and block scales, the operand's rounding
+      with a key of its own): the GEMM becomes the sum of the terms' NVFP4 GEMMs (two, or four when
+      both operands have two terms), with about 1/8 of one term's error.
+    split: tensors (``SPLIT_TENSORS``: ``x``, ``dy``) split as ``a = U·P + R`` before their
+      quantized GEMMs: the residual ``R`` is quantized in every quantized GEMM that reads the tensor,
+      and the low-rank part ``U·P`` is multiplied in high precision (bf16 operands, float32
+      accumulation; the weight unquantized), so each GEMM stays exact up to the residual's
+      quantization: ``x·w = Q(R_x)·Q(w) + U_x·(P_x·w)``, ``dy·wᵀ = Q(R_dy)·Q(w)ᵀ + U_dy·(P_dy·wᵀ)``,
+      ``xᵀ·dy = Q(H·R_x)ᵀ·Q(H·R_dy) + P_xᵀ·(U_xᵀ·dy) + (R_xᵀ·U_dy)·P_dy``.
+    split_method: ``"mean"`` (``U = 1``, ``P = μᵀ``: the mean over the tokens, a rank-1 split) or
+      ``"subspace"`` (``U`` orthonormal M×r, ``P = Uᵀ·a``: the top-``split_rank`` subspace of the
+      tokens, found afresh each call by a randomized range finder with ``split_power_iters`` power
+      iterations, from the call's key).
+    split_rank: r of ``"subspace"``.
+    split_power_iters: power iterations of ``"subspace"``.
   """
 
   fwd: bool = True
@@ -87,6 +120,12 @@ class MatmulConfig:
   dy_wgrad_rounding: str = "stochastic"
   hadamard: bool = True
   rounding_bits: str = "random"
+  bf16_operands: str = ""
+  two_term: str = ""
+  split: str = ""
+  split_method: str = "mean"
+  split_rank: int = 16
+  split_power_iters: int = 1
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -97,8 +136,24 @@ class MatmulConfig:
       elif f.name.endswith("rounding"):
         if v not in nvfp4.ROUNDINGS:
           raise ValueError(f"MatmulConfig.{f.name} must be one of {nvfp4.ROUNDINGS}, got {v!r}")
+      elif f.name in ("bf16_operands", "two_term", "split"):
+        allowed = SPLIT_TENSORS if f.name == "split" else OPERANDS
+        names = _names(v) if isinstance(v, str) else [None]
+        if not all(n in allowed for n in names) or len(set(names)) != len(names):
+          raise ValueError(f"MatmulConfig.{f.name}={v!r}: expected distinct names of {allowed} "
+                           "separated by commas, or ''")
+      elif f.name == "split_method":
+        if v not in SPLIT_METHODS:
+          raise ValueError(f"MatmulConfig.split_method must be one of {SPLIT_METHODS}, got {v!r}")
+      elif f.name in ("split_rank", "split_power_iters"):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (f.name == "split_rank"):
+          raise ValueError(f"MatmulConfig.{f.name} must be an int >= {int(f.name == 'split_rank')}, "
+                           f"got {v!r}")
       elif not isinstance(v, bool):
         raise ValueError(f"MatmulConfig.{f.name} must be a bool, got {v!r}")
+    both = set(_names(self.bf16_operands)) & set(_names(self.two_term))
+    if both:
+      raise ValueError(f"MatmulConfig: operands {sorted(both)} are both bf16_operands and two_term")
 
   @classmethod
   def nvfp4(cls, **overrides) -> MatmulConfig:
@@ -115,15 +170,24 @@ class MatmulConfig:
     """True if any GEMM is quantized."""
     return self.fwd or self.dgrad or self.wgrad
 
+  def splits(self, tensor: str) -> bool:
+    """Whether ``tensor`` (``x`` or ``dy``) is split before a quantized GEMM that reads it."""
+    reads = {"x": self.fwd or self.wgrad, "dy": self.dgrad or self.wgrad}[tensor]
+    return reads and tensor in _names(self.split)
+
+  def _quantizes(self, op: str) -> bool:
+    gemm = {"x": self.fwd, "w": self.fwd or self.dgrad, "dy_dgrad": self.dgrad,
+            "x_wgrad": self.wgrad, "dy_wgrad": self.wgrad}[op]
+    return gemm and op not in _names(self.bf16_operands)
+
   @property
   def needs_key(self) -> bool:
-    """True if the config draws random bits (stochastic rounding in a quantized GEMM, or Hadamard)."""
-    sr = lambda r: r == "stochastic"
+    """True if the config draws random bits (stochastic rounding of a quantized operand, the
+    Hadamard transform, or a subspace split)."""
     return (self.hadamard
-            or (self.fwd and sr(self.x_rounding))
-            or ((self.fwd or self.dgrad) and sr(self.w_rounding))
-            or (self.dgrad and sr(self.dy_dgrad_rounding))
-            or (self.wgrad and (sr(self.x_wgrad_rounding) or sr(self.dy_wgrad_rounding))))
+            or any(self._quantizes(op) and getattr(self, _ROUNDING_FIELD[op]) == "stochastic"
+                   for op in OPERANDS)
+            or (self.split_method == "subspace" and any(map(self.splits, SPLIT_TENSORS))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,14 +205,18 @@ class _Run:
 
 def _keys(key, config: MatmulConfig) -> dict:
   """One independent key per random choice; a fixed assignment so a config switch never moves bits."""
+  names = ("x", "w", "dy_dgrad", "x_wgrad", "dy_wgrad", "hadamard")
   if not config.needs_key:
-    return dict.fromkeys(("x", "w", "dy_dgrad", "x_wgrad", "dy_wgrad", "hadamard"))
+    return dict.fromkeys(names + ("split_x", "split_dy"))
   if key is None:
     raise ValueError(
-        "nvfp4_matmul: this MatmulConfig uses randomness (stochastic rounding or the Hadamard "
-        "transform) and needs `key` (a jax.random key); only a config without either accepts key=None")
+        "nvfp4_matmul: this MatmulConfig uses randomness (stochastic rounding, the Hadamard "
+        "transform or a subspace split) and needs `key` (a jax.random key); only a config without "
+        "any accepts key=None")
   ks = jax.random.split(key, 6)
-  return dict(zip(("x", "w", "dy_dgrad", "x_wgrad", "dy_wgrad", "hadamard"), ks, strict=True))
+  keys = dict(zip(names, ks, strict=True))
+  keys["split_x"], keys["split_dy"] = (jax.random.fold_in(key, 0x5B17 + i) for i in range(2))
+  return keys
 
 
 def _q(x, rounding, key, config, **kw):
@@ -193,6 +261,110 @@ def _wg(a, keys, config):
   return wgrad_operand(a, keys) if config.hadamard else a
 
 
+_LAYOUT = {"x": {"axis": -1}, "w": {"block": (16, 16)}, "dy_dgrad": {"axis": -1},
+           "x_wgrad": {"axis": 0}, "dy_wgrad": {"axis": 0}}
+
+
+def _term_key(key, term: int):
+  return key if key is None or term == 0 else jax.random.fold_in(key, term)
+
+
+def quantize_operand(a, op: str, keys, config: MatmulConfig, run: _Run | None = None, *,
+                     dtype=None, decoded: bool = False):
+  """Operand ``op`` (``OPERANDS``) of its quantized GEMM, as ``config`` prepares it from ``a``.
+
+  ``a`` is the tensor the operand is made of (``x``, ``w`` or ``dy``, or a split's residual); the
+  wgrad operands get the Hadamard transform here (``config.hadamard``).
+
+  Returns:
+    A tuple of ``(NVFP4Tensor, decoded bf16 or None)`` terms (one, or two with ``two_term``), or,
+    for a ``bf16_operands`` operand, the plain array in ``dtype``.
+  """
+  run = run or _Run()
+  hadamard = config.hadamard and op in ("x_wgrad", "dy_wgrad")
+  if op in _names(config.bf16_operands):
+    return (wgrad_operand(a, keys) if hadamard else a).astype(dtype or a.dtype)
+  rounding, key = getattr(config, _ROUNDING_FIELD[op]), keys[op]
+  two = op in _names(config.two_term)
+  layout = _LAYOUT[op] if op == "w" else {"block": (1, 16), **_LAYOUT[op]}
+  kernels = run.implementation != "xla"
+  if hadamard and (two or not kernels):
+    a, hadamard = wgrad_operand(a, keys), False  # the kernels fuse H where the operand is one term
+  terms = []
+  for term in range(2 if two else 1):
+    k = _term_key(key, term)
+    if kernels:
+      terms.append(_kernel_quantize(a, rounding, k, config, run, decoded=decoded,
+                                    hadamard_key=keys["hadamard"] if hadamard else None, **layout))
+    else:
+      terms.append((_q(a, rounding, k, config, **layout), None))
+    if two and term == 0:
+      a = a.astype(_F32) - terms[0][0].dequantize(_F32)
+  return tuple(terms)
+
+
+def _plain(operand) -> bool:
+  return not isinstance(operand, tuple)
+
+
+def _packed(operand):
+  """An operand as the backward keeps it: the decoded bf16 copies dropped."""
+  return operand if _plain(operand) else tuple((t, None) for t, _ in operand)
+
+
+class _Split(NamedTuple):
+  """``a = U·P + R`` (``MatmulConfig.split``): ``u`` M×r float32 (None: the ones column of
+  ``"mean"``), ``p`` r×C float32, ``residual`` M×C in ``a``'s dtype."""
+
+  u: jax.Array | None
+  p: jax.Array
+  residual: jax.Array
+
+
+def _orthonormal(y):
+  return jnp.linalg.qr(y)[0]
+
+
+def _bdot(a, b, dims=((1,), (0,))) -> jax.Array:
+  """A skinny high-precision term: bf16 operands, float32 accumulation."""
+  return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (dims, ((), ())),
+                         preferred_element_type=_F32)
+
+
+def split_tensor(a_MxC, tensor: str, keys, config: MatmulConfig) -> _Split | None:
+  """``MatmulConfig.split`` of ``tensor`` (``x`` or ``dy``): None where it is not split."""
+  if not config.splits(tensor):
+    return None
+  a32 = a_MxC.astype(_F32)
+  if config.split_method == "mean":
+    p = jnp.mean(a32, axis=0, keepdims=True)
+    return _Split(None, p, (a32 - p).astype(a_MxC.dtype))
+  m, c = a_MxC.shape
+  rank = min(config.split_rank, m, c)
+  omega = jax.random.normal(keys[f"split_{tensor}"], (c, rank), _F32)
+  u = _orthonormal(_bdot(a_MxC, omega))
+  for _ in range(config.split_power_iters):
+    u = _orthonormal(_bdot(a_MxC, _bdot(a_MxC, u, ((0,), (0,)))))
+  p = lax.dot_general(u, a32, (((0,), (0,)), ((), ())), precision=_HIGHEST)
+  return _Split(u, p, (a32 - _u_dot(u, p, highest=True)).astype(a_MxC.dtype))
+
+
+def _u_dot(u, b_RxN, m=None, highest=False) -> jax.Array:
+  """``U·b`` (M×N): ``b``'s row broadcast over ``m`` tokens for the ones column of ``"mean"``."""
+  if u is None:
+    return jnp.broadcast_to(b_RxN, (m if m is not None else 1, b_RxN.shape[1]))
+  if highest:
+    return jnp.dot(u, b_RxN, precision=_HIGHEST)
+  return _bdot(u, b_RxN)
+
+
+def _ut_dot(u, a_MxC) -> jax.Array:
+  """``Uᵀ·a`` (r×C): the column sums for the ones column of ``"mean"``."""
+  if u is None:
+    return jnp.sum(a_MxC.astype(_F32), axis=0, keepdims=True)
+  return _bdot(u, a_MxC, ((0,), (0,)))
+
+
 # ----------------------------------------------------------------------------------------------
 # GEMMs
 
@@ -200,11 +372,6 @@ def _wg(a, keys, config):
 def _fdot(a, b, dims) -> jax.Array:
   """Unquantized GEMM in the operands' (common) dtype with f32 accumulation."""
   return lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=_F32)
-
-
-_NN = ((1,), (0,))  # x_MxK · w_KxN
-_NT = ((1,), (1,))  # dy_MxN · w_KxNᵀ
-_TN = ((0,), (0,))  # x_MxKᵀ · dy_MxN
 
 
 # Jitted, so that the operands of one shape (every block's projection, in a model) share one traced
@@ -231,67 +398,90 @@ def _gemm(a, b, dims, run, decoded=(None, None)) -> jax.Array:
   return nvfp4.gemm(a, b, dims, decoded=decoded)
 
 
+def _mixed_gemm(t, d, plain, dims, t_first: bool) -> jax.Array:
+  """NVFP4 × unquantized: ``t``'s elements decoded to bf16 (exact), a float32-accumulated dot with
+  the plain operand (in its dtype, at least bf16), then ``t``'s global scale."""
+  dtype = jnp.promote_types(jnp.bfloat16, plain.dtype)
+  d = (t.scaled_elements(jnp.bfloat16) if d is None else d).astype(dtype)
+  a, b = (d, plain.astype(dtype)) if t_first else (plain.astype(dtype), d)
+  acc = lax.dot_general(a, b, (dims, ((), ())), precision=_HIGHEST, preferred_element_type=_F32)
+  return acc * t.global_scale
+
+
+def gemm_operands(a, b, dims, run: _Run | None = None) -> jax.Array:
+  """The float32 product of two operands of ``quantize_operand``: the sum of every pair of terms'
+  GEMMs (``nvfp4.gemm``; NVFP4 × BF16 where one operand is plain; a plain GEMM where both are)."""
+  run = run or _Run()
+  if _plain(a) and _plain(b):
+    return _fdot(a, b.astype(a.dtype), dims)
+  out = None
+  for ta, da in ((None, a),) if _plain(a) else a:
+    for tb, db in ((None, b),) if _plain(b) else b:
+      if ta is not None and tb is not None:
+        y = _gemm(ta, tb, dims, run, (da, db))
+      else:
+        y = _mixed_gemm(ta, da, db, dims, True) if tb is None else _mixed_gemm(tb, db, da, dims, False)
+      out = y if out is None else out + y
+  return out
+
+
+_NN = ((1,), (0,))  # x_MxK · w_KxN
+_NT = ((1,), (1,))  # dy_MxN · w_KxNᵀ
+_TN = ((0,), (0,))  # x_MxKᵀ · dy_MxN
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _matmul(x_MxK, w_KxN, key, config, run, x_dtype, w_dtype):
   return _matmul_fwd(x_MxK, w_KxN, key, config, run, x_dtype, w_dtype)[0]
 
 
 def _matmul_fwd(x_MxK, w_KxN, key, config, run, x_dtype, w_dtype):
-  if run.implementation != "xla":
-    return _matmul_fwd_kernels(x_MxK, w_KxN, key, config, run, x_dtype)
+  """The forward GEMM, and the backward's residuals: the packed ``Q(w)`` (or ``w``), the packed
+  wgrad operand ``Q(H·x)`` (or ``x``), the split of ``x`` where there is one, and ``x`` (or its
+  split's residual) in high precision where the wgrad needs it for a split ``dy``."""
   keys = _keys(key, config)
-  qw = quantize_w(w_KxN, keys, config) if (config.fwd or config.dgrad) else None
-  if config.fwd:
-    y = _gemm(quantize_x(x_MxK, keys, config), qw, _NN, run)
-  else:
-    y = _fdot(x_MxK, w_KxN.astype(x_dtype), _NN)
-  w_res = qw if config.dgrad else w_KxN
-  x_res = quantize_x_wgrad(x_MxK, keys, config) if config.wgrad else x_MxK
-  return y.astype(x_dtype), (w_res, x_res, keys)
-
-
-def _matmul_fwd_kernels(x_MxK, w_KxN, key, config, run, x_dtype):
-  """The forward with the quantizer kernels: Q(w) and Q(x) decoded by the kernels for the GEMM,
-  Q(w) and Q(H·x) kept packed for the backward."""
-  keys = _keys(key, config)
-  decoded = run.gemm == "decoded"
+  decoded = run.gemm == "decoded" and run.implementation != "xla"
+  sx = split_tensor(x_MxK, "x", keys, config)
+  x_q = x_MxK if sx is None else sx.residual
   qw = None
   if config.fwd or config.dgrad:
-    qw = _kernel_quantize(w_KxN, config.w_rounding, keys["w"], config, run, decoded=config.fwd and decoded,
-                          block=(16, 16))
+    qw = quantize_operand(w_KxN, "w", keys, config, run, dtype=x_dtype, decoded=config.fwd and decoded)
   if config.fwd:
-    qx = _kernel_quantize(x_MxK, config.x_rounding, keys["x"], config, run, decoded=decoded, axis=-1)
-    y = _gemm(qx[0], qw[0], _NN, run, (qx[1], qw[1]))
+    qx = quantize_operand(x_q, "x", keys, config, run, dtype=x_dtype, decoded=decoded)
+    y = gemm_operands(qx, qw, _NN, run)
+    if sx is not None:
+      y = y + _u_dot(sx.u, jnp.dot(sx.p, w_KxN.astype(_F32), precision=_HIGHEST), x_MxK.shape[0])
   else:
     y = _fdot(x_MxK, w_KxN.astype(x_dtype), _NN)
-  w_res = qw[0] if config.dgrad else w_KxN
+  w_res = _packed(qw) if config.dgrad else w_KxN
   x_res = x_MxK
   if config.wgrad:
-    x_res = _kernel_quantize(x_MxK, config.x_wgrad_rounding, keys["x_wgrad"], config, run, decoded=False,
-                             axis=0, hadamard_key=keys["hadamard"] if config.hadamard else None)[0]
-  return y.astype(x_dtype), (w_res, x_res, keys)
+    x_res = _packed(quantize_operand(x_q, "x_wgrad", keys, config, run, dtype=x_dtype))
+  x_hp = x_q if config.wgrad and config.splits("dy") else None
+  w_hp = w_KxN if config.dgrad and config.splits("dy") else None
+  return y.astype(x_dtype), (w_res, x_res, sx, x_hp, w_hp, keys)
 
 
 def _matmul_bwd(config, run, x_dtype, w_dtype, res, dy_MxN):
-  w_res, x_res, keys = res
-  kernels = run.implementation != "xla"
-  decoded = run.gemm == "decoded"
+  w_res, x_res, sx, x_hp, w_hp, keys = res
+  decoded = run.gemm == "decoded" and run.implementation != "xla"
+  m = dy_MxN.shape[0]
+  sd = split_tensor(dy_MxN, "dy", keys, config)
+  dy_q = dy_MxN if sd is None else sd.residual
   if config.dgrad:
-    if kernels:
-      qdy = _kernel_quantize(dy_MxN, config.dy_dgrad_rounding, keys["dy_dgrad"], config, run, decoded=decoded,
-                             axis=-1)
-      dx = _gemm(qdy[0], w_res, _NT, run, (qdy[1], None))
-    else:
-      dx = _gemm(quantize_dy_dgrad(dy_MxN, keys, config), w_res, _NT, run)
+    qdy = quantize_operand(dy_q, "dy_dgrad", keys, config, run, dtype=x_dtype, decoded=decoded)
+    dx = gemm_operands(qdy, w_res, _NT, run)
+    if sd is not None:
+      dx = dx + _u_dot(sd.u, jnp.dot(sd.p, w_hp.astype(_F32).T, precision=_HIGHEST), m)
   else:
     dx = _fdot(dy_MxN, w_res.astype(x_dtype), _NT)
   if config.wgrad:
-    if kernels:
-      qdy = _kernel_quantize(dy_MxN, config.dy_wgrad_rounding, keys["dy_wgrad"], config, run, decoded=decoded,
-                             axis=0, hadamard_key=keys["hadamard"] if config.hadamard else None)
-      dw = _gemm(x_res, qdy[0], _TN, run, (None, qdy[1]))
-    else:
-      dw = _gemm(x_res, quantize_dy_wgrad(dy_MxN, keys, config), _TN, run)
+    qdy = quantize_operand(dy_q, "dy_wgrad", keys, config, run, dtype=x_dtype, decoded=decoded)
+    dw = gemm_operands(x_res, qdy, _TN, run)
+    if sx is not None:  # P_xᵀ·(U_xᵀ·dy)
+      dw = dw + jnp.dot(sx.p.T, _ut_dot(sx.u, dy_MxN), precision=_HIGHEST)
+    if sd is not None:  # (R_xᵀ·U_dy)·P_dy
+      dw = dw + jnp.dot(_ut_dot(sd.u, x_hp).T, sd.p, precision=_HIGHEST)
   elif config.hadamard:
     dw = lax.dot_general(wgrad_operand(x_res, keys), wgrad_operand(dy_MxN, keys), (_TN, ((), ())),
                          precision=_HIGHEST, preferred_element_type=_F32)
@@ -410,8 +600,16 @@ def nvfp4_matmul(x, w, *, key=None, config: MatmulConfig, implementation: str = 
   return y.reshape(*x.shape[:-1], w.shape[1])
 
 
+def _reference_product(a, b, dims) -> jax.Array:
+  """``gemm_operands`` from dequantized operands: one HIGHEST-precision float32 dot per term pair."""
+  deq = lambda o: [o.astype(_F32)] if _plain(o) else [t.dequantize(_F32) for t, _ in o]  # noqa: E731
+  return sum(lax.dot_general(ta, tb, (dims, ((), ())), precision=_HIGHEST)
+             for ta in deq(a) for tb in deq(b))
+
+
 def nvfp4_matmul_reference(x, w, *, key=None, config: MatmulConfig) -> jax.Array:
-  """Forward reference: the same quantized operands dequantized to f32, one HIGHEST-precision f32 dot.
+  """Forward reference: the same quantized operands dequantized to f32, one HIGHEST-precision f32
+  dot per pair of terms (and a split's low-rank part in float32).
 
   Args/Returns as ``nvfp4_matmul`` (no custom gradient: use ``nvfp4_matmul_vjp_reference``).
   """
@@ -420,8 +618,13 @@ def nvfp4_matmul_reference(x, w, *, key=None, config: MatmulConfig) -> jax.Array
   keys = _keys(key, config)
   x_MxK = x.reshape(-1, w.shape[0])
   if config.fwd:
-    a, b = quantize_x(x_MxK, keys, config).dequantize(_F32), quantize_w(w, keys, config).dequantize(_F32)
-    y = jnp.dot(a, b, precision=_HIGHEST)
+    sx = split_tensor(x_MxK, "x", keys, config)
+    x_q = x_MxK if sx is None else sx.residual
+    y = _reference_product(quantize_operand(x_q, "x", keys, config, dtype=x.dtype),
+                           quantize_operand(w, "w", keys, config, dtype=x.dtype), _NN)
+    if sx is not None:
+      y = y + _u_dot(sx.u, jnp.dot(sx.p, w.astype(_F32), precision=_HIGHEST), x_MxK.shape[0],
+                     highest=True)
   else:
     y = _fdot(x_MxK, w.astype(x.dtype), _NN)
   return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[1])
@@ -431,7 +634,7 @@ def nvfp4_matmul_vjp_reference(x, w, dy, *, key=None, config: MatmulConfig):
   """Backward reference ``(dx, dw)`` for cotangent ``dy``, from dequantized operands in f32.
 
   Uses the same keys as ``nvfp4_matmul``, hence the same quantized values (and the same
-  forward-quantized ``Q(w)`` in the dgrad).
+  forward-quantized ``Q(w)`` in the dgrad); a split's low-rank terms in float32.
 
   Returns:
     ``dx`` like ``x``, ``dw`` like ``w``.
@@ -440,15 +643,27 @@ def nvfp4_matmul_vjp_reference(x, w, dy, *, key=None, config: MatmulConfig):
   _check(x, w, key, config)
   keys = _keys(key, config)
   x_MxK, dy_MxN = x.reshape(-1, w.shape[0]), dy.reshape(-1, w.shape[1]).astype(x.dtype)
-  deq = lambda t: t.dequantize(_F32)
+  m = x_MxK.shape[0]
+  sx, sd = split_tensor(x_MxK, "x", keys, config), split_tensor(dy_MxN, "dy", keys, config)
+  x_q = x_MxK if sx is None else sx.residual
+  dy_q = dy_MxN if sd is None else sd.residual
+  f32 = lambda a: a.astype(_F32)  # noqa: E731
   if config.dgrad:
-    dx = jnp.dot(deq(quantize_dy_dgrad(dy_MxN, keys, config)), deq(quantize_w(w, keys, config)).T,
-                 precision=_HIGHEST)
+    dx = _reference_product(quantize_operand(dy_q, "dy_dgrad", keys, config, dtype=x.dtype),
+                            quantize_operand(w, "w", keys, config, dtype=x.dtype), _NT)
+    if sd is not None:
+      dx = dx + _u_dot(sd.u, jnp.dot(sd.p, f32(w).T, precision=_HIGHEST), m, highest=True)
   else:
     dx = _fdot(dy_MxN, w.astype(x.dtype), _NT)
   if config.wgrad:
-    dw = jnp.dot(deq(quantize_x_wgrad(x_MxK, keys, config)).T, deq(quantize_dy_wgrad(dy_MxN, keys, config)),
-                 precision=_HIGHEST)
+    dw = _reference_product(quantize_operand(x_q, "x_wgrad", keys, config, dtype=x.dtype),
+                            quantize_operand(dy_q, "dy_wgrad", keys, config, dtype=x.dtype), _TN)
+    ut = lambda u, a: jnp.sum(f32(a), 0, keepdims=True) if u is None else jnp.dot(  # noqa: E731
+        u.T, f32(a), precision=_HIGHEST)
+    if sx is not None:
+      dw = dw + jnp.dot(sx.p.T, ut(sx.u, dy_MxN), precision=_HIGHEST)
+    if sd is not None:
+      dw = dw + jnp.dot(ut(sd.u, x_q).T, sd.p, precision=_HIGHEST)
   elif config.hadamard:
     dw = jnp.dot(wgrad_operand(x_MxK, keys).T, wgrad_operand(dy_MxN, keys), precision=_HIGHEST)
   else:
