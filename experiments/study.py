@@ -133,6 +133,8 @@ _REMEDIES = {
     "split_subspace": ("x and dy split as U·P + R: a rank-16 subspace per step in BF16, R in NVFP4",
                        dict(split="x,dy", split_method="subspace", split_rank=16)),
     "two_term_fwd": ("the forward's x and W as two NVFP4 terms Q1 + Q(a − Q1)", dict(two_term="x,w")),
+    "two_term_x": ("the forward's x as two NVFP4 terms (W one term)", dict(two_term="x")),
+    "two_term_w": ("the forward's W as two NVFP4 terms (x one term)", dict(two_term="w")),
     "two_term_bwd": ("the backward's dy (dgrad, wgrad) and H·x as two NVFP4 terms",
                      dict(two_term="dy_dgrad,x_wgrad,dy_wgrad")),
 }

@@ -282,6 +282,13 @@ KERNEL_CASES = [
     # Stochastic rounding with counter-hash bits (x stochastic too), every implementation alike.
     ("counter rounding bits", MatmulConfig.nvfp4(rounding_bits="counter", x_rounding="stochastic"),
      (M0, M1, K), {}),
+    # Two-term operands (the kernels quantize each term; H applied before the first) and a BF16 one.
+    ("two-term and bf16 operands", MatmulConfig.nvfp4(two_term="x,dy_wgrad", bf16_operands="dy_dgrad"),
+     (M0, M1, K), {}),
+    # x and dy split: the residuals quantized by the kernels.
+    ("mean split", MatmulConfig.nvfp4(split="x,dy"), (M0, M1, K), {}),
+    ("subspace split", MatmulConfig.nvfp4(split="x,dy", split_method="subspace", split_rank=4),
+     (M0 * M1, K), {}),
 ]
 
 
@@ -479,3 +486,126 @@ def test_fp4_tensor_cores_reads_the_compute_capability(monkeypatch):
   for cc, fp4_cores in (("9.0", False), ("10.0", True), ("12.0", True), ("8.9", False)):
     monkeypatch.setattr(_platform, "_default_device", lambda cc=cc: Device(cc))
     assert _platform.fp4_tensor_cores() == fp4_cores, cc
+
+
+# ----------------------------------------------------------------------------------------------
+# Attribution (BF16 operands) and remedies (two-term operands, low-rank splits of x and dy)
+
+ALL_OPERANDS = ",".join(matmul.OPERANDS)
+MEAN_SPLIT = MatmulConfig.nvfp4(split="x,dy")
+SUBSPACE_SPLIT = MatmulConfig.nvfp4(split="x,dy", split_method="subspace", split_rank=4)
+
+
+def _structured(seed=0):
+  """x and dy whose tokens share a large mean (x) or a rank-2 part (dy) over Gaussian noise."""
+  kx, kw, kd, ku, kv = jax.random.split(jax.random.key(seed), 5)
+  mu = 6.0 * jax.random.normal(kx, (1, K))
+  x = mu + jax.random.normal(kw, (M0 * M1, K))
+  u, v = jax.random.normal(ku, (M0 * M1, 2)), jax.random.normal(kv, (2, N))
+  dy = 4.0 * u @ v + jax.random.normal(kd, (M0 * M1, N))
+  w = jax.random.normal(jax.random.fold_in(kw, 1), (K, N)) * 0.2
+  return x, w, dy
+
+
+def test_new_config_fields_are_validated_and_need_keys_where_they_draw_bits():
+  with pytest.raises(ValueError, match="split='w'"):
+    MatmulConfig(split="w")
+  with pytest.raises(ValueError, match="bf16_operands='x,x'"):
+    MatmulConfig(bf16_operands="x,x")
+  with pytest.raises(ValueError, match="two_term='dy'"):
+    MatmulConfig(two_term="dy")
+  with pytest.raises(ValueError, match="both bf16_operands and two_term"):
+    MatmulConfig(bf16_operands="x", two_term="x,w")
+  with pytest.raises(ValueError, match="split_method must be one of"):
+    MatmulConfig(split_method="svd")
+  with pytest.raises(ValueError, match="split_rank must be an int >= 1"):
+    MatmulConfig(split_rank=0)
+  deterministic = dict(dy_dgrad_rounding="nearest", dy_wgrad_rounding="nearest", hadamard=False)
+  assert not MatmulConfig.nvfp4(split="x,dy", **deterministic).needs_key  # the mean draws nothing
+  assert MatmulConfig.nvfp4(split="x", split_method="subspace", **deterministic).needs_key
+  # A split of a tensor that no quantized GEMM reads is no split.
+  assert not MatmulConfig.nvfp4(fwd=False, wgrad=False, split="x").splits("x")
+  # BF16 operands draw no bits: a forward with only Q(w) nearest needs no key.
+  assert not MatmulConfig.nvfp4(bf16_operands="dy_dgrad,dy_wgrad", **deterministic).needs_key
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _op_and_exact(x, w, dy, key, config):
+  return _vjp(x, w, dy, key, config), _vjp(x, w, dy, None, MatmulConfig.bf16())
+
+
+def test_bf16_operands_make_an_nvfp4_times_bf16_gemm():
+  """``bf16_operands="x"`` in the forward: ``y = x · Q(w)`` (Q(w) decoded exactly), and with every
+  operand in BF16 (no Hadamard) the three GEMMs are the unquantized products."""
+  x, w, dy = _data()
+  cfg = MatmulConfig.nvfp4(bf16_operands="x", hadamard=False)
+  (y, _, _), _ = _op_and_exact(x, w, dy, jax.random.key(1), cfg)
+  qw = nvfp4.quantize(w, block=(16, 16)).dequantize(jnp.float32)
+  want = jnp.dot(x.reshape(-1, K), qw, precision="highest").reshape(y.shape)
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+  none = MatmulConfig.nvfp4(bf16_operands=ALL_OPERANDS, hadamard=False)
+  got, exact = _op_and_exact(x, w, dy, jax.random.key(1), none)
+  for name, g, e in zip(("y", "dx", "dw"), got, exact):
+    assert _rel(g, e) < 1e-5, (name, _rel(g, e))
+
+
+@pytest.mark.slow
+def test_two_term_operands_cut_the_gemm_error_several_fold():
+  """``Q1 + Q(a − Q1)`` on every operand: each GEMM's error against the exact product is below a
+  quarter of the one-term recipe's (≈ 1/8 of it per operand)."""
+  x, w, dy = _data()
+  key = jax.random.key(3)
+  one, exact = _op_and_exact(x, w, dy, key, NVFP4)
+  two, _ = _op_and_exact(x, w, dy, key, MatmulConfig.nvfp4(two_term=ALL_OPERANDS))
+  for name, a, b, e in zip(("y", "dx", "dw"), one, two, exact):
+    assert _rel(b, e) < 0.25 * _rel(a, e), (name, _rel(a, e), _rel(b, e))
+  # A two-term operand is the sum of its terms' GEMMs: term 1 alone is the one-term operand's.
+  keys = matmul._keys(key, NVFP4)
+  terms = matmul.quantize_operand(x.reshape(-1, K), "x", keys, MatmulConfig.nvfp4(two_term="x"))
+  q1 = matmul.quantize_operand(x.reshape(-1, K), "x", keys, NVFP4)
+  assert len(terms) == 2 and len(q1) == 1
+  assert _bits_equal(terms[0][0].codes, q1[0][0].codes)
+
+
+@pytest.mark.parametrize("config", [MEAN_SPLIT, SUBSPACE_SPLIT], ids=["mean", "subspace"])
+def test_a_split_is_exact_algebra_when_nothing_is_quantized(config):
+  """With every operand in BF16 the split changes nothing but rounding: y, dx and dw equal the
+  unquantized products (the low-rank terms carry bf16 operands: ≤ 1% where U·P is most of x)."""
+  x, w, dy = _structured()
+  cfg = dataclasses.replace(config, bf16_operands=ALL_OPERANDS, hadamard=False)
+  got, exact = _op_and_exact(x, w, dy, jax.random.key(2), cfg)
+  for name, g, e in zip(("y", "dx", "dw"), got, exact):
+    assert _rel(g, e) < 1e-2, (name, _rel(g, e))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [MEAN_SPLIT, SUBSPACE_SPLIT], ids=["mean", "subspace"])
+def test_a_split_removes_the_error_of_what_it_takes_out(config):
+  """On tensors with a large token mean (x) and a rank-2 part (dy), the split's GEMMs carry only
+  the residual's quantization error: forward, dgrad and wgrad errors fall well below the unsplit
+  recipe's (the mean split removes x's mean; the subspace split both structures)."""
+  x, w, dy = _structured()
+  key = jax.random.key(4)
+  base, exact = _op_and_exact(x, w, dy, key, NVFP4)
+  split, _ = _op_and_exact(x, w, dy, key, config)
+  errs = {n: (_rel(b, e), _rel(s, e)) for n, b, s, e in zip(("y", "dx", "dw"), base, split, exact)}
+  assert errs["y"][1] < 0.5 * errs["y"][0], errs  # x's mean is in both splits
+  if config.split_method == "subspace":
+    assert errs["dx"][1] < 0.5 * errs["dx"][0], errs  # dy's rank-2 part
+  for name, (b, s) in errs.items():
+    assert s < 1.05 * b, (name, errs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [
+    MatmulConfig.nvfp4(two_term="x,dy_wgrad", bf16_operands="dy_dgrad"), MEAN_SPLIT, SUBSPACE_SPLIT],
+    ids=["two-term and bf16 operands", "mean split", "subspace split"])
+def test_new_configs_match_their_dequantized_reference(config):
+  x, w, dy = _structured()
+  x, dy = x.reshape(M0, M1, K), dy.reshape(M0, M1, N)
+  op, ref, flat, _ = _with_refs(x, w, dy, jax.random.key(7), config)
+  for name, o, r in zip(("y", "dx", "dw"), op, ref):
+    assert o.shape == r.shape and o.dtype == r.dtype, name
+    np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * float(jnp.abs(r).max()), err_msg=name)
+  for o, f in zip(op, flat):
+    assert _bits_equal(o.reshape(f.shape), f)

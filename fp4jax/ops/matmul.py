@@ -98,8 +98,8 @@ class MatmulConfig:
       both operands have two terms), with about 1/8 of one term's error.
     split: tensors (``SPLIT_TENSORS``: ``x``, ``dy``) split as ``a = U·P + R`` before their
       quantized GEMMs: the residual ``R`` is quantized in every quantized GEMM that reads the tensor,
-      and the low-rank part ``U·P`` is multiplied in high precision (bf16 operands, float32
-      accumulation; the weight unquantized), so each GEMM stays exact up to the residual's
+      and the low-rank part ``U·P`` is multiplied in float32 (skinny GEMMs of rank r; the weight
+      unquantized), so each GEMM stays exact up to the residual's
       quantization: ``x·w = Q(R_x)·Q(w) + U_x·(P_x·w)``, ``dy·wᵀ = Q(R_dy)·Q(w)ᵀ + U_dy·(P_dy·wᵀ)``,
       ``xᵀ·dy = Q(H·R_x)ᵀ·Q(H·R_dy) + P_xᵀ·(U_xᵀ·dy) + (R_xᵀ·U_dy)·P_dy``.
     split_method: ``"mean"`` (``U = 1``, ``P = μᵀ``: the mean over the tokens, a rank-1 split) or
@@ -326,7 +326,8 @@ def _orthonormal(y):
 
 
 def _bdot(a, b, dims=((1,), (0,))) -> jax.Array:
-  """A skinny high-precision term: bf16 operands, float32 accumulation."""
+  """The range finder's products: bf16 operands, float32 accumulation (the subspace need only be
+  approximate; the split itself is exact for any U)."""
   return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (dims, ((), ())),
                          preferred_element_type=_F32)
 
@@ -345,24 +346,24 @@ def split_tensor(a_MxC, tensor: str, keys, config: MatmulConfig) -> _Split | Non
   u = _orthonormal(_bdot(a_MxC, omega))
   for _ in range(config.split_power_iters):
     u = _orthonormal(_bdot(a_MxC, _bdot(a_MxC, u, ((0,), (0,)))))
-  p = lax.dot_general(u, a32, (((0,), (0,)), ((), ())), precision=_HIGHEST)
-  return _Split(u, p, (a32 - _u_dot(u, p, highest=True)).astype(a_MxC.dtype))
+  p = _ut_dot(u, a32)
+  return _Split(u, p, (a32 - _u_dot(u, p)).astype(a_MxC.dtype))
 
 
-def _u_dot(u, b_RxN, m=None, highest=False) -> jax.Array:
-  """``U·b`` (M×N): ``b``'s row broadcast over ``m`` tokens for the ones column of ``"mean"``."""
+def _u_dot(u, b_RxN, m=None) -> jax.Array:
+  """``U·b`` (M×N) in float32: ``b``'s row broadcast over ``m`` tokens for the ones column of
+  ``"mean"``."""
   if u is None:
     return jnp.broadcast_to(b_RxN, (m if m is not None else 1, b_RxN.shape[1]))
-  if highest:
-    return jnp.dot(u, b_RxN, precision=_HIGHEST)
-  return _bdot(u, b_RxN)
+  return jnp.dot(u, b_RxN, precision=_HIGHEST)
 
 
 def _ut_dot(u, a_MxC) -> jax.Array:
-  """``Uᵀ·a`` (r×C): the column sums for the ones column of ``"mean"``."""
+  """``Uᵀ·a`` (r×C) in float32: the column sums for the ones column of ``"mean"``."""
+  a32 = a_MxC.astype(_F32)
   if u is None:
-    return jnp.sum(a_MxC.astype(_F32), axis=0, keepdims=True)
-  return _bdot(u, a_MxC, ((0,), (0,)))
+    return jnp.sum(a32, axis=0, keepdims=True)
+  return lax.dot_general(u, a32, (((0,), (0,)), ((), ())), precision=_HIGHEST)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -623,8 +624,7 @@ def nvfp4_matmul_reference(x, w, *, key=None, config: MatmulConfig) -> jax.Array
     y = _reference_product(quantize_operand(x_q, "x", keys, config, dtype=x.dtype),
                            quantize_operand(w, "w", keys, config, dtype=x.dtype), _NN)
     if sx is not None:
-      y = y + _u_dot(sx.u, jnp.dot(sx.p, w.astype(_F32), precision=_HIGHEST), x_MxK.shape[0],
-                     highest=True)
+      y = y + _u_dot(sx.u, jnp.dot(sx.p, w.astype(_F32), precision=_HIGHEST), x_MxK.shape[0])
   else:
     y = _fdot(x_MxK, w.astype(x.dtype), _NN)
   return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[1])
@@ -652,18 +652,16 @@ def nvfp4_matmul_vjp_reference(x, w, dy, *, key=None, config: MatmulConfig):
     dx = _reference_product(quantize_operand(dy_q, "dy_dgrad", keys, config, dtype=x.dtype),
                             quantize_operand(w, "w", keys, config, dtype=x.dtype), _NT)
     if sd is not None:
-      dx = dx + _u_dot(sd.u, jnp.dot(sd.p, f32(w).T, precision=_HIGHEST), m, highest=True)
+      dx = dx + _u_dot(sd.u, jnp.dot(sd.p, f32(w).T, precision=_HIGHEST), m)
   else:
     dx = _fdot(dy_MxN, w.astype(x.dtype), _NT)
   if config.wgrad:
     dw = _reference_product(quantize_operand(x_q, "x_wgrad", keys, config, dtype=x.dtype),
                             quantize_operand(dy_q, "dy_wgrad", keys, config, dtype=x.dtype), _TN)
-    ut = lambda u, a: jnp.sum(f32(a), 0, keepdims=True) if u is None else jnp.dot(  # noqa: E731
-        u.T, f32(a), precision=_HIGHEST)
     if sx is not None:
-      dw = dw + jnp.dot(sx.p.T, ut(sx.u, dy_MxN), precision=_HIGHEST)
+      dw = dw + jnp.dot(sx.p.T, _ut_dot(sx.u, dy_MxN), precision=_HIGHEST)
     if sd is not None:
-      dw = dw + jnp.dot(ut(sd.u, x_q).T, sd.p, precision=_HIGHEST)
+      dw = dw + jnp.dot(_ut_dot(sd.u, x_q).T, sd.p, precision=_HIGHEST)
   elif config.hadamard:
     dw = jnp.dot(wgrad_operand(x_MxK, keys).T, wgrad_operand(dy_MxN, keys), precision=_HIGHEST)
   else:
