@@ -5,6 +5,8 @@
   dS with its ``"tile"`` scope.
 - ``orthogonality_error``: the singular-value spread of a Newton–Schulz output
   (``fp4jax.optim.newton_schulz``), on the host.
+- ``top_energy_share`` and ``mean_energy_share``: how much of a matrix's energy its top singular
+  directions and its mean row hold (``fp4jax.telemetry`` measures each projection's W, x and dy).
 
 Nothing in the training step calls these; ``fp4jax.ops`` and ``fp4jax.optim`` hold the ops and
 transformations they measure.
@@ -101,3 +103,59 @@ def orthogonality_error(x_MxN) -> dict[str, float]:
   s = np.linalg.svd(np.asarray(x_MxN, np.float64), compute_uv=False)
   return {"s_min": float(s.min()), "s_max": float(s.max()), "s_std": float(s.std()),
           "max_dev": float(np.abs(s - 1.0).max())}
+
+
+def _gram_eigenvalues(a_MxN) -> jax.Array:
+  """The squared singular values of a 2-D array, ascending: the eigenvalues (clipped at 0) of the
+  smaller of its Gram matrices ``AᵀA`` (N×N) and ``AAᵀ`` (M×M), in float32."""
+  a = jnp.asarray(a_MxN, _F32)
+  if a.ndim != 2:
+    raise ValueError(f"expected a 2-D array, got shape {a.shape}")
+  spec = "mk,ml->kl" if a.shape[0] >= a.shape[1] else "km,lm->kl"
+  return jnp.maximum(jnp.linalg.eigvalsh(_dot(spec, a, a)), 0.0)
+
+
+def top_energy_share(a_MxN, k: int = 16) -> jax.Array:
+  """The share of a matrix's energy in its top ``k`` singular directions.
+
+  ``Σ_{i≤k} σᵢ² / Σ σᵢ² = ‖A_k‖² / ‖A‖²`` (``A_k`` the best rank-k approximation): 1 for a matrix
+  of rank ≤ k, about ``k / min(M, N)`` and a little more for a Gaussian one (a 384×1152 Gaussian:
+  ≈ 0.10 at k = 16). The singular values come from the eigenvalues of the smaller Gram matrix in
+  float32 (``min(M, N)``² memory and one eigendecomposition of that size); an ``eigvalsh`` of
+  float32 resolves eigenvalues to ~1e-7 of the largest, so the share is exact to ~1e-6.
+
+  Args:
+    a_MxN: a 2-D array of any float dtype.
+    k: the number of directions (≥ 1; all of them when ``k ≥ min(M, N)``).
+
+  Returns:
+    A float32 scalar in [0, 1]; 0 for a zero matrix.
+  """
+  if k < 1:
+    raise ValueError(f"top_energy_share: k={k}, expected k >= 1")
+  s2 = _gram_eigenvalues(a_MxN)
+  total = jnp.sum(s2)
+  return jnp.where(total > 0, jnp.sum(s2[-k:]) / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+def mean_energy_share(a_TxD) -> jax.Array:
+  """The share of a matrix's energy in its mean row: ``T·‖μ‖² / ‖A‖²``, ``μ = mean_t A[t, :]``.
+
+  The energy of ``1·μᵀ``, the rank-1 part that removing the mean (``A = 1·μᵀ + R``, with
+  ``‖A‖² = T·‖μ‖² + ‖R‖²``) takes out: 1 for identical rows, ~1/T for zero-mean noise. For
+  activations and gradients (tokens × features) it is the token mean's share; for a weight
+  (K × N, ``fp4jax.layers.Dense``'s kernel) the mean is over the K rows, the input dim. It is at most
+  ``top_energy_share(a, 1)`` (the mean row's direction is one candidate for the top one).
+
+  Args:
+    a_TxD: a 2-D array of any float dtype; the mean is over axis 0.
+
+  Returns:
+    A float32 scalar in [0, 1]; 0 for a zero matrix.
+  """
+  a = jnp.asarray(a_TxD, _F32)
+  if a.ndim != 2:
+    raise ValueError(f"expected a 2-D array, got shape {a.shape}")
+  total = jnp.sum(jnp.square(a))
+  mean = a.shape[0] * jnp.sum(jnp.square(jnp.mean(a, axis=0)))
+  return jnp.where(total > 0, mean / jnp.where(total > 0, total, 1.0), 0.0)

@@ -31,13 +31,26 @@ would cost). Names are ``telemetry/<module>/<tensor>_{rel_err,snr_db}``::
   <parameter module>     mu, nu  Adam's m and √v of the update      1×16, stochastic, as
                                  this batch makes                   ``fp4jax.optim`` stores them
 
+Each projection's ``w``, ``x`` and ``dy`` (the tensors above, as 2-D matrices: the kernel K × N,
+x tokens × K, dy tokens × N, all tokens of the batch) also get two shares of their energy, in [0, 1]
+(``fp4jax.analysis``)::
+
+  <tensor>_top16_energy   Σ_{i≤16} σᵢ² / Σ σᵢ²   the top 16 singular directions (≈ 16/min(M, N)
+                                                 for a Gaussian matrix, 0.1 at 384 × 1152)
+  <tensor>_mean_energy    T·‖μ‖² / ‖X‖²          the mean row μ (x, dy: the token mean, T tokens;
+                                                 w: the mean over the K rows, the input dim)
+
+``w`` there is the kernel that is quantized (W_res under LoRA-SVD). Each costs one float32 Gram
+matrix and one eigendecomposition of its smaller side (≤ 2048 for the 20m model: ~0.5 s per call
+on an H200 for its 72 matrices).
+
 The Adam moments: NVFP4 storage keeps only x̂, so ``x`` is the float32 moment that the next update
 computes (``m = b1·m̂_old + (1 − b1)·g``, ``√v = sqrt(b2·v̂_old + (1 − b2)·g²``, with this batch's
 gradient clipped as the optimizer clips it), and the error is that of storing it. Float32 states
 are measured the same way (what NVFP4 storage would lose). Only leaves that the storage rule
 stores as NVFP4 are measured; under ``scan_layers`` a moment's module is ``blocks.{a}-{b}``, the
 run of stacked blocks a..b (one global scale covers the run). Muon's momentum is float32 and not
-measured. The whole measurement is one jitted function, called every N steps
+measured. The whole measurement is one jitted function, called at step 1 and every N steps
 (``TrainConfig.telemetry_every``), outside the train step.
 """
 
@@ -69,6 +82,8 @@ from fp4jax.recipe import Recipe
 from fp4jax.sharding import BATCH_AXES
 
 PREFIX = "telemetry/"
+# The energy shares of each projection's w, x and dy: the top TOP_K singular directions.
+TOP_K = 16
 # dS telemetry materializes (B, H, T, T) scores: it looks at this many sequences of the batch.
 ATTENTION_EXAMPLES = 4
 _F32 = jnp.float32
@@ -148,7 +163,8 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
   Returns:
     A pure function of the train state ``{"step", "params", "opt_state", "rng"}`` and a batch
     ``{"inputs", "targets"}``, returning float32 scalars named ``telemetry/<module>/<metric>``
-    (and ``telemetry/loss``, the batch's loss). Jit it (``jit_telemetry``).
+    (``<tensor>_{rel_err,snr_db}``, and ``<tensor>_{top16,mean}_energy`` of each projection's
+    ``w``, ``x``, ``dy``; and ``telemetry/loss``, the batch's loss). Jit it (``jit_telemetry``).
   """
   cfg = dataclasses.replace(model_cfg, scan_layers=False, remat=False)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, recipe, rngs=nnx.Rngs(0), execution=execution,
@@ -185,7 +201,7 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
     base = jax.random.fold_in(key, 0x7E1E)
     keys = (jax.random.fold_in(base, i) for i in itertools.count())
     model = nnx.merge(graphdef, _unstack(params, segments) if model_cfg.scan_layers else params)
-    quant, products, ds = _Jobs(), [], []
+    quant, products, ds, shares = _Jobs(), [], [], {}
     for name, dense in _projections(model):
       config = _matmul_config(dense)
       w = dense.kernel[...].astype(_F32)
@@ -196,6 +212,9 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
       quant.add(f"{name}/x", _rows(x, -1), (1, 16), config.x_rounding, next(keys))
       quant.add(f"{name}/dy", _rows(dy, -1), (1, 16), config.dy_dgrad_rounding, next(keys))
       products.append((name, config, x, dense.kernel[...], dy, next(keys)))
+      for t, a in (("w", w), ("x", x), ("dy", dy)):
+        shares[f"{name}/{t}_top{TOP_K}_energy"] = analysis.top_energy_share(a, TOP_K)
+        shares[f"{name}/{t}_mean_energy"] = analysis.mean_energy_share(a)
     for name, attn in _attentions(model):
       config = _attention_config(attn.attention_op)
       q, k, v = (seen[name][t] for t in ("q", "k", "v"))
@@ -213,6 +232,7 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
       rel = jnp.where(ref > 0, err / jnp.where(ref > 0, ref, 1.0), 0.0)
       out[f"{PREFIX}{metric}_rel_err"] = rel
       out[f"{PREFIX}{metric}_snr_db"] = -20.0 * jnp.log10(rel)
+    out.update({PREFIX + k: v for k, v in shares.items()})
     return out
 
   return telemetry

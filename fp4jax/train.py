@@ -400,9 +400,10 @@ class TrainConfig:
     progress: a live progress bar when stdout is a terminal; elsewhere (a log file, a cluster
       job) one line per logged step.
     tensorboard: TensorBoard event files under ``<workdir>/tb`` (needs tensorboardX).
-    telemetry_every: every this many steps, before the step, log each module's NVFP4 quantization
-      error on the step's state and batch (``fp4jax.telemetry``; ``telemetry/...`` metrics and
-      ``telemetry_time_s``, its cost). 0: off.
+    telemetry_every: at step 1 and every this many steps, before the step, log each module's NVFP4
+      quantization error and each projection's energy shares on the step's state and batch
+      (``fp4jax.telemetry``; ``telemetry/...`` metrics and ``telemetry_time_s``, its cost): the
+      start, every N steps, and the end where N divides ``steps``. 0: off.
   """
 
   steps: int
@@ -633,7 +634,8 @@ def _train(model_cfg, recipe, opt_cfg, tc, workdir, train_iter, eval_batches, me
                                          or n == tc.steps)
 
   def is_telemetry(n: int) -> bool:
-    return tele is not None and n % tc.telemetry_every == 0
+    """Step 1 (the initial state) and every ``telemetry_every`` steps."""
+    return tele is not None and (n == 1 or n % tc.telemetry_every == 0)
 
   def should_log(n: int) -> bool:
     return (n == start + 1 or n % tc.log_every == 0 or is_eval(n) or is_telemetry(n)

@@ -51,8 +51,9 @@ def test_train_loop_logs_telemetry_every_n_steps(data_dir, tmp_path):
   rows = {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl")}
   assert sorted(rows) == [1, 2, 3, 4]
   for step, row in rows.items():
-    assert any(k.startswith("telemetry/") for k in row) == (step % 2 == 0), step
-  for step in (2, 4):
+    # Step 1 (the initial state) and every 2 steps.
+    assert any(k.startswith("telemetry/") for k in row) == (step in (1, 2, 4)), step
+  for step in (1, 2, 4):
     row = rows[step]
     _check_pairs(row)
     assert row["telemetry_time_s"] > 0
@@ -65,6 +66,9 @@ def test_train_loop_logs_telemetry_every_n_steps(data_dir, tmp_path):
         assert 0.08 < row[f"{m}/w_rel_err"] < 0.13, (m, row[f"{m}/w_rel_err"])
         for t in ("x", "dy", "dx", "dw", "mu", "nu"):
           assert 0.03 < row[f"{m}/{t}_rel_err"] < 0.3, (m, t, row[f"{m}/{t}_rel_err"])
+        for t in ("w", "x", "dy"):
+          top, mean = row[f"{m}/{t}_top16_energy"], row[f"{m}/{t}_mean_energy"]
+          assert 0 <= mean < 1 and 0 < top <= 1 + 1e-6, (m, t, top, mean)
       for t in ("q", "k"):
         assert 0.05 < row[f"telemetry/blocks.{i}.attn/{t}_rel_err"] < 0.15
       for t in ("ds", "ds_dq", "ds_dk"):
@@ -72,8 +76,9 @@ def test_train_loop_logs_telemetry_every_n_steps(data_dir, tmp_path):
     for m in ("embed", "lm_head"):
       assert 0.03 < row[f"telemetry/{m}/mu_rel_err"] < 0.3
   names = {re.sub(r"_(rel_err|snr_db)$", "", k) for k in rows[2] if k.startswith("telemetry/")}
-  assert len(names) == 1 + 2 * (4 * 7 + 5) + 2 * 2  # loss; per block 4 projections x
-  # (w, x, dy, dx, dw, mu, nu) and q, k, ds, ds_dq, ds_dk; embed and lm_head mu, nu
+  assert len(names) == 1 + 2 * (4 * (7 + 6) + 5) + 2 * 2  # loss; per block 4 projections x
+  # (w, x, dy, dx, dw, mu, nu; w, x, dy x top16, mean energy) and q, k, ds, ds_dq, ds_dk; embed and
+  # lm_head mu, nu
   tb = list((tmp_path / "tb").glob("events.out.tfevents.*"))
   assert tb and b"telemetry/blocks.1.mlp.down/w_rel_err" in tb[0].read_bytes()
 
@@ -123,6 +128,13 @@ def test_lorasvd_weight_error_is_relative_to_the_effective_weight():
   assert got == pytest.approx(err(w_res) / np.linalg.norm(w_eff), rel=1e-4)
   # The low-rank branch holds the dominant directions: less error than quantizing W_eff.
   assert got < err(w_eff) / np.linalg.norm(w_eff)
+  # The energy shares are of the quantized kernel (W_res), the mean over its rows (the input dim).
+  w64 = w_res.astype(np.float64)
+  s2 = np.linalg.svd(w64, compute_uv=False) ** 2
+  assert row["telemetry/blocks.0.mlp.gate_up/w_top16_energy"] == pytest.approx(
+      s2[:16].sum() / s2.sum(), rel=1e-4)
+  assert row["telemetry/blocks.0.mlp.gate_up/w_mean_energy"] == pytest.approx(
+      w64.shape[0] * np.square(w64.mean(0)).sum() / np.square(w64).sum(), rel=1e-4)
   assert not any("mu_rel_err" in k for k in row)  # no optimizer config: no moments
 
 

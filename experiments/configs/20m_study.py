@@ -9,8 +9,11 @@ command with ``--arms=NAME``; experiments/STUDY.md)::
 
 Hardware: one H200 (a few minutes per arm alone; two to four arms share it with ``--parallel``).
 Tokens: 1500 steps x 64 x 512 = 49.2M per arm (1.89 epochs of mix's 26.1M-token train split); the
-per-module quantization error is logged every ``steps // 10`` = 150 steps; each arm is evaluated on
-the first ``study.eval_tokens`` = 1,048,576 held-out tokens (2,048 windows of 512).
+telemetry (per-module quantization error, per-projection energy shares) is logged at step 1 and every
+``steps // 10`` = 150 steps (``telemetry_every`` left at 0: experiments.study's default, so the
+recorded study's config stays this one), i.e. the start, 300 (the notebook's quarter point) and
+1500, the end; each arm is evaluated on the first ``study.eval_tokens`` = 1,048,576 held-out
+tokens (2,048 windows of 512).
 Expected loss (measured on one H200, experiments/results/20m_h200: ``table.md`` and each arm's
 ``metrics.jsonl``): 9.09–9.11 at step 1; bf16 (seeds 0–2) held-out eval loss 2.4467–2.4518 (mean
 2.4491, spread 0.21%) and in-loop ``eval_loss`` 2.801–2.805 at step 1500; fp4_linear 2.4838
