@@ -17,7 +17,7 @@ identity (optimizer settings, data, batch size, sequence length, seed) unless
 Compiled programs are kept in JAX's persistent compilation cache (``--compilation_cache``, default
 ``$FP4JAX_CACHE`` or ``~/.cache/fp4jax/xla``; empty turns it off), so a resumed run, another seed
 of the same config, or a second launch skips most of XLA's compilation.
-SIGTERM / Ctrl-C save a checkpoint at the current step and exit with status 128 + the signal.
+SIGTERM / Ctrl-C / SIGHUP save a checkpoint at the current step and exit with status 128 + the signal.
 Errors in the command line, config or data print as one ``error:`` message (what is wrong, what to
 do); ``--verbose`` (or ``FP4JAX_VERBOSE=1``) adds the traceback.
 
@@ -182,6 +182,25 @@ def from_config(cfg, vocab_size: int | None = None):
           typed(TrainConfig, c, "config"), execution)
 
 
+DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def initialize_distributed() -> None:
+  """``jax.distributed.initialize()``; without a coordinator (no SLURM, Open MPI or TPU pod found,
+  and the environment variables unset) a ``ValueError`` that says what to set."""
+  try:
+    jax.distributed.initialize()
+  except ValueError as e:
+    if "coordinator" not in str(e):
+      raise
+    unset = [v for v in DISTRIBUTED_ENV if not os.environ.get(v)]
+    raise ValueError(
+        f"--distributed found no coordinator ({e}): jax.distributed.initialize() detects SLURM, "
+        f"Open MPI and TPU pods; elsewhere set {', '.join(DISTRIBUTED_ENV)} on every host (e.g. "
+        "JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 on the first); "
+        f"unset now: {', '.join(unset) or 'none'}. One host needs no --distributed") from e
+
+
 def prepare_data(cfg) -> tuple[str, data.DataMeta]:
   """Prepares (or reuses) the token shards of ``cfg.data``; returns ``(data_dir, meta)``."""
   if jax.process_count() > 1 and cfg.data.dir is None:
@@ -236,7 +255,7 @@ def main(argv):
   check_command_line(argv, "python -m experiments.train --config=experiments/configs/tiny.py "
                      "--workdir=runs/tiny", "config", "workdir")
   if fl.distributed:
-    jax.distributed.initialize()
+    report_errors(initialize_distributed, fl.verbose)
   enable_compilation_cache(fl.compilation_cache)
   summary = report_errors(lambda: run(fl.config, fl.workdir, fl.allow_changes), fl.verbose)
   print(json.dumps(summary))
