@@ -167,6 +167,12 @@ def _under(path: str, sections: Iterable[str]) -> bool:
   return any(path == s or path.startswith(s + ".") for s in sections)
 
 
+def identity_diffs(saved: Mapping, current: Mapping) -> list[str]:
+  """``"<field>: checkpoint <saved>, this run <current>"`` for each field that differs (a field the
+  saved identity lacks is not compared)."""
+  return [f"{p}: checkpoint {a!r}, this run {b!r}" for p, a, b in _diff(saved, current)]
+
+
 def identity_changes(saved: Mapping, current: Mapping, allow: Iterable[str] = ()) -> list[str]:
   """Compares a checkpoint's run identity with this run's.
 
