@@ -106,7 +106,8 @@ class RunLock:
       raise RunLockedError(
           f"{self.path} exists but cannot be read ({e}); if no run uses {self.path.parent}, "
           "delete it and launch again") from e
-    two = (f"two {self.what}s in one folder would overwrite each other's "
+    plural = "studies" if self.what == "study" else f"{self.what}s"
+    two = (f"two {plural} in one folder would overwrite each other's "
            + ("checkpoints" if self.what == "run" else "runs"))
     if host != me["host"]:
       raise RunLockedError(
