@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
@@ -34,6 +36,8 @@ CHECKSUMS = "fp4jax_checksums.json"
 # Written by orbax after the step's contents are complete (markers and step metadata).
 _UNCHECKED = ("_CHECKPOINT_METADATA", "commit_success.txt")
 _TMP = ".orbax-checkpoint-tmp"
+# Parameters beyond this magnitude are a diverged run's, not a checkpoint to go back to.
+PARAM_BOUND = 1e6
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -264,6 +268,45 @@ class Checkpointer:
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"fp4jax checkpoint {step} moved")
     self._mgr.reload()
+
+  def params_max_abs(self, step: int) -> float:
+    """The largest magnitude of the parameters (``state["params"]``) saved as ``step``; NaN if one
+    is NaN, inf if one is infinite."""
+    state = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    top = 0.0
+    for x in jax.tree.leaves(state.state["params"]):
+      x = np.abs(np.asarray(jax.device_get(x), np.float32))
+      if x.size:
+        m = float(np.max(x)) if not np.isnan(x).any() else math.nan
+        top = m if math.isnan(m) else max(top, m)
+        if math.isnan(top):
+          return top
+    return top
+
+  def last_sound_step(self, bound: float = PARAM_BOUND) -> tuple[int | None, list[str]]:
+    """The newest step that verifies and whose parameters are finite and at most ``bound`` in
+    magnitude (a divergence can save steps of parameters ~1e17 before its loss turns NaN).
+
+    Returns:
+      ``(step or None, why each newer step was passed over)``.
+    """
+    passed = []
+    for step in sorted(self.all_steps(), reverse=True):
+      why = verify(self.directory / str(step))
+      if why not in (None, "unverified"):
+        passed.append(f"step {step} is corrupt ({why})")
+        continue
+      try:
+        top = self.params_max_abs(step)
+      except Exception as e:  # noqa: BLE001 (an unreadable step is passed over, and said)
+        passed.append(f"step {step} cannot be read ({type(e).__name__})")
+        continue
+      if not top <= bound:
+        passed.append(f"step {step} holds parameters with magnitudes up to {top:.0e}"
+                      if math.isfinite(top) else f"step {step} holds non-finite parameters")
+        continue
+      return step, passed
+    return None, passed
 
   def read_meta(self, step: int) -> dict:
     """The ``meta`` saved with ``step``."""
