@@ -57,6 +57,8 @@ def _is_grain(it) -> bool:
 
 
 def _files(step_dir: Path) -> list[Path]:
+  if not step_dir.is_dir():
+    return []
   return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS
                 and p.name not in _UNCHECKED)
 
@@ -84,12 +86,16 @@ def verify(step_dir: str | os.PathLike) -> str | None:
 
   Returns:
     None if every file is there with its recorded size and sha256; ``"unverified"`` if the step
-    has no checksums (written by an older fp4jax, or stopped between the save and the checksums);
-    otherwise what failed (the file and how).
+    has no checksums (written by an older fp4jax, or stopped between the save and the checksums)
+    but holds its state and meta; otherwise what failed (the file and how, or that the step folder
+    is empty or partial).
   """
   step_dir = Path(step_dir)
   path = step_dir / CHECKSUMS
   if not path.is_file():
+    missing = [i for i in ("state", "meta") if not any(_files(step_dir / i))]
+    if missing:  # a step folder left empty or half-written (a copy, a crash before orbax's rename)
+      return f"{step_dir} is empty or partial (no {' or '.join(missing)} files)"
     return "unverified"
   try:
     want = json.loads(path.read_text())["files"]

@@ -379,3 +379,22 @@ def test_launcher_user_errors_are_short(tmp_path, args, rc, want):
   else:
     assert "Traceback" not in r.stderr and len(err) <= 2, r.stderr
   assert not (tmp_path / "checkpoints").exists()
+
+
+def test_an_empty_or_partial_step_folder_falls_back_like_a_corrupt_one(tmp_path, capsys):
+  import jax.numpy as jnp
+
+  from fp4jax.checkpoint import Checkpointer
+  ckpts = tmp_path / "checkpoints"
+  ckpt = Checkpointer(ckpts, every=1, async_save=False)
+  ckpt.save(2, {"w": jnp.ones(3)}, meta={"a": 1})
+  ckpt.close()
+  (ckpts / "4").mkdir()  # empty, as a copy or a crash can leave it
+  (ckpts / "6" / "state").mkdir(parents=True)  # partial
+  ckpt = Checkpointer(ckpts, every=1, async_save=False)
+  assert ckpt.intact_step() == 2
+  out = capsys.readouterr().out
+  assert f"checkpoint {ckpts / '6'} is corrupt: {ckpts / '6'} is empty or partial" in out
+  assert f"checkpoint {ckpts / '4'} is corrupt" in out and "falling back to step 2" in out
+  assert sorted(p.name for p in (tmp_path / "checkpoints-corrupt").iterdir()) == ["4", "6"]
+  ckpt.close()
