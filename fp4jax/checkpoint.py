@@ -18,6 +18,7 @@ and the run goes on; the next save tries again.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -113,6 +114,25 @@ def verify(step_dir: str | os.PathLike) -> str | None:
   return f"{step_dir / extra[0]} was not part of the save" if extra else None
 
 
+def no_space(e: BaseException) -> bool:
+  """Whether ``e`` (or an exception it was raised from) is a full disk (ENOSPC)."""
+  while e is not None:
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
+def space_line(path: str | os.PathLike, need_bytes: int | None, what: str) -> str:
+  """``no space left on device at <path>: <what> needs about N MB, M MB free there``."""
+  path = Path(path)
+  probe = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+  free = shutil.disk_usage(probe).free
+  need = f"about {need_bytes / 1e6:,.1f} MB" if need_bytes else "more space"
+  return (f"no space left on device at {path}: {what} needs {need}, {free / 1e6:,.1f} MB free "
+          "there; free some space or point it at another disk")
+
+
 def _say(text: str) -> None:
   if jax.process_index() == 0:
     print(text, flush=True)
@@ -138,6 +158,7 @@ class Checkpointer:
     self.every = every
     self.log = log
     self._saving: list[int] = []  # steps saved by this process, checksums not yet confirmed
+    self._need: int | None = None  # bytes of the last state saved (for a full disk's message)
     async_options = ocp.AsyncOptions(post_finalization_callback=self._on_saved) \
         if async_save else None
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=1,
@@ -175,9 +196,11 @@ class Checkpointer:
       self._mgr.wait_until_finished()
     except Exception as e:  # noqa: BLE001 (any storage error: report it, keep training)
       ok = False
-      self.log(f"warning: saving checkpoint step {self._saving[-1] if self._saving else '?'} "
-               f"to {self.directory} failed ({type(e).__name__}: {e}); training goes on and the "
-               "next save tries again")
+      step = self._saving[-1] if self._saving else "?"
+      why = (space_line(self.directory, self._need, f"checkpoint step {step}") if no_space(e)
+             else f"{type(e).__name__}: {e}")
+      self.log(f"warning: saving checkpoint step {step} to {self.directory} failed ({why}); "
+               "training goes on and the next save tries again")
     for step in self._saving:
       step_dir = self.directory / str(step)
       if jax.process_index() == 0 and step_dir.is_dir() and not (step_dir / CHECKSUMS).is_file():
@@ -201,6 +224,7 @@ class Checkpointer:
       True if a save was started.
     """
     self._settle()
+    self._need = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state))
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta or {})}
     if data_iter is not None:
       items.update(_data_save(data_iter))
@@ -209,8 +233,10 @@ class Checkpointer:
       started = self._mgr.save(step, args=ocp.args.Composite(**items), force=True)
     except Exception as e:  # noqa: BLE001
       self._saving.pop()
-      self.log(f"warning: could not save checkpoint step {step} to {self.directory} "
-               f"({type(e).__name__}: {e}); training goes on and the next save tries again")
+      why = (space_line(self.directory, self._need, f"checkpoint step {step}") if no_space(e)
+             else f"{type(e).__name__}: {e}")
+      self.log(f"warning: could not save checkpoint step {step} to {self.directory} ({why}); "
+               "training goes on and the next save tries again")
       return False
     if not self._mgr.is_saving_in_progress():
       self._settle()

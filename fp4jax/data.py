@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import hashlib
 import json
 import os
 import shutil
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fp4jax import corpus as corpus_lib
+from fp4jax.checkpoint import no_space, space_line
 from fp4jax import tokenizer as tokenizer_lib
 from fp4jax.sharding import BATCH_AXES
 
@@ -362,22 +365,35 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-      train_texts = (corpus_lib.read_text(p, encoding) for p in files.train)
-      tok = tokenizer_lib.make_tokenizer(tokenizer, train_texts, tmp, vocab_size=vocab_size)
-      dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
-      splits = {s: _write_split(tok, files.split(s), tmp, s, _DTYPES[dtype], shard_tokens,
-                                encoding) for s in SPLITS}
-      meta = DataMeta(format_version=FORMAT_VERSION, dtype=dtype, vocab_size=tok.vocab_size,
-                      eos_id=tok.eos_id, tokenizer=tok.spec(), splits=splits,
-                      corpus={"name": files.name, "fingerprint": files.fingerprint},
-                      licenses=list(files.licenses), fingerprint=fingerprint)
-      (tmp / META_FILE).write_text(json.dumps(dataclasses.asdict(meta), indent=1))
-      if out.exists():
-        shutil.rmtree(out)
-      tmp.rename(out)
+      return _write(files, tokenizer, vocab_size, tmp, out, shard_tokens, encoding, fingerprint)
+    except OSError as e:
+      if not no_space(e):
+        raise
+      text = sum(p.stat().st_size for s in SPLITS for p in files.split(s))
+      raise OSError(errno.ENOSPC, space_line(
+          out.parent, 4 * text, f"the token shards of {files.name} (up to 4 bytes per byte of its "
+          f"{text / 1e6:,.1f} MB of text)")) from e
     finally:
       shutil.rmtree(tmp, ignore_errors=True)
-    return meta
+
+
+def _write(files, tokenizer, vocab_size, tmp: Path, out: Path, shard_tokens: int, encoding: str,
+           fingerprint: str) -> DataMeta:
+  """Tokenizes into ``tmp``, then renames it to ``out``."""
+  train_texts = (corpus_lib.read_text(p, encoding) for p in files.train)
+  tok = tokenizer_lib.make_tokenizer(tokenizer, train_texts, tmp, vocab_size=vocab_size)
+  dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
+  splits = {s: _write_split(tok, files.split(s), tmp, s, _DTYPES[dtype], shard_tokens,
+                            encoding) for s in SPLITS}
+  meta = DataMeta(format_version=FORMAT_VERSION, dtype=dtype, vocab_size=tok.vocab_size,
+                  eos_id=tok.eos_id, tokenizer=tok.spec(), splits=splits,
+                  corpus={"name": files.name, "fingerprint": files.fingerprint},
+                  licenses=list(files.licenses), fingerprint=fingerprint)
+  (tmp / META_FILE).write_text(json.dumps(dataclasses.asdict(meta), indent=1))
+  if out.exists():
+    shutil.rmtree(out)
+  tmp.rename(out)
+  return meta
 
 
 def load_tokenizer(data_dir: str | os.PathLike) -> tokenizer_lib.Tokenizer:
@@ -555,6 +571,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   pp.add_argument("--overwrite", action="store_true",
                   help="replace an --out folder that holds other data")
   pp.add_argument("--encoding", default="utf-8", help="encoding of the .txt files")
+  pp.add_argument("--verbose", action="store_true", help="print the traceback of errors")
   pi = sub.add_parser("info", help="print a data dir's summary")
   pi.add_argument("dir")
   a = p.parse_args(argv)
@@ -569,7 +586,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                      shard_tokens=a.shard_tokens, cache_dir=a.data_dir, overwrite=a.overwrite,
                      encoding=a.encoding)
   except (ValueError, OSError, corpus_lib.CorpusUnavailableError) as e:
-    raise SystemExit(f"error: {e}") from e
+    if getattr(a, "verbose", False) or os.environ.get("FP4JAX_VERBOSE", "") not in ("", "0"):
+      traceback.print_exc()
+    raise SystemExit(f"error: {e}") from None
   print("\n".join(_summary(meta, out)))
 
 
