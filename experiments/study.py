@@ -28,18 +28,32 @@ table marks their throughput (``tokens/s``, ``step ms``) with † (``shared_devi
 it is not the speed of their recipe. ``<workdir>/study.json`` records the study's config: a workdir of a
 study with another config (model, data, steps, ...) is refused; a config field that the recorded
 study lacks (a field added since, at its default) is not compared.
+
+A study is a run too (``README.md``, Reliability): one study per workdir (``<workdir>/run.lock``); a
+finished arm is reused only if its final checkpoint verifies and its run identity (what
+``experiments.train`` checks on resume) is this command's, else the command refuses, naming the
+fields (a corrupt final checkpoint trains again from the newest intact step). SIGTERM, SIGINT and
+SIGHUP reach each arm in training once (``--parallel``: the arms run in sessions of their own, so a
+terminal's Ctrl-C reaches the parent only, which forwards it); each arm saves its step and exits, the
+command waits for them, says which arms stopped at which step, and exits with status 128 + the
+signal; the same command resumes every arm. Each row states the step, corpus and size of its
+evaluation (``eval_step``, ``eval_text``, ``eval_tokens``, ``eval_max_tokens``); a row evaluated
+otherwise than this command asks (``comparable`` false) gets no gap and is not in the noise floor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -50,10 +64,12 @@ from ml_collections import config_flags
 
 from experiments import evaluate as evaluate_lib
 from experiments import train as launcher
-from experiments.compare import run_summary
+from experiments.compare import BETWEEN_RUNS, run_summary
 from fp4jax import data
+from fp4jax.preemption import SIGNALS, StopSignals, TrainingInterrupted
 from fp4jax.recipe import MODULES, PRESETS, Recipe
 from fp4jax.train import NonFiniteLossError, OptimizerConfig
+from fp4jax.workdir import RunLock
 
 STUDY_FILE = "study.json"
 ROWS_FILE = "study.jsonl"
@@ -63,6 +79,7 @@ SHARED_FILE = "shared_device.json"  # {"parallel": N}: the arm trained beside ot
 ARM_LOGS = ("metrics.jsonl", "config.json", EVAL_FILE, SHARED_FILE)
 # Set in the processes of --parallel: their arms train beside others.
 _CHILD_ENV = "FP4JAX_STUDY_PARALLEL"
+_PARENT_ENV = "FP4JAX_STUDY_PARENT"  # the parent's pid: an arm whose parent died stops itself
 # Config fields that do not change what a run computes: a study may resume with others.
 VOLATILE = ("progress", "tensorboard")
 
@@ -289,16 +306,23 @@ def is_finished(workdir: Path, steps: int) -> bool:
 def evaluate_arm(workdir: Path, corpus: str, steps: int, max_tokens: int | None,
                  batch_size: int | None) -> dict:
   """Held-out loss of a finished arm (``experiments.evaluate``), cached in ``eval.json`` for its
-  step and settings."""
+  step and settings. ``step`` is the step evaluated: the newest intact checkpoint's, which is not
+  ``steps`` if the final checkpoint turned out corrupt (it is moved aside, and the next run of the
+  study trains the arm again from there)."""
   path = workdir / EVAL_FILE
-  key = {"step": steps, "text": corpus, "max_tokens": max_tokens}
+  key = {"text": corpus, "max_tokens": max_tokens}
   if path.is_file():
     cached = json.loads(path.read_text())
-    if all(cached.get(k) == v for k, v in key.items()):
+    if cached.get("step") == steps and all(cached.get(k) == v for k, v in key.items()):
       return cached
   r = evaluate_lib.evaluate(workdir, corpus, "validation", max_tokens, batch_size)
   r.update(key)
-  path.write_text(json.dumps(r, indent=1) + "\n")
+  if r["step"] != steps:
+    print(f"{workdir.name}: evaluated at step {r['step']}, not {steps}: the final checkpoint is "
+          "not intact; the row says so and is not compared", flush=True)
+  tmp = path.with_name(EVAL_FILE + ".tmp")
+  tmp.write_text(json.dumps(r, indent=1) + "\n")
+  os.replace(tmp, path)
   return r
 
 
@@ -309,8 +333,9 @@ def run_arm(cfg, arm: Arm, workdir: Path, eval_tokens: int | None = None,
   c = arm_config(cfg, arm, telemetry)
   run_dir = workdir / arm.name
   status = "reused"
-  if not is_finished(run_dir, c.steps):
+  if not launcher.finished_run(c, run_dir):
     status = "trained"
+    (run_dir / EVAL_FILE).unlink(missing_ok=True)  # of an earlier checkpoint
     if not os.environ.get(_CHILD_ENV):  # trained alone: its throughput is its own
       (run_dir / SHARED_FILE).unlink(missing_ok=True)
     try:
@@ -324,8 +349,10 @@ def run_arm(cfg, arm: Arm, workdir: Path, eval_tokens: int | None = None,
   return status
 
 
-def arm_row(cfg, arm: Arm, workdir: Path) -> dict | None:
-  """The study's row of one arm (None if it has not run): losses, tokens, throughput, epochs."""
+def arm_row(cfg, arm: Arm, workdir: Path, eval_tokens: int | None = None) -> dict | None:
+  """The study's row of one arm (None if it has not run): losses, tokens, throughput, epochs, and
+  its evaluation's step, corpus and size; ``comparable`` if that evaluation is the one this study
+  asks for (step ``steps``, the config's corpus, at most ``eval_tokens`` tokens)."""
   run_dir = workdir / arm.name
   c = arm_config(cfg, arm)
   diverged = (run_dir / "diverged.json").is_file()
@@ -341,10 +368,14 @@ def arm_row(cfg, arm: Arm, workdir: Path) -> dict | None:
   parallel = json.loads(shared.read_text())["parallel"] if shared.is_file() else 1
   overrides = {k: _plain(c.recipe[k]) for k in arm.recipe}  # lora_resplit_every resolved
   recipe = {**{k: c.recipe[k] for k in MODULES}, **overrides}
+  comparable = (not diverged and ev.get("step") == c.steps and ev.get("text") == c.data.corpus
+                and ev.get("max_tokens") == eval_tokens)
   return {"arm": arm.name, "status": "diverged" if diverged else "ok", "group": arm.group,
           "baseline": arm.baseline, "preset": arm.preset, "overrides": overrides, "recipe": recipe,
           "optimizer": c.optimizer.name, "seed": arm.seed,
           "eval_loss": ev.get("loss", math.nan), "eval_tokens": ev.get("tokens", 0),
+          "eval_step": ev.get("step"), "eval_text": ev.get("text"),
+          "eval_max_tokens": ev.get("max_tokens"), "comparable": comparable,
           "train_loss": s.get("train_loss", math.nan), "step": s.get("step", 0),
           "tokens": tokens, "params": run["num_params"],
           "tokens_per_s": c.batch_size * c.seq_len / step_time if step_time > 0 else math.nan,
@@ -356,12 +387,15 @@ def add_gaps(rows: list[dict]) -> dict:
   """Adds ``gap_pct`` (eval loss against the bf16 seed mean) and ``baseline_gap_pct`` (against the
   row's ``baseline`` arm, NaN without one) to every row; returns the noise floor ``{"n", "mean",
   "min", "max", "std", "spread_pct", "std_pct"}`` of the bf16 seeds (``spread_pct``: (max − min) /
-  mean in %; ``std``: sample standard deviation, 0 for one seed)."""
-  losses = {r["arm"]: r["eval_loss"] for r in rows}
+  mean in %; ``std``: sample standard deviation, 0 for one seed). Rows whose ``comparable`` is
+  false (evaluated at another step, size or corpus) get NaN gaps and are not in the floor."""
+  ok = [r for r in rows if r.get("comparable", True)]
+  losses = {r["arm"]: r["eval_loss"] for r in ok}
   for r in rows:
     base = losses.get(r.get("baseline"), math.nan)
-    r["baseline_gap_pct"] = 100 * (r["eval_loss"] - base) / base
-  ref = [r["eval_loss"] for r in rows
+    mine = r["eval_loss"] if r.get("comparable", True) else math.nan
+    r["baseline_gap_pct"] = 100 * (mine - base) / base
+  ref = [r["eval_loss"] for r in ok
          if r["group"] == "bf16" and r["status"] == "ok" and math.isfinite(r["eval_loss"])]
   if not ref:
     for r in rows:
@@ -370,7 +404,7 @@ def add_gaps(rows: list[dict]) -> dict:
   mean = sum(ref) / len(ref)
   std = statistics.stdev(ref) if len(ref) > 1 else 0.0
   for r in rows:
-    r["gap_pct"] = 100 * (r["eval_loss"] - mean) / mean
+    r["gap_pct"] = 100 * (r["eval_loss"] - mean) / mean if r.get("comparable", True) else math.nan
   return {"n": len(ref), "mean": mean, "min": min(ref), "max": max(ref), "std": std,
           "spread_pct": 100 * (max(ref) - min(ref)) / mean, "std_pct": 100 * std / mean}
 
@@ -393,18 +427,27 @@ def table(rows: list[dict], floor: dict, title: str = "") -> str:
                  f"of the mean, std {floor['std_pct']:.2f}%): gaps inside that spread are noise.")
   else:
     lines.append("no bf16 seed has finished: no gaps yet.")
-  lines += ["", "| arm | recipe | seed | eval loss | gap % | vs baseline % | train loss | tokens | params "
-            "| tokens/s | epochs | step ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  lines += ["", "| arm | recipe | seed | eval loss | eval step | eval tokens | gap % | vs baseline % "
+            "| train loss | tokens | params | tokens/s | epochs | step ms |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     mods = [r["preset"]] + [f"{k}={v}" for k, v in _flat(r["overrides"]).items()]
     if r["optimizer"] != "adamw":
       mods.append(f"optimizer={r['optimizer']}")
     eval_loss = "diverged" if r["status"] == "diverged" else _fmt(r["eval_loss"], ".4f")
     mark = " †" if r.get("shared_device", 1) > 1 else ""
-    lines.append(f"| {r['arm']} | {', '.join(mods)} | {r['seed']} | {eval_loss} | "
-                 f"{_fmt(r['gap_pct'], '+.2f')} | {_baseline(r)} | {_fmt(r['train_loss'], '.4f')} | "
+    other = r["status"] != "diverged" and not r.get("comparable", True)
+    gap = "not compared ‡" if other else _fmt(r["gap_pct"], "+.2f")
+    ev_step = "–" if r.get("eval_step") is None else str(r["eval_step"])
+    ev_tokens = f"{r['eval_tokens']:,}" if r.get("eval_tokens") else "–"
+    lines.append(f"| {r['arm']} | {', '.join(mods)} | {r['seed']} | {eval_loss} | {ev_step} | "
+                 f"{ev_tokens} | {gap} | {_baseline(r)} | {_fmt(r['train_loss'], '.4f')} | "
                  f"{r['tokens']:,} | {r['params']:,} | {_fmt(r['tokens_per_s'], ',.0f')}{mark} | "
                  f"{_fmt(r['epochs'], '.3g')} | {_fmt(1000 * r['step_time_s'], '.0f')}{mark} |")
+  if any(r["status"] != "diverged" and not r.get("comparable", True) for r in rows):
+    lines += ["", "‡ evaluated at another step, on another corpus or number of tokens than this "
+              "study's evaluation: not compared (run the study with `--arms=` that arm and this "
+              "command's `--eval_tokens` to evaluate it again)."]
   shared = sorted({r["shared_device"] for r in rows if r.get("shared_device", 1) > 1})
   if shared:
     lines += ["", f"† trained with up to {shared[-1]} arms at once on the same device(s) "
@@ -412,9 +455,11 @@ def table(rows: list[dict], floor: dict, title: str = "") -> str:
   return "\n".join(lines)
 
 
-def write_results(cfg, workdir: Path) -> tuple[list[dict], str]:
-  """Writes ``study.jsonl`` and ``table.md`` from every finished arm of ``workdir``."""
-  rows = [r for a in ARMS if (r := arm_row(cfg, a, workdir)) is not None]
+def write_results(cfg, workdir: Path, eval_tokens: int | None = None) -> tuple[list[dict], str]:
+  """Writes ``study.jsonl`` and ``table.md`` from every finished arm of ``workdir``; rows
+  evaluated on other than ``eval_tokens`` held-out tokens (at most; None: the whole split) are not
+  compared."""
+  rows = [r for a in ARMS if (r := arm_row(cfg, a, workdir, eval_tokens)) is not None]
   floor = add_gaps(rows)
   with open(workdir / ROWS_FILE, "w") as f:
     for r in rows:
@@ -461,60 +506,130 @@ def child_command(argv: Sequence[str], arm: str) -> list[str]:
   return [sys.executable, "-m", "experiments.study", *out, f"--arms={arm}"]
 
 
+class _Forward:
+  """The parent's handling of SIGTERM / SIGINT / SIGHUP under ``--parallel``: a signal is recorded
+  (Python handler) and the loop forwards each one to every running arm once."""
+
+  def __enter__(self) -> _Forward:
+    self.received: list[int] = []
+    self._active = threading.current_thread() is threading.main_thread()
+    if self._active:
+      self._old = {s: signal.signal(s, lambda signum, _: self.received.append(signum))
+                   for s in SIGNALS}
+      self._old_fd = signal.set_wakeup_fd(-1)  # an enclosing StopSignals must not exit now
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self._active:
+      signal.set_wakeup_fd(self._old_fd)
+      for s, h in self._old.items():
+        signal.signal(s, h)
+
+
+def _watch_parent() -> None:
+  """In an arm's process under ``--parallel``: a parent that died (SIGKILL) leaves no orphan; the
+  arm stops as on SIGTERM (saving its step)."""
+  parent = int(os.environ.get(_PARENT_ENV, "0"))
+
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+  if parent:
+    threading.Thread(target=watch, name="fp4jax-study-parent", daemon=True).start()
+
+
+def _stop_line(log: Path) -> str:
+  """The arm's own line about its stop (``stopped by ...``), or its last line."""
+  lines = log.read_text(errors="replace").strip().splitlines() or ["(no output)"]
+  return next((x for x in reversed(lines) if x.startswith("stopped by")), lines[-1])
+
+
 def run_parallel(cfg, workdir: Path, arms: Sequence[Arm], parallel: int,
                  argv: Sequence[str]) -> list[str]:
   """Runs each arm as ``python -m experiments.study --arms=ARM`` (``child_command``), up to
-  ``parallel`` processes at once, each writing ``<workdir>/logs/<arm>.log``; prints when each starts
-  and ends. An arm that is not finished yet gets ``shared_device.json`` (its throughput is that of a
-  shared device). The processes do not preallocate device memory and each may take up to
-  ``0.9 / parallel`` of it (``XLA_PYTHON_CLIENT_PREALLOCATE`` false, ``XLA_PYTHON_CLIENT_MEM_FRACTION``,
-  unless set). Returns the names of the arms whose process failed."""
+  ``parallel`` processes at once, each in a session of its own and appending to
+  ``<workdir>/logs/<arm>.log``; prints when each starts and ends. An arm that is not finished yet
+  gets ``shared_device.json`` (its throughput is that of a shared device). The processes do not
+  preallocate device memory and each may take up to ``0.9 / parallel`` of it
+  (``XLA_PYTHON_CLIENT_PREALLOCATE`` false, ``XLA_PYTHON_CLIENT_MEM_FRACTION``, unless set).
+
+  A SIGTERM, SIGINT or SIGHUP is forwarded once to every running arm (each saves its step and
+  exits), no further arm starts, and once all have exited ``TrainingInterrupted`` names where each
+  stopped. Returns the names of the arms whose process failed."""
   logs = workdir / "logs"
   logs.mkdir(parents=True, exist_ok=True)
   repo = str(Path(__file__).resolve().parents[1])
-  env = {**os.environ, _CHILD_ENV: str(parallel),
+  env = {**os.environ, _CHILD_ENV: str(parallel), _PARENT_ENV: str(os.getpid()),
          "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
   env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   # Each process's allocator may grow to this share of the device, so together they fit on it.
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / parallel:.3f}")
   pending, running, failed, done = list(arms), {}, [], 0
-  try:
-    while pending or running:
-      while pending and len(running) < parallel:
-        arm = pending.pop(0)
-        run_dir = workdir / arm.name
-        if not is_finished(run_dir, cfg.steps):
-          run_dir.mkdir(parents=True, exist_ok=True)
-          (run_dir / SHARED_FILE).write_text(json.dumps({"parallel": parallel}) + "\n")
-        log = open(logs / f"{arm.name}.log", "w")  # closed when its process ends
-        proc = subprocess.Popen(child_command(argv, arm.name), stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
-        running[arm.name] = (proc, log, time.perf_counter())
-        print(f"=== arm {arm.name}: started ({len(running)} running, {done}/{len(arms)} done), "
-              f"log {logs / (arm.name + '.log')} — {arm.what}", flush=True)
-      time.sleep(1.0)
-      for name, (proc, log, t0) in list(running.items()):
+  finished, stopped = [], {}
+  with _Forward() as fwd:
+    try:
+      while pending or running:
+        while pending and len(running) < parallel and not fwd.received:
+          arm = pending.pop(0)
+          run_dir = workdir / arm.name
+          if not is_finished(run_dir, cfg.steps):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / SHARED_FILE).write_text(json.dumps({"parallel": parallel}) + "\n")
+          log = open(logs / f"{arm.name}.log", "a")  # closed when its process ends
+          log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(child_command(argv, arm.name))}\n")
+          log.flush()
+          proc = subprocess.Popen(child_command(argv, arm.name), stdout=log,
+                                  stderr=subprocess.STDOUT, env=env, start_new_session=True)
+          running[arm.name] = [proc, log, time.perf_counter(), 0]
+          print(f"=== arm {arm.name}: started ({len(running)} running, {done}/{len(arms)} done), "
+                f"log {logs / (arm.name + '.log')} — {arm.what}", flush=True)
+        time.sleep(0.2)
+        for entry in running.values():  # each signal reaches each running arm once
+          for signum in fwd.received[entry[3]:]:
+            if entry[0].poll() is None:
+              entry[0].send_signal(signum)
+          entry[3] = len(fwd.received)
+        for name, (proc, log, t0, _) in list(running.items()):
+          if proc.poll() is None:
+            continue
+          log.close()
+          del running[name]
+          done += 1
+          rc = proc.returncode
+          if fwd.received and rc in [128 + s for s in SIGNALS] + [-s for s in SIGNALS]:
+            stopped[name] = _stop_line(logs / f"{name}.log")
+            print(f"=== arm {name}: {stopped[name]}", flush=True)
+          elif rc:
+            failed.append(name)
+            tail = (logs / f"{name}.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
+            print(f"=== arm {name}: FAILED (exit {rc}) in "
+                  f"{time.perf_counter() - t0:.0f} s: {tail[0]}", flush=True)
+          else:
+            finished.append(name)
+            ev_path = workdir / name / EVAL_FILE  # absent for a diverged arm
+            ev = json.loads(ev_path.read_text()) if ev_path.is_file() else {}
+            print(f"=== arm {name}: done in {time.perf_counter() - t0:.0f} s, eval loss "
+                  f"{ev.get('loss', math.nan):.4f} ({done}/{len(arms)})", flush=True)
+    finally:  # an error in the parent: its arms stop as on SIGTERM (each saves its step)
+      for proc, _, _, _ in running.values():
         if proc.poll() is None:
-          continue
+          proc.terminate()
+      for proc, log, _, _ in running.values():
+        proc.wait()
         log.close()
-        del running[name]
-        done += 1
-        if proc.returncode:
-          failed.append(name)
-          tail = (logs / f"{name}.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
-          print(f"=== arm {name}: FAILED (exit {proc.returncode}) in "
-                f"{time.perf_counter() - t0:.0f} s: {tail[0]}", flush=True)
-        else:
-          ev_path = workdir / name / EVAL_FILE  # absent for a diverged arm
-          ev = json.loads(ev_path.read_text()) if ev_path.is_file() else {}
-          print(f"=== arm {name}: done in {time.perf_counter() - t0:.0f} s, eval loss "
-                f"{ev.get('loss', math.nan):.4f} ({done}/{len(arms)})", flush=True)
-  finally:  # an interrupted parent stops its arms (each saves its step on SIGTERM)
-    for proc, _, _ in running.values():
-      proc.terminate()
-    for proc, log, _ in running.values():
-      proc.wait()
-      log.close()
+  if fwd.received:
+    signum = fwd.received[0]
+    parts = [f"stopped by {signal.Signals(signum).name}: "
+             + "; ".join(f"arm {n}: {line}" for n, line in stopped.items())]
+    if finished:
+      parts.append(f"finished: {', '.join(finished)}")
+    if failed:
+      parts.append(f"failed: {', '.join(failed)} (see {logs})")
+    if pending:
+      parts.append(f"not started: {', '.join(a.name for a in pending)}")
+    raise TrainingInterrupted("; ".join(parts) + "; the same command resumes every arm", signum,
+                              -1, str(workdir))
   return failed
 
 
@@ -545,20 +660,36 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
     raise ValueError(f"--parallel={parallel}: give 1 or more arms at a time")
   for arm in selected:  # every arm's config is checked before any trains
     arm_config(cfg, arm)
-  check_workdir(cfg, workdir)
-  failed = []
-  if parallel > 1 and len(selected) > 1:
-    failed = run_parallel(cfg, workdir, selected, parallel, argv)
-  else:
-    for i, arm in enumerate(selected, 1):
-      print(f"=== arm {arm.name} ({i}/{len(selected)}): {workdir / arm.name} — {arm.what}",
-            flush=True)
-      t0 = time.perf_counter()
-      status = run_arm(cfg, arm, workdir, eval_tokens, eval_batch_size, telemetry)
-      ev = json.loads((workdir / arm.name / EVAL_FILE).read_text()) if status != "diverged" else {}
-      print(f"=== arm {arm.name}: {status} in {time.perf_counter() - t0:.0f} s, eval loss "
-            f"{ev.get('loss', math.nan):.4f}", flush=True)
-  rows, text = write_results(cfg, workdir)
+  child = bool(os.environ.get(_CHILD_ENV))  # an arm of --parallel: the parent holds the lock
+  workdir.mkdir(parents=True, exist_ok=True)
+  lock = RunLock(workdir, "study")
+  with lock if not child else contextlib.nullcontext(), StopSignals(
+      lambda t: print(t, flush=True), BETWEEN_RUNS, lambda: lock.release(force=True)):
+    for note in lock.notes:
+      print(note, flush=True)
+    check_workdir(cfg, workdir)
+    if not child:  # every finished arm to reuse is checked before any trains
+      for arm in selected:
+        launcher.finished_run(arm_config(cfg, arm, telemetry), workdir / arm.name)
+    failed = []
+    if parallel > 1 and len(selected) > 1:
+      failed = run_parallel(cfg, workdir, selected, parallel, argv)
+    else:
+      for i, arm in enumerate(selected, 1):
+        print(f"=== arm {arm.name} ({i}/{len(selected)}): {workdir / arm.name} — {arm.what}",
+              flush=True)
+        t0 = time.perf_counter()
+        try:
+          status = run_arm(cfg, arm, workdir, eval_tokens, eval_batch_size, telemetry)
+        except TrainingInterrupted as e:
+          if child:
+            raise
+          raise launcher.stopped_among(e, "arm", arm.name, [a.name for a in selected[:i - 1]],
+                                       [a.name for a in selected[i:]]) from None
+        ev = json.loads((workdir / arm.name / EVAL_FILE).read_text()) if status != "diverged" else {}
+        print(f"=== arm {arm.name}: {status} in {time.perf_counter() - t0:.0f} s, eval loss "
+              f"{ev.get('loss', math.nan):.4f}", flush=True)
+    rows, text = write_results(cfg, workdir, eval_tokens)
   print("\n" + text, flush=True)
   if collect_to is not None:
     files = collect(workdir, Path(collect_to))
@@ -589,6 +720,7 @@ def main(argv):
                               "tiny.py --workdir=runs/study --arms=all", "config", "workdir",
                               "arms")
   launcher.enable_compilation_cache(fl.compilation_cache)
+  _watch_parent()
   launcher.report_errors(lambda: study(fl.config, fl.workdir, fl.arms, fl.eval_tokens,
                                        fl.eval_batch_size, fl.collect, fl.telemetry, fl.parallel,
                                        sys.argv[1:]), fl.verbose)

@@ -17,7 +17,7 @@ identity (optimizer settings, data, batch size, sequence length, seed) unless
 Compiled programs are kept in JAX's persistent compilation cache (``--compilation_cache``, default
 ``$FP4JAX_CACHE`` or ``~/.cache/fp4jax/xla``; empty turns it off), so a resumed run, another seed
 of the same config, or a second launch skips most of XLA's compilation.
-SIGTERM / Ctrl-C save a checkpoint at the current step and exit with status 128 + the signal.
+SIGTERM / Ctrl-C / SIGHUP save a checkpoint at the current step and exit with status 128 + the signal.
 Errors in the command line, config or data print as one ``error:`` message (what is wrong, what to
 do); ``--verbose`` (or ``FP4JAX_VERBOSE=1``) adds the traceback.
 
@@ -45,14 +45,14 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from fp4jax import data
-from fp4jax.checkpoint import CheckpointSaveError, CorruptCheckpointError
+from fp4jax.checkpoint import Checkpointer, CheckpointSaveError, CorruptCheckpointError, verify
 from fp4jax.corpus import CorpusUnavailableError
 from fp4jax.execution import Execution
 from fp4jax.model import ModelConfig
 from fp4jax.preemption import TrainingInterrupted
 from fp4jax.recipe import MODULES, Recipe
-from fp4jax.train import NonFiniteLossError, OptimizerConfig, TrainConfig, train
-from fp4jax.workdir import RunLock, RunLockedError
+from fp4jax.train import NonFiniteLossError, OptimizerConfig, TrainConfig, run_identity, train
+from fp4jax.workdir import RunChangedError, RunLock, RunLockedError, identity_diffs
 
 class RunsFailedError(RuntimeError):
   """Runs a launcher started in processes of their own failed; the message names their logs."""
@@ -182,6 +182,25 @@ def from_config(cfg, vocab_size: int | None = None):
           typed(TrainConfig, c, "config"), execution)
 
 
+DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def initialize_distributed() -> None:
+  """``jax.distributed.initialize()``; without a coordinator (no SLURM, Open MPI or TPU pod found,
+  and the environment variables unset) a ``ValueError`` that says what to set."""
+  try:
+    jax.distributed.initialize()
+  except ValueError as e:
+    if "coordinator" not in str(e):
+      raise
+    unset = [v for v in DISTRIBUTED_ENV if not os.environ.get(v)]
+    raise ValueError(
+        f"--distributed found no coordinator ({e}): jax.distributed.initialize() detects SLURM, "
+        f"Open MPI and TPU pods; elsewhere set {', '.join(DISTRIBUTED_ENV)} on every host (e.g. "
+        "JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 on the first); "
+        f"unset now: {', '.join(unset) or 'none'}. One host needs no --distributed") from e
+
+
 def prepare_data(cfg) -> tuple[str, data.DataMeta]:
   """Prepares (or reuses) the token shards of ``cfg.data``; returns ``(data_dir, meta)``."""
   if jax.process_count() > 1 and cfg.data.dir is None:
@@ -197,6 +216,52 @@ def prepare_data(cfg) -> tuple[str, data.DataMeta]:
     if jax.process_index() != 0:
       out, meta = cfg.data.dir, data.read_meta(cfg.data.dir)
   return str(out), meta
+
+
+def finished_run(cfg, workdir: str | os.PathLike) -> bool:
+  """Whether ``workdir`` holds a finished run of ``cfg`` that a launcher may reuse as is.
+
+  True if its checkpoint of step ``cfg.steps`` verifies and was saved by a run of the same identity
+  (``fp4jax.train.run_identity``); False if there is no such step, or it is corrupt (said; training
+  again resumes from the newest intact step).
+
+  Raises:
+    RunChangedError: the finished run has another identity (the fields are named).
+  """
+  step_dir = Path(workdir) / "checkpoints" / str(cfg.steps)
+  if not step_dir.is_dir():
+    return False
+  if (why := verify(step_dir)) not in (None, "unverified"):
+    print(f"the final checkpoint {step_dir} is corrupt ({why}): training again from the newest "
+          "intact step", flush=True)
+    return False
+  data_dir, meta = prepare_data(cfg)
+  model_cfg, recipe, opt_cfg, tc, _ = from_config(cfg, meta.vocab_size)
+  data_info = {"corpus": meta.corpus, "tokenizer": meta.tokenizer, "vocab_size": meta.vocab_size}
+  mine = run_identity(model_cfg, recipe, opt_cfg, tc, data_info)
+  ckpt = Checkpointer(step_dir.parent, every=1)
+  try:
+    saved = ckpt.read_meta(cfg.steps)
+  finally:
+    ckpt.close()
+  if diffs := identity_diffs(saved, mine):
+    raise RunChangedError(
+        f"{workdir} holds a finished run of other settings, so it cannot stand for this one:\n  "
+        + "\n  ".join(diffs) + "\nuse another --workdir, or that run's settings")
+  return True
+
+
+def stopped_among(e: TrainingInterrupted, kind: str, name: str, done: Sequence[str],
+                  pending: Sequence[str]) -> TrainingInterrupted:
+  """The interruption of a launcher of several runs (a study's arms, a comparison's recipes), ``e``
+  being that of run ``name``: one message saying where each stopped; the same exit status."""
+  parts = [f"stopped by {e.signal_name}: {kind} {name} at step {e.step} ({e})"]
+  if done:
+    parts.append(f"finished: {', '.join(done)}")
+  if pending:
+    parts.append(f"not started: {', '.join(pending)}")
+  return TrainingInterrupted("; ".join(parts) + "; the same command resumes every one",
+                             e.exit_code - 128, e.step, e.checkpoint)
 
 
 def run(cfg, workdir: str | os.PathLike, allow_changes: Sequence[str] = ()) -> dict:
@@ -236,7 +301,7 @@ def main(argv):
   check_command_line(argv, "python -m experiments.train --config=experiments/configs/tiny.py "
                      "--workdir=runs/tiny", "config", "workdir")
   if fl.distributed:
-    jax.distributed.initialize()
+    report_errors(initialize_distributed, fl.verbose)
   enable_compilation_cache(fl.compilation_cache)
   summary = report_errors(lambda: run(fl.config, fl.workdir, fl.allow_changes), fl.verbose)
   print(json.dumps(summary))

@@ -18,8 +18,10 @@ and the run goes on; the next save tries again.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
@@ -34,6 +37,8 @@ CHECKSUMS = "fp4jax_checksums.json"
 # Written by orbax after the step's contents are complete (markers and step metadata).
 _UNCHECKED = ("_CHECKPOINT_METADATA", "commit_success.txt")
 _TMP = ".orbax-checkpoint-tmp"
+# Parameters beyond this magnitude are a diverged run's, not a checkpoint to go back to.
+PARAM_BOUND = 1e6
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -53,6 +58,8 @@ def _is_grain(it) -> bool:
 
 
 def _files(step_dir: Path) -> list[Path]:
+  if not step_dir.is_dir():
+    return []
   return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS
                 and p.name not in _UNCHECKED)
 
@@ -80,12 +87,16 @@ def verify(step_dir: str | os.PathLike) -> str | None:
 
   Returns:
     None if every file is there with its recorded size and sha256; ``"unverified"`` if the step
-    has no checksums (written by an older fp4jax, or stopped between the save and the checksums);
-    otherwise what failed (the file and how).
+    has no checksums (written by an older fp4jax, or stopped between the save and the checksums)
+    but holds its state and meta; otherwise what failed (the file and how, or that the step folder
+    is empty or partial).
   """
   step_dir = Path(step_dir)
   path = step_dir / CHECKSUMS
   if not path.is_file():
+    missing = [i for i in ("state", "meta") if not any(_files(step_dir / i))]
+    if missing:  # a step folder left empty or half-written (a copy, a crash before orbax's rename)
+      return f"{step_dir} is empty or partial (no {' or '.join(missing)} files)"
     return "unverified"
   try:
     want = json.loads(path.read_text())["files"]
@@ -101,6 +112,25 @@ def verify(step_dir: str | os.PathLike) -> str | None:
       return f"{p} does not match its sha256 (its contents changed after the save)"
   extra = sorted(set(p.relative_to(step_dir).as_posix() for p in _files(step_dir)) - set(want))
   return f"{step_dir / extra[0]} was not part of the save" if extra else None
+
+
+def no_space(e: BaseException) -> bool:
+  """Whether ``e`` (or an exception it was raised from) is a full disk (ENOSPC)."""
+  while e is not None:
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
+def space_line(path: str | os.PathLike, need_bytes: int | None, what: str) -> str:
+  """``no space left on device at <path>: <what> needs about N MB, M MB free there``."""
+  path = Path(path)
+  probe = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+  free = shutil.disk_usage(probe).free
+  need = f"about {need_bytes / 1e6:,.1f} MB" if need_bytes else "more space"
+  return (f"no space left on device at {path}: {what} needs {need}, {free / 1e6:,.1f} MB free "
+          "there; free some space or point it at another disk")
 
 
 def _say(text: str) -> None:
@@ -128,6 +158,7 @@ class Checkpointer:
     self.every = every
     self.log = log
     self._saving: list[int] = []  # steps saved by this process, checksums not yet confirmed
+    self._need: int | None = None  # bytes of the last state saved (for a full disk's message)
     async_options = ocp.AsyncOptions(post_finalization_callback=self._on_saved) \
         if async_save else None
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=1,
@@ -165,9 +196,11 @@ class Checkpointer:
       self._mgr.wait_until_finished()
     except Exception as e:  # noqa: BLE001 (any storage error: report it, keep training)
       ok = False
-      self.log(f"warning: saving checkpoint step {self._saving[-1] if self._saving else '?'} "
-               f"to {self.directory} failed ({type(e).__name__}: {e}); training goes on and the "
-               "next save tries again")
+      step = self._saving[-1] if self._saving else "?"
+      why = (space_line(self.directory, self._need, f"checkpoint step {step}") if no_space(e)
+             else f"{type(e).__name__}: {e}")
+      self.log(f"warning: saving checkpoint step {step} to {self.directory} failed ({why}); "
+               "training goes on and the next save tries again")
     for step in self._saving:
       step_dir = self.directory / str(step)
       if jax.process_index() == 0 and step_dir.is_dir() and not (step_dir / CHECKSUMS).is_file():
@@ -191,6 +224,7 @@ class Checkpointer:
       True if a save was started.
     """
     self._settle()
+    self._need = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state))
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta or {})}
     if data_iter is not None:
       items.update(_data_save(data_iter))
@@ -199,8 +233,10 @@ class Checkpointer:
       started = self._mgr.save(step, args=ocp.args.Composite(**items), force=True)
     except Exception as e:  # noqa: BLE001
       self._saving.pop()
-      self.log(f"warning: could not save checkpoint step {step} to {self.directory} "
-               f"({type(e).__name__}: {e}); training goes on and the next save tries again")
+      why = (space_line(self.directory, self._need, f"checkpoint step {step}") if no_space(e)
+             else f"{type(e).__name__}: {e}")
+      self.log(f"warning: could not save checkpoint step {step} to {self.directory} ({why}); "
+               "training goes on and the next save tries again")
       return False
     if not self._mgr.is_saving_in_progress():
       self._settle()
@@ -264,6 +300,45 @@ class Checkpointer:
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"fp4jax checkpoint {step} moved")
     self._mgr.reload()
+
+  def params_max_abs(self, step: int) -> float:
+    """The largest magnitude of the parameters (``state["params"]``) saved as ``step``; NaN if one
+    is NaN, inf if one is infinite."""
+    state = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    top = 0.0
+    for x in jax.tree.leaves(state.state["params"]):
+      x = np.abs(np.asarray(jax.device_get(x), np.float32))
+      if x.size:
+        m = float(np.max(x)) if not np.isnan(x).any() else math.nan
+        top = m if math.isnan(m) else max(top, m)
+        if math.isnan(top):
+          return top
+    return top
+
+  def last_sound_step(self, bound: float = PARAM_BOUND) -> tuple[int | None, list[str]]:
+    """The newest step that verifies and whose parameters are finite and at most ``bound`` in
+    magnitude (a divergence can save steps of parameters ~1e17 before its loss turns NaN).
+
+    Returns:
+      ``(step or None, why each newer step was passed over)``.
+    """
+    passed = []
+    for step in sorted(self.all_steps(), reverse=True):
+      why = verify(self.directory / str(step))
+      if why not in (None, "unverified"):
+        passed.append(f"step {step} is corrupt ({why})")
+        continue
+      try:
+        top = self.params_max_abs(step)
+      except Exception as e:  # noqa: BLE001 (an unreadable step is passed over, and said)
+        passed.append(f"step {step} cannot be read ({type(e).__name__})")
+        continue
+      if not top <= bound:
+        passed.append(f"step {step} holds parameters with magnitudes up to {top:.0e}"
+                      if math.isfinite(top) else f"step {step} holds non-finite parameters")
+        continue
+      return step, passed
+    return None, passed
 
   def read_meta(self, step: int) -> dict:
     """The ``meta`` saved with ``step``."""

@@ -10,11 +10,14 @@ Data directory (format_version 1), written by ``prepare`` / ``python -m fp4jax.d
 
 A split is its documents in corpus order, each followed by ``eos_id``, cut into shards of at
 most ``shard_tokens`` tokens (a document may span two shards). ``meta["splits"][split]`` is
-``{"num_tokens", "num_docs", "shards": [{"file", "num_tokens", "max_id"}]}`` (``max_id``, the
-largest token id of the shard, is absent in data written before it was recorded).
+``{"num_tokens", "num_docs", "shards": [{"file", "num_tokens", "max_id", "sha256"}]}`` (``max_id``,
+the largest token id of the shard, and ``sha256``, its checksum, are absent in data written before
+they were recorded).
 
 ``check_data`` verifies a data directory against a run before its first step: shard files and
-sizes, one global batch per split, token ids below the model's vocabulary.
+sizes, each shard's sha256 (where recorded; else a scan of every id against the vocabulary), one
+global batch per split, token ids below the model's vocabulary. It only reads: a prepared folder on
+read-only storage works (``prepare`` reuses one without taking its lock).
 
 Examples are fixed windows: window i of a shard is tokens ``[i*T, i*T + T + 1)``, giving
 ``inputs = w[:-1]`` and ``targets = w[1:]`` (int32, shape [T]). Windows do not cross shards,
@@ -30,10 +33,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import hashlib
 import json
 import os
 import shutil
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +49,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fp4jax import corpus as corpus_lib
+from fp4jax.checkpoint import no_space, space_line
 from fp4jax import tokenizer as tokenizer_lib
 from fp4jax.sharding import BATCH_AXES
 
@@ -140,20 +146,54 @@ def longest_shard(meta: DataMeta, split: str) -> int:
   return max((int(s["num_tokens"]) for s in meta._split(split)["shards"]), default=0)
 
 
-def _max_id(path: Path, meta: DataMeta, shard: dict, chunk: int = 1 << 26) -> int:
-  if "max_id" in shard:
-    return int(shard["max_id"])
+def _scan_max_id(path: Path, meta: DataMeta, shard: dict, chunk: int = 1 << 26) -> int:
   ids = np.memmap(path, meta.np_dtype, "r", shape=(int(shard["num_tokens"]),))
   return max((int(ids[i:i + chunk].max()) for i in range(0, len(ids), chunk)), default=-1)
+
+
+_VERIFIED: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256 found, in this process
+
+
+def _sha256(path: Path) -> str:
+  st = path.stat()
+  key = (str(path.absolute()), st.st_size, st.st_mtime_ns)
+  if key not in _VERIFIED:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+      while chunk := f.read(1 << 24):
+        h.update(chunk)
+    _VERIFIED[key] = h.hexdigest()
+  return _VERIFIED[key]
+
+
+def shard_damage(data_dir: str | os.PathLike, meta: DataMeta, shard: dict) -> str | None:
+  """What is wrong with one shard, or None: missing, of another size than ``meta.json`` gives,
+  not matching its recorded sha256, or (without a checksum) holding an id outside the vocabulary."""
+  path = Path(data_dir) / shard["file"]
+  if not path.is_file():
+    return f"shard {path} is missing"
+  size, want = path.stat().st_size, int(shard["num_tokens"]) * meta.np_dtype.itemsize
+  if size != want:
+    return f"shard {path} has {size} bytes, meta.json says {want} (truncated or from another run)"
+  if "sha256" in shard:
+    if _sha256(path) != shard["sha256"]:
+      return f"shard {path} does not match its sha256 in meta.json (changed after it was prepared)"
+    top = int(shard.get("max_id", -1))
+  else:
+    top = _scan_max_id(path, meta, shard)
+  if top >= meta.vocab_size:
+    return (f"shard {path} holds token id {top}, but the data's vocabulary (meta.json) is "
+            f"{meta.vocab_size}: the shard is damaged or from another tokenizer")
+  return None
 
 
 def check_data(data_dir: str | os.PathLike, vocab_size: int, seq_len: int,
                global_batch_size: int, splits: Sequence[str] = SPLITS) -> DataMeta:
   """Checks, before training, that a run can use ``data_dir``.
 
-  Every shard of ``splits`` must exist with the size ``meta.json`` gives; each split must hold at
-  least one global batch of ``seq_len`` windows; every token id must be below ``vocab_size`` (the
-  shard's recorded ``max_id``, else a scan of the shard).
+  Every shard of ``splits`` must exist with the size and sha256 ``meta.json`` gives (data without
+  checksums: every id of the shard is checked against the vocabulary instead); each split must hold
+  at least one global batch of ``seq_len`` windows; every token id must be below ``vocab_size``.
 
   Args:
     data_dir: a data directory made by ``prepare``.
@@ -170,8 +210,9 @@ def check_data(data_dir: str | os.PathLike, vocab_size: int, seq_len: int,
   """
   meta = read_meta(data_dir)
   check_compat(meta, vocab_size)
-  again = ("prepare the data again (`python -m fp4jax.data prepare --overwrite ...`, or delete "
-           f"{data_dir} and launch again)")
+  again = ("prepare the data again (`python -m fp4jax.data prepare` with the same settings and "
+           f"--out={data_dir} prepares a damaged folder again; or delete {data_dir} and launch "
+           "again)")
   for split in splits:
     try:
       n = len(TokenWindows(data_dir, split, seq_len))
@@ -183,12 +224,9 @@ def check_data(data_dir: str | os.PathLike, vocab_size: int, seq_len: int,
           f"({meta.num_tokens(split)} tokens), fewer than one batch of {global_batch_size}: use "
           "a smaller batch_size or seq_len, or more text")
     for shard in meta._split(split)["shards"]:
-      path = Path(data_dir) / shard["file"]
-      top = _max_id(path, meta, shard)
-      if top >= meta.vocab_size:  # check_compat made sure vocab_size >= meta.vocab_size
-        raise ValueError(f"{path} holds token id {top}, but the data's vocabulary (meta.json) is "
-                         f"{meta.vocab_size} and the model's {vocab_size}: the shard is damaged "
-                         f"or from another tokenizer; {again}")
+      # check_compat made sure vocab_size >= meta.vocab_size
+      if why := shard_damage(data_dir, meta, shard):
+        raise ValueError(f"{why}; {again}")
   return meta
 
 
@@ -223,6 +261,8 @@ def _write_split(tok: tokenizer_lib.Tokenizer, files: Sequence[Path], out: Path,
   finally:
     if f is not None:
       f.close()
+  for s in shards:
+    s["sha256"] = _sha256(out / s["file"])
   return {"num_tokens": total, "num_docs": len(files), "shards": shards}
 
 
@@ -247,9 +287,19 @@ def default_out_dir(corpus_name: str, tokenizer: str = "byte", vocab_size: int |
 
 
 def _shards_ok(data_dir: Path, meta: DataMeta) -> bool:
-  return all((data_dir / s["file"]).is_file()
-             and (data_dir / s["file"]).stat().st_size == s["num_tokens"] * meta.np_dtype.itemsize
+  return all(shard_damage(data_dir, meta, s) is None
              for sp in meta.splits.values() for s in sp["shards"])
+
+
+def _reusable(out: Path, fingerprint: str) -> DataMeta | None:
+  """The meta of ``out`` if it already holds intact data of ``fingerprint`` (reads only)."""
+  if not (out / META_FILE).is_file():
+    return None
+  try:
+    old = read_meta(out)
+  except ValueError:
+    return None
+  return old if old.fingerprint == fingerprint and _shards_ok(out, old) else None
 
 
 def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
@@ -259,7 +309,8 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
             encoding: str = "utf-8") -> DataMeta:
   """Tokenizes a corpus into shards; reuses ``out_dir`` if it already holds the same data.
 
-  A folder that holds the same data with a missing or truncated shard is prepared again.
+  A folder that holds the same data with a missing, truncated or damaged shard (its sha256) is
+  prepared again. An intact folder is reused without writing anything (read-only storage works).
 
   Processes of one machine that prepare the same folder at once take turns (a lock file beside it):
   the first tokenizes, the others reuse its folder. Hosts that share a network disk should still
@@ -294,6 +345,8 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
   fingerprint = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
   other = ("use another folder (--config.data.dir for experiments.train, --out for `python -m "
            "fp4jax.data prepare`), or replace it (`python -m fp4jax.data prepare --overwrite`)")
+  if (old := _reusable(out, fingerprint)) is not None:  # no lock: the folder may be read-only
+    return old
   # One process tokenizes; the others that want the same folder wait here, then reuse it.
   with corpus_lib.file_lock(out.with_name(f".{out.name}.lock")):
     if (out / META_FILE).is_file():
@@ -301,7 +354,8 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
       if old.fingerprint == fingerprint:
         if _shards_ok(out, old):
           return old
-        print(f"{out}: a shard is missing or truncated; preparing the data again", flush=True)
+        print(f"{out}: a shard is missing, truncated or damaged; preparing the data again",
+              flush=True)
       elif not overwrite:
         raise ValueError(f"{out} already holds other data ({old.corpus.get('name')}, "
                          f"{old.tokenizer.get('kind')} tokenizer, vocab {old.vocab_size}); {other}")
@@ -311,22 +365,35 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-      train_texts = (corpus_lib.read_text(p, encoding) for p in files.train)
-      tok = tokenizer_lib.make_tokenizer(tokenizer, train_texts, tmp, vocab_size=vocab_size)
-      dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
-      splits = {s: _write_split(tok, files.split(s), tmp, s, _DTYPES[dtype], shard_tokens,
-                                encoding) for s in SPLITS}
-      meta = DataMeta(format_version=FORMAT_VERSION, dtype=dtype, vocab_size=tok.vocab_size,
-                      eos_id=tok.eos_id, tokenizer=tok.spec(), splits=splits,
-                      corpus={"name": files.name, "fingerprint": files.fingerprint},
-                      licenses=list(files.licenses), fingerprint=fingerprint)
-      (tmp / META_FILE).write_text(json.dumps(dataclasses.asdict(meta), indent=1))
-      if out.exists():
-        shutil.rmtree(out)
-      tmp.rename(out)
+      return _write(files, tokenizer, vocab_size, tmp, out, shard_tokens, encoding, fingerprint)
+    except OSError as e:
+      if not no_space(e):
+        raise
+      text = sum(p.stat().st_size for s in SPLITS for p in files.split(s))
+      raise OSError(errno.ENOSPC, space_line(
+          out.parent, 4 * text, f"the token shards of {files.name} (up to 4 bytes per byte of its "
+          f"{text / 1e6:,.1f} MB of text)")) from e
     finally:
       shutil.rmtree(tmp, ignore_errors=True)
-    return meta
+
+
+def _write(files, tokenizer, vocab_size, tmp: Path, out: Path, shard_tokens: int, encoding: str,
+           fingerprint: str) -> DataMeta:
+  """Tokenizes into ``tmp``, then renames it to ``out``."""
+  train_texts = (corpus_lib.read_text(p, encoding) for p in files.train)
+  tok = tokenizer_lib.make_tokenizer(tokenizer, train_texts, tmp, vocab_size=vocab_size)
+  dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
+  splits = {s: _write_split(tok, files.split(s), tmp, s, _DTYPES[dtype], shard_tokens,
+                            encoding) for s in SPLITS}
+  meta = DataMeta(format_version=FORMAT_VERSION, dtype=dtype, vocab_size=tok.vocab_size,
+                  eos_id=tok.eos_id, tokenizer=tok.spec(), splits=splits,
+                  corpus={"name": files.name, "fingerprint": files.fingerprint},
+                  licenses=list(files.licenses), fingerprint=fingerprint)
+  (tmp / META_FILE).write_text(json.dumps(dataclasses.asdict(meta), indent=1))
+  if out.exists():
+    shutil.rmtree(out)
+  tmp.rename(out)
+  return meta
 
 
 def load_tokenizer(data_dir: str | os.PathLike) -> tokenizer_lib.Tokenizer:
@@ -504,6 +571,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   pp.add_argument("--overwrite", action="store_true",
                   help="replace an --out folder that holds other data")
   pp.add_argument("--encoding", default="utf-8", help="encoding of the .txt files")
+  pp.add_argument("--verbose", action="store_true", help="print the traceback of errors")
   pi = sub.add_parser("info", help="print a data dir's summary")
   pi.add_argument("dir")
   a = p.parse_args(argv)
@@ -518,7 +586,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                      shard_tokens=a.shard_tokens, cache_dir=a.data_dir, overwrite=a.overwrite,
                      encoding=a.encoding)
   except (ValueError, OSError, corpus_lib.CorpusUnavailableError) as e:
-    raise SystemExit(f"error: {e}") from e
+    if getattr(a, "verbose", False) or os.environ.get("FP4JAX_VERBOSE", "") not in ("", "0"):
+      traceback.print_exc()
+    raise SystemExit(f"error: {e}") from None
   print("\n".join(_summary(meta, out)))
 
 

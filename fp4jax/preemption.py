@@ -1,6 +1,7 @@
-"""Stopping a run on SIGTERM or SIGINT without losing work.
+"""Stopping a run on SIGTERM, SIGINT or SIGHUP without losing work.
 
-Inside ``StopSignals``, the first SIGTERM or SIGINT (a cluster's preemption notice, Ctrl-C) is a
+Inside ``StopSignals``, the first SIGTERM, SIGINT or SIGHUP (a cluster's preemption notice, Ctrl-C,
+a closed terminal) is a
 request that the train loop sees after the step it is in: it saves a checkpoint there and raises
 ``TrainingInterrupted``. Until ``arm`` is called (while setting up and compiling, before the first
 step of this start has run: nothing would be lost), a signal ends the process at once instead — a Python signal
@@ -12,20 +13,21 @@ A second signal also ends the process at once, without waiting for a checkpoint 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class TrainingInterrupted(KeyboardInterrupt):
   """The run stopped on a signal after saving a checkpoint.
 
   Attributes:
-    signal_name: "SIGTERM" or "SIGINT".
+    signal_name: "SIGTERM", "SIGINT" or "SIGHUP".
     step: the step saved.
     checkpoint: the checkpoint's path.
     exit_code: 128 + the signal number (the shell's code for a process ended by it).
@@ -38,13 +40,17 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 class StopSignals:
-  """Turns SIGTERM / SIGINT into a stop request (a context manager; inert off the main thread).
+  """Turns SIGTERM / SIGINT / SIGHUP into a stop request (a context manager; inert off the main
+  thread). Nested instances (a study around its arms' runs) each see the signals while they are the
+  innermost; an immediate exit calls the ``before_exit`` of every active one, innermost first.
 
   Args:
     say: prints a line (the reason of an immediate exit).
     until_armed: the reason printed when a signal before ``arm`` ends the process at once.
     before_exit: called before an immediate exit (e.g. releasing the run's lock).
   """
+
+  _active_stack: list[StopSignals] = []
 
   def __init__(self, say: Callable[[str], None], until_armed: str,
                before_exit: Callable[[], None] | None = None):
@@ -73,6 +79,7 @@ class StopSignals:
     self._old_fd = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
     self._thread = threading.Thread(target=self._watch, name="fp4jax-stop-signals", daemon=True)
     self._active = True
+    self._active_stack.append(self)
     self._thread.start()
     return self
 
@@ -80,6 +87,8 @@ class StopSignals:
     if not self._active:
       return
     self._active = False
+    if self in self._active_stack:
+      self._active_stack.remove(self)
     signal.set_wakeup_fd(self._old_fd)
     for s, h in self._old.items():
       signal.signal(s, h)
@@ -115,8 +124,10 @@ class StopSignals:
   def _exit_now(self, signum: int, why: str) -> None:
     self._say(f"stopped by {signal.Signals(signum).name}: {why}")
     try:
-      if self._before_exit is not None:
-        self._before_exit()
+      for s in reversed(self._active_stack):
+        if s._before_exit is not None:
+          with contextlib.suppress(Exception):
+            s._before_exit()
     finally:
       sys.stdout.flush()
       sys.stderr.flush()

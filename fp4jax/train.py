@@ -480,14 +480,24 @@ class _StepTimer:
 
 
 def _finite_metrics(step: int, metrics, writer: MetricsWriter, ckpt: Checkpointer) -> dict:
-  """The step's metrics as floats; a NaN/Inf loss or gradient norm is logged, then raised."""
+  """The step's metrics as floats; a NaN/Inf loss or gradient norm is logged, then raised, naming
+  the last checkpoint whose parameters are finite and bounded (``Checkpointer.last_sound_step``)."""
   vals = {k: float(v) for k, v in jax.device_get(metrics).items()}
   if not (math.isfinite(vals["loss"]) and math.isfinite(vals["grad_norm"])):
     writer.write(step, vals)
     ckpt.wait()
+    sound, passed = ckpt.last_sound_step()
+    over = f" (newer ones passed over: {'; '.join(passed)})" if passed else ""
+    if sound is None:
+      last = (f"No checkpoint in {ckpt.directory} has finite, bounded parameters{over}: train "
+              "again from the start in a fresh workdir")
+    else:
+      last = (f"Last checkpoint with finite, bounded parameters: step {sound}{over} in "
+              f"{ckpt.directory}" + (f"; to resume from it, move the newer step folders out of "
+                                     f"{ckpt.directory}" if passed else ""))
     raise NonFiniteLossError(
         f"non-finite loss {vals['loss']} (grad norm {vals['grad_norm']}) at step {step}; the run "
-        f"stopped there. Last good checkpoint: step {ckpt.latest_step()} in {ckpt.directory}")
+        f"stopped there. {last}")
   return vals
 
 

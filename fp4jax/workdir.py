@@ -38,6 +38,16 @@ class RunChangedError(ValueError):
   """A resumed run's identity differs from its checkpoint's, and the change was not allowed."""
 
 
+def _pid_start(pid: int) -> str | None:
+  """The start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat``), or None
+  where it cannot be read: with the pid, it tells a live holder from a process that reuses its pid."""
+  try:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+  except OSError:
+    return None
+  return stat.rsplit(")", 1)[-1].split()[19]
+
+
 def _pid_alive(pid: int) -> bool:
   try:
     os.kill(pid, 0)
@@ -53,6 +63,7 @@ class RunLock:
 
   Args:
     workdir: the run directory (created).
+    what: what holds the folder, in messages ("run", "study", "comparison").
 
   Raises (on entry):
     RunLockedError: another process holds the lock (the message names its host and pid), or the
@@ -61,8 +72,9 @@ class RunLock:
 
   _held: dict[Path, int] = {}  # lock path -> nesting depth, in this process
 
-  def __init__(self, workdir: str | os.PathLike):
+  def __init__(self, workdir: str | os.PathLike, what: str = "run"):
     self.path = (Path(workdir) / LOCK_FILE).absolute()
+    self.what = what
     self.notes: list[str] = []
 
   def __enter__(self) -> RunLock:
@@ -71,7 +83,7 @@ class RunLock:
       return self
     self.path.parent.mkdir(parents=True, exist_ok=True)
     me = {"host": socket.gethostname(), "pid": os.getpid(),
-          "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+          "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid_start": _pid_start(os.getpid())}
     for _ in range(3):
       try:
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -94,16 +106,22 @@ class RunLock:
       raise RunLockedError(
           f"{self.path} exists but cannot be read ({e}); if no run uses {self.path.parent}, "
           "delete it and launch again") from e
+    plural = "studies" if self.what == "study" else f"{self.what}s"
+    two = (f"two {plural} in one folder would overwrite each other's "
+           + ("checkpoints" if self.what == "run" else "runs"))
     if host != me["host"]:
       raise RunLockedError(
           f"{self.path.parent} is in use by process {pid} on host {host} (since "
-          f"{holder.get('started', '?')}); two runs in one folder would overwrite each other's "
-          f"checkpoints. Use another --workdir, or delete {self.path} if that run is dead")
-    if pid != me["pid"] and _pid_alive(pid):
+          f"{holder.get('started', '?')}); {two}. Use another --workdir, or delete {self.path} if "
+          f"that {self.what} is dead")
+    recorded = holder.get("pid_start")
+    reused = recorded is not None and _pid_start(pid) not in (None, recorded)
+    if pid != me["pid"] and _pid_alive(pid) and not reused:
       raise RunLockedError(
           f"{self.path.parent} is in use by process {pid} on this host (since "
-          f"{holder.get('started', '?')}); two runs in one folder would overwrite each other's "
-          f"checkpoints. Stop that run or use another --workdir")
+          f"{holder.get('started', '?')}); {two}. Stop that {self.what} or use another --workdir; "
+          f"if process {pid} is not that {self.what} (it died and another program got its pid), "
+          f"release the lock with `rm {self.path}`")
     # A dead holder on this host: move its lock aside atomically (one taker wins the rename).
     stale = self.path.with_name(f"{LOCK_FILE}.stale-{os.getpid()}")
     try:
@@ -111,7 +129,8 @@ class RunLock:
     except FileNotFoundError:
       return
     stale.unlink(missing_ok=True)
-    self.notes.append(f"took over the lock of process {pid} (no longer running) on {host}")
+    why = "its pid now belongs to another process" if reused else "no longer running"
+    self.notes.append(f"took over the lock of process {pid} ({why}) on {host}")
 
   def __exit__(self, *exc) -> None:
     self.release()
@@ -147,6 +166,12 @@ def _diff(saved, current, prefix: str = "") -> list[tuple[str, object, object]]:
 
 def _under(path: str, sections: Iterable[str]) -> bool:
   return any(path == s or path.startswith(s + ".") for s in sections)
+
+
+def identity_diffs(saved: Mapping, current: Mapping) -> list[str]:
+  """``"<field>: checkpoint <saved>, this run <current>"`` for each field that differs (a field the
+  saved identity lacks is not compared)."""
+  return [f"{p}: checkpoint {a!r}, this run {b!r}" for p, a, b in _diff(saved, current)]
 
 
 def identity_changes(saved: Mapping, current: Mapping, allow: Iterable[str] = ()) -> list[str]:

@@ -258,7 +258,10 @@ def test_failed_save_is_reported_and_training_goes_on(tmp_path, data_dir, capsys
                      r"step 4"):
     _train(tmp_path, data_dir, 6)
   out = capsys.readouterr().out
-  assert "warning: could not save checkpoint step 2" in out and "No space left" in out
+  assert "warning: could not save checkpoint step 2" in out
+  # A full disk: one line with the path, the space the checkpoint needs and the space free.
+  assert f"no space left on device at {tmp_path / 'checkpoints'}: checkpoint step 2 needs about" \
+      in out and "MB free there" in out
   assert "next save tries again" in out
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [4]
   assert list(_losses(tmp_path)) == list(range(1, 7))  # the run went on after the failure
@@ -379,3 +382,22 @@ def test_launcher_user_errors_are_short(tmp_path, args, rc, want):
   else:
     assert "Traceback" not in r.stderr and len(err) <= 2, r.stderr
   assert not (tmp_path / "checkpoints").exists()
+
+
+def test_an_empty_or_partial_step_folder_falls_back_like_a_corrupt_one(tmp_path, capsys):
+  import jax.numpy as jnp
+
+  from fp4jax.checkpoint import Checkpointer
+  ckpts = tmp_path / "checkpoints"
+  ckpt = Checkpointer(ckpts, every=1, async_save=False)
+  ckpt.save(2, {"w": jnp.ones(3)}, meta={"a": 1})
+  ckpt.close()
+  (ckpts / "4").mkdir()  # empty, as a copy or a crash can leave it
+  (ckpts / "6" / "state").mkdir(parents=True)  # partial
+  ckpt = Checkpointer(ckpts, every=1, async_save=False)
+  assert ckpt.intact_step() == 2
+  out = capsys.readouterr().out
+  assert f"checkpoint {ckpts / '6'} is corrupt: {ckpts / '6'} is empty or partial" in out
+  assert f"checkpoint {ckpts / '4'} is corrupt" in out and "falling back to step 2" in out
+  assert sorted(p.name for p in (tmp_path / "checkpoints-corrupt").iterdir()) == ["4", "6"]
+  ckpt.close()

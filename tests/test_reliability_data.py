@@ -106,10 +106,21 @@ def test_damaged_shards_and_other_data(text_dir, tmp_path, capsys):
   good = shard.read_bytes()
   shard.write_bytes(good[:100])
   with pytest.raises(ValueError, match=r"train-00000.bin has 100 bytes.*truncated.*python -m "
-                     r"fp4jax.data prepare --overwrite"):
+                     r"fp4jax.data prepare"):
     data.check_data(out, 384, 16, 4)
   data.prepare(text_dir, out)  # the same data, damaged: prepared again
-  assert "a shard is missing or truncated; preparing the data again" in capsys.readouterr().out
+  assert "a shard is missing, truncated or damaged; preparing the data again" in \
+      capsys.readouterr().out
+  assert shard.read_bytes() == good
+  # Damaged in place, every id still in the vocabulary: its checksum finds it, naming the shard.
+  raw = bytearray(good)
+  raw[10] = (raw[10] + 1) % 200
+  shard.write_bytes(bytes(raw))
+  with pytest.raises(ValueError, match=r"shard .*train-00000.bin does not match its sha256 in "
+                     r"meta.json.*--out="):
+    data.check_data(out, 384, 16, 4)
+  data.prepare(text_dir, out)
+  assert "damaged; preparing the data again" in capsys.readouterr().out
   assert shard.read_bytes() == good
   with pytest.raises(ValueError, match=r"already holds other data.*--config.data.dir for "
                      r"experiments.train.*python -m fp4jax.data prepare --overwrite"):
@@ -118,3 +129,18 @@ def test_damaged_shards_and_other_data(text_dir, tmp_path, capsys):
     data.main(["prepare", "--help"])
   usage = capsys.readouterr().out
   assert "--overwrite" in usage and "--encoding" in usage
+
+
+def test_prepared_data_is_reused_without_writing_beside_it(text_dir, tmp_path, monkeypatch):
+  out = tmp_path / "ro" / "d"
+  meta = data.prepare(text_dir, out)
+  lock = out.with_name(f".{out.name}.lock")
+  lock.unlink(missing_ok=True)
+  before = sorted(p.name for p in out.parent.iterdir())
+
+  def no_lock(path):
+    raise PermissionError(13, "Read-only file system", str(path))
+  monkeypatch.setattr(data.corpus_lib, "file_lock", no_lock)  # what read-only storage does
+  assert data.prepare(text_dir, out) == meta
+  data.check_data(out, 384, 16, 4)
+  assert sorted(p.name for p in out.parent.iterdir()) == before and not lock.exists()

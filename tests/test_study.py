@@ -70,8 +70,12 @@ def test_cli_errors(tmp_path):
   assert not (tmp_path / "s").exists()
 
 
-def _row(arm, loss, group="module", status="ok", baseline=""):
+def _row(arm, loss, group="module", status="ok", baseline="", comparable=True):
+  ok = status == "ok"
   return {"arm": arm, "status": status, "group": group, "baseline": baseline, "preset": "fp4_linear",
+          "eval_step": 3 if ok else None, "eval_tokens": 256 if ok else 0,
+          "eval_text": "shakespeare" if ok else None, "eval_max_tokens": 256 if ok else None,
+          "comparable": ok and comparable,
           "overrides": {"lora_rank": 4}, "recipe": {"linear": "nvfp4", "lora_rank": 4},
           "optimizer": "adamw", "seed": 0, "eval_loss": loss, "train_loss": loss + 0.1,
           "tokens": 1000, "params": 10, "tokens_per_s": 5.0, "epochs": 0.5, "step_time_s": 0.2}
@@ -94,9 +98,19 @@ def test_gaps_against_the_bf16_seed_mean_and_their_spread():
   assert math.isnan(rows[0]["baseline_gap_pct"])
   text = st.table(rows, floor)
   assert f"spread {100 * 0.3 / mean:.2f}%" in text
-  assert (f"| fp4_linear | fp4_linear, lora_rank=4 | 0 | 2.2000 | {100 * (2.2 - mean) / mean:+.2f} | "
-          f"{100 * 0.1 / 2.1:+.2f} (bf16_s1) |") in text
-  assert "| fp4_full_stack | fp4_linear, lora_rank=4 | 0 | diverged | – | – |" in text
+  assert (f"| fp4_linear | fp4_linear, lora_rank=4 | 0 | 2.2000 | 3 | 256 | "
+          f"{100 * (2.2 - mean) / mean:+.2f} | {100 * 0.1 / 2.1:+.2f} (bf16_s1) |") in text
+  assert "| fp4_full_stack | fp4_linear, lora_rank=4 | 0 | diverged | – | – | – | – |" in text
+  # A row evaluated otherwise (another size, step or corpus) has no gap and is not in the floor.
+  rows = [_row(f"bf16_s{i}", v, "bf16") for i, v in enumerate(ref)]
+  rows += [_row("bf16_s9", 9.0, "bf16", comparable=False),
+           _row("fp4_linear", 2.2, baseline="bf16_s9", comparable=False)]
+  floor = st.add_gaps(rows)
+  assert floor["n"] == 3 and floor["mean"] == pytest.approx(mean)
+  assert math.isnan(rows[4]["gap_pct"]) and math.isnan(rows[4]["baseline_gap_pct"])
+  text = st.table(rows, floor)
+  assert "| fp4_linear | fp4_linear, lora_rank=4 | 0 | 2.2000 | 3 | 256 | not compared ‡ | – |" in text
+  assert "‡ evaluated at another step" in text
   # Without a finished bf16 seed there is no reference.
   rows = [_row("fp4_linear", 2.2)]
   assert st.add_gaps(rows) == {"n": 0} and math.isnan(rows[0]["gap_pct"])

@@ -188,12 +188,33 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
   tc = TrainConfig(steps=10, batch_size=B, seq_len=T, log_every=1, checkpoint_every=2,
                    mesh_shape=(1, 1, 1), progress=False, tensorboard=False)
   it, _ = _iters(data_dir)
-  with pytest.raises(NonFiniteLossError, match="at step 5.*Last good checkpoint: step 4"):
+  with pytest.raises(NonFiniteLossError, match="at step 5.*Last checkpoint with "
+                     "finite, bounded parameters: step 4 in"):
     train(MODEL, get_recipe("bf16"), OPT, tc, tmp_path, _PoisonAt(it, 5, 10_000))
   steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
   assert steps == [2, 4]
   rows = read_jsonl(tmp_path / "metrics.jsonl")
   assert rows[-1]["step"] == 5 and rows[-1]["loss"] == "nan"
+
+
+def test_divergence_names_the_last_checkpoint_with_bounded_parameters(tmp_path):
+  from fp4jax.checkpoint import Checkpointer
+  from fp4jax.metrics import MetricsWriter
+  from fp4jax.train import _finite_metrics
+  ckpt = Checkpointer(tmp_path / "checkpoints", every=2, keep=5, async_save=False)
+  for step, w in ((2, 1.5), (4, 3e17), (6, float("nan"))):
+    ckpt.save(step, {"params": {"w": jnp.full((4,), w)}, "step": jnp.int32(step)})
+  ckpt.wait()
+  assert ckpt.last_sound_step() == (2, ["step 6 holds non-finite parameters",
+                                        "step 4 holds parameters with magnitudes up to 3e+17"])
+  writer = MetricsWriter(tmp_path, 10, 6, progress=False, tensorboard=False)
+  nan = {"loss": jnp.float32(jnp.nan), "grad_norm": jnp.float32(1.0)}
+  with pytest.raises(NonFiniteLossError, match=r"at step 7.*Last checkpoint with finite, bounded "
+                     r"parameters: step 2 \(newer ones passed over: step 6 holds non-finite "
+                     r"parameters; step 4 holds parameters with magnitudes up to 3e\+17\)"):
+    _finite_metrics(7, nan, writer, ckpt)
+  writer.close()
+  ckpt.close()
 
 
 @pytest.mark.slow
@@ -282,14 +303,20 @@ def test_launcher_cli_writes_metrics(tmp_path):
 
 def test_compare_gap_table():
   from experiments import compare as compare_lib
+  ev = {"eval_step": 10, "eval_tokens": 4096, "eval_text": "shakespeare"}
   table = compare_lib.gap_table({
-      "bf16": {"status": "ok", "step": 10, "train_loss": 2.0, "eval_loss": 2.5, "step_time_s": 1},
+      "bf16": {"status": "ok", "step": 10, "train_loss": 2.0, "eval_loss": 2.5, "step_time_s": 1,
+               **ev},
       "fp4_linear": {"status": "ok", "step": 10, "train_loss": 2.02, "eval_loss": 2.55,
-                     "step_time_s": 3},
+                     "step_time_s": 3, **ev},
+      "small_eval": {"status": "ok", "step": 10, "train_loss": 2.02, "eval_loss": 2.55,
+                     "step_time_s": 3, **ev, "eval_tokens": 1024},
       "fp4_full_stack": {"status": "diverged"}})
   lines = table.splitlines()
-  assert "| fp4_linear | 10 | 2.0200 | +1.00 | 2.5500 | +2.00 | 3 |" in lines
-  assert "| bf16 | 10 | 2.0000 | +0.00 | 2.5000 | +0.00 | 1 |" in lines
+  assert "| fp4_linear | 10 | 2.0200 | +1.00 | 2.5500 | +2.00 | 10 | 4,096 | 3 |" in lines
+  assert "| bf16 | 10 | 2.0000 | +0.00 | 2.5000 | +0.00 | 10 | 4,096 | 1 |" in lines
+  # An eval of another size is never compared.
+  assert "| small_eval | 10 | 2.0200 | +1.00 | 2.5500 | not compared | 10 | 1,024 | 3 |" in lines
   assert any(line.startswith("| fp4_full_stack | diverged") for line in lines)
 
 
