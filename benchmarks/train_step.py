@@ -8,7 +8,8 @@ r"""Train-step throughput of the 125m model: bf16 vs fp4_linear (tokens/s, MFU, 
   python -m benchmarks.train_step --recipes=bf16,fp4_linear,fp4_linear:matmul.rounding_bits=counter
 
 A recipe is a preset of ``fp4jax.recipe`` with optional ``:FIELD=VALUE`` overrides of its fields
-(a nested op config's as ``matmul.hadamard=false``).
+(a nested op config's as ``matmul.hadamard=false``). Recipes are separated by commas, or by
+semicolons where a value holds a comma (``--recipes="fp4_linear;fp4_linear:matmul.two_term=x,w"``).
 
 The model is ``experiments/configs/125m.py``'s (d=768, 12 blocks, vocab 32768; a test keeps
 ``MODEL_125M`` equal to it; ``--tiny``: d=64, 2 blocks). Each recipe's full jitted train step (forward, backward, AdamW update, donated state)
@@ -70,6 +71,11 @@ def batches(args, vocab_size: int, mesh, n: int) -> list[dict]:
       toks = rng.integers(0, vocab_size, (args.batch, args.seq + 1), dtype=np.int32)
       host.append({"inputs": toks[:, :-1], "targets": toks[:, 1:]})
   return [data_lib.to_global_batch(b, mesh) for b in host]
+
+
+def recipe_list(recipes: str) -> list[str]:
+  """``--recipes``: split at semicolons where there is one (a value may hold commas), else at commas."""
+  return [r for r in recipes.split(";" if ";" in recipes else ",") if r]
 
 
 def recipe_of(spec: str):
@@ -163,7 +169,7 @@ def main(argv=None) -> int:
         flush=True)
   data = batches(args, cfg.vocab_size, mesh, max(2, min(args.steps, 4)))
   rows = []
-  for name in args.recipes.split(","):
+  for name in recipe_list(args.recipes):
     try:
       rows.append(bench(name, cfg, args, mesh, data))
     except Exception as e:  # report and go on with the other recipes

@@ -45,10 +45,14 @@ def test_compile_events_name_xla_phases(tmp_path):
 
 
 def test_train_step_recipe_specs():
-  from benchmarks.train_step import recipe_of
+  from benchmarks.train_step import recipe_list, recipe_of
   from fp4jax.recipe import get_recipe
 
   assert recipe_of("fp4_linear") == get_recipe("fp4_linear")
+  assert recipe_list("bf16,fp4_linear") == ["bf16", "fp4_linear"]
+  specs = recipe_list("fp4_linear;fp4_linear:matmul.two_term=x,w")
+  assert specs == ["fp4_linear", "fp4_linear:matmul.two_term=x,w"]
+  assert recipe_of(specs[1]).matmul.two_term == "x,w"
   r = recipe_of("fp4_linear:matmul.rounding_bits=counter:matmul.hadamard=false:lora_rank=4")
   assert (r.matmul.rounding_bits, r.matmul.hadamard, r.lora_rank) == ("counter", False, 4)
   with pytest.raises(ValueError, match="not FIELD=VALUE"):
