@@ -299,7 +299,10 @@ def quantize_operand(a, op: str, keys, config: MatmulConfig, run: _Run | None = 
     else:
       terms.append((_q(a, rounding, k, config, **layout), None))
     if two and term == 0:
-      a = a.astype(_F32) - terms[0][0].dequantize(_F32)
+      # The residual from the materialized Q1: fused into the subtraction, the GPU backend computes
+      # a − e·s·g with a fused multiply-add (one rounding, not two) and the second term's codes
+      # would differ from the CPU's.
+      a = a.astype(_F32) - lax.optimization_barrier(terms[0][0].dequantize(_F32))
   return tuple(terms)
 
 
