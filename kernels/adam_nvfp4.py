@@ -102,6 +102,37 @@ class AdamHyper:
   nu_rounding: str
 
 
+# The scale of ``scaled_second_moment``: v of a gradient up to float32's largest, times 2^-160, is a
+# normal float32, and every product by it is exact.
+_V_SCALE_LOG2 = 80
+
+
+def scaled_second_moment(s_old, g32, b2: float, zero, mul=None) -> jax.Array:
+  """``(b2 s_old² + (1 - b2) g²) · 2^-160``: Adam's second moment computed at a scale where it cannot
+  overflow (``numerics.rounded_ema``'s products, on ``s_old`` and ``g`` times ``2^-80``, exact).
+
+  Where ``v`` itself overflows float32 (``|g|`` from about 1.8e19, or a stored √v that large) from
+  finite ``s_old`` and ``g``, its root is ``sqrt(scaled) · 2^80`` (``overflow_root``): a finite √v,
+  where ``sqrt(inf)`` would make the leaf's global scale, and with it the whole moment, NaN for good.
+  The leaf's other elements are then too small for its block and global scales, are stored as 0 and
+  recover as the large entry decays (the update's clip bounds them meanwhile).
+  """
+  k = jnp.float32(2.0**-_V_SCALE_LOG2)
+  mul_ = mul or (lambda a, b: numerics.rounded(a * b, zero))
+  s, g = s_old * k, g32 * k
+  return numerics.rounded_ema(mul_(s, s), mul_(g, g), b2, zero, mul)
+
+
+def overflow_root(v, scaled, sqrt):
+  """The stored √v: ``sqrt(v)``, or where ``v`` overflowed from finite inputs (``v == inf`` and its
+  ``scaled_second_moment`` finite) ``sqrt(scaled) · 2^80``. Returns (root, overflowed)."""
+  overflowed = (v == jnp.inf) & (scaled < jnp.inf)
+  # One root per element; the product by 1 leaves the others' bits alone.
+  root = sqrt(jnp.where(overflowed, scaled, v)) * jnp.where(
+      overflowed, jnp.float32(2.0**_V_SCALE_LOG2), jnp.float32(1.0))
+  return root, overflowed
+
+
 def supports(mu) -> bool:
   """Whether a stored moment can take the kernels: NVFP4, 1×16 blocks along the last axis."""
   return (isinstance(mu, NVFP4Tensor) and mu.block == (1, BLOCK) and mu.axis == len(mu.shape) - 1
@@ -143,8 +174,8 @@ def _halves(ref, ok2, ok3, split, evict=None):
 
 def _moments(hp, zero, f_ref, leaf, gs, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret,
              evict=None):
-  """Per half h of the gradient's halves ``gs``: (g, m, v) in float32, (rows, 8) each
-  (``numerics.adam_moments``)."""
+  """Per half h of the gradient's halves ``gs``: (g, m, v, the scaled v) in float32, (rows, 8) each
+  (``numerics.adam_moments``, ``scaled_second_moment``)."""
   # Codes widened once: 32-bit integer arithmetic from here (bytes cost the GPU byte permutes).
   mcode, vcode = (load(r, ok2, evict).astype(jnp.int32) for r in (mc_ref, vc_ref))
   mscale = numerics.e4m3_to_f32(f8_bytes(load(ms_ref, ok1, evict)))[:, None]
@@ -159,7 +190,7 @@ def _moments(hp, zero, f_ref, leaf, gs, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2
     s_old = (numerics.decode_e2m1((vcode >> shift) & 0xF) * vscale) * vg
     v_old = s_old * s_old  # v from the stored √v
     m, v = numerics.adam_moments(m_old, v_old, g, hp.b1, hp.b2, zero, mul_rn(interpret))
-    out.append((g, m, v))
+    out.append((g, m, v, scaled_second_moment(s_old, g, hp.b2, zero, mul_rn(interpret))))
   return out
 
 
@@ -176,20 +207,25 @@ def _stats_leaf(i_ref, f_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, a_ref, *, h
                 nb: int, leaf: int, pid, slots: int, interpret: bool):
   br = g_ref.shape[0]
   ok1, ok2, ok3 = (_rows_ok(nb, br, s, pid) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
-  abs_m, abs_v = [], []
-  for _, m, v in _moments(hp, i_ref[0], f_ref, leaf, _halves(g_ref, ok2, ok3, split=True), mc_ref,
-                          ms_ref, vc_ref, vs_ref, ok1, ok2, interpret):
+  abs_m, abs_v, abs_scaled = [], [], []
+  for _, m, v, scaled in _moments(hp, i_ref[0], f_ref, leaf, _halves(g_ref, ok2, ok3, split=True),
+                                  mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret):
     # The encoder's amax (nvfp4.quantize): subnormals flushed, NaN counted as inf. Rows past the end
     # loaded as zeros, which leave the max alone.
     am = numerics.flush_subnormals(m)
     abs_m.append(jnp.where(jnp.isnan(am), jnp.inf, jnp.abs(am)))
-    abs_v.append(jnp.where(jnp.isnan(v), jnp.inf, jnp.abs(v)))
+    overflowed = (v == jnp.inf) & (scaled < jnp.inf)  # overflow_root's root: from `scaled`
+    abs_v.append(jnp.where(jnp.isnan(v), jnp.inf, jnp.where(overflowed, 0.0, jnp.abs(v))))
+    abs_scaled.append(jnp.where(overflowed, scaled, 0.0))
   # The halves maxed elementwise first: one cross-warp reduction (shared memory and barriers) per
   # moment and program.
   amax_m = max_all(jnp.maximum(*abs_m))  # one axis at a time: a full reduction fails to lower
   amax_v = max_all(jnp.maximum(*abs_v))
-  # max(sqrt_rn(v)) = sqrt_rn(max(v)): sqrt_rn is monotone, and its results are never subnormal.
-  amax_s = sqrt_rn(jnp.full((1,), amax_v, jnp.float32), interpret)
+  amax_scaled = max_all(jnp.maximum(*abs_scaled))
+  # max(sqrt_rn(v)) = sqrt_rn(max(v)): sqrt_rn is monotone, and its results are never subnormal;
+  # the same for the overflowed entries' roots, sqrt_rn(scaled) * 2^80.
+  root = lambda x: sqrt_rn(jnp.full((1,), x, jnp.float32), interpret)
+  amax_s = jnp.maximum(root(amax_v), root(amax_scaled) * jnp.float32(2.0**_V_SCALE_LOG2))
   # Into the leaf's two entries of the amax buffer: the int32 max of the bit patterns is the
   # float max for values >= 0 (+inf included), and the buffer starts at 0.
   # Scalar values: for a (1,)-shaped int32 value the atomic's Triton lowering takes its float path.
@@ -251,10 +287,12 @@ def _encode_leaf(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, vs_
   evict_in, evict_u = ("evict_first", "evict_last") if evict_hints else (None, None)
   halves = _moments(hp, zero, f_ref, leaf, _halves(g_ref, ok2, None, split=False, evict=evict_in),
                     mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret, evict_in)
-  roots = [sqrt_rn(v, interpret) for _, _, v in halves]  # √v: stored, and the update's root
+  # √v: stored, and the update's root
+  roots = [overflow_root(v, scaled, lambda x: sqrt_rn(x, interpret))[0]
+           for _, _, v, scaled in halves]
   us = [numerics.adam_direction(m, v, s, g, factors, hp.b1, hp.eps, hp.eps_root, hp.nesterov,
                                bound if hp.clip_update else None).astype(u_out.dtype)
-        for (g, m, v), s in zip(halves, roots)]
+        for (g, m, v, _), s in zip(halves, roots)]
   for h, u in enumerate(us):
     store(u_out.at[:, :, jnp.int32(h)], u, ok2, evict_u)
   pair_hash = None
@@ -274,7 +312,7 @@ def _encode_leaf(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, vs_
     bits = None
     if rounding == "stochastic":
       bits = [numerics.lane_bits(pair_hash, 2 * j + h) for h in range(2)]
-    xs = [m for _, m, _ in halves] if j == 0 else roots
+    xs = [m for _, m, _, _ in halves] if j == 0 else roots
     packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret)
     store(c_out, packed, ok2)
     store(s_out, lax.bitcast_convert_type(dcode, jnp.float8_e4m3fn), ok1)

@@ -58,7 +58,7 @@ def _make(name, wrapper, params):
 
 
 def _spec(tree):
-  is_leaf = lambda x: isinstance(x, nvfp4.NVFP4Tensor)  # noqa: E731
+  is_leaf = lambda x: isinstance(x, nvfp4.NVFP4Tensor)
   leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
   return treedef, [jax.tree.map(lambda a: (a.shape, a.dtype), x) for x in leaves]
 
@@ -202,14 +202,18 @@ def _same_bits(a, b):
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_quantize_false_on_bfloat16_params_equals_optax_adamw_with_float32_moments(nesterov):
-  """The documented equality: moments are float32 for every parameter dtype, so on bfloat16
-  parameters adamw_nvfp4(quantize=False) is optax.adamw initialized on float32 copies, bit for
-  bit (optax.adamw alone keeps bfloat16 moments)."""
+  """The documented equality: moments are float32 for every parameter dtype and updates take the
+  parameters' dtype, so on bfloat16 parameters adamw_nvfp4(quantize=False) is optax's AdamW
+  initialized on float32 copies with its Adam direction cast to bfloat16, bit for bit (optax.adamw
+  alone keeps bfloat16 moments)."""
   params = {"w": (0.1 * jax.random.normal(jax.random.key(0), (64, 64))).astype(jnp.bfloat16),
             "b": jnp.ones((7,), jnp.bfloat16)}
   ours = optim.adamw_nvfp4(LR, weight_decay=0.1, nesterov=nesterov, quantize=False)
-  ref = optax.adamw(LR, b1=0.9, b2=0.95, weight_decay=0.1, nesterov=nesterov)
-  assert ref.init(params)[0].mu["w"].dtype == jnp.bfloat16  # what plain optax does
+  assert optax.adamw(LR).init(params)[0].mu["w"].dtype == jnp.bfloat16  # what plain optax does
+  to_bf16 = optax.GradientTransformation(  # the update back in the gradients' dtype
+      optax.init_empty_state, lambda u, s, p=None: (jax.tree.map(lambda x: x.astype(jnp.bfloat16), u), s))
+  ref = optax.chain(optax.scale_by_adam(0.9, 0.95, nesterov=nesterov), to_bf16,
+                    optax.add_decayed_weights(0.1), optax.scale_by_learning_rate(LR))
   s1, s2, p1, p2 = ours.init(params), ref.init(_f32(params)), params, params
   up1, up2 = jax.jit(ours.update), jax.jit(ref.update)
   for step in range(3):
@@ -218,7 +222,7 @@ def test_quantize_false_on_bfloat16_params_equals_optax_adamw_with_float32_momen
     u2, s2 = up2(g, s2, p2)
     p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
     jax.tree.map(_same_bits, (u1, p1, s1[0].mu, s1[0].nu), (u2, p2, s2[0].mu, s2[0].nu))
-  assert p1["w"].dtype == jnp.bfloat16 and s1[0].mu["w"].dtype == jnp.float32
+  assert p1["w"].dtype == u1["w"].dtype == jnp.bfloat16 and s1[0].mu["w"].dtype == jnp.float32
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -228,7 +232,7 @@ def test_fp32_muon_momentum_equals_optax_bit_for_bit(dtype):
   rounding and takes the gradients' dtype."""
   params = {"a": jax.random.normal(jax.random.key(4), (24, 40)).astype(dtype)}
   ours = optim.scale_by_muon_nvfp4(ns_precision="fp32")
-  dims = lambda p: jax.tree.map(lambda _: MuonDimensionNumbers(), p)  # noqa: E731
+  dims = lambda p: jax.tree.map(lambda _: MuonDimensionNumbers(), p)
   ref = optax.contrib.scale_by_muon(weight_dimension_numbers=dims)
   s1, s2 = ours.init(params), ref.init(_f32(params))
   for step in range(3):
@@ -238,3 +242,76 @@ def test_fp32_muon_momentum_equals_optax_bit_for_bit(dtype):
     assert u1["a"].dtype == dtype
     tol = 5e-6 if dtype == jnp.float32 else 2 ** -8
     np.testing.assert_allclose(np.asarray(u1["a"], np.float32), u2["a"], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+def test_nvfp4_moments_stay_finite_and_recover_after_a_gradient_whose_square_overflows(implementation):
+  """A finite gradient element of 1e30 (its square overflows float32): optax.adamw stays finite,
+  so must the NVFP4 moments, and the other elements' updates are those of a normal step."""
+  tx = optim.adamw_nvfp4(LR, weight_decay=0.0, implementation=implementation,
+                         options=optim.AdamNvfp4Options(min_size=0, mu_rounding="nearest",
+                                                        nu_rounding="nearest"))
+  params = {"w": jnp.zeros((32, 64))}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  normal = {"w": jnp.sin(jnp.arange(32 * 64, dtype=jnp.float32).reshape(32, 64))}
+  huge = {"w": normal["w"].at[3, 5].set(1e30)}
+  u, state = step(huge, state, params)
+  assert np.all(np.isfinite(np.asarray(u["w"])))
+  assert abs(float(u["w"][3, 5]) + LR) < 0.1 * LR  # the huge element moves by about one lr
+  for _ in range(20):
+    u, state = step(normal, state, params)
+    leaves = jax.tree.leaves(state)
+    assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in leaves)
+    assert np.all(np.isfinite(np.asarray(u["w"])))
+  # After the huge step decays out of v (b2 = 0.95), the other elements step as Adam does again.
+  assert np.mean(np.abs(np.asarray(u["w"]))) > 0.3 * LR
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: optim.adamw_nvfp4(LR, b2=1.5), r"b2 must be in \[0, 1\)"),
+    (lambda: optim.adamw_nvfp4(LR, b1=-0.1), r"b1 must be in \[0, 1\)"),
+    (lambda: optim.adamw_nvfp4(LR, eps=-1e-8), "eps must be >= 0"),
+    (lambda: optim.scale_by_adam_nvfp4(eps_root=-1.0), "eps_root must be >= 0"),
+    (lambda: optim.muon_nvfp4(LR, beta=1.0), r"beta must be in \[0, 1\)"),
+    (lambda: optim.muon_nvfp4(LR, ns_steps=-1), "ns_steps must be an int >= 0"),
+    (lambda: optim.muon_nvfp4(LR, ns_steps=2.5), "ns_steps must be an int >= 0"),
+    (lambda: optim.muon_nvfp4(LR, adam_b2=2.0), r"b2 must be in \[0, 1\)"),
+])
+def test_hyperparameters_out_of_range_raise_naming_the_argument(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_prefix_muon_mask_gives_params_shaped_inner_states():
+  """A label (or None) at a subtree covers its leaves, as optax expands a prefix mask."""
+  params = {"blocks": {"w1": jnp.ones((32, 64)), "w2": jnp.ones((64, 32))},
+            "embed": jnp.ones((64, 32))}
+  mask = {"blocks": True, "embed": False}
+  tx = optim.muon_nvfp4(LR, ns_precision="fp32", muon_mask=mask,
+                        adam_options=optim.AdamNvfp4Options(min_size=0))
+  state = tx.init(params)
+  muon_mu = state.inner_states["muon"].inner_state[0].mu
+  assert jax.tree.structure(muon_mu, is_leaf=optim.is_state_leaf) == jax.tree.structure(params)
+  assert isinstance(muon_mu["embed"], optax.MaskedNode)
+  assert muon_mu["blocks"]["w1"].shape == (32, 64)
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  p_sh = jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+      "data", "model")), params)
+  s_sh = optim.state_sharding(jax.eval_shape(tx.init, params), p_sh)
+  mu_sh = s_sh.inner_states["muon"].inner_state[0].mu
+  assert mu_sh["blocks"]["w1"].spec == jax.sharding.PartitionSpec("data", "model")
+  u, _ = jax.jit(tx.update)(params, state, params)
+  assert np.any(np.asarray(u["blocks"]["w1"])) and np.any(np.asarray(u["embed"]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_float32_moments_square_the_gradient_in_float32(dtype):
+  """A gradient element whose square underflows in its own dtype (1e-4² in float16) still gives an
+  update of about one learning rate (the square is taken in the moment's float32)."""
+  tx = optim.adamw_nvfp4(LR, weight_decay=0.0, quantize=False)
+  params = {"w": jnp.zeros((8, 8), dtype)}
+  g = {"w": jnp.full((8, 8), 1e-4, dtype)}
+  u, _ = tx.update(g, tx.init(params), params)
+  assert u["w"].dtype == dtype
+  np.testing.assert_allclose(np.asarray(u["w"], np.float32), -LR, rtol=1e-2)

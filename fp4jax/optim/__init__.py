@@ -6,8 +6,9 @@
 - ``root`` / ``scale_by_root_nvfp4``: ROOT (shape-specific coefficients, outlier soft-thresholding).
 - ``newton_schulz``, ``nvfp4_dot``, ``nvfp4_gram``: the orthogonalization and its forward-only NVFP4
   products.
-- ``state_nbytes``, ``state_sharding``, ``stores_nvfp4``: bytes of a state; shardings that follow
-  the parameters; the storage rule (``fp4jax.optim.state``).
+- ``state_nbytes``, ``state_sharding``, ``stores_nvfp4``, ``is_state_leaf``: bytes of a state;
+  shardings that follow the parameters; the storage rule; the ``is_leaf`` that pairs a state with a
+  params-shaped tree (``fp4jax.optim.state``).
 
 Error studies of these transformations (``orthogonality_error``) are in ``fp4jax.analysis``.
 
@@ -23,7 +24,8 @@ from fp4jax.optim.muon import (ScaleByMuonNvfp4State, default_muon_mask, muon_nv
                                scale_by_shape)
 from fp4jax.optim.ns import MUON_COEFFS, newton_schulz, nvfp4_dot, nvfp4_gram
 from fp4jax.optim.root import ROOT_NS_COEFFS, root, root_coeffs, scale_by_root_nvfp4
-from fp4jax.optim.state import DEFAULT_MIN_SIZE, state_nbytes, state_sharding, stores_nvfp4
+from fp4jax.optim.state import (DEFAULT_MIN_SIZE, is_state_leaf, state_nbytes, state_sharding,
+                                stores_nvfp4)
 
 __all__ = [
     "DEFAULT_MIN_SIZE",
@@ -36,6 +38,7 @@ __all__ = [
     "adam_update_bound",
     "adamw_nvfp4",
     "default_muon_mask",
+    "is_state_leaf",
     "muon_nvfp4",
     "newton_schulz",
     "nvfp4_dot",

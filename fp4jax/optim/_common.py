@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fp4jax import _platform, numerics, nvfp4
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
-from fp4jax.optim.state import block_axis, stores_nvfp4
+from fp4jax.optim.state import _fit, block_axis, stores_nvfp4
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -33,6 +35,92 @@ def concrete_float(x) -> float | None:
   return float(x)
 
 
+def check_decay(name, x):
+  """A decay (``b1``, ``b2``, ``beta``) must lie in [0, 1); traced values are not checked."""
+  v = concrete_float(x)
+  if v is not None and not 0.0 <= v < 1.0:
+    raise ValueError(f"{name} must be in [0, 1), got {x!r}")
+
+
+def check_non_negative(name, x):
+  """``eps``-like arguments must be >= 0; traced values are not checked."""
+  v = concrete_float(x)
+  if v is not None and not v >= 0.0:
+    raise ValueError(f"{name} must be >= 0, got {x!r}")
+
+
+def check_steps(name, x):
+  """An iteration count must be an int >= 0; traced values are not checked."""
+  if isinstance(x, jax.core.Tracer) or (hasattr(x, "dtype") and not isinstance(x, (int, float))):
+    return
+  if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+    raise ValueError(f"{name} must be an int >= 0, got {x!r}")
+
+
+def moment_dtype(param_dtype, dtype=None):
+  """The dtype of a moment of a parameter of ``param_dtype``: ``dtype`` (default float32), made
+  complex (complex64 for float32) for a complex parameter, whose moment keeps its phase."""
+  dtype = _F32 if dtype is None else jnp.dtype(dtype)
+  if jnp.issubdtype(param_dtype, jnp.complexfloating):
+    return jnp.promote_types(dtype, jnp.complex64)
+  return dtype
+
+
+def is_complex(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.complexfloating)
+
+
+def _param_sharding(p):
+  """``p``'s ``NamedSharding`` where it is known: a concrete array's or a ``ShapeDtypeStruct``'s, or
+  a traced value's sharding type under explicit mesh axes (``jax.sharding.AxisType.Explicit``);
+  None otherwise (one device, or XLA's choice under auto axes)."""
+  if isinstance(p, jax.core.Tracer):
+    sharding = jax.typeof(p).sharding
+    if AxisType.Explicit not in getattr(sharding.mesh, "axis_types", ()):
+      return None
+  else:
+    sharding = getattr(p, "sharding", None)
+  return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def zeros(shape, dtype, like):
+  """Zeros of ``shape`` sharded like the parameter ``like`` (its mesh axes that do not divide a
+  dimension of ``shape`` dropped, as ``state_sharding`` does), so that ``init`` builds the state
+  with the shardings ``update`` returns."""
+  sharding = _param_sharding(like)
+  if sharding is None or len(sharding.spec) > len(shape):
+    return jnp.zeros(shape, dtype)
+  sharding = _fit(sharding, shape)
+  if isinstance(sharding.mesh, AbstractMesh):
+    return jax.sharding.reshard(jnp.zeros(shape, dtype), sharding)
+  return jnp.zeros(shape, dtype, device=sharding)
+
+
+def explicit_spec(x):
+  """The ``PartitionSpec`` of a traced or concrete array sharded over explicit mesh axes, else None."""
+  sharding = jax.typeof(x).sharding
+  if AxisType.Explicit not in getattr(sharding.mesh, "axis_types", ()):
+    return None
+  return sharding.spec
+
+
+def sharded_explicitly(x) -> bool:
+  """Whether any array of ``x`` is split over an explicit mesh axis."""
+  return any(s is not None and any(a is not None for a in s)
+             for s in (explicit_spec(a) for a in jax.tree.leaves(x)))
+
+
+def auto(fn, out_like, *args):
+  """``fn(*args)``; where an argument is split over explicit mesh axes, with those axes automatic
+  inside (``jax.sharding.auto_axes``) and the outputs sharded like ``out_like`` (arrays shaped like
+  the outputs; replicated where not explicitly sharded). The NVFP4 codec's block reshapes and
+  Newton–Schulz's products have no explicit sharding rule: inside, XLA partitions them."""
+  if not sharded_explicitly((args, out_like)):
+    return fn(*args)
+  out_specs = jax.tree.map(lambda x: explicit_spec(x) or P(), out_like)
+  return jax.sharding.auto_axes(fn, out_sharding=out_specs)(*args)
+
+
 def check_min_size(min_size):
   if not isinstance(min_size, int) or isinstance(min_size, bool) or min_size < 0:
     raise ValueError(f"min_size must be a non-negative int, got {min_size!r}")
@@ -43,23 +131,31 @@ def check_rounding(name, rounding):
     raise ValueError(f"{name} must be one of {nvfp4.ROUNDINGS}, got {rounding!r}")
 
 
-def zeros_nvfp4(shape) -> NVFP4Tensor:
-  """``quantize(zeros(shape))`` without computing it (works for abstract shapes in ``init``)."""
+def zeros_nvfp4(shape, like=None) -> NVFP4Tensor:
+  """``quantize(zeros(shape))`` without computing it (works for abstract shapes in ``init``); codes
+  and scales sharded like the parameter ``like`` (``zeros``), the global scale replicated."""
   shape = tuple(shape)
   ax = block_axis(shape)
-  div = lambda d: tuple(n // d if i == ax else n for i, n in enumerate(shape))  # noqa: E731
+  div = lambda d: tuple(n // d if i == ax else n for i, n in enumerate(shape))
   return NVFP4Tensor(
-      codes=jnp.zeros(div(2), jnp.uint8),
-      scales=jnp.zeros(div(BLOCK), jnp.float8_e4m3fn),
+      codes=zeros(div(2), jnp.uint8, like),
+      scales=zeros(div(BLOCK), jnp.float8_e4m3fn, like),
       global_scale=jnp.ones((), jnp.float32),
       shape=shape, block=(1, BLOCK), axis=ax, dtype=_F32)
 
 
-def zeros_state(shape, min_size: int, quantize: bool):
-  """A zero moment for a parameter of ``shape``: NVFP4 under the storage rule, else float32."""
-  if quantize and stores_nvfp4(shape, min_size):
-    return zeros_nvfp4(shape)
-  return jnp.zeros(shape, jnp.float32)
+def stores_nvfp4_param(p, min_size: int, quantize: bool) -> bool:
+  """Whether the moments of parameter ``p`` are NVFP4: the storage rule, for real parameters only
+  (a complex parameter's moments keep their phase in complex64)."""
+  return quantize and not is_complex(p) and stores_nvfp4(p.shape, min_size)
+
+
+def zeros_state(p, min_size: int, quantize: bool, dtype=None):
+  """A zero moment for parameter ``p``: NVFP4 under the storage rule, else ``dtype`` (default
+  ``moment_dtype(p.dtype)``), sharded like ``p``."""
+  if stores_nvfp4_param(p, min_size, quantize):
+    return zeros_nvfp4(p.shape, p)
+  return zeros(tuple(p.shape), moment_dtype(p.dtype) if dtype is None else dtype, p)
 
 
 def map_params(fn, params):

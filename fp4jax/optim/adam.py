@@ -164,6 +164,10 @@ def scale_by_adam_nvfp4(
   if not isinstance(options, AdamNvfp4Options):
     raise ValueError(f"options must be an AdamNvfp4Options, got {type(options).__name__}")
   execution.check("scale_by_adam_nvfp4", implementation)
+  _common.check_decay("b1", b1)
+  _common.check_decay("b2", b2)
+  _common.check_non_negative("eps", eps)
+  _common.check_non_negative("eps_root", eps_root)
   if not isinstance(block_sizes, AdamKernelConfig):
     raise ValueError(f"block_sizes must be an AdamKernelConfig, got {type(block_sizes).__name__}")
   min_size, clip_update = options.min_size, options.clip_update
@@ -180,9 +184,11 @@ def scale_by_adam_nvfp4(
   eps_root_choice = 1.0 if constants[3] is None else constants[3]
 
   def init_fn(params):
-    zeros = lambda p: _common.zeros_state(p.shape, min_size, quantize)  # noqa: E731
-    return ScaleByAdamNvfp4State(count=jnp.zeros([], jnp.int32), mu=_common.map_params(zeros, params),
-                                 nu=_common.map_params(zeros, params))
+    mu = lambda p: _common.zeros_state(p, min_size, quantize)
+    # v is real: float32 for complex parameters too (optax keeps it complex with a zero imaginary part).
+    nu = lambda p: _common.zeros_state(p, min_size, quantize, jnp.float32)
+    return ScaleByAdamNvfp4State(count=jnp.zeros([], jnp.int32), mu=_common.map_params(mu, params),
+                                 nu=_common.map_params(nu, params))
 
   def update_fn(updates, state, params=None):
     del params
@@ -195,20 +201,27 @@ def scale_by_adam_nvfp4(
     # Float32 leaves: optax.scale_by_adam's code on the same tree (None where NVFP4), so that with
     # no NVFP4 leaf the traced program is optax's and the bits agree (XLA's fusion, and with it the
     # last bit, depends on the whole tree).
-    sub = lambda leaves: treedef.unflatten(  # noqa: E731
+    sub = lambda leaves: treedef.unflatten(
         [None if q else x for q, x in zip(quantized, leaves)])
     u32, mu32, nu32 = _fp32_update(sub(g_leaves), sub(mu_leaves), sub(nu_leaves), count_inc)
-    u_leaves = treedef.flatten_up_to(u32)
-    mu_new, nu_new = treedef.flatten_up_to(mu32), treedef.flatten_up_to(nu32)
+    # Updates in the gradients' dtype, moments in their own (float32, complex64): the casts are no-ops
+    # on float32 parameters, whose bits stay optax's.
+    cast = lambda xs, like: [x if x is None else x.astype(y.dtype) for x, y in zip(xs, like)]
+    u_leaves = cast(treedef.flatten_up_to(u32), g_leaves)
+    mu_new = cast(treedef.flatten_up_to(mu32), mu_leaves)
+    nu_new = cast(treedef.flatten_up_to(nu32), nu_leaves)
 
     key = _common.step_key(seed, count_inc) if stochastic else None
     q_idx = [i for i, q in enumerate(quantized) if q]
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(quantized))]
     impl = _platform.resolve(implementation, "pallas", "xla")
+    # Leaves split over explicit mesh axes take the XLA path (the kernels see whole leaves).
+    sharded = {i for i in q_idx if _common.sharded_explicitly(
+        (g_leaves[i], mu_leaves[i], nu_leaves[i]))}
     fused = []
     if impl != "xla" and hyper is not None:
       fused = [i for i in q_idx if adam_kernel.supports(mu_leaves[i])
-               and adam_kernel.supports(nu_leaves[i])]
+               and adam_kernel.supports(nu_leaves[i]) and i not in sharded]
       q_idx = [i for i in q_idx if i not in fused]
     if fused:
       outs = adam_kernel.update_leaves(
@@ -219,14 +232,22 @@ def scale_by_adam_nvfp4(
           block_sizes=block_sizes, interpret=impl == "pallas_interpret")
       for j, i in enumerate(fused):
         u_leaves[i], mu_new[i], nu_new[i] = (o[j] for o in outs)
-    leaf_fn = lambda g, m, v, k: _leaf_update(g, m, v, k, count_inc)  # noqa: E731
+    # Under explicit sharding each leaf is computed alone, with its mesh axes automatic inside
+    # (the codec's block reshapes) and its outputs sharded like the gradient and the stored state.
+    leaf_fn = lambda g, m, v, k: _common.auto(
+        _leaf_update, (g, m, v), g, m, v, k, count_inc)
+    group = _common.group_by_default() and not sharded
     for i, out in _common.grouped_map(leaf_fn, q_idx, g_leaves, mu_leaves, nu_leaves, keys,
-                                      group=_common.group_by_default()).items():
+                                      group=group).items():
       u_leaves[i], mu_new[i], nu_new[i] = out
     mu, nu = treedef.unflatten(mu_new), treedef.unflatten(nu_new)
     return treedef.unflatten(u_leaves), ScaleByAdamNvfp4State(count=count_inc, mu=mu, nu=nu)
 
   def _fp32_update(g, mu, nu, count_inc):
+    # The gradient in the moment's dtype first: a bfloat16 or float16 gradient's square would
+    # underflow (or overflow) in its own dtype, and a zero v under a nonzero m makes m / eps.
+    g = jax.tree.map(lambda g, m: None if m is None else g.astype(m.dtype), g, mu,
+                     is_leaf=lambda x: x is None)
     mu = optax.tree.update_moment(g, mu, b1, 1)
     nu = optax.tree.update_moment_per_elem_norm(g, nu, b2, 2)
     mu_hat = _bias_corrected_mu(mu, g, count_inc)
@@ -243,8 +264,10 @@ def scale_by_adam_nvfp4(
     zero = numerics.runtime_zero(count_inc)
     m, v = numerics.adam_moments(m_old, s_old * s_old, g32, b1, b2, zero)
     # The correctly rounded square root: the backend's differs from the CPU's in the last bit on
-    # the GPU, which would move the stored state's global scales.
-    s = numerics.sqrt_rn(v)
+    # the GPU, which would move the stored state's global scales. Where v overflows float32 from a
+    # finite gradient, its root is computed at a smaller scale (the kernels do the same).
+    s, _ = adam_kernel.overflow_root(v, adam_kernel.scaled_second_moment(s_old, g32, b2, zero),
+                                     numerics.sqrt_rn)
     u = numerics.adam_direction(m, v, s, g32, numerics.bias_factors(b1, b2, eps_root, count_inc),
                                 b1, eps, eps_root_choice, nesterov, _clip_bound(count_inc))
     nu_new = _common.encode(s, nu_rounding, key, lane=1)
@@ -290,7 +313,8 @@ def adamw_nvfp4(
 
   Every numeric argument can be injected (``optax.inject_hyperparams``; give
   ``hyperparam_dtype=jnp.float32`` for bfloat16 parameters, or optax rounds the injected values to
-  bfloat16; a callable ``mask`` goes in ``static_args``), and the transformation composes with ``optax.MultiSteps``, ``optax.chain`` and
+  bfloat16; a callable ``mask`` goes in ``static_args``), and the transformation composes with
+  ``optax.MultiSteps``, ``optax.chain`` and
   ``optax.masked``.
 
   Args:

@@ -63,6 +63,9 @@ def scale_by_orthogonalized_momentum(
   """
   if ns_precision not in PRECISIONS:
     raise ValueError(f"ns_precision must be one of {PRECISIONS}, got {ns_precision!r}")
+  _common.check_steps("ns_steps", ns_steps)
+  _common.check_decay("beta", beta)
+  _common.check_non_negative("eps", eps)
   q = None if outlier_quantile is None else _common.concrete_float(outlier_quantile)
   if q is not None and not 0.0 < q <= 1.0:
     raise ValueError(f"outlier_quantile must be in (0, 1], got {outlier_quantile!r}")
@@ -72,15 +75,19 @@ def scale_by_orthogonalized_momentum(
       if len(p.shape) != 2:
         raise ValueError(f"Muon/ROOT needs 2-D leaves; {jax.tree_util.keystr(path)} has shape "
                          f"{p.shape} (route it to AdamW, e.g. with muon_nvfp4's muon_mask)")
-    zeros = lambda p: jnp.zeros(p.shape, jnp.float32 if mu_dtype is None else mu_dtype)  # noqa: E731
+    zeros = lambda p: _common.zeros(
+        tuple(p.shape), _common.moment_dtype(p.dtype, mu_dtype), p)
     return ScaleByMuonNvfp4State(count=jnp.zeros([], jnp.int32), mu=_common.map_params(zeros, params))
 
   def orthogonalize(m_hat):
     if m_hat.size == 0:
-      return jnp.zeros(m_hat.shape, jnp.float32)
+      return jnp.zeros(m_hat.shape, jnp.complex64 if _common.is_complex(m_hat) else jnp.float32)
     if outlier_quantile is not None:
       thr = jnp.quantile(jnp.abs(m_hat), outlier_quantile) + 1e-9
-      m_hat = jnp.clip(m_hat, -thr, thr)
+      if _common.is_complex(m_hat):  # the magnitude clipped, the phase kept
+        m_hat = m_hat * jnp.minimum(1.0, thr / jnp.maximum(jnp.abs(m_hat), thr))
+      else:
+        m_hat = jnp.clip(m_hat, -thr, thr)
     return newton_schulz(m_hat, coeffs_for_shape(m_hat.shape), ns_steps, precision=ns_precision,
                          eps=eps)
 
@@ -98,12 +105,14 @@ def scale_by_orthogonalized_momentum(
 
     def leaf(g, mu):
       mu_new = optax.tree.update_moment(g, mu, beta, 1)
-      stored = mu_new if mu_dtype is None else mu_new.astype(mu_dtype)
-      u = orthogonalize(mu_hat_of(mu_new, g))
+      stored = mu_new.astype(mu.dtype)  # float32 (or mu_dtype) whatever the gradient's dtype
+      # Explicitly sharded leaves: Newton–Schulz partitioned by XLA, the update sharded like g.
+      u = _common.auto(orthogonalize, g, mu_hat_of(mu_new, g))
       return u.astype(g.dtype), stored
 
-    # Leaves of one shape grouped: batched Newton–Schulz products.
-    outs = _common.grouped_map(leaf, range(len(g_leaves)), g_leaves, mu_leaves, group=True)
+    # Leaves of one shape grouped: batched Newton–Schulz products (explicitly sharded leaves alone).
+    group = not any(_common.sharded_explicitly(x) for x in g_leaves + mu_leaves)
+    outs = _common.grouped_map(leaf, range(len(g_leaves)), g_leaves, mu_leaves, group=group)
     u = treedef.unflatten([outs[i][0] for i in range(len(g_leaves))])
     mu = treedef.unflatten([outs[i][1] for i in range(len(g_leaves))])
     return u, ScaleByMuonNvfp4State(count=count_inc, mu=mu)
@@ -207,11 +216,16 @@ def partitioned(muon_tx, adam_tx, muon_mask) -> optax.GradientTransformationExtr
   ``muon_mask`` is a pytree like the params (or a callable of the params returning one) of bools,
   or of ``optax.contrib.MuonDimensionNumbers`` / ``None`` as optax's ``muon_weight_dimension_numbers``.
   """
-  is_leaf = lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)  # noqa: E731
+  is_leaf = lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)
 
   def labels(params):
     mask = muon_mask(params) if callable(muon_mask) else muon_mask
-    return jax.tree.map(_label, mask, is_leaf=is_leaf)
+    labels = jax.tree.map(_label, mask, is_leaf=is_leaf)
+    if not jax.tree.leaves(params):  # optax.tree.map_params's placeholder
+      return labels
+    # A label at a subtree (a prefix mask, e.g. None for a whole block) is given to each of its
+    # leaves, as optax expands a prefix: every inner state is then shaped like the parameters.
+    return jax.tree.map(lambda label, sub: _common.map_params(lambda _: label, sub), labels, params)
   return optax.partition({"muon": muon_tx, "adam": adam_tx}, labels)
 
 

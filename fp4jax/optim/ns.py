@@ -19,7 +19,8 @@ polynomial combination runs in float32:
 
 Each NVFP4 GEMM is ``fp4jax.nvfp4.gemm`` of operands quantized along the contraction axis
 (round-to-nearest): a native NVFP4 GEMM up to summation order; on a GPU with FP4 tensor cores
-(``fp4jax._platform.fp4_tensor_cores``) it is that native GEMM, ``nvfp4.scaled_matmul_gemm``. ``X Xᵀ`` and ``A² = A Aᵀ`` (A is
+(``fp4jax._platform.fp4_tensor_cores``) it is that native GEMM, ``nvfp4.scaled_matmul_gemm``.
+``X Xᵀ`` and ``A² = A Aᵀ`` (A is
 symmetric) reuse one quantization for both sides. X is zero-padded once to multiples of 16 (exact:
 padded rows and columns stay zero through the iteration). The NVFP4 mode loops with
 ``lax.fori_loop`` (one compiled step, not five). The products are forward-only: an optimizer never
@@ -101,13 +102,13 @@ def nvfp4_gram(x_MxK, terms: int = 1) -> jax.Array:
 def _products(precision):
   """(matmul, gram, square of a symmetric matrix) for a precision."""
   if precision == "nvfp4":
-    gram = lambda x: nvfp4_gram(x, 2)  # noqa: E731
+    gram = lambda x: nvfp4_gram(x, 2)
     return (lambda a, b: nvfp4_dot(a, b, 2)), gram, gram
   if precision == "bf16":
-    mm = lambda a, b: jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),  # noqa: E731
+    mm = lambda a, b: jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
                               preferred_element_type=jnp.float32)
   else:
-    mm = lambda a, b: a @ b  # noqa: E731
+    mm = lambda a, b: a @ b
   return mm, (lambda x: mm(x, x.T)), (lambda a: mm(a, a))
 
 
@@ -115,16 +116,25 @@ def newton_schulz(x_MxN, coeffs: Sequence[float] = MUON_COEFFS, steps: int = 5, 
                   precision: str = "nvfp4", eps: float = 1e-8) -> jax.Array:
   """Orthogonalizes a matrix with ``steps`` quintic Newton–Schulz iterations.
 
+  Complex matrices are orthogonalized as optax does (``A = X Xᴴ``), through their real
+  representation ``[[Re X, -Im X], [Im X, Re X]]`` (2m×2n, a ring homomorphism that maps ``Xᴴ`` to
+  the transpose), so every precision, NVFP4 included, takes them: 8 times the real products.
+
+  In NVFP4 the result is not continuous at the ulp level: a last-bit change of the input (another
+  compiled program, another summation order) can move a quantized operand to its neighbouring code,
+  and the result by ~5e-5 relative (float32 products: ~1e-6).
+
   Args:
-    x_MxN: a 2-D array (any float dtype; computed in float32).
+    x_MxN: a 2-D array (any float dtype, computed in float32; complex in complex64).
     coeffs: the quintic's ``(a, b, c)``, used at every step.
     steps: number of iterations (an int, or an int array when it is a traced hyperparameter).
     precision: ``"fp32"``, ``"bf16"`` or ``"nvfp4"`` operands for every matmul (module docstring).
     eps: added to the Frobenius norm before normalizing.
 
   Returns:
-    A float32 array of the shape of ``x_MxN`` whose singular values are near 1 (roughly in
-    [0.7, 1.2] for Muon's coefficients), with ``x``'s singular vectors (empty for an empty ``x``).
+    A float32 (complex64 for complex ``x``) array of the shape of ``x_MxN`` whose singular values are
+    near 1 (roughly in [0.7, 1.2] for Muon's coefficients), with ``x``'s singular vectors (empty for
+    an empty ``x``).
 
   Example:
     >>> x = jax.random.normal(jax.random.key(0), (64, 128))
@@ -140,7 +150,8 @@ def newton_schulz(x_MxN, coeffs: Sequence[float] = MUON_COEFFS, steps: int = 5, 
     raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {jnp.shape(x_MxN)}")
   if len(coeffs) != 3:
     raise ValueError(f"coeffs must be (a, b, c), got {coeffs!r}")
-  x = jnp.asarray(x_MxN, jnp.float32)
+  complex_x = jnp.iscomplexobj(x_MxN)
+  x = jnp.asarray(x_MxN, jnp.complex64 if complex_x else jnp.float32)
   m, n = x.shape
   if x.size == 0:
     return x
@@ -148,6 +159,18 @@ def newton_schulz(x_MxN, coeffs: Sequence[float] = MUON_COEFFS, steps: int = 5, 
   if transposed:
     x = x.T
   x = x / (jnp.linalg.norm(x) + eps)
+  if complex_x:
+    re, im = jnp.real(x), jnp.imag(x)
+    y = _iterate(jnp.block([[re, -im], [im, re]]), coeffs, steps, precision)
+    x = lax.complex(y[:min(m, n), :max(m, n)], y[min(m, n):, :max(m, n)])
+  else:
+    x = _iterate(x, coeffs, steps, precision)
+  return x.T if transposed else x
+
+
+def _iterate(x, coeffs, steps, precision):
+  """The iteration on a normalized float32 ``x`` with no more rows than columns."""
+  m, n = x.shape
   mm, gram, square = _products(precision)
   a, b, c = (jnp.float32(v) for v in coeffs)
 
@@ -156,13 +179,13 @@ def newton_schulz(x_MxN, coeffs: Sequence[float] = MUON_COEFFS, steps: int = 5, 
     return a * x + mm(b * g + c * square(g), x)
 
   if precision == "nvfp4":
-    pad = lambda d: -d % BLOCK  # noqa: E731
+    pad = lambda d: -d % BLOCK
     x = jnp.pad(x, ((0, pad(x.shape[0])), (0, pad(x.shape[1]))))
     x = lax.fori_loop(0, steps, step, x)
-    x = x[: min(m, n), : max(m, n)]
+    x = x[:m, :n]
   elif isinstance(steps, int):
     for i in range(steps):
       x = step(i, x)
   else:  # an array (optax.inject_hyperparams): a loop of as many steps
     x = lax.fori_loop(0, steps, step, x)
-  return x.T if transposed else x
+  return x

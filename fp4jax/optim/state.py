@@ -29,8 +29,24 @@ from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
 DEFAULT_MIN_SIZE = 4096
 
 
+def is_state_leaf(x) -> bool:
+  """Whether ``x`` stands where one parameter's leaf stands in a state: an NVFP4 moment (an
+  ``NVFP4Tensor``, a pytree of codes, scales and a global scale) or ``optax.MaskedNode`` (a leaf a
+  mask left out, as in Muon's and ROOT's partitioned states).
+
+  The ``is_leaf`` for tree utilities that pair a state with a params-shaped tree, e.g.
+  ``optax.tree_utils.tree_map_params(tx, f, state, specs, is_leaf=is_state_leaf)``: ``f`` gets each
+  NVFP4 moment whole, and each ``MaskedNode``, beside the parameter's leaf (return a
+  ``MaskedNode`` unchanged to keep the state's structure). For shardings, ``state_sharding`` maps a
+  parameter's sharding onto the codes and scales and replicates the global scale.
+  """
+  return isinstance(x, (NVFP4Tensor, optax.MaskedNode))
+
+
 def _is_nvfp4(x) -> bool:
   return isinstance(x, NVFP4Tensor)
+
+
 
 
 def block_axis(shape) -> int | None:
@@ -111,7 +127,7 @@ def state_sharding(state, params_sharding, replicated=None):
   if replicated is None:
     replicated = NamedSharding(shardings[0].mesh, PartitionSpec())
   masked = optax.MaskedNode
-  is_leaf = lambda x: _is_nvfp4(x) or isinstance(x, masked)  # noqa: E731
+  is_leaf = lambda x: _is_nvfp4(x) or isinstance(x, masked)
 
   def leaf_for(param_sharding, x):
     if isinstance(x, masked):
