@@ -31,7 +31,8 @@ setup(
         # fits triton 3.6 (which it pulls in) and needs a CUDA build of jaxlib.
         "triton": ["jax-triton==0.3.1"],
         # triton alone (no GPU, no jax-triton) runs the Triton peer's kernels in its CPU interpreter.
-        "test": ["tokenizers>=0.23", "pytest>=8", "pytest-xdist>=3.6", "nbformat>=5.10", "nbclient>=0.10", "ipykernel>=6", "matplotlib>=3.8",
+        "test": ["tokenizers>=0.23", "pytest>=8", "pytest-xdist>=3.6", "nbformat>=5.10", "nbclient>=0.10",
+                 "ipykernel>=6", "matplotlib>=3.8",
                  "ruff>=0.6", "triton==3.6.0; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "notebooks": ["matplotlib>=3.8", "jupyter"],
     },

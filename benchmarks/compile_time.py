@@ -125,7 +125,7 @@ def compile_events(trace_dir: str, top: int) -> list[tuple[str, float, int]]:
 def _compile(lowered, args):
   """``lowered.compile`` with ``args.compiler_options``; under ``jax.profiler`` with
   ``--compile-profile``, whose events come back as ``compile_events``."""
-  compile_ = lambda: lowered.compile(compiler_options=args.compiler_options or None)  # noqa: E731
+  compile_ = lambda: lowered.compile(compiler_options=args.compiler_options or None)
   if not args.compile_profile:
     return compile_(), None
   with tempfile.TemporaryDirectory() as d:
@@ -141,7 +141,8 @@ def run_on_device(size, recipe_name, args, execution: Execution = Execution()) -
   (graphdef, state, shardings), t_init = _timed(
       lambda: jax.block_until_ready(init_state(cfg, recipe, tx, mesh, execution=execution)))
   bsh = NamedSharding(mesh, P(shd.BATCH_AXES, None))
-  step = jax.jit(make_train_step(graphdef, tx, schedule, execution=execution), in_shardings=(shardings, {"inputs": bsh, "targets": bsh}),
+  step = jax.jit(make_train_step(graphdef, tx, schedule, execution=execution),
+                 in_shardings=(shardings, {"inputs": bsh, "targets": bsh}),
                  out_shardings=(shardings, shd.replicated(mesh)), donate_argnums=0)
   rng = np.random.default_rng(0)
   toks = rng.integers(0, cfg.vocab_size, (args.batch, args.seq + 1), dtype=np.int32)

@@ -69,7 +69,7 @@ def shadow(steps: int, seed: int = 0):
   @functools.partial(jax.jit, static_argnums=0)
   def cand_step(name, grads, st, u_ref):
     u, st = cands[name].update(grads, st)
-    pick = lambda t: jnp.concatenate(  # noqa: E731
+    pick = lambda t: jnp.concatenate(
         [x.ravel() for x, q in zip(jax.tree.leaves(t), jax.tree.leaves(quantized)) if q])
     u, r = pick(u), pick(u_ref)
     err = jnp.linalg.norm(u - r) / jnp.linalg.norm(r)

@@ -54,7 +54,7 @@ def run_one(name, steps, workdir, muon_lr, seed=0):
   recipe = recipe.replace(optimizer_states=states, newton_schulz=ns)
   shutil.rmtree(workdir, ignore_errors=True)
   train_iter = data.make_iterator(data_dir, "train", cfg.seq_len, cfg.batch_size, seed=cfg.seed)
-  eval_batches = lambda: data.make_iterator(  # noqa: E731
+  eval_batches = lambda: data.make_iterator(
       data_dir, "validation", cfg.seq_len, cfg.batch_size, shuffle=False, repeat=False)
   t0 = time.time()
   train(model_cfg, recipe, opt_cfg, train_cfg, workdir, train_iter, eval_batches, execution=execution)

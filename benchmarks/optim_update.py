@@ -15,8 +15,9 @@ by ``block_until_ready`` (dispatch + device time), and ``--iters`` runs back to 
 at the end (dispatch overlapping the device, as in a training loop); with ``--busy`` also the
 device's busy time per update from a profile (kernels only: no host dispatch, so it does not move
 with the host's load as the wall-clock figures do); with ``--loop=N`` also the wall clock per update
-of N updates inside one jitted ``fori_loop`` (one dispatch per N updates). Equality: three updates of a smaller pytree with
-fixed gradients on the accelerator and on the CPU; NVFP4 codes, scales and global scales compared bit for bit, updates to
+of N updates inside one jitted ``fori_loop`` (one dispatch per N updates). Equality: three updates
+of a smaller pytree with fixed gradients on the accelerator and on the CPU; NVFP4 codes, scales and
+global scales compared bit for bit, updates to
 1e-5 of their max; float32 leaves (optax's arithmetic, which XLA's GPU backend contracts into FMAs)
 are reported, bound 1e-4. Exits 1 if a state differs beyond ``--max-mismatch`` of its codes or a
 result is not finite. Prints markdown tables last.
@@ -282,7 +283,7 @@ def main(argv=None):
           "adamw_nvfp4 (nearest rounding)": optim.adamw_nvfp4(1e-3, options=NEAREST),
           "adamw_nvfp4 (xla)": optim.adamw_nvfp4(1e-3, implementation="xla")}
   if args.muon:
-    dims = lambda p: jax.tree.map(  # noqa: E731
+    dims = lambda p: jax.tree.map(
         lambda m: optax.contrib.MuonDimensionNumbers() if m else None, optim.default_muon_mask(p))
     runs["optax.contrib.muon"] = optax.contrib.muon(0.02, adam_b2=0.95, muon_weight_dimension_numbers=dims)
     runs["muon_nvfp4"] = optim.muon_nvfp4(0.02, muon_mask=optim.default_muon_mask)
@@ -349,7 +350,8 @@ def main(argv=None):
     eq_rows.append((name, w, passed))
 
   _print_timings(rows, n, accel, args.stacked)
-  print(f"\n### {accel.platform} vs CPU, 3 updates of a {sum(int(np.prod(p.shape)) for p in jax.tree.leaves(eq_params)) / 1e6:.1f}M pytree\n")
+  n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(eq_params))
+  print(f"\n### {accel.platform} vs CPU, 3 updates of a {n_params / 1e6:.1f}M pytree\n")
   print("| optimizer | codes differing | scales differing | global scales differing | "
         "fp32 state max rel diff | update max diff (rel. to max) | pass |")
   print("|---|---|---|---|---|---|---|")

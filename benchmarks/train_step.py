@@ -12,7 +12,8 @@ A recipe is a preset of ``fp4jax.recipe`` with optional ``:FIELD=VALUE`` overrid
 semicolons where a value holds a comma (``--recipes="fp4_linear;fp4_linear:matmul.two_term=x,w"``).
 
 The model is ``experiments/configs/125m.py``'s (d=768, 12 blocks, vocab 32768; a test keeps
-``MODEL_125M`` equal to it; ``--tiny``: d=64, 2 blocks). Each recipe's full jitted train step (forward, backward, AdamW update, donated state)
+``MODEL_125M`` equal to it; ``--tiny``: d=64, 2 blocks). Each recipe's full jitted train step
+(forward, backward, AdamW update, donated state)
 runs ``--warmup`` untimed steps after compilation, then ``--steps`` timed steps on batches
 already on the device. MFU = (6·N + 12·L·T·D_attn)·tokens/s / (peak · devices), N without the
 embedding table, peak the dense bf16 figure of ``fp4jax.metrics.PEAK_FLOPS`` (H200: 989 TFLOP/s);
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
   print(f"\n| recipe | step ms | tokens/s | MFU | step time / {rows[0]['recipe']} | lower s | compile s "
         f"| peak GiB (XLA plan) | peak / {rows[0]['recipe']} | temporaries GiB |"
         "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-  gib = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
+  gib = lambda v: "–" if v is None else f"{v:.2f}"
   for r in rows:
     if "step_ms" not in r:
       print(f"| {r['recipe']} | failed | | | | | | | | |")

@@ -288,7 +288,7 @@ def run(cfg, workdir: str | os.PathLike, allow_changes: Sequence[str] = ()) -> d
     data_info = {"corpus": meta.corpus, "tokenizer": meta.tokenizer,
                  "vocab_size": meta.vocab_size}
     train_iter = data.make_iterator(data_dir, "train", tc.seq_len, tc.batch_size, seed=tc.seed)
-    eval_batches = lambda: data.make_iterator(  # noqa: E731
+    eval_batches = lambda: data.make_iterator(
         data_dir, "validation", tc.seq_len, tc.batch_size, shuffle=False, repeat=False)
     return train(model_cfg, recipe, opt_cfg, train_cfg, workdir, train_iter, eval_batches,
                  data_info=data_info, config=config, allow_changes=allow_changes,

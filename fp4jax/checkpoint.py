@@ -194,7 +194,7 @@ class Checkpointer:
     ok = True
     try:
       self._mgr.wait_until_finished()
-    except Exception as e:  # noqa: BLE001 (any storage error: report it, keep training)
+    except Exception as e:
       ok = False
       step = self._saving[-1] if self._saving else "?"
       why = (space_line(self.directory, self._need, f"checkpoint step {step}") if no_space(e)
@@ -231,7 +231,7 @@ class Checkpointer:
     self._saving.append(step)
     try:
       started = self._mgr.save(step, args=ocp.args.Composite(**items), force=True)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
       self._saving.pop()
       why = (space_line(self.directory, self._need, f"checkpoint step {step}") if no_space(e)
              else f"{type(e).__name__}: {e}")
@@ -330,7 +330,7 @@ class Checkpointer:
         continue
       try:
         top = self.params_max_abs(step)
-      except Exception as e:  # noqa: BLE001 (an unreadable step is passed over, and said)
+      except Exception as e:
         passed.append(f"step {step} cannot be read ({type(e).__name__})")
         continue
       if not top <= bound:

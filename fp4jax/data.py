@@ -251,7 +251,7 @@ def _write_split(tok: tokenizer_lib.Tokenizer, files: Sequence[Path], out: Path,
               f.close()
             shards.append({"file": f"{split}-{len(shards):05d}.bin", "num_tokens": 0,
                            "max_id": -1})
-            f = open(out / shards[-1]["file"], "wb")  # noqa: SIM115
+            f = open(out / shards[-1]["file"], "wb")
           take = min(len(ids) - pos, shard_tokens - shards[-1]["num_tokens"])
           ids[pos:pos + take].tofile(f)
           shards[-1]["num_tokens"] += take

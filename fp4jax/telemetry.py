@@ -113,7 +113,7 @@ def _unstack(params, segments):
 
 def _adam_states(opt_state):
   """The Adam states (``mu``, ``nu`` trees like the params) inside an optimizer state."""
-  is_adam = lambda x: all(hasattr(x, f) for f in ("count", "mu", "nu"))  # noqa: E731
+  is_adam = lambda x: all(hasattr(x, f) for f in ("count", "mu", "nu"))
   return [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s)]
 
 
@@ -380,7 +380,7 @@ def _add_moments(quant: _Jobs, opt_state, grads, opt_cfg, keys, segments) -> Non
     scale = jnp.where(norm < opt_cfg.grad_clip, 1.0, opt_cfg.grad_clip / norm)
     grads = jax.tree.map(lambda g: g * scale, grads)
   b1, b2 = opt_cfg.b1, opt_cfg.b2
-  is_q = lambda x: isinstance(x, nvfp4.NVFP4Tensor)  # noqa: E731
+  is_q = lambda x: isinstance(x, nvfp4.NVFP4Tensor)
   for state in _adam_states(opt_state):
     mus = jax.tree_util.tree_flatten_with_path(state.mu, is_leaf=is_q)[0]
     nus = jax.tree.leaves(state.nu, is_leaf=is_q)

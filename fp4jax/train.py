@@ -265,7 +265,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
   """
 
   def grads_of(params, inputs, targets, key):
-    loss = lambda p: loss_fn(graphdef, p, inputs, targets, key, execution=execution)  # noqa: E731
+    loss = lambda p: loss_fn(graphdef, p, inputs, targets, key, execution=execution)
     return jax.value_and_grad(loss)(params)
 
   def step_fn(state, batch):

@@ -31,7 +31,8 @@ of the blocks (the arrays are padded, padding keys get P = 0, padding rows dS = 
 T == S. q and k are the decoded NVFP4 operands ``nvfp4.dequantize(Q(q), bf16)``; any bf16 (or f16)
 arrays work.
 
-dS quantization (its jnp reference is ``fp4jax.ops.attention.fake_quant_ds``): each ``ds_tile`` of the ``[T, S]`` dS matrix of one (b, h) is
+dS quantization (its jnp reference is ``fp4jax.ops.attention.fake_quant_ds``): each ``ds_tile`` of
+the ``[T, S]`` dS matrix of one (b, h) is
 quantized as a tensor of its own by ``nvfp4.quantize(tile, block=(16, 16))`` (Transformer Engine's
 order: tile amax, ``S_enc = 2688 / amax``, E4M3 scales of 16×16 blocks, E2M1 codes) and decoded as
 ``nvfp4.dequantize(·, bf16)`` does (``code * scale * S_dec`` in float32, then bf16). Stochastic
@@ -188,7 +189,7 @@ def _quantize_p_tile(p, bits, rounding: str, division: str):
   blocks along the keys with the fixed global scale of ``amax = 1``, as ``nvfp4.quantize(·,
   block=(1, 16))`` and ``dequantize(·, bf16)`` of a tensor whose amax is 1. A NaN of P is coded +0."""
   block_amax = _block_amax(p, 1, BLOCK)  # (M, N/16)
-  const = lambda v: jnp.full(block_amax.shape, v, jnp.float32)  # noqa: E731
+  const = lambda v: jnp.full(block_amax.shape, v, jnp.float32)
   return _fake_quant_blocks(p, block_amax, const(_P_S_ENC), const(_P_S_DEC), (1, BLOCK), rounding,
                             bits, division)
 

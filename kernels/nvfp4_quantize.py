@@ -128,7 +128,7 @@ def _tensor_scales(i_ref, interpret):
   ``max|x|`` (``i_ref[0]``), as ``nvfp4.quantize`` forms them (``nvfp4.global_decode_scale``): PTX
   ``div.rn.f32`` on the GPU, ``numerics.div_rn`` in interpret mode (subnormal quotients included)."""
   exact = "exact" if interpret else "ptx"
-  div = lambda a, b: div_rn(a, b, exact)  # noqa: E731
+  div = lambda a, b: div_rn(a, b, exact)
   bits = jnp.full((1, 1), i_ref[0], jnp.int32)
   bits = jnp.where(bits < F32_NORMAL_MIN_BITS, 0, bits)  # subnormals flushed, as every element
   finite = bits < F32_INF_BITS  # NaN and inf patterns lie above every finite one
@@ -229,7 +229,7 @@ def _pair_quantize_kernel(i_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, 
     idx = _iota_index(lo.shape, (pid_a * ba, 0, pid_b * bb, 0),
                       (s * n_b * BLOCK, n_b * BLOCK, BLOCK, 2))
     bits = _pair_bits(idx, i_ref, bit_source)
-  bc = lambda v: v[:, None, :, None]  # noqa: E731  (BA, BB) -> against (BA, S, BB, 8)
+  bc = lambda v: v[:, None, :, None]
   code_lo, code_hi = (e2m1_codes(v, bc(escale), rounding, b) for v, b in zip((lo, hi), bits))
   zero = bc(zero_block)
   packed = jnp.where(zero, 0, code_lo | (code_hi << 4))

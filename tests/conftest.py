@@ -21,7 +21,7 @@ if "FP4JAX_CACHE" not in os.environ:
   os.environ["FP4JAX_CACHE"] = tempfile.mkdtemp(prefix="fp4jax-test-xla-cache-")
   atexit.register(shutil.rmtree, os.environ["FP4JAX_CACHE"], ignore_errors=True)
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -18,12 +18,12 @@ def quantize_ref(x, block=(1, 16), axis=-1):
     *lead, m, n = x.shape
     xb = x.reshape(*lead, m // 16, 16, n // 16, 16)
     bamax = np.abs(xb).max(axis=(-3, -1))
-    expand = lambda s: np.repeat(np.repeat(s, 16, -2), 16, -1)  # noqa: E731
+    expand = lambda s: np.repeat(np.repeat(s, 16, -2), 16, -1)
   else:
     axis = axis % x.ndim
     xm = np.moveaxis(x, axis, -1)
     bamax = np.moveaxis(np.abs(xm).reshape(*xm.shape[:-1], -1, 16).max(-1), -1, axis)
-    expand = lambda s: np.repeat(s, 16, axis)  # noqa: E731
+    expand = lambda s: np.repeat(s, 16, axis)
   with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
     amax = F32(np.abs(x).max()) if x.size else F32(0)
     s_enc = np.minimum(F32(2688.0) / amax, FLT_MAX).astype(F32)

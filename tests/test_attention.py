@@ -49,7 +49,7 @@ def _data(t=T, s=None, h=H, hk=HK, dtype=jnp.bfloat16, seed=0):
 @functools.partial(jax.jit, static_argnames=("causal", "config"))
 def _op(q, k, v, do, key, causal=True, config=NVFP4):
   """(o, dq, dk, dv) of nvfp4_attention (implementation="xla")."""
-  f = lambda q, k, v: nvfp4_attention(q, k, v, causal=causal, key=key, config=config,  # noqa: E731
+  f = lambda q, k, v: nvfp4_attention(q, k, v, causal=causal, key=key, config=config,
                                       implementation="xla")
   o, vjp = jax.vjp(f, q, k, v)
   return (o, *vjp(do))
@@ -58,7 +58,7 @@ def _op(q, k, v, do, key, causal=True, config=NVFP4):
 @functools.partial(jax.jit, static_argnames=("causal",))
 def _dpa(q, k, v, do, causal=True):
   """(o, dq, dk, dv) of jax.nn.dot_product_attention (XLA)."""
-  f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,  # noqa: E731
+  f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                    implementation="xla")
   o, vjp = jax.vjp(f, q, k, v)
   return (o, *vjp(do))
@@ -149,7 +149,7 @@ def test_gradients_are_straight_through_the_quantizers():
 
 def test_finite_differences_f32():
   q, k, v, _ = _data(t=16, h=2, hk=1, dtype=jnp.float32, seed=3)
-  f = lambda q, k, v: nvfp4_attention(q, k, v, config=BF16, implementation="xla")  # noqa: E731
+  f = lambda q, k, v: nvfp4_attention(q, k, v, config=BF16, implementation="xla")
   jax.test_util.check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-2, rtol=1e-2, eps=1e-2)
 
 
@@ -173,7 +173,7 @@ def test_forward_and_recomputed_probs_bit_identical():
 
 def test_residuals_are_packed():
   q, k, v, _ = _data()
-  fwd = lambda config: jax.eval_shape(  # noqa: E731
+  fwd = lambda config: jax.eval_shape(
       lambda q, k, v: attn._attention_fwd(q, k, v, KEY, True, config, "xla")[1], q, k, v)
   res = fwd(NVFP4)
   assert isinstance(res.q, nvfp4.NVFP4Tensor) and isinstance(res.k, nvfp4.NVFP4Tensor)
@@ -303,12 +303,12 @@ def test_ds_scale_error():
 @pytest.mark.slow
 def test_gqa_equals_repeated_kv_heads():
   q, k, v, do = _data(dtype=jnp.float32)
-  rep = lambda x: jnp.repeat(x, H // HK, axis=2)  # noqa: E731
+  rep = lambda x: jnp.repeat(x, H // HK, axis=2)
   o, dq, dk, dv = _op(q, k, v, do, KEY)
   o_r, dq_r, dk_r, dv_r = _op(q, rep(k), rep(v), do, KEY)
   np.testing.assert_allclose(o, o_r, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(dq, dq_r, rtol=1e-5, atol=1e-5)
-  group_sum = lambda x: x.reshape(B, T, HK, H // HK, D).sum(3)  # noqa: E731
+  group_sum = lambda x: x.reshape(B, T, HK, H // HK, D).sum(3)
   np.testing.assert_allclose(dk, group_sum(dk_r), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(dv, group_sum(dv_r), rtol=1e-5, atol=1e-5)
 
@@ -319,7 +319,7 @@ def test_ragged_t_equals_zero_padded_problem():
   tokens and a zero cotangent: zeros change no amax, and the rounding bits depend on position only."""
   t = 20
   q, k, v, do = _data(t=t, dtype=jnp.float32)
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, T - t), (0, 0), (0, 0)))  # noqa: E731
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, T - t), (0, 0), (0, 0)))
   ragged = _op(q, k, v, do, KEY)
   padded = _op(pad(q), pad(k), pad(v), pad(do), KEY)
   for a, b in zip(ragged, padded, strict=True):
@@ -330,7 +330,7 @@ def test_ragged_t_equals_zero_padded_problem():
 def test_config_switches_each_operand():
   q, k, v, do = _data()
   base = _op(q, k, v, do, KEY)
-  fwd = lambda **kw: _ref_fwd(q, k, v, key=KEY, config=AttentionConfig.nvfp4(**kw))  # noqa: E731
+  fwd = lambda **kw: _ref_fwd(q, k, v, key=KEY, config=AttentionConfig.nvfp4(**kw))
   with_v = fwd(v="nvfp4")
   _close(with_v, _dpa(_deq(q), _deq(k), _deq(v), do)[0], 1e-2)
   assert _rel(with_v, base[0]) > 0.02
@@ -354,7 +354,7 @@ def test_quantized_p():
 
 def test_auto_is_xla_on_cpu():
   q, k, v, _ = _data()
-  jaxpr = lambda impl: str(jax.make_jaxpr(  # noqa: E731
+  jaxpr = lambda impl: str(jax.make_jaxpr(
       lambda q, k, v: nvfp4_attention(q, k, v, key=KEY, implementation=impl))(q, k, v))
   assert jaxpr("auto") == jaxpr("xla") != jaxpr("pallas_interpret")
 
@@ -366,7 +366,7 @@ def test_auto_takes_the_kernels_on_one_cuda_device_only(monkeypatch):
   two_h200s = AbstractMesh((2,), ("x",), abstract_device=H200.abstract_device)
   for mesh, d, kernels in ((H200, 64, True), (two_h200s, 64, False), (H200, 32, False)):
     q = jax.ShapeDtypeStruct((1, 64, 2, d), jnp.bfloat16)
-    f = lambda q, k, v: nvfp4_attention(q, k, v, key=KEY)  # noqa: E731
+    f = lambda q, k, v: nvfp4_attention(q, k, v, key=KEY)
     with jax.sharding.use_abstract_mesh(mesh):
       hlo = jax.jit(f).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
     assert ("__gpu$xla.gpu.triton" in hlo) == kernels, (mesh, d)

@@ -16,14 +16,14 @@ import sys
 if "triton" not in sys.modules and os.environ.get("FP4JAX_GPU_TESTS") != "1":
   os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
 
-from fp4jax import nvfp4  # noqa: E402
-from benchmarks import triton_quantize as kt  # noqa: E402
-from conftest import run_with_triton_compiler  # noqa: E402
+from fp4jax import nvfp4
+from benchmarks import triton_quantize as kt
+from conftest import run_with_triton_compiler
 
 # Several programs per axis with ragged edges (40 = 2.5 x 16 rows, 96 = 1.5 x 64 columns; 3840 elements
 # = 3.75 amax programs), and one tile per program with no masks.

@@ -44,8 +44,8 @@ def test_backward_is_bf16_gemms_of_the_rounded_cotangent(out_dtype):
 def test_float32_dtype_is_plain_matmul_and_grads():
   x, w, dy = _data()
   x = x.astype(jnp.float32)
-  f = lambda x, w: mixed_matmul(x, w, jnp.float32)  # noqa: E731
-  g = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)  # noqa: E731
+  f = lambda x, w: mixed_matmul(x, w, jnp.float32)
+  g = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)
   y1, v1 = jax.vjp(f, x, w)
   y2, v2 = jax.vjp(g, x, w)
   np.testing.assert_array_equal(y1, y2)
@@ -55,7 +55,7 @@ def test_float32_dtype_is_plain_matmul_and_grads():
 
 def test_grad_under_jit_and_2d_input():
   x, w, dy = _data((32, 48))
-  loss = lambda x, w: jnp.sum(mixed_matmul(x, w).astype(jnp.float32) * dy)  # noqa: E731
+  loss = lambda x, w: jnp.sum(mixed_matmul(x, w).astype(jnp.float32) * dy)
   gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
   rdx, rdw = mixed_matmul_vjp_reference(x, w, dy)
   np.testing.assert_allclose(np.asarray(gx, np.float32), rdx, rtol=1e-2, atol=1e-2)
@@ -87,7 +87,7 @@ def test_split_equals_fused_gemm_then_slices(kv, g):
   """q, k, v as three GEMMs == one fused GEMM sliced: forward bit for bit; dx within one bf16 ulp
   (float32 sums of three partial products vs one accumulation), dkernel to float32 rounding."""
   x, w, dys = _qkv_layout(kv, g)
-  split = lambda x, w: mixed_matmul_split(x, _split_kernels(w, kv, g))  # noqa: E731
+  split = lambda x, w: mixed_matmul_split(x, _split_kernels(w, kv, g))
   ys0, vjp0 = jax.vjp(lambda x, w: _fused_then_sliced(x, w, kv, g), x, w)
   ys1, vjp1 = jax.vjp(split, x, w)
   for y0, y1 in zip(ys0, ys1, strict=True):

@@ -196,7 +196,7 @@ def _uses_pallas(tx, monkeypatch, platform, shapes=SHAPES):
   monkeypatch.setattr(_platform, "default_platform", lambda: platform)
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
   state = jax.eval_shape(tx.init, params)
-  update = lambda *args: tx.update(*args)  # noqa: E731 (a new function: no cached trace)
+  update = lambda *args: tx.update(*args)
   return "pallas_call" in str(jax.make_jaxpr(update)(params, state, params))
 
 

@@ -227,7 +227,7 @@ def _mismatches_over_float32(f, g, top):
   def count(start):
     b = jnp.minimum(start + jnp.arange(chunk, dtype=jnp.uint32), jnp.uint32(top))
     x = jax.lax.bitcast_convert_type(b, jnp.float32)
-    as_bits = lambda v: jax.lax.bitcast_convert_type(v, jnp.uint32)  # noqa: E731
+    as_bits = lambda v: jax.lax.bitcast_convert_type(v, jnp.uint32)
     return jnp.sum(as_bits(f(x)) != as_bits(g(x)))
 
   return sum(int(count(jnp.uint32(s))) for s in range(0, top + 1, chunk))
@@ -262,7 +262,7 @@ def test_e2m1_value_stochastic_equals_the_codes():
   def mismatches(a, bits):
     want = numerics.decode_e2m1(numerics.e2m1_stochastic_code(a, bits))
     got = C.e2m1_value(a, "stochastic", (bits >> 10).astype(jnp.int32))
-    as_bits = lambda v: jax.lax.bitcast_convert_type(v, jnp.uint32)  # noqa: E731
+    as_bits = lambda v: jax.lax.bitcast_convert_type(v, jnp.uint32)
     return jnp.sum(as_bits(got) != as_bits(want))
 
   for key in jax.random.split(jax.random.key(5), 8):
@@ -352,7 +352,7 @@ def test_tile_quantizers_equal_the_numerics_encoders_on_special_values(rounding)
     if rounding == "stochastic":
       p = np.where(np.isnan(p), 0.5, p)
     p = jnp.asarray(p)
-    const = lambda v: jnp.full((128, 8), v, jnp.float32)  # noqa: E731
+    const = lambda v: jnp.full((128, 8), v, jnp.float32)
     got = np.asarray(A._quantize_p_tile(p, bits, rounding, "backend"))
     want = np.asarray(_encoders_reference(p, lambda ax: A._tile_max(ax, 1, 16), const(A._P_S_ENC),
                                           const(A._P_S_DEC), (1, 16), rounding, bits))

@@ -192,7 +192,7 @@ def test_auto_implementation_follows_the_default_platform(monkeypatch):
   x, w = jnp.zeros((2, 8, 16), jnp.bfloat16), jnp.zeros((16, 64), jnp.float32)
   t = jnp.zeros((2, 8), jnp.int32)
   # The kernel is the forward rule of the loss's custom_vjp: a gradient traces it.
-  loss = lambda impl: jax.grad(lambda w: chunked_cross_entropy(x, w, t, implementation=impl))(w)  # noqa: E731
+  loss = lambda impl: jax.grad(lambda w: chunked_cross_entropy(x, w, t, implementation=impl))(w)
   for platform, kernel in (("cuda", True), ("rocm", False), ("cpu", False)):
     monkeypatch.setattr(_platform, "default_platform", lambda p=platform: p)
     assert ("pallas_call" in str(jax.make_jaxpr(lambda: loss("auto"))())) == kernel, platform

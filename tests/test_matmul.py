@@ -330,7 +330,7 @@ def test_auto_takes_the_kernels_on_one_cuda_device_only(monkeypatch):
   x, w = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((32, 32), jnp.float32)
   threefry, rbg = jax.random.key(0), jax.random.key(0, impl="rbg")
   for mesh, key, kernels in ((H200, threefry, True), (two_h200s, threefry, False), (H200, rbg, False)):
-    f = lambda x, w, key: nvfp4_matmul(x, w, key=key, config=MatmulConfig.nvfp4())  # noqa: E731
+    f = lambda x, w, key: nvfp4_matmul(x, w, key=key, config=MatmulConfig.nvfp4())
     with jax.sharding.use_abstract_mesh(mesh):
       hlo = jax.jit(f).trace(x, w, key).lower(lowering_platforms=("cuda",)).as_text()
     assert ("__gpu$xla.gpu.triton" in hlo) == kernels, (mesh, key)
@@ -360,7 +360,7 @@ def test_counter_rounding_bits(monkeypatch):
   monkeypatch.setattr(_platform, "default_platform", lambda: "cuda")
   xs, ws = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((32, 32), jnp.float32)
   cfg = MatmulConfig.nvfp4(rounding_bits="counter")
-  f = lambda x, w, key: nvfp4_matmul(x, w, key=key, config=cfg)  # noqa: E731
+  f = lambda x, w, key: nvfp4_matmul(x, w, key=key, config=cfg)
   rbg = jax.random.key(0, impl="rbg")
   with jax.sharding.use_abstract_mesh(H200):
     hlo = jax.jit(f).trace(xs, ws, rbg).lower(lowering_platforms=("cuda",)).as_text()

@@ -122,7 +122,7 @@ def test_rms_norm_custom_backward_matches_autodiff(dtype):
   (dx0, ds0), (dx1, ds1) = vjp0(dy), vjp1(dy)
   assert dx1.dtype == dtype and ds1.dtype == jnp.float32
   tol = 2 ** -7 if dtype == jnp.bfloat16 else 1e-5
-  amax = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))  # noqa: E731
+  amax = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))
   np.testing.assert_allclose(np.asarray(dx1, np.float32), np.asarray(dx0, np.float32), rtol=0,
                              atol=tol * amax(dx0))
   np.testing.assert_allclose(ds1, ds0, rtol=0, atol=1e-5 * amax(ds0))
@@ -286,10 +286,10 @@ def test_scan_layers_equals_unrolled(remat):
   graphdef1, p1 = nnx.split(m1)
   graphdef2, p2 = nnx.split(m2)
   # The scanned model is created with the unrolled one's initial values, stacked.
-  stack = lambda d: {0: jax.tree.map(lambda *xs: jnp.stack(xs), *d["blocks"].values())}  # noqa: E731
+  stack = lambda d: {0: jax.tree.map(lambda *xs: jnp.stack(xs), *d["blocks"].values())}
   d1, d2 = nnx.to_pure_dict(p1), nnx.to_pure_dict(p2)
   jax.tree.map(np.testing.assert_array_equal, {**d1, "blocks": stack(d1)}, d2)
-  loss = lambda g, p: cross_entropy(nnx.merge(g, p)(tokens), tokens)  # noqa: E731
+  loss = lambda g, p: cross_entropy(nnx.merge(g, p)(tokens), tokens)
   vg = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)
   l1, g1 = vg(graphdef1, p1)
   l2, g2 = vg(graphdef2, p2)
@@ -334,8 +334,8 @@ def _ce_inputs(dtype=jnp.bfloat16, v=50):
 def test_chunked_cross_entropy_recompute_matches_full_logits(chunk):
   x, w, t = _ce_inputs()
   # The model's full-logits path: the same LM-head GEMM (mixed_matmul, bf16 backward).
-  full = lambda x, w: cross_entropy(mixed_matmul(x, w, x.dtype, jnp.float32), t)  # noqa: E731
-  chunked = lambda x, w: chunked_cross_entropy(  # noqa: E731
+  full = lambda x, w: cross_entropy(mixed_matmul(x, w, x.dtype, jnp.float32), t)
+  chunked = lambda x, w: chunked_cross_entropy(
       x, w, t, chunk_tokens=chunk, recompute=True)
   l0, (dx0, dw0) = jax.value_and_grad(full, (0, 1))(x, w)
   l1, (dx1, dw1) = jax.value_and_grad(chunked, (0, 1))(x, w)
@@ -344,7 +344,7 @@ def test_chunked_cross_entropy_recompute_matches_full_logits(chunk):
   # dW: float32 outputs summed per chunk vs one product: summation order only.
   np.testing.assert_allclose(dw1, dw0, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(dw0))))
   # Against a float32 cotangent (plain jnp.dot's autodiff): within the bf16 rounding of dlogits.
-  plain = lambda x, w: cross_entropy(  # noqa: E731
+  plain = lambda x, w: cross_entropy(
       jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32), t)
   dx2, dw2 = jax.grad(plain, (0, 1))(x, w)
   np.testing.assert_allclose(np.asarray(dx1, np.float32), np.asarray(dx2, np.float32), rtol=0,
@@ -360,18 +360,18 @@ def test_chunked_cross_entropy_matches_float32_reference(chunk, dtype):
   x, w, t = _ce_inputs(dtype)
 
   def ref(x, w):  # everything in float32, from the operands as the GEMMs see them
-    f32 = lambda a: a.astype(dtype).astype(jnp.float32)  # noqa: E731
+    f32 = lambda a: a.astype(dtype).astype(jnp.float32)
     return cross_entropy(jnp.dot(f32(x), f32(w), precision=jax.lax.Precision.HIGHEST), t)
 
   l0, (dx0, dw0) = jax.value_and_grad(ref, (0, 1))(x, w)
-  f = lambda x, w, rc=False: chunked_cross_entropy(  # noqa: E731
+  f = lambda x, w, rc=False: chunked_cross_entropy(
       x, w, t, chunk_tokens=chunk, recompute=rc)
   l1, (dx1, dw1) = jax.value_and_grad(f, (0, 1))(x, w)
   assert dx1.dtype == dtype and dw1.dtype == jnp.float32 and l1.dtype == jnp.float32
   np.testing.assert_allclose(l1, l0, rtol=1e-5)
   # bf16: dlogits and dx are rounded to bf16 (2^-9 relative each); float32: summation order only.
   tol = 2 ** -7 if dtype == jnp.bfloat16 else 1e-5
-  amax = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))  # noqa: E731
+  amax = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))
   np.testing.assert_allclose(np.asarray(dx1, np.float32), np.asarray(dx0, np.float32), rtol=0,
                              atol=2 * tol * amax(dx0))
   np.testing.assert_allclose(dw1, dw0, rtol=0, atol=tol * amax(dw0))
@@ -393,7 +393,7 @@ def test_chunked_cross_entropy_saved_residuals():
   dlogits per chunk (no stacked (chunks, C, V) array), no float32 (C, V) logits, the kernel in
   bf16 (not a stack of per-chunk casts); with ``recompute=True`` nothing of size C·V."""
   x, w, t = _ce_inputs(v=64)  # 96 tokens, chunks of C=40 (3, padded), D=16 < C
-  res = lambda rc: [(a.shape, a.dtype) for a in jax.tree_util.tree_leaves(jax.vjp(  # noqa: E731
+  res = lambda rc: [(a.shape, a.dtype) for a in jax.tree_util.tree_leaves(jax.vjp(
       lambda x, w: chunked_cross_entropy(x, w, t, chunk_tokens=40, recompute=rc), x, w)[1])]
   saved = res(False)
   assert saved.count(((40, 64), jnp.bfloat16)) == 3 and ((16, 64), jnp.bfloat16) in saved, saved
@@ -407,12 +407,12 @@ def test_chunked_cross_entropy_pallas_rows_match_xla(chunk):
   """The fused loss kernel (interpret mode) in the forward rule: the same loss and gradients as
   the XLA passes, up to summation order and a bf16 ulp of the saved cotangent."""
   x, w, t = _ce_inputs(v=300)  # V not a power of two: the kernel masks its padding columns
-  f = lambda x, w, impl: chunked_cross_entropy(x, w, t, chunk_tokens=chunk, implementation=impl)  # noqa: E731
+  f = lambda x, w, impl: chunked_cross_entropy(x, w, t, chunk_tokens=chunk, implementation=impl)
   l0, (dx0, dw0) = jax.value_and_grad(lambda x, w: f(x, w, "xla"), (0, 1))(x, w)
   l1, (dx1, dw1) = jax.jit(jax.value_and_grad(lambda x, w: f(x, w, "pallas_interpret"),
                                               (0, 1)))(x, w)
   np.testing.assert_allclose(l1, l0, rtol=1e-6)
-  amax = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))  # noqa: E731
+  amax = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))
   np.testing.assert_allclose(np.asarray(dx1, np.float32), np.asarray(dx0, np.float32), rtol=0,
                              atol=2 ** -8 * amax(dx0))
   np.testing.assert_allclose(dw1, dw0, rtol=0, atol=2 ** -8 * amax(dw0))
@@ -496,7 +496,8 @@ print("DOTS", len(dots), "F32_OPERANDS", sorted({d for d in dots if "f32>" in d[
 
 def test_attention_lowers_to_cudnn_for_h200_without_scores_or_full_logits():
   """The bf16 model lowered for CUDA (abstract H200, no GPU): cuDNN fused attention forward and
-  backward, the Pallas loss kernel (Triton), no T×T score tensor, no (B, T, V) float32 logits, bf16 operands in every GEMM.
+  backward, the Pallas loss kernel (Triton), no T×T score tensor, no (B, T, V) float32 logits,
+  bf16 operands in every GEMM.
   Private jax hooks, so a subprocess."""
   import subprocess
   import sys
@@ -539,7 +540,7 @@ def test_bf16_qkv_split_gemms_equal_fused_gemm(monkeypatch, n_kv_heads):
   tokens = jax.random.randint(jax.random.key(8), (2, 16), 0, 64)
 
   def run():  # a fresh function each time: no trace cache across the monkeypatch
-    loss = lambda p: cross_entropy(nnx.merge(g, p)(tokens), tokens)  # noqa: E731
+    loss = lambda p: cross_entropy(nnx.merge(g, p)(tokens), tokens)
     uses_split = "mixed_matmul_split" in str(jax.make_jaxpr(loss)(p))
     return uses_split, jax.jit(jax.value_and_grad(loss))(p)
 

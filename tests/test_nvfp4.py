@@ -312,7 +312,8 @@ def _check_scaled_dot_general(sms):
 
   # The forward product: with the same quantized operands, equal to f32 summation order.
   cfg1 = jax.nn.get_scaled_dot_general_config("nvfp4")
-  theirs_p = jax.nn.scaled_dot_general(jnp.asarray(xp), jnp.asarray(wp), (((1,), (1,)), ((), ())), configs=[cfg1, cfg1, cfg1])
+  theirs_p = jax.nn.scaled_dot_general(jnp.asarray(xp), jnp.asarray(wp), (((1,), (1,)), ((), ())),
+                                       configs=[cfg1, cfg1, cfg1])
   ours_p = nvfp4.fake_quant(xp) @ nvfp4.fake_quant(wp).T
   rel = np.linalg.norm(np.asarray(theirs_p) - np.asarray(ours_p)) / np.linalg.norm(np.asarray(ours_p))
   assert rel < 1e-2, rel

@@ -123,7 +123,7 @@ def test_stochastic_rounding_lets_a_moment_decay():
     step = jax.jit(tx.update)
     state = tx.init({"w": x})
     _, state = step({"w": x}, state)
-    rest = lambda s: jnp.sum(jnp.abs(s.mu["w"].dequantize()) * (1 - keep))  # noqa: E731
+    rest = lambda s: jnp.sum(jnp.abs(s.mu["w"].dequantize()) * (1 - keep))
     start = float(rest(state))
     for _ in range(25):
       _, state = step({"w": keep * (1 - B1)}, state)
@@ -153,7 +153,7 @@ def test_converges_on_quadratic_and_regression():
   key1, key2, key3 = jax.random.split(jax.random.key(0), 3)
   target = jax.random.normal(key1, (32, 64))
   scale = jnp.exp(jax.random.uniform(key2, (32, 64), minval=-3, maxval=3))  # ill-conditioned
-  quad = lambda p: jnp.sum(scale * (p["w"] - target) ** 2)  # noqa: E731
+  quad = lambda p: jnp.sum(scale * (p["w"] - target) ** 2)
   tx = optim.adamw_nvfp4(3e-2, weight_decay=0.0, options=Options(min_size=0))
   first, last = _train(tx, quad, {"w": jnp.zeros((32, 64))}, 300)
   assert last < 1e-3 * first
@@ -161,7 +161,7 @@ def test_converges_on_quadratic_and_regression():
   x = jax.random.normal(key3, (256, 64))
   w_true = jax.random.normal(key1, (64, 16))
   y = x @ w_true
-  mse = lambda p: jnp.mean((x @ p["w"] + p["b"][None, :] - y) ** 2)  # noqa: E731
+  mse = lambda p: jnp.mean((x @ p["w"] + p["b"][None, :] - y) ** 2)
   first, last = _train(tx, mse, {"w": jnp.zeros((64, 16)), "b": jnp.zeros((16,))}, 300)
   assert last < 1e-3 * first
 
@@ -175,11 +175,11 @@ def test_jit_equals_no_jit_and_state_structure_is_stable():
   u_eager, s_eager = tx.update(g, state0, params)
   u_jit, s_jit = jax.jit(tx.update)(g, state0, params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), u_eager, u_jit)
-  codes = lambda s: [np.asarray(t.codes) for t in jax.tree.leaves(  # noqa: E731
+  codes = lambda s: [np.asarray(t.codes) for t in jax.tree.leaves(
       s[0].mu, is_leaf=_common.is_nvfp4) if _common.is_nvfp4(t)]
   for a, b in zip(codes(s_eager), codes(s_jit)):
     assert np.mean(a != b) < 1e-3
-  spec = lambda s: jax.tree.map(lambda x: (x.shape, x.dtype), s)  # noqa: E731
+  spec = lambda s: jax.tree.map(lambda x: (x.shape, x.dtype), s)
   assert spec(s_jit) == spec(state0)
 
   @jax.jit

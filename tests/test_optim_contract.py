@@ -78,7 +78,7 @@ def test_state_sharding_follows_params_and_sharded_equals_unsharded(make):
   # The partitioner may fuse (and, for Muon's norms and matmuls, sum) in another order: float32
   # results agree to rounding (optax.adamw itself differs by 1 ulp), NVFP4 codes almost all agree.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), u_sh, u_1)
-  is_q = lambda x: isinstance(x, nvfp4.NVFP4Tensor)  # noqa: E731
+  is_q = lambda x: isinstance(x, nvfp4.NVFP4Tensor)
   for a, b in zip(jax.tree.leaves(state, is_leaf=is_q), jax.tree.leaves(state_1, is_leaf=is_q)):
     if is_q(a):
       assert np.mean(np.asarray(a.codes) != np.asarray(b.codes)) < 0.01

@@ -28,13 +28,13 @@ def test_fp32_newton_schulz_matches_optax(shape):
 def test_nvfp4_products_equal_dequantized_reference_and_two_terms_are_closer():
   a, b = _matrix((32, 64), 1), _matrix((64, 48), 2)
   deq = jax.jit(lambda x, axis: nvfp4.quantize(x, axis=axis).dequantize(), static_argnums=1)
-  hi = lambda x, y: jnp.dot(x, y, precision=jax.lax.Precision.HIGHEST)  # noqa: E731
+  hi = lambda x, y: jnp.dot(x, y, precision=jax.lax.Precision.HIGHEST)
   one = jax.jit(optim.nvfp4_dot)(a, b)
   np.testing.assert_allclose(one, hi(deq(a, 1), deq(b, 0)), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(jax.jit(optim.nvfp4_gram)(a), hi(deq(a, 1), deq(a, 1).T),
                              rtol=1e-5, atol=1e-5)
   exact = hi(a, b)
-  err = lambda y: float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact))  # noqa: E731
+  err = lambda y: float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact))
   one, two = err(one), err(jax.jit(ns.nvfp4_dot, static_argnums=2)(a, b, 2))
   assert 0.05 < one < 0.2 and two < one / 5  # measured: 0.139 vs 0.016
   with pytest.raises(ValueError, match="terms must be 1 or 2"):
@@ -69,7 +69,7 @@ def test_nvfp4_newton_schulz_orthogonalizes():
 def test_unquantized_muon_matches_optax_scale_by_muon(nesterov):
   params = {"a": _matrix((24, 40), 4), "b": _matrix((24, 40), 5), "c": _matrix((40, 16), 6)}
   ours = optim.scale_by_muon_nvfp4(ns_precision="fp32", nesterov=nesterov)
-  dims = lambda p: jax.tree.map(lambda _: MuonDimensionNumbers(), p)  # noqa: E731
+  dims = lambda p: jax.tree.map(lambda _: MuonDimensionNumbers(), p)
   ref = optax.contrib.scale_by_muon(nesterov=nesterov, weight_dimension_numbers=dims)
   s1, s2 = ours.init(params), ref.init(params)
   up1, up2 = jax.jit(ours.update), jax.jit(ref.update)
@@ -142,7 +142,7 @@ def test_nvfp4_muon_trains_and_state_is_stable_under_cond():
   x = jax.random.normal(key1, (128, 32))
   w_true = jax.random.normal(key2, (32, 32)) / 6
   # "w": Muon with NVFP4 Newton–Schulz; "embed" (no gradient): NVFP4 moments on the AdamW side.
-  loss = lambda p: jnp.mean((x @ p["w"] - x @ w_true) ** 2) + 0.0 * jnp.sum(p["embed"])  # noqa: E731
+  loss = lambda p: jnp.mean((x @ p["w"] - x @ w_true) ** 2) + 0.0 * jnp.sum(p["embed"])
   tx = optim.muon_nvfp4(0.05, adam_options=optim.AdamNvfp4Options(min_size=0))
   params = {"w": jnp.zeros((32, 32)), "embed": jnp.zeros((16, 32))}
   state0 = tx.init(params)
@@ -156,7 +156,7 @@ def test_nvfp4_muon_trains_and_state_is_stable_under_cond():
       return optax.apply_updates(params, updates), state
     return jax.lax.cond(do, apply, lambda args: args, (params, state))
 
-  spec = lambda s: jax.tree.map(lambda a: (a.shape, a.dtype), s)  # noqa: E731
+  spec = lambda s: jax.tree.map(lambda a: (a.shape, a.dtype), s)
   assert isinstance(state0.inner_states["adam"].inner_state[0].mu["embed"], nvfp4.NVFP4Tensor)
   p_skip, s_skip = step(params, state0, False)
   assert spec(s_skip) == spec(state0) and float(loss(p_skip)) == float(loss(params))

@@ -123,7 +123,7 @@ def test_lorasvd_weight_error_is_relative_to_the_effective_weight():
   up = state["params"]["blocks"][0]["mlp"]["gate_up"]
   w_res = np.asarray(up["kernel"])
   w_eff = w_res + np.asarray(up["lora_a"]) @ np.asarray(up["lora_b"])
-  err = lambda w: np.linalg.norm(nvfp4.fake_quant(jnp.asarray(w), block=(16, 16)) - w)  # noqa: E731
+  err = lambda w: np.linalg.norm(nvfp4.fake_quant(jnp.asarray(w), block=(16, 16)) - w)
   got = row["telemetry/blocks.0.mlp.gate_up/w_rel_err"]
   assert got == pytest.approx(err(w_res) / np.linalg.norm(w_eff), rel=1e-4)
   # The low-rank branch holds the dominant directions: less error than quantizing W_eff.
@@ -148,7 +148,7 @@ def test_probed_dense_records_its_input_and_output_cotangent():
   x = jax.random.normal(jax.random.key(0), (2, 3, 16))
   w = jax.random.normal(jax.random.key(1), (2, 3, 32))
   dense = Dense(16, 32, rngs=nnx.Rngs(0), probe=True, use_bias=True)
-  loss = lambda d, x: jnp.sum(w * d(x))  # noqa: E731
+  loss = lambda d, x: jnp.sum(w * d(x))
   _, zeros, _ = nnx.capture(loss, nnx.Perturbation, nnx.Intermediate)(dense, x)
 
   graphdef, params = nnx.split(dense)

@@ -55,7 +55,7 @@ def data_dir(tmp_path_factory, text_dir):
 
 def _iters(data_dir, batch=B):
   it = data.make_iterator(data_dir, "train", T, batch, seed=0)
-  ev = lambda: data.make_iterator(data_dir, "validation", T, batch)  # noqa: E731
+  ev = lambda: data.make_iterator(data_dir, "validation", T, batch)
   return it, ev
 
 
@@ -404,8 +404,8 @@ def test_lora_resplit_keeps_effective_weights():
   graphdef, state = nnx.split(Transformer(cfg, recipe, rngs=nnx.Rngs(0)))
   params = nnx.to_pure_dict(state)
   sh = shd.param_shardings(params, shd.make_mesh((1, 2, 1)))
-  gu = lambda p: p["blocks"][0]["mlp"]["gate_up"]  # noqa: E731
-  eff = lambda d: np.asarray(d["kernel"]) + np.asarray(d["lora_a"]) @ np.asarray(d["lora_b"])  # noqa: E731
+  gu = lambda p: p["blocks"][0]["mlp"]["gate_up"]
+  eff = lambda d: np.asarray(d["kernel"]) + np.asarray(d["lora_a"]) @ np.asarray(d["lora_b"])
   before = jax.device_get(gu(params))
   # Train-like drift: perturb the residual so the split is no longer the SVD of W_eff.
   params["blocks"][0]["mlp"]["gate_up"]["kernel"] = gu(params)["kernel"] + 0.05
@@ -472,7 +472,7 @@ def test_loss_fn_is_the_cross_entropy_of_the_model_logits():
   params = state["params"]
   tok = jax.random.randint(jax.random.key(0), (2, T + 1), 0, cfg.vocab_size)
   x, y, key = tok[:, :-1], tok[:, 1:], jax.random.key(1)
-  full = lambda p: cross_entropy(nnx.merge(graphdef, p)(x, key=key), y)  # noqa: E731
+  full = lambda p: cross_entropy(nnx.merge(graphdef, p)(x, key=key), y)
   l0, g0 = jax.jit(jax.value_and_grad(full))(params)
   l1, g1 = jax.jit(jax.value_and_grad(lambda p: loss_fn(graphdef, p, x, y, key)))(params)
   np.testing.assert_allclose(l1, l0, rtol=1e-6)

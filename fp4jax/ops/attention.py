@@ -490,7 +490,8 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
     key: a ``jax.random`` key for stochastic rounding (the default config rounds dS stochastically);
       None only when ``config.needs_key`` is False. Same key, same bits; use a fresh key per step.
     config: an ``AttentionConfig``: ``.nvfp4()`` (the default) or ``.bf16()``.
-    implementation: which code computes it (``fp4jax.execution``): ``"xla"`` (the jnp reference, ``nvfp4_attention_reference``), ``"pallas"`` (the
+    implementation: which code computes it (``fp4jax.execution``): ``"xla"`` (the jnp reference,
+      ``nvfp4_attention_reference``), ``"pallas"`` (the
       flash kernels of ``fp4jax.kernels.attention``, CUDA), ``"pallas_interpret"`` (the kernels in
       interpret mode, for tests) or ``"auto"``: ``"pallas"`` when computations go to a CUDA GPU, the
       mesh in context has one device and D is in {64, 128}, else ``"xla"``. With a quantized P the

@@ -606,7 +606,7 @@ def nvfp4_matmul(x, w, *, key=None, config: MatmulConfig, implementation: str = 
 
 def _reference_product(a, b, dims) -> jax.Array:
   """``gemm_operands`` from dequantized operands: one HIGHEST-precision float32 dot per term pair."""
-  deq = lambda o: [o.astype(_F32)] if _plain(o) else [t.dequantize(_F32) for t, _ in o]  # noqa: E731
+  deq = lambda o: [o.astype(_F32)] if _plain(o) else [t.dequantize(_F32) for t, _ in o]
   return sum(lax.dot_general(ta, tb, (dims, ((), ())), precision=_HIGHEST)
              for ta in deq(a) for tb in deq(b))
 
@@ -650,7 +650,7 @@ def nvfp4_matmul_vjp_reference(x, w, dy, *, key=None, config: MatmulConfig):
   sx, sd = split_tensor(x_MxK, "x", keys, config), split_tensor(dy_MxN, "dy", keys, config)
   x_q = x_MxK if sx is None else sx.residual
   dy_q = dy_MxN if sd is None else sd.residual
-  f32 = lambda a: a.astype(_F32)  # noqa: E731
+  f32 = lambda a: a.astype(_F32)
   if config.dgrad:
     dx = _reference_product(quantize_operand(dy_q, "dy_dgrad", keys, config, dtype=x.dtype),
                             quantize_operand(w, "w", keys, config, dtype=x.dtype), _NT)

@@ -125,7 +125,7 @@ mixed_matmul_split.defvjp(_split_fwd, _split_bwd)
 def mixed_matmul_vjp_reference(x, kernel, dy, dtype=jnp.bfloat16):
   """``(dx, dkernel)`` of ``mixed_matmul`` in float32 at HIGHEST precision, from the operands and
   the cotangent rounded to ``dtype`` (the GEMMs' own rounding left out)."""
-  f32 = lambda a: a.astype(dtype).astype(jnp.float32)  # noqa: E731
+  f32 = lambda a: a.astype(dtype).astype(jnp.float32)
   xr, kr, dyr = f32(x), f32(kernel), f32(dy)
   hi = lax.Precision.HIGHEST
   dx = jnp.einsum("...n,kn->...k", dyr, kr, precision=hi)

@@ -60,7 +60,7 @@ def _operands(x, w, dy, key, config, implementation):
       ops["H.x f32 (before quantization)"] = matmul.wgrad_operand(x2, keys)
     return ops
   run = matmul._Run(implementation)
-  q = lambda a, r, k, **kw: matmul._kernel_quantize(a, r, keys[k], config, run, decoded=False, **kw)[0]  # noqa: E731
+  q = lambda a, r, k, **kw: matmul._kernel_quantize(a, r, keys[k], config, run, decoded=False, **kw)[0]
   hkey = keys["hadamard"] if config.hadamard else None
   return {"x (fwd, 1x16 along K)": q(x2, config.x_rounding, "x", axis=-1),
           "w (fwd+dgrad, 16x16)": q(w, config.w_rounding, "w", block=(16, 16)),

@@ -77,7 +77,7 @@ def matmul_rows(dev, cpu):
   """Fused with a matmul: exact sums (any summation order gives the same bits) and general bf16."""
   rng = np.random.default_rng(5)
   x, w = grid_operand(rng, 512, 256), grid_operand(rng, 768, 256)
-  mm = lambda x, w: jnp.dot(nvfp4.fake_quant(x), nvfp4.fake_quant(w).T,  # noqa: E731
+  mm = lambda x, w: jnp.dot(nvfp4.fake_quant(x), nvfp4.fake_quant(w).T,
                             precision=jax.lax.Precision.HIGHEST)
   g, c = on(dev, mm, x, w), on(cpu, mm, x, w)
   mism = bits_differ(g[1:, 1:], c[1:, 1:])
@@ -88,7 +88,7 @@ def matmul_rows(dev, cpu):
 
   xb = rng.standard_normal((1024, 2048)).astype(ml_dtypes.bfloat16)
   wb = rng.standard_normal((2048, 512)).astype(ml_dtypes.bfloat16)
-  mmb = lambda x, w: jnp.dot(nvfp4.fake_quant(x), nvfp4.fake_quant(w, block=(16, 16)),  # noqa: E731
+  mmb = lambda x, w: jnp.dot(nvfp4.fake_quant(x), nvfp4.fake_quant(w, block=(16, 16)),
                              preferred_element_type=jnp.float32)
   g, c = on(dev, mmb, xb, wb), on(cpu, mmb, xb, wb)
   r = rel(g, c)

@@ -61,7 +61,7 @@ def product_rows(dev, cpu):
   exact = a.astype(np.float64) @ b
   rows, ok = [], True
   for terms in (1, 2):
-    f = lambda a, b, t=terms: optim.nvfp4_dot(a, b, t)  # noqa: E731
+    f = lambda a, b, t=terms: optim.nvfp4_dot(a, b, t)
     g, c = on(dev, f, a, b), on(cpu, f, a, b)
     r, err = rel(g, c), rel(g, exact)
     lo, hi = (0.05, 0.2) if terms == 1 else (0.005, 0.03)
@@ -73,7 +73,7 @@ def product_rows(dev, cpu):
   good = rel(g, c) <= 1e-5
   rows.append(("nvfp4_gram", f"rel {rel(g, c):.1e}", "≤ 1e-5", good))
   x = rng.standard_normal((256, 768)).astype(np.float32)
-  f = lambda x: (optim.newton_schulz(x, precision="nvfp4"), optim.newton_schulz(x, precision="fp32"))  # noqa: E731
+  f = lambda x: (optim.newton_schulz(x, precision="nvfp4"), optim.newton_schulz(x, precision="fp32"))
   (g, g32), (c, c32) = on(dev, f, x), on(cpu, f, x)
   s = np.linalg.svd(g.astype(np.float64), compute_uv=False)
   good2 = rel(g, g32) <= 0.15 and rel(c, c32) <= 0.15 and 0.5 < s.min() and s.max() < 1.3
@@ -102,7 +102,7 @@ def state_rows(dev, cpu, name, tx, params, grads, update_tol):
   """The states and updates of ``len(grads)`` updates on both devices, one jitted update per step
   (as a training loop runs it: XLA may optimize across the updates of one program)."""
   def run(device):
-    step = lambda g, s, p: tx.update(g, s, p)  # noqa: E731
+    step = lambda g, s, p: tx.update(g, s, p)
     p, state, us = params, on(device, tx.init, params), []
     for g in grads:
       u, state = on(device, step, g, state, p)
@@ -139,7 +139,7 @@ def diagnose(dev, cpu, name, tx, params, grads, b1=0.9, b2=0.95):
   start from the same (CPU) state, and which intermediate of the XLA path's moment arithmetic first
   differs there, with its inputs."""
   state = on(cpu, tx.init, params)
-  step = lambda g, s, p: tx.update(g, s, p)  # noqa: E731
+  step = lambda g, s, p: tx.update(g, s, p)
 
   def moments(g, mu, nu, count):
     m_old, s_old = _common.decode(mu), _common.decode(nu)
