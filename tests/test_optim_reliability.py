@@ -204,8 +204,8 @@ def _same_bits(a, b):
 def test_quantize_false_on_bfloat16_params_equals_optax_adamw_with_float32_moments(nesterov):
   """The documented equality: moments are float32 for every parameter dtype and updates take the
   parameters' dtype, so on bfloat16 parameters adamw_nvfp4(quantize=False) is optax's AdamW
-  initialized on float32 copies with its Adam direction cast to bfloat16, bit for bit (optax.adamw
-  alone keeps bfloat16 moments)."""
+  run on float32 copies of the parameters' gradients with its Adam direction cast to bfloat16, bit for
+  bit (optax.adamw alone keeps bfloat16 moments and rounds (1 - b1)·g in bfloat16)."""
   params = {"w": (0.1 * jax.random.normal(jax.random.key(0), (64, 64))).astype(jnp.bfloat16),
             "b": jnp.ones((7,), jnp.bfloat16)}
   ours = optim.adamw_nvfp4(LR, weight_decay=0.1, nesterov=nesterov, quantize=False)
@@ -219,7 +219,7 @@ def test_quantize_false_on_bfloat16_params_equals_optax_adamw_with_float32_momen
   for step in range(3):
     g = _grads(params, step)
     u1, s1 = up1(g, s1, p1)
-    u2, s2 = up2(g, s2, p2)
+    u2, s2 = up2(_f32(g), s2, p2)
     p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
     jax.tree.map(_same_bits, (u1, p1, s1[0].mu, s1[0].nu), (u2, p2, s2[0].mu, s2[0].nu))
   assert p1["w"].dtype == u1["w"].dtype == jnp.bfloat16 and s1[0].mu["w"].dtype == jnp.float32

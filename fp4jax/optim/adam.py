@@ -21,8 +21,9 @@ Pallas Triton kernels (``fp4jax.kernels.adam_nvfp4``, the default on a CUDA GPU)
 state bits. Leaves that the storage rule keeps in float32 (``fp4jax.optim.state``) run
 ``optax.scale_by_adam``'s arithmetic unchanged on float32 moments, whatever the parameters' dtype.
 With ``quantize=False``, ``adamw_nvfp4`` is therefore ``optax.adamw`` bit for bit on float32
-parameters; on bfloat16 ones it is ``optax.adamw`` whose ``init`` was given float32 copies of the
-parameters (``optax.adamw`` alone keeps its moments in the parameters' dtype).
+parameters; on bfloat16 ones it is ``optax.adamw`` run on float32 copies of the parameters and
+gradients, its update cast back to bfloat16 (``optax.adamw`` alone keeps its moments in the
+parameters' dtype, and rounds ``(1 - b1)·g`` in the gradient's).
 """
 
 from __future__ import annotations
@@ -327,7 +328,8 @@ def adamw_nvfp4(
   Returns:
     An optax transformation. With ``quantize=False`` it equals ``optax.adamw`` bit for bit on
     float32 parameters; its moments are float32 for every parameter dtype, so on bfloat16
-    parameters it equals ``optax.adamw`` initialized on float32 copies of them.
+    parameters it equals ``optax.adamw`` run on float32 copies of the parameters and gradients,
+    its update cast back to bfloat16.
 
   Example:
     >>> tx = adamw_nvfp4(learning_rate=3e-3)
