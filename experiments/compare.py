@@ -191,9 +191,13 @@ def table(rows: list[dict], floor: Mapping, title: str = "", notes: Sequence[str
                  "seeds measure it), so a gap smaller than that spread says nothing of the recipe.")
   else:
     lines.append("no reference run has finished: no gaps yet.")
-  lines.append("± is a standard error over the evaluated held-out batches: beside an eval loss, the "
-               "text's own variation; beside a gap, that of the difference on the same batches. A "
-               "gap within about twice its ± is not resolved by this evaluation.")
+  if any(math.isfinite(r.get("eval_loss_se", math.nan)) for r in rows):
+    lines.append("± is a standard error over the evaluated held-out batches: beside an eval loss, "
+                 "the text's own variation; beside a gap, that of the difference on the same "
+                 "batches. A gap within about twice its ± is not resolved by this evaluation.")
+  else:
+    lines.append("These evaluations recorded no per-batch losses, so no standard errors: the "
+                 "spread of the reference seeds is the measure of noise.")
   lines += list(notes)
   lines += ["", "| arm | recipe | seed | eval loss | eval step | eval tokens | gap % | vs baseline % "
             "| train loss | tokens | params | tokens/s | epochs | step ms |",

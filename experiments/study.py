@@ -20,10 +20,10 @@ After the arms of the command, every finished arm of the workdir goes into
 arm is ``100 · (L − L̄) / L̄`` on the held-out loss, against the mean ``L̄`` of the bf16 seeds; the
 spread of those seeds (min–max and standard deviation, in % of ``L̄``) is the noise floor, and each
 loss and gap carries its standard error over the evaluated batches (``experiments.compare.table``,
-the table ``experiments.compare`` writes too).
-``--collect=DIR`` copies the small logs (each arm's ``metrics.jsonl``, ``config.json`` and
-``eval.json``, ``study.json``, ``study.jsonl``, ``table.md``) into ``DIR`` (e.g.
-``experiments/results/<name>``, read by ``notebooks/loss_gap.ipynb``).
+the table ``experiments.compare`` writes too). ``--collect=DIR`` copies the small logs (each arm's
+``metrics.jsonl``, ``config.json``, ``eval.json`` and its output under ``--parallel``;
+``study.json``, ``study.jsonl``, ``table.md``) into ``DIR`` (e.g. ``experiments/results/<name>``,
+read by ``notebooks/loss_gap.ipynb``): results enter the repository this way only.
 
 One arm per command (``--arms=fp4_linear``) fits a machine that limits the length of a command;
 the table then grows with each. ``--parallel=N`` trains up to N arms at once, each in a process of
@@ -77,6 +77,7 @@ ROWS_FILE = "study.jsonl"
 TABLE_FILE = "table.md"
 SHARED_FILE = "shared_device.json"  # {"parallel": N}: the arm trained beside others (--parallel)
 ARM_LOGS = ("metrics.jsonl", "config.json", EVAL_FILE, SHARED_FILE)
+PROCESS_LOG = "train.log"  # an arm's output under --parallel (<workdir>/logs/<arm>.log), collected
 # Config fields that do not change what a run computes: a study may resume with others.
 VOLATILE = ("progress", "tensorboard")
 ARM_NAMES = tuple(a.name for a in ARMS)
@@ -228,7 +229,12 @@ def write_results(cfg, workdir: Path, eval_tokens: int | None = None) -> tuple[l
 
 
 def collect(workdir: Path, dest: Path) -> list[Path]:
-  """Copies the study's small logs into ``dest`` (replacing its arm folders); returns the files."""
+  """Copies the study's small logs into ``dest`` (replacing its arm folders); returns the files.
+
+  ``dest`` gets ``study.json``, ``study.jsonl``, ``table.md`` and, per arm that has run,
+  ``<arm>/`` with its ``ARM_LOGS`` and, for an arm run under ``--parallel``, its process's output
+  as ``<arm>/train.log``. This is the one layout of ``experiments/results/``.
+  """
   dest.mkdir(parents=True, exist_ok=True)
   out = []
   for name in (STUDY_FILE, ROWS_FILE, TABLE_FILE):
@@ -241,6 +247,8 @@ def collect(workdir: Path, dest: Path) -> list[Path]:
     shutil.rmtree(dest / arm, ignore_errors=True)
     (dest / arm).mkdir()
     out += [Path(shutil.copy2(src / f, dest / arm / f)) for f in ARM_LOGS if (src / f).is_file()]
+    if (log := workdir / "logs" / f"{arm}.log").is_file():
+      out.append(Path(shutil.copy2(log, dest / arm / PROCESS_LOG)))
   return out
 
 

@@ -244,6 +244,7 @@ def test_parallel_arms_train_in_processes_of_their_own(tmp_path):
     assert "=== arm" in (work / "logs" / f"{arm}.log").read_text()  # the arm's own process
     assert json.loads((work / arm / st.SHARED_FILE).read_text()) == {"parallel": 2}
     assert (dest / arm / st.SHARED_FILE).is_file()
+    assert (dest / arm / st.PROCESS_LOG).read_text() == (work / "logs" / f"{arm}.log").read_text()
   rows = [json.loads(x) for x in (dest / st.ROWS_FILE).read_text().splitlines()]
   assert [(r["arm"], r["shared_device"]) for r in rows] == [("bf16_s0", 2), ("bf16_s1", 2)]
   assert rows[0]["eval_loss"] != rows[1]["eval_loss"]
