@@ -240,7 +240,8 @@ def main(argv):
   launcher.enable_compilation_cache(fl.compilation_cache)
   r = launcher.report_errors(lambda: evaluate(fl.workdir, fl.text, fl.split, fl.max_tokens,
                                               fl.batch_size, fl.encoding), fl.verbose)
-  print(f"loss {r['loss']:.4f} ± {r['loss_se']:.4f} | perplexity {r['perplexity']:.3f} | {r['tokens']:,} tokens "
+  se = f" ± {r['loss_se']:.4f}" if math.isfinite(r["loss_se"]) else ""  # one batch: none
+  print(f"loss {r['loss']:.4f}{se} | perplexity {r['perplexity']:.3f} | {r['tokens']:,} tokens "
         f"({r['windows']} windows of {r['seq_len']}) | {r['text']} ({r['split']}) | step "
         f"{r['step']} of {r['workdir']}", flush=True)
   if fl.out:
