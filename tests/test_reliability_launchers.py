@@ -204,7 +204,7 @@ def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpu
   floor = json.loads((study / st.ROWS_FILE).read_text().splitlines()[0])["noise_floor"]
   assert floor["n"] == 1
   table = (study / st.TABLE_FILE).read_text()
-  assert "not compared ‡" in table and "over 1 seed(s)" in table
+  assert "not compared ‡" in table and "Reference (bf16_s0): eval loss" in table
   # A finished arm whose final checkpoint is corrupt is evaluated (and recorded) at its fallback.
   arm = study / "bf16_s1"
   step_dir = arm / "checkpoints" / "3"
