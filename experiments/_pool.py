@@ -159,6 +159,6 @@ def run_parallel(jobs: Sequence[tuple[str, str]], parallel: int, workdir: Path,
       parts.append(f"failed: {', '.join(failed)} (see {logs})")
     if pending:
       parts.append(f"not started: {', '.join(n for n, _ in pending)}")
-    raise TrainingInterrupted("; ".join(parts) + "; the same command resumes every arm", signum,
+    raise TrainingInterrupted("; ".join(parts) + f"; the same command resumes every {kind}", signum,
                               -1, str(workdir))
   return failed
