@@ -1,19 +1,25 @@
 r"""Train several recipes on identical data, seed and schedule; print the loss-gap table.
 
   python -m experiments.compare --config=experiments/configs/tiny.py --recipes=bf16,fp4_linear \
-      --workdir=runs/compare [--config.steps=N ...]
+      --workdir=runs/compare [--eval_tokens=N] [--config.steps=N ...]
 
 Each recipe (a preset of ``fp4jax.recipe``: it sets the config's ``recipe.linear``,
 ``recipe.attention``, ``recipe.optimizer_states`` and ``recipe.newton_schulz``, and keeps the other
 recipe fields) trains in ``<workdir>/<recipe>`` (an existing finished run is reused, an unfinished
 one resumes). Every recipe's config is checked before any trains, and so is every finished run
 that would be reused: one of other settings (learning rate, seed, sequence length, ...; the run
-identity ``experiments.train`` checks on resume) is refused, naming the fields. The table reports,
-per recipe, the final eval loss (with the step and the number of held-out tokens it was evaluated
-on) and the mean train loss over the last 10% of logged steps, and their gap relative to the first
-recipe (``bf16`` by default) in percent, ``100 · (L − L_ref) / L_ref`` (the paper's metric); an eval
-loss of another step, size or corpus than the reference's is not compared. It is also written to
-``<workdir>/gap_table.md`` and ``<workdir>/gap_table.json``.
+identity ``experiments.train`` checks on resume) is refused, naming the fields.
+
+Each final checkpoint is evaluated on the held-out split of the corpus (``experiments.evaluate``:
+the whole split, unless ``--eval_tokens`` or the config's ``study.eval_tokens`` caps it; cached in
+``<workdir>/<recipe>/eval.json``). The table (``table``, the one ``experiments.study`` writes too)
+gives per recipe the eval loss with its standard error over the evaluated batches, the train loss
+(mean of the last 10% of logged steps), and the eval loss's gap to the first recipe (``bf16`` by
+default) in percent, ``100 · (L − L_ref) / L_ref`` (the paper's metric), with the standard error of
+that gap over the same batches: a gap within about twice it is not resolved by the evaluation, and
+one seed per recipe says nothing of the seed-to-seed spread (``experiments.study``'s bf16 seeds
+measure it). An evaluation of another step, size or corpus than the reference's is not compared. The
+table is also written to ``<workdir>/gap_table.md`` and its rows to ``<workdir>/gap_table.json``.
 
 One comparison per workdir (``<workdir>/run.lock``). SIGTERM, SIGINT or SIGHUP stop the recipe in
 training as they stop ``experiments.train`` (a checkpoint at the current step); the command then
@@ -25,11 +31,14 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import evaluate as evaluate_lib
 from experiments import train as launcher
 from fp4jax import data
 from fp4jax.metrics import read_jsonl
@@ -47,72 +56,179 @@ def define_flags() -> None:
   flags.DEFINE_string("workdir", None, "parent run directory")
   flags.DEFINE_list("recipes", ["bf16", "fp4_linear"],
                     "recipes to compare; the first is the reference")
+  flags.DEFINE_integer("eval_tokens", None, "evaluate at most this many held-out tokens "
+                       "(default: the config's study.eval_tokens, else the whole split)")
+  flags.DEFINE_integer("eval_batch_size", None, "evaluation batch (default: the run's)")
   flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
   launcher.define_cache_flag()
 
 
-def _eval_size(workdir: Path, step: int | None) -> dict:
-  """The corpus and number of held-out tokens of the run's in-training evaluation."""
-  try:
-    run = json.loads((workdir / "config.json").read_text())
-    c = run["config"]
-    n = data.num_windows(run["data_dir"], "validation", c["seq_len"]) // c["batch_size"]
-    tokens = min(c["eval_batches"], n) * c["batch_size"] * c["seq_len"]
-    return {"eval_step": step, "eval_tokens": tokens, "eval_text": c["data"]["corpus"]}
-  except (OSError, ValueError, KeyError, TypeError):
-    return {"eval_step": step, "eval_tokens": None, "eval_text": None}
-
-
 def run_summary(workdir: str | Path, tail: float = 0.1) -> dict:
-  """Final train loss (mean of the last ``tail`` of logged steps) and eval loss of one run, with
-  the step, size (``eval_tokens``) and corpus (``eval_text``) of that evaluation."""
+  """Final train loss (mean of the last ``tail`` of logged steps), last step and median step time
+  of one run, from its ``metrics.jsonl``; ``status`` ``"ok"`` or ``"no metrics"``."""
   path = Path(workdir) / "metrics.jsonl"
   if not path.is_file():
     return {"status": "no metrics"}
   rows = list({r["step"]: r for r in read_jsonl(path)}.values())
   losses = [(r["step"], float(r["loss"])) for r in rows if "loss" in r]
-  evals = [(r["step"], float(r["eval_loss"])) for r in rows if "eval_loss" in r]
   if not losses:
     return {"status": "no metrics"}
-  last = max(s for s, _ in losses)
   k = max(1, math.ceil(tail * len(losses)))
   tail_losses = [v for _, v in sorted(losses)[-k:]]
   times = [float(r["step_time_s"]) for r in rows if "step_time_s" in r]
-  return {"status": "ok", "step": last, "train_loss": sum(tail_losses) / len(tail_losses),
-          "eval_loss": sorted(evals)[-1][1] if evals else float("nan"),
-          "step_time_s": sorted(times)[len(times) // 2] if times else float("nan"),
-          **_eval_size(Path(workdir), sorted(evals)[-1][0] if evals else None)}
+  return {"status": "ok", "step": max(s for s, _ in losses),
+          "train_loss": sum(tail_losses) / len(tail_losses),
+          "step_time_s": sorted(times)[len(times) // 2] if times else float("nan")}
 
 
-EVAL_KEYS = ("eval_step", "eval_tokens", "eval_text")
+def run_row(cfg, run_dir: Path, name: str, recipe: str, ev: Mapping | None,
+            eval_tokens: int | None, **fields) -> dict:
+  """One row of the table: the run in ``run_dir`` of config ``cfg`` (its steps, batch, sequence
+  length and corpus), its evaluation ``ev`` (``experiments.evaluate``; None: it diverged) and
+  ``fields`` (``reference``, ``baseline``, ``seed``, ...). ``comparable`` says the evaluation is
+  the one asked for: step ``cfg.steps``, the config's corpus, at most ``eval_tokens`` tokens."""
+  s = run_summary(run_dir)
+  run = json.loads((run_dir / "config.json").read_text())
+  meta = data.read_meta(run["data_dir"])
+  tokens = cfg.steps * cfg.batch_size * cfg.seq_len
+  step_time = s.get("step_time_s", math.nan)
+  status = "diverged" if ev is None else s["status"]
+  ev = ev or {}
+  comparable = (status == "ok" and ev.get("step") == cfg.steps
+                and ev.get("text") == cfg.data.corpus and ev.get("max_tokens") == eval_tokens)
+  return {"arm": name, "recipe": recipe, "status": status, "reference": False, "baseline": None,
+          "seed": cfg.seed, **fields,
+          "eval_loss": ev.get("loss", math.nan), "eval_loss_se": ev.get("loss_se", math.nan),
+          "eval_tokens": ev.get("tokens", 0), "eval_step": ev.get("step"),
+          "eval_text": ev.get("text"), "eval_max_tokens": ev.get("max_tokens"),
+          "eval_batch_losses": ev.get("batch_losses"), "eval_batch_windows": ev.get("batch_windows"),
+          "comparable": comparable, "train_loss": s.get("train_loss", math.nan),
+          "step": s.get("step", 0), "tokens": tokens, "params": run["num_params"],
+          "tokens_per_s": cfg.batch_size * cfg.seq_len / step_time if step_time > 0 else math.nan,
+          "epochs": tokens / meta.splits["train"]["num_tokens"], "step_time_s": step_time,
+          "platform": run.get("platform"), "devices": run.get("devices")}
 
 
-def gap_table(results: dict[str, dict]) -> str:
-  """A Markdown table of losses and relative gaps (%) to the first recipe. Each eval loss states
-  the step and the held-out tokens it was evaluated on; one of another step, size or corpus than
-  the reference's is not compared ("not compared")."""
-  names = list(results)
-  ref = results[names[0]]
-  lines = ["| recipe | steps | train loss | gap % | eval loss | gap % | eval step | eval tokens "
-           "| step time s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def _paired_se(row: Mapping, refs: Sequence[Mapping]) -> float:
+  """Standard error of ``row``'s eval loss minus the mean of ``refs``' over the same batches (NaN
+  unless every one was evaluated on the same batches)."""
+  sizes = [r.get("eval_batch_windows") for r in (row, *refs)]
+  if not refs or any(s is None or s != sizes[0] for s in sizes):
+    return math.nan
+  ref = [sum(v) / len(refs) for v in zip(*(r["eval_batch_losses"] for r in refs), strict=True)]
+  diff = [a - b for a, b in zip(row["eval_batch_losses"], ref, strict=True)]
+  return evaluate_lib.standard_error(diff, sizes[0])
 
-  def gap(r, key):
-    a, b = r.get(key, math.nan), ref.get(key, math.nan)
-    if key == "eval_loss" and any(r.get(k) != ref.get(k) for k in EVAL_KEYS):
-      return "not compared"
-    return f"{100 * (a - b) / b:+.2f}" if math.isfinite(a) and math.isfinite(b) else "–"
 
-  def size(r, key):
-    return "–" if r.get(key) is None else f"{r[key]:,}" if key == "eval_tokens" else str(r[key])
+def add_gaps(rows: list[dict]) -> dict:
+  """Adds each row's gaps: ``gap_pct`` (eval loss against the mean of the reference rows, those
+  with ``reference`` true) and ``baseline_gap_pct`` (against the row named by its ``baseline``,
+  NaN without one), in % of the reference's loss, each with the standard error of the paired
+  difference over the same evaluated batches (``gap_se_pct``, ``baseline_gap_se_pct``; NaN where
+  the batches are not known or not the same). Rows whose ``comparable`` is false (evaluated at
+  another step, size or corpus) get NaN gaps and are not in the reference.
 
-  for name in names:
-    r = results[name]
-    if r.get("status") != "ok":
-      lines.append(f"| {name} | {r.get('status')} | | | | | | | |")
+  Returns:
+    The reference's noise floor ``{"n", "arms", "mean", "min", "max", "std", "spread_pct",
+    "std_pct"}`` (``spread_pct``: (max − min) / mean in %; ``std``: sample standard deviation,
+    0 for one run), or ``{"n": 0}`` without a finished reference.
+  """
+  ok = {r["arm"]: r for r in rows
+        if r.get("comparable", True) and r["status"] == "ok" and math.isfinite(r["eval_loss"])}
+  for r in rows:
+    base = ok.get(r.get("baseline"))
+    mine = r["eval_loss"] if r["arm"] in ok else math.nan
+    b = base["eval_loss"] if base else math.nan
+    r["baseline_gap_pct"] = 100 * (mine - b) / b
+    r["baseline_gap_se_pct"] = 100 * _paired_se(r, [base]) / b if base and r["arm"] in ok else math.nan
+  refs = [r for r in ok.values() if r.get("reference")]
+  if not refs:
+    for r in rows:
+      r["gap_pct"] = r["gap_se_pct"] = math.nan
+    return {"n": 0}
+  ref = [r["eval_loss"] for r in refs]
+  mean = sum(ref) / len(ref)
+  std = statistics.stdev(ref) if len(ref) > 1 else 0.0
+  for r in rows:
+    mine = r["arm"] in ok
+    r["gap_pct"] = 100 * (r["eval_loss"] - mean) / mean if mine else math.nan
+    r["gap_se_pct"] = 100 * _paired_se(r, refs) / mean if mine else math.nan
+  return {"n": len(ref), "arms": [r["arm"] for r in refs], "mean": mean, "min": min(ref),
+          "max": max(ref), "std": std, "spread_pct": 100 * (max(ref) - min(ref)) / mean,
+          "std_pct": 100 * std / mean}
+
+
+def _fmt(x, spec: str) -> str:
+  return format(x, spec) if isinstance(x, int | float) and math.isfinite(x) else "–"
+
+
+def _pm(value: float, se: float, spec: str, se_spec: str) -> str:
+  """``value ± se``, or ``value`` alone where the error is not known."""
+  if not (isinstance(value, int | float) and math.isfinite(value)):
+    return "–"
+  return format(value, spec) + (f" ± {format(se, se_spec)}" if isinstance(se, int | float)
+                                and math.isfinite(se) else "")
+
+
+def table(rows: list[dict], floor: Mapping, title: str = "", notes: Sequence[str] = ()) -> str:
+  """The Markdown table of a study or comparison: what the gaps mean, one line per row (``add_gaps``
+  has run), and ``notes`` (lines printed under the header).
+
+  Columns: the run, its recipe (the preset and the changes it was given), seed, eval loss ± its
+  standard error over the evaluated batches, the evaluation's step and tokens, the gap to the
+  reference ± the paired standard error, the gap to the row's baseline likewise, train loss,
+  tokens, parameters, throughput (marked † for runs that shared the device), epochs, step time.
+  """
+  lines = [title, ""] if title else []
+  if floor.get("n", 0) > 1:
+    lines.append(f"Reference ({', '.join(floor['arms'])}): mean eval loss {floor['mean']:.4f} over "
+                 f"{floor['n']} seed(s), min–max {floor['min']:.4f}–{floor['max']:.4f} (spread "
+                 f"{floor['spread_pct']:.2f}% of the mean, std {floor['std_pct']:.2f}%): gaps inside "
+                 "that spread are training noise.")
+  elif floor.get("n") == 1:
+    lines.append(f"Reference ({floor['arms'][0]}): eval loss {floor['mean']:.4f}, one seed: the "
+                 "seed-to-seed spread of the loss is not measured here (experiments.study's bf16 "
+                 "seeds measure it), so a gap smaller than that spread says nothing of the recipe.")
+  else:
+    lines.append("no reference run has finished: no gaps yet.")
+  if any(math.isfinite(r.get("eval_loss_se", math.nan)) for r in rows):
+    lines.append("± is a standard error over the evaluated held-out batches: beside an eval loss, "
+                 "the text's own variation; beside a gap, that of the difference on the same "
+                 "batches. A gap within about twice its ± is not resolved by this evaluation.")
+  else:
+    lines.append("These evaluations recorded no per-batch losses, so no standard errors: the "
+                 "spread of the reference seeds is the measure of noise.")
+  lines += list(notes)
+  lines += ["", "| arm | recipe | seed | eval loss | eval step | eval tokens | gap % | vs baseline % "
+            "| train loss | tokens | params | tokens/s | epochs | step ms |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    diverged = r["status"] == "diverged"
+    if r["status"] not in ("ok", "diverged"):
+      lines.append(f"| {r['arm']} | {r['recipe']} | {r['seed']} | {r['status']} |" + " |" * 10)
       continue
-    lines.append(f"| {name} | {r['step']} | {r['train_loss']:.4f} | {gap(r, 'train_loss')} | "
-                 f"{r['eval_loss']:.4f} | {gap(r, 'eval_loss')} | {size(r, 'eval_step')} | "
-                 f"{size(r, 'eval_tokens')} | {r['step_time_s']:.3g} |")
+    eval_loss = "diverged" if diverged else _pm(r["eval_loss"], r.get("eval_loss_se"), ".4f", ".4f")
+    mark = " †" if r.get("shared_device", 1) > 1 else ""
+    other = not diverged and not r.get("comparable", True)
+    gap = "not compared ‡" if other else _pm(r["gap_pct"], r.get("gap_se_pct"), "+.2f", ".2f")
+    base = r.get("baseline_gap_pct", math.nan)
+    vs = (f"{_pm(base, r.get('baseline_gap_se_pct'), '+.2f', '.2f')} ({r['baseline']})"
+          if math.isfinite(base) else "–")
+    ev_step = "–" if r.get("eval_step") is None else str(r["eval_step"])
+    ev_tokens = f"{r['eval_tokens']:,}" if r.get("eval_tokens") else "–"
+    lines.append(f"| {r['arm']} | {r['recipe']} | {r['seed']} | {eval_loss} | {ev_step} | "
+                 f"{ev_tokens} | {gap} | {vs} | {_fmt(r['train_loss'], '.4f')} | "
+                 f"{_fmt(r['tokens'], ',')} | {_fmt(r['params'], ',')} | "
+                 f"{_fmt(r['tokens_per_s'], ',.0f')}{mark} | {_fmt(r['epochs'], '.3g')} | "
+                 f"{_fmt(1000 * r['step_time_s'], '.0f')}{mark} |")
+  if any(r["status"] == "ok" and not r.get("comparable", True) for r in rows):
+    lines += ["", "‡ evaluated at another step, on another corpus or number of tokens than this "
+              "command's evaluation: not compared (run it again with that run's name and this "
+              "command's `--eval_tokens` to evaluate it again)."]
+  shared = sorted({r["shared_device"] for r in rows if r.get("shared_device", 1) > 1})
+  if shared:
+    lines += ["", f"† trained with up to {shared[-1]} arms at once on the same device(s) "
+              "(`--parallel`): the throughput of a shared device, not of the recipe."]
   return "\n".join(lines)
 
 
@@ -131,8 +247,18 @@ def recipe_configs(cfg, recipes: list[str]) -> dict:
   return out
 
 
-def compare(cfg, recipes: list[str], workdir: str | Path) -> dict[str, dict]:
-  """Trains each recipe (same config otherwise) under ``workdir/<recipe>``; returns summaries.
+def compare(cfg, recipes: list[str], workdir: str | Path, eval_tokens: int | None = None,
+            eval_batch_size: int | None = None) -> dict[str, dict]:
+  """Trains each recipe (same config otherwise) under ``workdir/<recipe>`` and evaluates it.
+
+  Args:
+    eval_tokens: held-out tokens per evaluation (``experiments.evaluate.eval_tokens``: default the
+      config's ``study.eval_tokens``, else the whole held-out split).
+    eval_batch_size: windows per evaluation batch (default: the run's batch size).
+
+  Returns:
+    The rows of the table by recipe, with their gaps (``add_gaps``; the first recipe is the
+    reference and every other's baseline).
 
   Raises:
     RunLockedError: another comparison runs in ``workdir``.
@@ -141,6 +267,7 @@ def compare(cfg, recipes: list[str], workdir: str | Path) -> dict[str, dict]:
   """
   workdir = Path(workdir)
   configs = recipe_configs(cfg, recipes)
+  eval_tokens = evaluate_lib.eval_tokens(cfg, eval_tokens)
   results = {}
   with RunLock(workdir, "comparison") as lock, StopSignals(
       lambda t: print(t, flush=True), BETWEEN_RUNS, lambda: lock.release(force=True)):
@@ -150,19 +277,23 @@ def compare(cfg, recipes: list[str], workdir: str | Path) -> dict[str, dict]:
     finished = {name: launcher.finished_run(c, workdir / name) for name, c in configs.items()}
     for i, (name, c) in enumerate(configs.items(), 1):
       print(f"\n=== recipe {name} ({i}/{len(recipes)}): {workdir / name}", flush=True)
+      diverged = False
       if finished[name]:
         print(f"{name}: already trained to step {c.steps} with these settings; reusing it")
-        results[name] = run_summary(workdir / name)
-        continue
-      try:
-        launcher.run(c, workdir / name)
-        results[name] = run_summary(workdir / name)
-      except NonFiniteLossError as e:
-        results[name] = {**run_summary(workdir / name), "status": "diverged"}
-        print(f"{name}: {e}")
-      except TrainingInterrupted as e:
-        raise launcher.stopped_among(e, "recipe", name, list(results),
-                                     list(configs)[i:]) from None
+      else:
+        try:
+          launcher.run(c, workdir / name)
+        except NonFiniteLossError as e:
+          print(f"{name}: {e}")
+          diverged = True
+        except TrainingInterrupted as e:
+          raise launcher.stopped_among(e, "recipe", name, list(results),
+                                       list(configs)[i:]) from None
+      ev = None if diverged else evaluate_lib.evaluate_cached(
+          workdir / name, c.data.corpus, c.steps, eval_tokens, eval_batch_size)
+      results[name] = run_row(c, workdir / name, name, name, ev, eval_tokens, reference=i == 1,
+                              baseline=None if i == 1 else recipes[0])
+  add_gaps(list(results.values()))
   return results
 
 
@@ -173,15 +304,20 @@ def main(argv):
                               "tiny.py --recipes=bf16,fp4_linear --workdir=runs/compare",
                               "config", "workdir")
   launcher.enable_compilation_cache(fl.compilation_cache)
-  results = launcher.report_errors(lambda: compare(fl.config, fl.recipes, fl.workdir),
-                                   fl.verbose)
-  table = gap_table(results)
+  results = launcher.report_errors(
+      lambda: compare(fl.config, fl.recipes, fl.workdir, fl.eval_tokens, fl.eval_batch_size),
+      fl.verbose)
+  rows = list(results.values())
+  floor = add_gaps(rows)
+  c, size = fl.config, rows[0].get("eval_max_tokens")
+  held_out = "the whole held-out split" if size is None else f"the first {size:,} held-out tokens"
+  title = (f"Loss gap to {fl.recipes[0]} ({c.name}, {c.steps} steps x {c.batch_size} x {c.seq_len} "
+           f"tokens, seed {c.seed}, corpus {c.data.corpus}): eval loss on {held_out}.")
+  text = table(rows, floor, title)
   workdir = Path(fl.workdir)
-  (workdir / "gap_table.md").write_text(table + "\n")
+  (workdir / "gap_table.md").write_text(text + "\n")
   (workdir / "gap_table.json").write_text(json.dumps(results, indent=1))
-  print(f"\nLoss gap to {fl.recipes[0]} ({fl.config.name}, {fl.config.steps} steps, "
-        f"seed {fl.config.seed}):\n")
-  print(table)
+  print("\n" + text)
 
 
 if __name__ == "__main__":

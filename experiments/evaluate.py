@@ -15,8 +15,14 @@ the train loop's evaluation step. ``--text`` is:
   documents that training on that folder holds out (``fp4jax.corpus.text_dir_corpus``);
 * one ``.txt`` file: evaluated whole.
 
-Prints one line (loss, perplexity, tokens, step); ``--out`` appends it as a JSON line.
+Prints one line (loss and its standard error, perplexity, tokens, step); ``--out`` appends it as a
+JSON line. The standard error is that of the mean over the evaluated batches (the text's own
+variation: another sample of held-out text of this size would move the loss by about that much).
 Evaluation runs on one device.
+
+The launchers (``experiments.compare``, ``experiments.study``) evaluate each run's final checkpoint
+here, on ``eval_tokens(cfg)`` held-out tokens (the whole held-out split unless the config says
+otherwise), and keep the result in ``<run>/eval.json`` (``evaluate_cached``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from fp4jax.checkpoint import Checkpointer
 from fp4jax.train import abstract_model, jit_steps, make_optimizer, make_schedule
 
 SPLITS = ("validation", "all")
+EVAL_FILE = "eval.json"
 
 
 def define_flags() -> None:
@@ -118,8 +125,10 @@ def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
   """Loss and perplexity of the latest checkpoint of ``workdir`` on ``text``.
 
   Returns:
-    ``{"workdir", "step", "text", "split", "loss", "perplexity", "tokens", "windows",
-    "seq_len"}``; ``loss`` is the mean over the windows' target tokens (nats).
+    ``{"workdir", "step", "text", "split", "loss", "loss_se", "perplexity", "tokens", "windows",
+    "seq_len", "batch_losses", "batch_windows"}``; ``loss`` is the mean over the windows' target
+    tokens (nats), ``loss_se`` its standard error over the batches (``standard_error``), and
+    ``batch_losses`` the mean of each batch of ``batch_windows`` windows, in order.
   """
   run = read_run(workdir)
   cfg = ml_collections.ConfigDict(run["config"])
@@ -158,15 +167,69 @@ def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
   _, eval_step = jit_steps(graphdef, tx, make_schedule(opt_cfg, tc.steps), shardings, mesh,
                            execution=execution)
   b = batch_size or tc.batch_size
-  total = 0.0
+  losses, sizes = [], []
   for i in range(0, len(w), b):
     chunk = w[i:i + b]
     batch = data.to_global_batch({"inputs": chunk[:, :-1], "targets": chunk[:, 1:]}, mesh)
-    total += float(eval_step(state["params"], batch)) * len(chunk)
+    losses.append(float(eval_step(state["params"], batch)))
+    sizes.append(len(chunk))
+  total = 0.0
+  for loss_i, n in zip(losses, sizes, strict=True):
+    total += loss_i * n
   loss = total / len(w)
   return {"workdir": str(workdir), "step": int(step), "text": str(text), "split": split,
-          "loss": loss, "perplexity": math.exp(loss), "tokens": int(w.shape[0] * tc.seq_len),
-          "windows": int(w.shape[0]), "seq_len": tc.seq_len}
+          "loss": loss, "loss_se": standard_error(losses, sizes), "perplexity": math.exp(loss),
+          "tokens": int(w.shape[0] * tc.seq_len), "windows": int(w.shape[0]),
+          "seq_len": tc.seq_len, "batch_losses": losses, "batch_windows": sizes}
+
+
+def standard_error(values: Sequence[float], weights: Sequence[float]) -> float:
+  """Standard error of the weighted mean of per-batch means (each batch one sample, weighted by its
+  windows): ``sqrt(n / (n - 1) · Σ (w_i (x_i − x̄))²) / Σ w_i``, which for equal batches is the
+  sample standard deviation over ``√n``. NaN for fewer than two batches."""
+  n = len(values)
+  if n < 2:
+    return math.nan
+  total = float(sum(weights))
+  mean = sum(x * w for x, w in zip(values, weights, strict=True)) / total
+  ss = sum((w * (x - mean)) ** 2 for x, w in zip(values, weights, strict=True))
+  return math.sqrt(n / (n - 1) * ss) / total
+
+
+def eval_tokens(cfg, tokens: int | None = None) -> int | None:
+  """The held-out tokens a launcher evaluates a run on: ``tokens`` if given, else the config's
+  ``eval_tokens`` (``study.eval_tokens``, for a corpus whose held-out split is large), else None:
+  the whole held-out split."""
+  if tokens is not None:
+    return tokens
+  return cfg.get("study", {}).get("eval_tokens")
+
+
+def evaluate_cached(workdir: str | os.PathLike, text: str, steps: int, max_tokens: int | None,
+                    batch_size: int | None = None) -> dict:
+  """``evaluate`` of a finished run on the ``validation`` split of ``text``, kept in
+  ``<workdir>/eval.json`` and reused while its step, text and ``max_tokens`` are these.
+
+  ``step`` in the result is the step evaluated: the newest intact checkpoint's, which is not
+  ``steps`` if the final checkpoint turned out corrupt (said; the result is still written, and a
+  launcher does not compare it).
+  """
+  workdir = Path(workdir)
+  path = workdir / EVAL_FILE
+  key = {"text": text, "max_tokens": max_tokens}
+  if path.is_file():
+    cached = json.loads(path.read_text())
+    if cached.get("step") == steps and all(cached.get(k) == v for k, v in key.items()):
+      return cached
+  r = evaluate(workdir, text, "validation", max_tokens, batch_size)
+  r.update(key)
+  if r["step"] != steps:
+    print(f"{workdir.name}: evaluated at step {r['step']}, not {steps}: the final checkpoint is "
+          "not intact; the row says so and is not compared", flush=True)
+  tmp = path.with_name(EVAL_FILE + ".tmp")
+  tmp.write_text(json.dumps(r, indent=1) + "\n")
+  os.replace(tmp, path)
+  return r
 
 
 def main(argv):
@@ -177,7 +240,8 @@ def main(argv):
   launcher.enable_compilation_cache(fl.compilation_cache)
   r = launcher.report_errors(lambda: evaluate(fl.workdir, fl.text, fl.split, fl.max_tokens,
                                               fl.batch_size, fl.encoding), fl.verbose)
-  print(f"loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | {r['tokens']:,} tokens "
+  se = f" ± {r['loss_se']:.4f}" if math.isfinite(r["loss_se"]) else ""  # one batch: none
+  print(f"loss {r['loss']:.4f}{se} | perplexity {r['perplexity']:.3f} | {r['tokens']:,} tokens "
         f"({r['windows']} windows of {r['seq_len']}) | {r['text']} ({r['split']}) | step "
         f"{r['step']} of {r['workdir']}", flush=True)
   if fl.out:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from experiments import evaluate as ev
@@ -47,6 +48,11 @@ def test_own_validation_split_equals_the_train_loops_eval_loss(run):
   r = ev.evaluate(workdir, str(text), split="validation", max_tokens=whole * T)
   assert r["step"] == 3 and r["windows"] == whole and r["split"] == "validation"
   assert r["loss"] == pytest.approx(eval_loss, abs=1e-4)
+  # The loss is the mean of the batches' means; its standard error is over those batches.
+  assert r["batch_windows"] == [B] * (whole // B)
+  assert r["loss"] == pytest.approx(np.mean(r["batch_losses"]), rel=1e-12)
+  assert r["loss_se"] == pytest.approx(np.std(r["batch_losses"], ddof=1) / np.sqrt(whole // B), rel=1e-9)
+  assert 0 < r["loss_se"] < 0.5
   # The folder whole (default split), with a last partial batch: a different, sensible loss.
   r = ev.evaluate(workdir, str(text), batch_size=3)
   assert r["split"] == "all" and r["windows"] > whole and abs(r["loss"] - eval_loss) < 0.5
@@ -61,6 +67,7 @@ def test_cli_prints_and_appends_a_json_line(run, tmp_path):
   r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "loss " in r.stdout and "perplexity" in r.stdout and "64 tokens" in r.stdout
+  assert "±" not in r.stdout  # one batch: no standard error
   row = json.loads(out.read_text())
   assert row["tokens"] == 64 and row["step"] == 3 and row["split"] == "all"
   bad = subprocess.run(cmd[:3] + [f"--workdir={tmp_path / 'nope'}", f"--text={text}"], cwd=REPO,

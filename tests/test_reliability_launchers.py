@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 
 from experiments import compare
+from experiments import evaluate as evaluate_lib
 from experiments import study as st
 from experiments import train as launcher
 from experiments.configs import tiny
+from fp4jax import data
 from fp4jax.checkpoint import verify
 from fp4jax.workdir import RunChangedError, RunLock, RunLockedError
 
@@ -178,7 +180,10 @@ def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpu
   capsys.readouterr()
   results = compare.compare(_config(settings), ["bf16"], work)
   assert "already trained to step 3 with these settings; reusing it" in capsys.readouterr().out
-  assert results["bf16"]["eval_step"] == 3 and results["bf16"]["eval_tokens"] == 4 * 16
+  # The final checkpoint evaluated on the whole held-out split, with its standard error.
+  whole = data.num_windows(str(tmp_path / "tokens"), "validation", 16) * 16
+  assert results["bf16"]["eval_step"] == 3 and results["bf16"]["eval_tokens"] == whole
+  assert results["bf16"]["eval_loss_se"] > 0 and results["bf16"]["eval_max_tokens"] is None
   other = _config({**settings, "optimizer.learning_rate": 1e-3, "seed": 5})
   with pytest.raises(RunChangedError, match=r"(?s)finished run of other settings.*"
                      r"optimizer.learning_rate: checkpoint 0.005, this run 0.001.*seed: "
@@ -199,7 +204,7 @@ def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpu
   floor = json.loads((study / st.ROWS_FILE).read_text().splitlines()[0])["noise_floor"]
   assert floor["n"] == 1
   table = (study / st.TABLE_FILE).read_text()
-  assert "not compared ‡" in table and "over 1 seed(s)" in table
+  assert "not compared ‡" in table and "Reference (bf16_s0): eval loss" in table
   # A finished arm whose final checkpoint is corrupt is evaluated (and recorded) at its fallback.
   arm = study / "bf16_s1"
   step_dir = arm / "checkpoints" / "3"
@@ -209,7 +214,7 @@ def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpu
   assert not launcher.finished_run(st.arm_config(cfg, st.select_arms("bf16_s1")[0], False), arm)
   assert "is corrupt" in capsys.readouterr().out
   (arm / st.EVAL_FILE).unlink()
-  assert st.evaluate_arm(arm, str(corpus), 3, 32, None)["step"] == 2
+  assert evaluate_lib.evaluate_cached(arm, str(corpus), 3, 32, None)["step"] == 2
   row = st.arm_row(cfg, st.select_arms("bf16_s1")[0], study, 32)
   assert row["eval_step"] == 2 and not row["comparable"]
 

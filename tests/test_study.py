@@ -1,7 +1,6 @@
 """experiments.study: the arm table, the gap arithmetic, a two-arm study with --collect and reuse;
 the LoRA-SVD branch's learning-rate scale (Recipe.lora_lr_scale) in the optimizer."""
 
-import dataclasses
 import json
 import math
 import statistics
@@ -16,7 +15,10 @@ import pytest
 
 from experiments import study as st
 from experiments import train as launcher
+from experiments import compare
+from experiments import evaluate as ev
 from experiments.configs import tiny
+from experiments.studies import Arm
 from fp4jax.recipe import MODULES, PRESETS, get_recipe
 from fp4jax.train import OptimizerConfig, _lora_mask, abstract_model, make_optimizer, make_schedule
 
@@ -28,27 +30,44 @@ def test_every_arm_builds_a_valid_config():
     c = st.arm_config(cfg, arm)
     _, recipe, opt, tc, _ = launcher.from_config(c, vocab_size=256)
     for k in MODULES:
-      assert getattr(recipe, k) == arm.recipe.get(k, getattr(PRESETS[arm.preset], k)), arm.name
-    for k, v in arm.recipe.items():
-      if isinstance(v, dict):  # a nested op config: the named fields set, the others the preset's
-        assert getattr(recipe, k) == dataclasses.replace(getattr(PRESETS[arm.preset], k), **v), arm.name
-      elif k != "lora_resplit_every":
-        assert getattr(recipe, k) == v, arm.name
-    for k, v in arm.optimizer.items():
-      assert getattr(opt, k) == v, arm.name
+      assert getattr(recipe, k) == arm.changes.get(f"recipe.{k}", getattr(PRESETS[arm.preset], k)), arm.name
+    for key, v in arm.changes.items():
+      node = {"recipe": recipe, "optimizer": opt}[key.split(".")[0]]
+      for part in key.split(".")[1:]:
+        node = getattr(node, part)
+      if key != "recipe.lora_resplit_every":
+        assert node == (tuple(v) if isinstance(v, list) else v), (arm.name, key)
     assert tc.seed == arm.seed and tc.telemetry_every == cfg.steps // 10
-    assert arm.baseline in ("", *st.ARM_NAMES), arm.name
-  assert [a.seed for a in st.ARMS if a.group == "bf16"] == [0, 1, 2]
+    assert arm.baseline in (None, *st.ARM_NAMES), arm.name
+    assert arm.what and arm.group
+  assert [a.seed for a in st.ARMS if a.baseline is None] == [0, 1, 2]
   resplit = st.arm_config(cfg, st.select_arms("lorasvd_resplit10")[0])
   assert resplit.recipe.lora_resplit_every == cfg.steps // 10
   assert st.arm_config(cfg, st.ARMS[0], telemetry=False).telemetry_every == 0
+
+
+def test_an_arm_is_a_function_of_the_config():
+  cfg = tiny.get_config()
+  arm = Arm("x", "fp4_linear", {"recipe.lora_rank": 4, "optimizer.name": "muon"}, 3, "fp4_linear", "test")
+  c = arm.apply(cfg)
+  assert (c.recipe.linear, c.recipe.lora_rank, c.optimizer.name, c.seed) == ("nvfp4", 4, "muon", 3)
+  assert (cfg.recipe.linear, cfg.recipe.lora_rank, cfg.optimizer.name, cfg.seed) == ("bf16", 16, "adamw", 0)
+  assert arm.recipe_text() == "fp4_linear, recipe.lora_rank=4, optimizer.name=muon"
+  with pytest.raises(ValueError, match=r"arm y: changes key 'recipe.lora_rnk' is not a field"):
+    Arm("y", "bf16", {"recipe.lora_rnk": 4}).apply(cfg)
+  with pytest.raises(ValueError, match=r"arm y: changes key 'recipe.nope.x' is not a field"):
+    Arm("y", "bf16", {"recipe.nope.x": 1}).apply(cfg)
+  with pytest.raises(ValueError, match=r"arm y: changes recipe.lora_rank='4'"):
+    Arm("y", "bf16", {"recipe.lora_rank": "4"}).apply(cfg)
+  with pytest.raises(ValueError, match=r"arm y: preset 'fp3'"):
+    Arm("y", "fp3").apply(cfg)
 
 
 def test_select_arms():
   assert [a.name for a in st.select_arms("all")] == list(st.ARM_NAMES)
   # The order of ARMS, whatever the order of the flag.
   assert [a.name for a in st.select_arms("fp4_linear,bf16_s1")] == ["bf16_s1", "fp4_linear"]
-  with pytest.raises(ValueError, match=r"unknown arm\(s\) \['nope'\].*fp4_full_stack"):
+  with pytest.raises(ValueError, match=r"unknown arm\(s\) \['nope'\].*fp4_full_stack.*--list"):
     st.select_arms("fp4_linear,nope")
   with pytest.raises(ValueError, match="distinct"):
     st.select_arms("fp4_linear,fp4_linear")
@@ -70,24 +89,36 @@ def test_cli_errors(tmp_path):
   assert not (tmp_path / "s").exists()
 
 
-def _row(arm, loss, group="module", status="ok", baseline="", comparable=True):
+def _row(arm, loss, reference=False, status="ok", baseline=None, comparable=True, batches=None):
   ok = status == "ok"
-  return {"arm": arm, "status": status, "group": group, "baseline": baseline, "preset": "fp4_linear",
-          "eval_step": 3 if ok else None, "eval_tokens": 256 if ok else 0,
-          "eval_text": "shakespeare" if ok else None, "eval_max_tokens": 256 if ok else None,
-          "comparable": ok and comparable,
-          "overrides": {"lora_rank": 4}, "recipe": {"linear": "nvfp4", "lora_rank": 4},
-          "optimizer": "adamw", "seed": 0, "eval_loss": loss, "train_loss": loss + 0.1,
+  return {"arm": arm, "status": status, "reference": reference, "baseline": baseline,
+          "recipe": "fp4_linear, recipe.lora_rank=4", "eval_step": 3 if ok else None,
+          "eval_tokens": 256 if ok else 0, "eval_text": "shakespeare" if ok else None,
+          "eval_max_tokens": 256 if ok else None, "comparable": ok and comparable,
+          "eval_batch_losses": batches, "eval_batch_windows": None if batches is None else [4] * len(batches),
+          "eval_loss_se": math.nan if batches is None else statistics.stdev(batches) / math.sqrt(len(batches)),
+          "seed": 0, "eval_loss": loss, "train_loss": loss + 0.1,
           "tokens": 1000, "params": 10, "tokens_per_s": 5.0, "epochs": 0.5, "step_time_s": 0.2}
 
 
-def test_gaps_against_the_bf16_seed_mean_and_their_spread():
+def test_standard_error_over_batches():
+  x = [2.0, 2.5, 1.5, 2.2]
+  assert ev.standard_error(x, [8] * 4) == pytest.approx(statistics.stdev(x) / 2)
+  # A last partial batch weighs by its windows: the mean is the windows' mean.
+  w = [8, 8, 8, 2]
+  mean = sum(a * b for a, b in zip(x, w, strict=True)) / sum(w)
+  assert ev.standard_error(x, w) == pytest.approx(
+      math.sqrt(4 / 3 * sum((b * (a - mean)) ** 2 for a, b in zip(x, w, strict=True))) / sum(w))
+  assert math.isnan(ev.standard_error([2.0], [8]))
+
+
+def test_gaps_against_the_reference_mean_and_their_spread():
   ref = [2.0, 2.1, 2.3]
-  rows = [_row(f"bf16_s{i}", v, "bf16") for i, v in enumerate(ref)]
+  rows = [_row(f"bf16_s{i}", v, True) for i, v in enumerate(ref)]
   rows += [_row("fp4_linear", 2.2, baseline="bf16_s1"), _row("fp4_full_stack", math.nan, status="diverged")]
-  floor = st.add_gaps(rows)
+  floor = compare.add_gaps(rows)
   mean = sum(ref) / 3
-  assert floor["n"] == 3 and floor["mean"] == pytest.approx(mean)
+  assert floor["n"] == 3 and floor["mean"] == pytest.approx(mean) and floor["arms"] == ["bf16_s0", "bf16_s1", "bf16_s2"]
   assert (floor["min"], floor["max"]) == (2.0, 2.3)
   assert floor["spread_pct"] == pytest.approx(100 * 0.3 / mean)
   assert floor["std_pct"] == pytest.approx(100 * statistics.stdev(ref) / mean)
@@ -95,26 +126,46 @@ def test_gaps_against_the_bf16_seed_mean_and_their_spread():
   assert sum(r["gap_pct"] for r in rows[:3]) == pytest.approx(0, abs=1e-9)
   assert math.isnan(rows[4]["gap_pct"])
   assert rows[3]["baseline_gap_pct"] == pytest.approx(100 * (2.2 - 2.1) / 2.1)
-  assert math.isnan(rows[0]["baseline_gap_pct"])
-  text = st.table(rows, floor)
-  assert f"spread {100 * 0.3 / mean:.2f}%" in text
-  assert (f"| fp4_linear | fp4_linear, lora_rank=4 | 0 | 2.2000 | 3 | 256 | "
+  assert math.isnan(rows[0]["baseline_gap_pct"]) and math.isnan(rows[3]["gap_se_pct"])
+  text = compare.table(rows, floor)
+  assert f"spread {100 * 0.3 / mean:.2f}%" in text and "Reference (bf16_s0, bf16_s1, bf16_s2)" in text
+  assert (f"| fp4_linear | fp4_linear, recipe.lora_rank=4 | 0 | 2.2000 | 3 | 256 | "
           f"{100 * (2.2 - mean) / mean:+.2f} | {100 * 0.1 / 2.1:+.2f} (bf16_s1) |") in text
-  assert "| fp4_full_stack | fp4_linear, lora_rank=4 | 0 | diverged | – | – | – | – |" in text
+  assert "| fp4_full_stack | fp4_linear, recipe.lora_rank=4 | 0 | diverged | – | – | – | – |" in text
   # A row evaluated otherwise (another size, step or corpus) has no gap and is not in the floor.
-  rows = [_row(f"bf16_s{i}", v, "bf16") for i, v in enumerate(ref)]
-  rows += [_row("bf16_s9", 9.0, "bf16", comparable=False),
+  rows = [_row(f"bf16_s{i}", v, True) for i, v in enumerate(ref)]
+  rows += [_row("bf16_s9", 9.0, True, comparable=False),
            _row("fp4_linear", 2.2, baseline="bf16_s9", comparable=False)]
-  floor = st.add_gaps(rows)
+  floor = compare.add_gaps(rows)
   assert floor["n"] == 3 and floor["mean"] == pytest.approx(mean)
   assert math.isnan(rows[4]["gap_pct"]) and math.isnan(rows[4]["baseline_gap_pct"])
-  text = st.table(rows, floor)
-  assert "| fp4_linear | fp4_linear, lora_rank=4 | 0 | 2.2000 | 3 | 256 | not compared ‡ | – |" in text
+  text = compare.table(rows, floor)
+  assert "| fp4_linear | fp4_linear, recipe.lora_rank=4 | 0 | 2.2000 | 3 | 256 | not compared ‡ | – |" in text
   assert "‡ evaluated at another step" in text
-  # Without a finished bf16 seed there is no reference.
+  # Without a finished reference there are no gaps.
   rows = [_row("fp4_linear", 2.2)]
-  assert st.add_gaps(rows) == {"n": 0} and math.isnan(rows[0]["gap_pct"])
-  assert "no bf16 seed" in st.table(rows, {"n": 0})
+  assert compare.add_gaps(rows) == {"n": 0} and math.isnan(rows[0]["gap_pct"])
+  assert "no reference run" in compare.table(rows, {"n": 0})
+
+
+def test_gaps_carry_the_paired_standard_error_of_the_same_batches():
+  a, b = [2.0, 3.0, 2.5, 2.1], [2.1, 3.0, 2.7, 2.1]
+  rows = [_row("bf16", sum(a) / 4, True, batches=a), _row("fp4", sum(b) / 4, baseline="bf16", batches=b),
+          _row("other", 2.4, baseline="bf16")]
+  floor = compare.add_gaps(rows)
+  se = statistics.stdev([y - x for x, y in zip(a, b, strict=True)]) / 2
+  assert rows[1]["gap_se_pct"] == pytest.approx(100 * se / floor["mean"])
+  assert rows[1]["baseline_gap_se_pct"] == pytest.approx(rows[1]["gap_se_pct"])
+  # The batches differ much more than the two runs do on each: the gap is known far better than
+  # either loss.
+  assert rows[1]["gap_se_pct"] < 100 * rows[1]["eval_loss_se"] / floor["mean"] / 3
+  assert math.isnan(rows[2]["gap_se_pct"])  # its batches are not known
+  text = compare.table(rows, floor)
+  assert "Reference (bf16): eval loss 2.4000, one seed" in text
+  assert (f"| fp4 | fp4_linear, recipe.lora_rank=4 | 0 | 2.4750 ± {rows[1]['eval_loss_se']:.4f} | 3 | 256 | "
+          f"{rows[1]['gap_pct']:+.2f} ± {rows[1]['gap_se_pct']:.2f} | {rows[1]['gap_pct']:+.2f} ± "
+          f"{rows[1]['gap_se_pct']:.2f} (bf16) |") in text
+  assert "A gap within about twice its ± is not resolved" in text
 
 
 def _small_config(steps=3):
@@ -192,6 +243,7 @@ def test_parallel_arms_train_in_processes_of_their_own(tmp_path):
     assert "=== arm" in (work / "logs" / f"{arm}.log").read_text()  # the arm's own process
     assert json.loads((work / arm / st.SHARED_FILE).read_text()) == {"parallel": 2}
     assert (dest / arm / st.SHARED_FILE).is_file()
+    assert (dest / arm / st.PROCESS_LOG).read_text() == (work / "logs" / f"{arm}.log").read_text()
   rows = [json.loads(x) for x in (dest / st.ROWS_FILE).read_text().splitlines()]
   assert [(r["arm"], r["shared_device"]) for r in rows] == [("bf16_s0", 2), ("bf16_s1", 2)]
   assert rows[0]["eval_loss"] != rows[1]["eval_loss"]
@@ -262,7 +314,12 @@ def test_lora_mask_finds_every_branch_of_the_model():
     recipe.replace(lora_lr_scale=-1.0)
 
 
-def test_study_md_lists_every_arm():
-  text = (st.Path(st.__file__).parent / "STUDY.md").read_text()
-  missing = [a for a in st.ARM_NAMES if f"`{a}`" not in text]
-  assert not missing
+def test_list_prints_every_arm_and_study_md_points_to_it():
+  text = st.list_arms()
+  for arm in st.ARMS:
+    changes = ", ".join(f"`{k}={v}`" for k, v in arm.changes.items()) or "—"
+    assert f"| `{arm.name}` | `{arm.preset}` | {changes} | {arm.seed} |" in text
+  md = (st.Path(st.__file__).parent / "STUDY.md").read_text()
+  assert "python -m experiments.study --list" in md
+  # The arms are not copied there: no per-arm table to drift.
+  assert "`q_fwd_w`" not in md and "`lorasvd_rank32`" not in md

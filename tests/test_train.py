@@ -301,25 +301,6 @@ def test_launcher_cli_writes_metrics(tmp_path):
   assert bad.returncode != 0 and "no_such_field" in bad.stderr
 
 
-def test_compare_gap_table():
-  from experiments import compare as compare_lib
-  ev = {"eval_step": 10, "eval_tokens": 4096, "eval_text": "shakespeare"}
-  table = compare_lib.gap_table({
-      "bf16": {"status": "ok", "step": 10, "train_loss": 2.0, "eval_loss": 2.5, "step_time_s": 1,
-               **ev},
-      "fp4_linear": {"status": "ok", "step": 10, "train_loss": 2.02, "eval_loss": 2.55,
-                     "step_time_s": 3, **ev},
-      "small_eval": {"status": "ok", "step": 10, "train_loss": 2.02, "eval_loss": 2.55,
-                     "step_time_s": 3, **ev, "eval_tokens": 1024},
-      "fp4_full_stack": {"status": "diverged"}})
-  lines = table.splitlines()
-  assert "| fp4_linear | 10 | 2.0200 | +1.00 | 2.5500 | +2.00 | 10 | 4,096 | 3 |" in lines
-  assert "| bf16 | 10 | 2.0000 | +0.00 | 2.5000 | +0.00 | 10 | 4,096 | 1 |" in lines
-  # An eval of another size is never compared.
-  assert "| small_eval | 10 | 2.0200 | +1.00 | 2.5500 | not compared | 10 | 1,024 | 3 |" in lines
-  assert any(line.startswith("| fp4_full_stack | diverged") for line in lines)
-
-
 def test_init_state_is_deterministic_and_sharded():
   mesh = shd.make_mesh((1, 4, 2))
   tx = make_optimizer(OPT, get_recipe("bf16"), 10)

@@ -1,0 +1,140 @@
+"""The loss-gap study: BF16 against each NVFP4 module, its ablations and remedies, on one config.
+
+Every arm is written out: its preset, its changes (dotted keys from the config's root, as
+``--config.<key>`` sets them), its seed, the arm it is read against (``baseline``; None for the
+bf16 seeds, the reference whose mean every gap is taken against) and what it measures.
+``python -m experiments.study --list`` prints this table.
+"""
+
+from experiments.studies import Arm
+
+_FWD_ONLY = {"recipe.matmul.dgrad": False, "recipe.matmul.wgrad": False,
+             "recipe.matmul.hadamard": False}
+
+
+def _group(group: str, *arms: Arm) -> tuple[Arm, ...]:
+  return tuple(Arm(a.name, a.preset, a.changes, a.seed, a.baseline, a.what, group) for a in arms)
+
+
+ARMS: tuple[Arm, ...] = (
+    *_group(
+        "bf16",
+        Arm("bf16_s0", "bf16", {}, 0, None, "the reference, seed 0: the seeds' spread is the noise floor"),
+        Arm("bf16_s1", "bf16", {}, 1, None, "the reference, seed 1: the seeds' spread is the noise floor"),
+        Arm("bf16_s2", "bf16", {}, 2, None, "the reference, seed 2: the seeds' spread is the noise floor"),
+    ),
+    *_group(
+        "module",
+        Arm("fp4_linear", "fp4_linear", {}, 0, "bf16_s0",
+            "every block projection in NVFP4 (NVIDIA's recipe: 1x16 activations and gradients, 16x16 "
+            "weight tiles, SR on gradients, Hadamard on the wgrad)"),
+        Arm("fp4_linear_lorasvd", "fp4_linear_lorasvd", {}, 0, "fp4_linear",
+            "the same with the BF16 low-rank branch (LoRA-SVD, rank 16, split once at init)"),
+        Arm("lorasvd_states", "fp4_linear_lorasvd", {"recipe.optimizer_states": "nvfp4"}, 0,
+            "fp4_linear_lorasvd", "LoRA-SVD linear layers + AdamW moments in NVFP4"),
+        Arm("fp4_full_stack", "fp4_full_stack", {}, 0, "lorasvd_states",
+            "LoRA-SVD linear + NVFP4 AdamW states + NVFP4 attention (QK^T and dS, tensor reuse)"),
+    ),
+    *_group(
+        "muon",
+        Arm("muon_bf16", "bf16", {"optimizer.name": "muon"}, 0, "bf16_s0",
+            "Muon (AdamW on embedding, head, vectors) with BF16 Newton-Schulz operands"),
+        Arm("muon_nvfp4", "bf16", {"recipe.newton_schulz": "nvfp4", "optimizer.name": "muon"}, 0,
+            "muon_bf16", "Muon with NVFP4 Newton-Schulz operands (fp32 accumulation)"),
+    ),
+    *_group(
+        "attention",
+        Arm("pv_quantized", "fp4_full_stack", {"recipe.attention_op.v": "nvfp4", "recipe.attention_op.p": "nvfp4",
+                                               "recipe.attention_op.do": "nvfp4"}, 0, "fp4_full_stack",
+            "V, P, dO in NVFP4 too: P.V, dO.V^T, P^T.dO quantized, not protected"),
+        Arm("ds_bf16", "fp4_full_stack", {"recipe.attention_op.ds": "bf16"}, 0, "fp4_full_stack",
+            "dS in BF16: dQ = dS.K and dK = dS^T.Q unquantized"),
+        Arm("no_reuse", "fp4_full_stack", {"recipe.attention_op.reuse": False}, 0, "fp4_full_stack",
+            "the backward on the unquantized q, k instead of the forward's Q(q), Q(k)"),
+    ),
+    *_group(
+        "linear",
+        Arm("no_rht", "fp4_linear", {"recipe.matmul.hadamard": False}, 0, "fp4_linear",
+            "fp4_linear without the random Hadamard transform of the wgrad operands"),
+        Arm("sr_off", "fp4_linear", {"recipe.matmul.dy_dgrad_rounding": "nearest",
+                                     "recipe.matmul.dy_wgrad_rounding": "nearest"}, 0, "fp4_linear",
+            "fp4_linear with dy rounded to nearest, not stochastically (dgrad and wgrad)"),
+    ),
+    *_group(
+        "lorasvd",
+        Arm("lorasvd_resplit10", "fp4_linear_lorasvd", {"recipe.lora_resplit_every": -10}, 0,
+            "fp4_linear_lorasvd", "re-split the branch 10 times over the run (top-r SVD of the trained weight)"),
+        Arm("lorasvd_rank4", "fp4_linear_lorasvd", {"recipe.lora_rank": 4}, 0, "fp4_linear_lorasvd",
+            "rank 4 instead of 16"),
+        Arm("lorasvd_rank32", "fp4_linear_lorasvd", {"recipe.lora_rank": 32}, 0, "fp4_linear_lorasvd",
+            "rank 32 instead of 16"),
+        Arm("lorasvd_lr0", "fp4_linear_lorasvd", {"recipe.lora_lr_scale": 0.0}, 0, "fp4_linear_lorasvd",
+            "the branch frozen at its init split (learning rate x0)"),
+        Arm("lorasvd_lr4", "fp4_linear_lorasvd", {"recipe.lora_lr_scale": 4.0}, 0, "fp4_linear_lorasvd",
+            "the branch's learning rate x4"),
+        Arm("lorasvd_attn", "fp4_linear_lorasvd", {"recipe.lora_projections": "qkv,o"}, 0, "fp4_linear_lorasvd",
+            "the branch on the attention projections only (qkv, o)"),
+        Arm("lorasvd_mlp", "fp4_linear_lorasvd", {"recipe.lora_projections": "gate_up,down"}, 0,
+            "fp4_linear_lorasvd", "the branch on the MLP projections only (gate_up, down)"),
+    ),
+    *_group(
+        "module",
+        Arm("fp4_linear_s1", "fp4_linear", {}, 1, "bf16_s1", "fp4_linear, seed 1"),
+    ),
+    # Where the linear layers' gap is: fp4_linear with only some GEMMs (or operands) in NVFP4,
+    # read against bf16 at the same seed.
+    *_group(
+        "attribution",
+        Arm("q_fwd", "fp4_linear", _FWD_ONLY, 0, "bf16_s0", "only the forward GEMM Q(x)·Q(W) in NVFP4"),
+        Arm("q_fwd_w", "fp4_linear", {**_FWD_ONLY, "recipe.matmul.bf16_operands": "x"}, 0, "bf16_s0",
+            "only Q(W) of the forward (x in BF16)"),
+        Arm("q_fwd_x", "fp4_linear", {**_FWD_ONLY, "recipe.matmul.bf16_operands": "w"}, 0, "bf16_s0",
+            "only Q(x) of the forward (W in BF16)"),
+        Arm("q_dgrad", "fp4_linear", {"recipe.matmul.fwd": False, "recipe.matmul.wgrad": False,
+                                      "recipe.matmul.hadamard": False}, 0, "bf16_s0",
+            "only the dgrad GEMM Q(dy)·Q(W)ᵀ in NVFP4"),
+        Arm("q_wgrad", "fp4_linear", {"recipe.matmul.fwd": False, "recipe.matmul.dgrad": False}, 0, "bf16_s0",
+            "only the wgrad GEMM Q(H·x)ᵀ·Q(H·dy) in NVFP4"),
+        Arm("q_fwd_s1", "fp4_linear", _FWD_ONLY, 1, "bf16_s1", "only the forward GEMM Q(x)·Q(W) in NVFP4, seed 1"),
+        Arm("q_fwd_w_s1", "fp4_linear", {**_FWD_ONLY, "recipe.matmul.bf16_operands": "x"}, 1, "bf16_s1",
+            "only Q(W) of the forward (x in BF16), seed 1"),
+        Arm("q_fwd_x_s1", "fp4_linear", {**_FWD_ONLY, "recipe.matmul.bf16_operands": "w"}, 1, "bf16_s1",
+            "only Q(x) of the forward (W in BF16), seed 1"),
+        Arm("q_dgrad_s1", "fp4_linear", {"recipe.matmul.fwd": False, "recipe.matmul.wgrad": False,
+                                         "recipe.matmul.hadamard": False}, 1, "bf16_s1",
+            "only the dgrad GEMM Q(dy)·Q(W)ᵀ in NVFP4, seed 1"),
+        Arm("q_wgrad_s1", "fp4_linear", {"recipe.matmul.fwd": False, "recipe.matmul.dgrad": False}, 1,
+            "bf16_s1", "only the wgrad GEMM Q(H·x)ᵀ·Q(H·dy) in NVFP4, seed 1"),
+    ),
+    # Remedies of the linear layers' gap: one change of fp4_linear, read against it at the same seed.
+    *_group(
+        "remedy",
+        Arm("split_mean", "fp4_linear", {"recipe.matmul.split": "x,dy", "recipe.matmul.split_method": "mean"}, 0,
+            "fp4_linear", "x and dy split as 1·μᵀ + R: the token mean in BF16, R in NVFP4"),
+        Arm("split_subspace", "fp4_linear", {"recipe.matmul.split": "x,dy", "recipe.matmul.split_method": "subspace",
+                                             "recipe.matmul.split_rank": 16}, 0, "fp4_linear",
+            "x and dy split as U·P + R: a rank-16 subspace per step in BF16, R in NVFP4"),
+        Arm("two_term_fwd", "fp4_linear", {"recipe.matmul.two_term": "x,w"}, 0, "fp4_linear",
+            "the forward's x and W as two NVFP4 terms Q1 + Q(a − Q1)"),
+        Arm("two_term_x", "fp4_linear", {"recipe.matmul.two_term": "x"}, 0, "fp4_linear",
+            "the forward's x as two NVFP4 terms (W one term)"),
+        Arm("two_term_w", "fp4_linear", {"recipe.matmul.two_term": "w"}, 0, "fp4_linear",
+            "the forward's W as two NVFP4 terms (x one term)"),
+        Arm("two_term_bwd", "fp4_linear", {"recipe.matmul.two_term": "dy_dgrad,x_wgrad,dy_wgrad"}, 0, "fp4_linear",
+            "the backward's dy (dgrad, wgrad) and H·x as two NVFP4 terms"),
+        Arm("split_mean_s1", "fp4_linear", {"recipe.matmul.split": "x,dy", "recipe.matmul.split_method": "mean"}, 1,
+            "fp4_linear_s1", "x and dy split as 1·μᵀ + R: the token mean in BF16, R in NVFP4, seed 1"),
+        Arm("split_subspace_s1", "fp4_linear", {"recipe.matmul.split": "x,dy",
+                                                "recipe.matmul.split_method": "subspace",
+                                                "recipe.matmul.split_rank": 16}, 1, "fp4_linear_s1",
+            "x and dy split as U·P + R: a rank-16 subspace per step in BF16, R in NVFP4, seed 1"),
+        Arm("two_term_fwd_s1", "fp4_linear", {"recipe.matmul.two_term": "x,w"}, 1, "fp4_linear_s1",
+            "the forward's x and W as two NVFP4 terms Q1 + Q(a − Q1), seed 1"),
+        Arm("two_term_x_s1", "fp4_linear", {"recipe.matmul.two_term": "x"}, 1, "fp4_linear_s1",
+            "the forward's x as two NVFP4 terms (W one term), seed 1"),
+        Arm("two_term_w_s1", "fp4_linear", {"recipe.matmul.two_term": "w"}, 1, "fp4_linear_s1",
+            "the forward's W as two NVFP4 terms (x one term), seed 1"),
+        Arm("two_term_bwd_s1", "fp4_linear", {"recipe.matmul.two_term": "dy_dgrad,x_wgrad,dy_wgrad"}, 1,
+            "fp4_linear_s1", "the backward's dy (dgrad, wgrad) and H·x as two NVFP4 terms, seed 1"),
+    ),
+)
