@@ -209,7 +209,16 @@ def _typed(cls, values: Mapping, where: str):
   hints = typing.get_type_hints(cls)
 
   def value(k, v):
-    if dataclasses.is_dataclass(hints[k]) and isinstance(v, Mapping):
-      return _typed(hints[k], v, f"{where}.{k}")
+    section = _dataclass_of(hints[k])
+    if section is not None and isinstance(v, Mapping):
+      return _typed(section, v, f"{where}.{k}")
     return tuple(v) if isinstance(v, list) else v
   return cls(**{k: value(k, v) for k, v in values.items()})
+
+
+def _dataclass_of(hint) -> type | None:
+  """The dataclass a field holds (``X`` for a hint ``X`` or ``X | None``), or None."""
+  for h in (hint, *typing.get_args(hint)):
+    if isinstance(h, type) and dataclasses.is_dataclass(h):
+      return h
+  return None

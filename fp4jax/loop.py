@@ -160,7 +160,7 @@ class _Loop:
     schedule = make_schedule(exp.optimizer, tc.steps)
     graphdef, state, shardings = init_state(model_cfg, recipe, tx, mesh, tc.seed, execution)
     self.train_step, self.eval_step = jit_steps(graphdef, tx, schedule, shardings, mesh,
-                                                tc.grad_accum, execution)
+                                                tc.grad_accum, execution=execution)
     self.tele = (telemetry.jit_telemetry(model_cfg, recipe, exp.optimizer, shardings, mesh,
                                          execution=execution) if tc.telemetry_every else None)
     self.every = recipe.lora_resplit_every if recipe.linear == "nvfp4_lorasvd" else 0

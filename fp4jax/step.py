@@ -184,9 +184,23 @@ def make_eval_step(graphdef, execution: Execution):
   return eval_fn
 
 
-def jit_steps(graphdef, tx, schedule, shardings, mesh, grad_accum: int = 1,
-              execution: Execution = Execution()):
-  """The train and eval steps, jitted with shardings (state donated to the train step)."""
+def jit_steps(graphdef, tx, schedule, shardings, mesh, grad_accum: int = 1, *,
+              execution: Execution):
+  """The train and eval steps, jitted with shardings (state donated to the train step).
+
+  Args:
+    graphdef: the model graph from ``init_state``.
+    tx: the optimizer.
+    schedule: learning-rate schedule (metric ``lr``), or None.
+    shardings: the train state's shardings (``init_state``'s third output).
+    mesh: the (data, fsdp, tensor) mesh; the batch is split over its batch axes.
+    grad_accum: micro-batches per step.
+    execution: which code runs the loss (``loss_fn``); the model's ops run as its graphdef says.
+
+  Returns:
+    ``(train_step, eval_step)``: ``(state, batch) -> (state, metrics)`` and
+    ``(params, batch) -> loss``, each called (and ``lower``-ed) under ``mesh``.
+  """
   bsh = NamedSharding(mesh, P(shd.BATCH_AXES, None))
   batch_sh = {"inputs": bsh, "targets": bsh}
   rep = shd.replicated(mesh)

@@ -20,6 +20,7 @@ from fp4jax import data, optim
 from fp4jax import sharding as shd
 from fp4jax.checkpoint import IncompatibleCheckpointError
 from fp4jax.data import to_global_batch
+from fp4jax.execution import Execution
 from fp4jax.metrics import read_jsonl
 from fp4jax.model import ModelConfig
 from fp4jax.recipe import get_recipe
@@ -100,7 +101,7 @@ def test_sharded_2x2x2_equals_single_device(data_dir):
     grad_fn = jax.jit(jax.grad(lambda p, b: loss_fn(graphdef, p, b["inputs"], b["targets"],
                                                     key)))
     grads = grad_fn(state["params"], batch)
-    step, _ = jit_steps(graphdef, tx, sched, shardings, mesh)
+    step, _ = jit_steps(graphdef, tx, sched, shardings, mesh, execution=Execution())
     state, metrics = step(state, batch)
     out[shape] = jax.device_get((metrics, grads, state["params"]))
     if shape == (2, 2, 2):
@@ -225,7 +226,7 @@ def test_grad_accumulation_matches_full_batch(data_dir):
   res = []
   for accum in (1, 4):
     graphdef, state, sh = init_state(MODEL, get_recipe("bf16"), tx, mesh, seed=0)
-    step, _ = jit_steps(graphdef, tx, None, sh, mesh, grad_accum=accum)
+    step, _ = jit_steps(graphdef, tx, None, sh, mesh, grad_accum=accum, execution=Execution())
     _, m = step(state, to_global_batch(batch_np, mesh))
     res.append(jax.device_get(m))
   assert res[0]["loss"] == pytest.approx(res[1]["loss"], rel=1e-5)
@@ -349,7 +350,7 @@ def test_checkpoint_roundtrip_with_packed_nvfp4_optimizer_states(data_dir, tmp_p
   mesh = shd.make_mesh((1, 1, 1))
   tx = make_optimizer(OPT, recipe, 10)
   graphdef, state, sh = init_state(MODEL, recipe, tx, mesh, seed=0)
-  step, _ = jit_steps(graphdef, tx, None, sh, mesh)
+  step, _ = jit_steps(graphdef, tx, None, sh, mesh, execution=Execution())
   it = data.make_iterator(data_dir, "train", T, B, seed=0)
   for _ in range(2):
     state, _ = step(state, to_global_batch(next(it), mesh))
@@ -385,7 +386,7 @@ def test_muon_optimizer_steps(data_dir):
   tx = make_optimizer(opt, r, 10)
   mesh = shd.make_mesh((1, 1, 1))
   graphdef, state, sh = init_state(MODEL, r, tx, mesh)
-  step, _ = jit_steps(graphdef, tx, None, sh, mesh)
+  step, _ = jit_steps(graphdef, tx, None, sh, mesh, execution=Execution())
   it = data.make_iterator(data_dir, "train", T, B, seed=0)
   losses = []
   for _ in range(3):
@@ -435,7 +436,6 @@ def test_config_fields_come_from_the_dataclasses():
   import ml_collections
   from experiments.configs import tiny
   from experiments.train import from_config
-  from fp4jax.execution import Execution
   from fp4jax.experiment import DataSpec, Experiment
   from fp4jax.ops import AttentionConfig, MatmulConfig
   from fp4jax.recipe import Recipe
