@@ -1,5 +1,5 @@
 """Experiments: ml-collections configs (``configs/``), the launcher (``train``) and ``compare``.
 
-The library never reads a ConfigDict: ``experiments.train.from_config`` turns one into the typed
-arguments of ``fp4jax.train.train``.
+The library never reads a ConfigDict: ``fp4jax.experiment.Experiment.from_config`` types one, once,
+where it enters (``experiments.train.run``), into the ``Experiment`` that ``fp4jax.loop.train`` takes.
 """

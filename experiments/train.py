@@ -5,8 +5,9 @@ r"""Launcher: train one experiment config.
 
 Every field of the config can be set on the command line (``experiments/configs/_base.py`` lists
 the sections: ``recipe``, ``model``, ``optimizer``, ``data``, and the ``TrainConfig`` fields at the
-top level). Prepares the data (``fp4jax.data.prepare``; reused when already there), writes
-``<workdir>/config.json``, then trains with ``fp4jax.train.train``: metrics in
+top level). Types the config once (``fp4jax.experiment.Experiment.from_config``), prepares the
+data (``fp4jax.data.prepare``; reused when already there), which completes the experiment with its
+vocabulary, writes ``<workdir>/config.json``, then trains with ``fp4jax.loop.train``: metrics in
 ``<workdir>/metrics.jsonl`` and ``<workdir>/tb``, checkpoints in ``<workdir>/checkpoints``, one
 progress line per logged step on stdout when it is not a terminal. Running the same command again
 resumes from the last checkpoint.
@@ -30,13 +31,11 @@ workdir and the data folder must be on a shared file system; process 0 prepares 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import typing
 import json
 import os
 import sys
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -44,15 +43,15 @@ from absl import app, flags, logging
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
-from fp4jax import data
+from fp4jax import data, loop
 from fp4jax.checkpoint import Checkpointer, CheckpointSaveError, CorruptCheckpointError, verify
 from fp4jax.corpus import CorpusUnavailableError
-from fp4jax.execution import Execution
-from fp4jax.model import ModelConfig
+from fp4jax.experiment import Experiment
+from fp4jax.loop import NonFiniteLossError
 from fp4jax.preemption import TrainingInterrupted
-from fp4jax.recipe import MODULES, Recipe
-from fp4jax.train import NonFiniteLossError, OptimizerConfig, TrainConfig, run_identity, train
-from fp4jax.workdir import RunChangedError, RunLock, RunLockedError, identity_diffs
+from fp4jax.recipe import MODULES
+from fp4jax.workdir import RunChangedError, RunLock, RunLockedError, identity, identity_diffs
+
 
 class RunsFailedError(RuntimeError):
   """Runs a launcher started in processes of their own failed; the message names their logs."""
@@ -131,29 +130,13 @@ def check_command_line(argv: Sequence[str], example: str, *required: str) -> Non
     raise SystemExit(2)
 
 
-def typed(cls, values: Mapping, where: str):
-  """``cls(**values)`` for a config dataclass, nested dataclass fields included (a section of the
-  config, e.g. ``recipe.matmul``); a key that is not one of its fields is an error."""
-  names = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(values) - names)
-  if unknown:
-    raise ValueError(f"{where}: unknown key(s) {unknown}; the fields of {cls.__name__} are "
-                     f"{sorted(names)}")
-  hints = typing.get_type_hints(cls)
-
-  def value(k, v):
-    if dataclasses.is_dataclass(hints[k]) and isinstance(v, Mapping):
-      return typed(hints[k], v, f"{where}.{k}")
-    return tuple(v) if isinstance(v, list) else v
-  return cls(**{k: value(k, v) for k, v in values.items()})
+def experiment(cfg) -> Experiment:
+  """``cfg`` typed (``Experiment.from_config``), or ``cfg`` itself if it is an ``Experiment``."""
+  return cfg if isinstance(cfg, Experiment) else Experiment.from_config(cfg)
 
 
 def from_config(cfg, vocab_size: int | None = None):
-  """Typed arguments of ``fp4jax.train.train`` from an experiment ConfigDict.
-
-  ``cfg.recipe``, ``cfg.model``, ``cfg.optimizer`` and ``cfg.execution`` become ``Recipe``,
-  ``ModelConfig``, ``OptimizerConfig`` and ``Execution``; the top-level fields other than ``name``,
-  ``data`` and ``study`` (``experiments.study``'s settings) a ``TrainConfig``.
+  """The parts of ``Experiment.from_config(cfg)``, with ``model.vocab_size`` set.
 
   Args:
     cfg: the experiment config.
@@ -164,22 +147,14 @@ def from_config(cfg, vocab_size: int | None = None):
     ``(ModelConfig, Recipe, OptimizerConfig, TrainConfig, Execution)``.
 
   Raises:
-    ValueError: a key that no dataclass has, or an invalid value.
+    ValueError: a key that no dataclass has, an invalid value, or no vocabulary.
   """
-  c = cfg.to_dict()
-  c.pop("name", None)
-  c.pop("data", None)
-  c.pop("study", None)  # experiments.study's settings
-  model = dict(c.pop("model"))
-  if model.get("vocab_size") is None:
+  exp = Experiment.from_config(cfg)
+  if exp.model.vocab_size is None:
     if vocab_size is None:
       raise ValueError("config model.vocab_size is None and no data vocabulary is known")
-    model["vocab_size"] = -(-vocab_size // 128) * 128
-  recipe = typed(Recipe, c.pop("recipe"), "config.recipe")
-  optimizer = typed(OptimizerConfig, c.pop("optimizer"), "config.optimizer")
-  execution = typed(Execution, c.pop("execution", {}), "config.execution")
-  return (typed(ModelConfig, model, "config.model"), recipe, optimizer,
-          typed(TrainConfig, c, "config"), execution)
+    exp = exp.with_changes({"model.vocab_size": -(-vocab_size // 128) * 128})
+  return exp.model, exp.recipe, exp.optimizer, exp.train, exp.execution
 
 
 DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -201,50 +176,61 @@ def initialize_distributed() -> None:
         f"unset now: {', '.join(unset) or 'none'}. One host needs no --distributed") from e
 
 
-def prepare_data(cfg) -> tuple[str, data.DataMeta]:
-  """Prepares (or reuses) the token shards of ``cfg.data``; returns ``(data_dir, meta)``."""
-  if jax.process_count() > 1 and cfg.data.dir is None:
+def prepare_data(exp: Experiment) -> Experiment:
+  """Prepares (or reuses) the token shards of ``exp.data``.
+
+  Returns:
+    ``exp`` completed with its data (``Experiment.with_data``): the shards' folder, their
+    description (part of the run's identity) and, where ``model.vocab_size`` is None, the data's
+    vocabulary.
+  """
+  spec = exp.data
+  if jax.process_count() > 1 and spec.dir is None:
     raise ValueError("a multi-host run needs --config.data.dir on a shared file system")
   if jax.process_index() == 0:
-    print(f"preparing data: corpus {cfg.data.corpus}, tokenizer {cfg.data.tokenizer}", flush=True)
-    meta = data.prepare(cfg.data.corpus, cfg.data.dir, tokenizer=cfg.data.tokenizer,
-                        vocab_size=cfg.data.vocab_size, encoding=cfg.data.encoding)
-    out = cfg.data.dir or data.default_out_dir(meta.corpus["name"], cfg.data.tokenizer,
-                                               cfg.data.vocab_size)
+    print(f"preparing data: corpus {spec.corpus}, tokenizer {spec.tokenizer}", flush=True)
+    meta = data.prepare(spec.corpus, spec.dir, tokenizer=spec.tokenizer,
+                        vocab_size=spec.vocab_size, encoding=spec.encoding)
+    out = spec.dir or data.default_out_dir(meta.corpus["name"], spec.tokenizer, spec.vocab_size)
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices("fp4jax data prepared")
     if jax.process_index() != 0:
-      out, meta = cfg.data.dir, data.read_meta(cfg.data.dir)
-  return str(out), meta
+      out, meta = spec.dir, data.read_meta(spec.dir)
+  return exp.with_data(str(out), {"corpus": meta.corpus, "tokenizer": meta.tokenizer,
+                                  "vocab_size": meta.vocab_size})
 
 
-def finished_run(cfg, workdir: str | os.PathLike) -> bool:
-  """Whether ``workdir`` holds a finished run of ``cfg`` that a launcher may reuse as is.
+def finished_run(exp, workdir: str | os.PathLike) -> bool:
+  """Whether ``workdir`` holds a finished run of ``exp`` that a launcher may reuse as is.
 
-  True if its checkpoint of step ``cfg.steps`` verifies and was saved by a run of the same identity
-  (``fp4jax.train.run_identity``); False if there is no such step, or it is corrupt (said; training
-  again resumes from the newest intact step).
+  True if its checkpoint of step ``exp.train.steps`` verifies and was saved by a run of the same
+  identity (``fp4jax.workdir.identity``); False if there is no such step, or it is corrupt (said;
+  training again resumes from the newest intact step).
+
+  Args:
+    exp: an ``Experiment`` (its data is prepared here unless it was) or an experiment config.
+    workdir: the run's folder.
 
   Raises:
     RunChangedError: the finished run has another identity (the fields are named).
   """
-  step_dir = Path(workdir) / "checkpoints" / str(cfg.steps)
+  exp = experiment(exp)
+  steps = exp.train.steps
+  step_dir = Path(workdir) / "checkpoints" / str(steps)
   if not step_dir.is_dir():
     return False
   if (why := verify(step_dir)) not in (None, "unverified"):
     print(f"the final checkpoint {step_dir} is corrupt ({why}): training again from the newest "
           "intact step", flush=True)
     return False
-  data_dir, meta = prepare_data(cfg)
-  model_cfg, recipe, opt_cfg, tc, _ = from_config(cfg, meta.vocab_size)
-  data_info = {"corpus": meta.corpus, "tokenizer": meta.tokenizer, "vocab_size": meta.vocab_size}
-  mine = run_identity(model_cfg, recipe, opt_cfg, tc, data_info)
+  if exp.data_info is None:
+    exp = prepare_data(exp)
   ckpt = Checkpointer(step_dir.parent, every=1)
   try:
-    saved = ckpt.read_meta(cfg.steps)
+    saved = ckpt.read_meta(steps)
   finally:
     ckpt.close()
-  if diffs := identity_diffs(saved, mine):
+  if diffs := identity_diffs(saved, identity(exp)):
     raise RunChangedError(
         f"{workdir} holds a finished run of other settings, so it cannot stand for this one:\n  "
         + "\n  ".join(diffs) + "\nuse another --workdir, or that run's settings")
@@ -264,35 +250,37 @@ def stopped_among(e: TrainingInterrupted, kind: str, name: str, done: Sequence[s
                              e.exit_code - 128, e.step, e.checkpoint)
 
 
-def run(cfg, workdir: str | os.PathLike, allow_changes: Sequence[str] = ()) -> dict:
-  """Trains ``cfg`` in ``workdir`` (resuming if it holds a checkpoint); returns the summary.
+def run(exp, workdir: str | os.PathLike, allow_changes: Sequence[str] = ()) -> dict:
+  """Trains an experiment in ``workdir`` (resuming if it holds a checkpoint); returns the summary.
 
-  The config is checked (every field) before the data is prepared,
-  and the data (``fp4jax.data.check_data``) before the model is built.
+  Args:
+    exp: an ``Experiment``, or an experiment config (typed here, once: every field is checked
+      before the data is prepared). Its data is prepared here unless ``exp.data_info`` is set
+      (``prepare_data`` ran), and checked (``fp4jax.data.check_data``) before the model is built.
+    workdir: the run's folder.
+    allow_changes: identity fields a resume may change.
   """
-  from_config(cfg, vocab_size=cfg.model.vocab_size or 256)
+  recorded = exp.to_config() if isinstance(exp, Experiment) else exp.to_dict()
+  exp = experiment(exp)
   workdir = Path(workdir)
   with RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext() as lock:
     for note in getattr(lock, "notes", ()):
       print(note, flush=True)
-    data_dir, meta = prepare_data(cfg)
-    model_cfg, recipe, opt_cfg, train_cfg, execution = from_config(cfg, meta.vocab_size)
-    tc = train_cfg
-    data.check_data(data_dir, model_cfg.vocab_size, tc.seq_len, tc.batch_size)
+    if exp.data_info is None:
+      exp = prepare_data(exp)
+    tc, data_dir = exp.train, exp.data.dir
+    data.check_data(data_dir, exp.model.vocab_size, tc.seq_len, tc.batch_size)
     if jax.process_index() == 0:
-      modules = ", ".join(f"{k}={getattr(recipe, k)}" for k in MODULES)
-      print(f"training {cfg.name} in {workdir}: recipe {modules}", flush=True)
-    config = {"config": cfg.to_dict(), "data_dir": data_dir, "vocab_size": model_cfg.vocab_size,
-              "num_params": model_cfg.num_params(), "devices": jax.device_count(),
+      modules = ", ".join(f"{k}={getattr(exp.recipe, k)}" for k in MODULES)
+      print(f"training {exp.name} in {workdir}: recipe {modules}", flush=True)
+    config = {"config": recorded, "data_dir": data_dir, "vocab_size": exp.model.vocab_size,
+              "num_params": exp.model.num_params(), "devices": jax.device_count(),
               "platform": jax.default_backend()}
-    data_info = {"corpus": meta.corpus, "tokenizer": meta.tokenizer,
-                 "vocab_size": meta.vocab_size}
     train_iter = data.make_iterator(data_dir, "train", tc.seq_len, tc.batch_size, seed=tc.seed)
     eval_batches = lambda: data.make_iterator(
         data_dir, "validation", tc.seq_len, tc.batch_size, shuffle=False, repeat=False)
-    return train(model_cfg, recipe, opt_cfg, train_cfg, workdir, train_iter, eval_batches,
-                 data_info=data_info, config=config, allow_changes=allow_changes,
-                 execution=execution)
+    return loop.train(exp, workdir, train_iter, eval_batches, config=config,
+                      allow_changes=allow_changes)
 
 
 def main(argv):

@@ -7,7 +7,7 @@ A checkpoint ``<directory>/<step>`` holds three items:
   directly into its shardings;
 * ``data``: the input iterator's position (``grain.checkpoint`` for grain iterators; the JSON of
   ``get_state()`` for any other iterator that has ``get_state`` / ``set_state``);
-* ``meta``: JSON describing what produced it (``fp4jax.train.run_identity``), compared on resume.
+* ``meta``: JSON describing what produced it (``fp4jax.workdir.identity``), compared on resume.
 
 and ``fp4jax_checksums.json``: the size and sha256 of every file of the step, written when the
 save completes (before orbax renames the step into place) and verified before a restore. A step
@@ -33,16 +33,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from fp4jax.workdir import IncompatibleCheckpointError, diff
+
 CHECKSUMS = "fp4jax_checksums.json"
 # Written by orbax after the step's contents are complete (markers and step metadata).
 _UNCHECKED = ("_CHECKPOINT_METADATA", "commit_success.txt")
 _TMP = ".orbax-checkpoint-tmp"
 # Parameters beyond this magnitude are a diverged run's, not a checkpoint to go back to.
 PARAM_BOUND = 1e6
-
-
-class IncompatibleCheckpointError(ValueError):
-  """The checkpoint was written by a run whose model, recipe or optimizer differ from this one."""
 
 
 class CheckpointSaveError(RuntimeError):
@@ -366,7 +364,7 @@ class Checkpointer:
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
     if meta is not None:
-      diffs = _diff(self.read_meta(step), meta)
+      diffs = [f"{p}: checkpoint {a!r}, this run {b!r}" for p, a, b in diff(self.read_meta(step), meta)]
       if diffs:
         raise IncompatibleCheckpointError(
             f"checkpoint {self.directory}/{step} was written by an incompatible run:\n  "
@@ -381,17 +379,6 @@ class Checkpointer:
     if data_iter is not None:
       _data_restore(self._mgr, self.directory / str(step), step, data_iter)
     return step, restored.state
-
-
-def _diff(saved, current, prefix="") -> list[str]:
-  if isinstance(saved, dict) and isinstance(current, dict):
-    out = []
-    for k in sorted(set(saved) | set(current)):
-      out += _diff(saved.get(k, "<absent>"), current.get(k, "<absent>"), f"{prefix}{k}.")
-    return out
-  if isinstance(saved, list | tuple) and isinstance(current, list | tuple):
-    saved, current = list(saved), list(current)
-  return [] if saved == current else [f"{prefix[:-1]}: checkpoint {saved!r}, this run {current!r}"]
 
 
 def _data_save(it) -> dict:

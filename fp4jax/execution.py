@@ -17,7 +17,7 @@ own module, with defaults tuned on the H200.
 
 ``Execution`` gathers the choices of one training run (the ``execution`` section of an experiment
 config: ``--config.execution.attention=xla``). A resumed run may change any of them: the run's
-identity (``fp4jax.train.run_identity``) is its numerics — model, recipe, optimizer, data — and
+identity (``fp4jax.workdir.identity``) is its numerics — model, recipe, optimizer, data — and
 holds nothing of this module.
 """
 

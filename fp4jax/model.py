@@ -44,7 +44,8 @@ class ModelConfig:
   """Transformer hyperparameters.
 
   Attributes:
-    vocab_size: number of token ids.
+    vocab_size: number of token ids; None only in an experiment whose data step sets it
+      (``fp4jax.experiment.Experiment.with_data``): a model cannot be built without it.
     d_model: residual width D.
     n_layers: number of Transformer blocks L.
     n_heads: query heads N.
@@ -70,7 +71,7 @@ class ModelConfig:
     remat: rematerialize each block's activations in the backward pass (saves memory).
   """
 
-  vocab_size: int
+  vocab_size: int | None
   d_model: int
   n_layers: int
   n_heads: int
@@ -87,6 +88,8 @@ class ModelConfig:
 
   def __post_init__(self):
     for f in ("vocab_size", "d_model", "n_layers", "n_heads"):
+      if f == "vocab_size" and self.vocab_size is None:
+        continue
       if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
         raise ValueError(f"ModelConfig.{f}={getattr(self, f)!r}: expected a positive int")
     derived = {"n_kv_heads": lambda: self.n_heads, "head_dim": lambda: self.d_model // self.n_heads,
@@ -220,7 +223,7 @@ def _swiglu(gu_BxTxFx2):
 
 def _projection(in_features: int, out_features: int, precision: str, recipe: Recipe,
                cfg: ModelConfig, std: float, rngs: nnx.Rngs, role: str,
-               execution: Execution = Execution(), probe: bool = False) -> Dense:
+               execution: Execution, probe: bool = False) -> Dense:
   """One block projection in the given precision (``bf16``, ``nvfp4`` or ``nvfp4_lorasvd``).
 
   Args:
@@ -344,8 +347,7 @@ class Attention(nnx.Module):
   """
 
   def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs,
-               attention_op: Callable | None = None, execution: Execution = Execution(),
-               probe: bool = False):
+               attention_op: Callable | None, execution: Execution, probe: bool = False):
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     self.qkv = _projection(d, (n + 2 * k) * h, precision, recipe, cfg, cfg.init_std, rngs, "qkv",
@@ -426,7 +428,7 @@ class Mlp(nnx.Module):
   """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused in one (D, 2F) projection."""
 
   def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs,
-               execution: Execution = Execution(), probe: bool = False):
+               execution: Execution, probe: bool = False):
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     self.gate_up = _projection(cfg.d_model, 2 * cfg.d_ff, precision, recipe, cfg, cfg.init_std,
                               rngs, "gate_up", execution, probe)
@@ -458,8 +460,7 @@ class Block(nnx.Module):
   """Pre-norm Transformer block."""
 
   def __init__(self, cfg: ModelConfig, recipe: Recipe, precision: str, rngs: nnx.Rngs,
-               attention_op: Callable | None = None, execution: Execution = Execution(),
-               probe: bool = False):
+               attention_op: Callable | None, execution: Execution, probe: bool = False):
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.attn = Attention(cfg, recipe, precision, rngs, attention_op, execution, probe)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -490,6 +491,9 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, recipe: Recipe, *, rngs: nnx.Rngs,
                execution: Execution = Execution(), attention_op: Callable | None = None,
                probe: bool = False):
+    if cfg.vocab_size is None:
+      raise ValueError("ModelConfig.vocab_size is None: set it, or let the data step set it "
+                       "(fp4jax.experiment.Experiment.with_data)")
     self.cfg, self.recipe = cfg, recipe
     precisions = [recipe.block_linear(i, cfg.n_layers) for i in range(cfg.n_layers)]
     self.needs_key = any(p != "bf16" for p in precisions) or recipe.attention != "bf16"

@@ -1,7 +1,7 @@
 """Quantization telemetry: how far NVFP4 moves each tensor of a training step, per module.
 
-``make_telemetry(model_cfg, recipe, opt_cfg)`` returns a pure function ``(state, batch) -> {name:
-float32 scalar}`` over the train state of ``fp4jax.train`` and one batch. It runs the model's
+``make_telemetry(model_cfg, recipe, opt_cfg, execution=...)`` returns a pure function
+``(state, batch) -> {name: float32 scalar}`` over the train state of ``fp4jax.step`` and one batch. It runs the model's
 forward and backward on the batch with the step's key (the train step's own rounding bits), records
 the tensors that NVFP4 quantizes (the model is built with ``probe=True``: each projection's matmul
 and each attention op record their operands under ``nnx.capture``, and the gradients of their
@@ -149,7 +149,7 @@ def _attention_config(op) -> attention_ops.AttentionConfig:
 
 
 def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
-                   execution: Execution = Execution(),
+                   execution: Execution,
                    attention_examples: int = ATTENTION_EXAMPLES) -> Callable:
   """The telemetry function of a run (module docstring): ``(state, batch) -> {name: scalar}``.
 
@@ -405,7 +405,7 @@ def _at(tree, path):
 
 
 def jit_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg, shardings, mesh, *,
-                  execution: Execution = Execution()) -> Callable:
+                  execution: Execution) -> Callable:
   """``make_telemetry`` jitted with the train state's shardings (not donated) and the batch split
   over the mesh's batch axes; the outputs are replicated."""
   fn = jax.jit(make_telemetry(model_cfg, recipe, opt_cfg, execution=execution),

@@ -2,23 +2,25 @@
 
 ``<workdir>/run.lock`` (JSON: host, pid, start time) is held by the process that trains in the
 folder; a second launch is refused, and a lock left by a dead process on this host is taken over.
-A run's identity (model, recipe, optimizer, data, batch size, sequence length, seed; see
-``fp4jax.train.run_identity``) is saved with each checkpoint and compared on resume: a change is
-an error unless the caller allows it, and allowed changes are appended to
-``<workdir>/config_history.jsonl`` with each start of the run. ``<workdir>/config.json`` keeps the
-config of the run's first start.
+A run's identity (``identity``: model, recipe, optimizer, data, batch size, sequence length,
+seed) is saved with each checkpoint and compared on resume (``diff``): a change is an error unless
+the caller allows it, and allowed changes are appended to ``<workdir>/config_history.jsonl`` with
+each start of the run. ``<workdir>/config.json`` keeps the config of the run's first start.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fp4jax.checkpoint import IncompatibleCheckpointError
+if TYPE_CHECKING:
+  from fp4jax.experiment import Experiment
 
 LOCK_FILE = "run.lock"
 HISTORY_FILE = "config_history.jsonl"
@@ -28,6 +30,10 @@ CONFIG_FILE = "config.json"
 # sections a resumed run may change when asked to.
 FIXED = ("model", "recipe", "optimizer.name")
 CHANGEABLE = ("optimizer", "data", "batch_size", "seq_len", "seed")
+
+
+class IncompatibleCheckpointError(ValueError):
+  """The checkpoint was written by a run whose model, recipe or optimizer differ from this one."""
 
 
 class RunLockedError(RuntimeError):
@@ -151,17 +157,56 @@ class RunLock:
       self.path.unlink(missing_ok=True)
 
 
-def _diff(saved, current, prefix: str = "") -> list[tuple[str, object, object]]:
-  """``(path, saved, current)`` of every leaf that differs; keys absent from ``saved`` (a
-  checkpoint written before they were recorded) are not compared."""
-  if isinstance(saved, Mapping) and isinstance(current, Mapping):
+def identity(exp: Experiment) -> dict:
+  """What a run is: saved with each checkpoint and compared when the run resumes.
+
+  A resumed run must have the same model, recipe and optimizer kind (else its checkpoint does not
+  fit); the optimizer's settings, the data, batch size, sequence length and seed may change only
+  when allowed (``identity_changes``). The schedules of the run (steps, logging, checkpoint and
+  LoRA re-split cadence) and its ``fp4jax.execution.Execution`` (which code runs each op) may
+  change freely.
+
+  Args:
+    exp: the run (``fp4jax.experiment.Experiment``).
+
+  Returns:
+    JSON-able ``{"model", "recipe", "optimizer", "batch_size", "seq_len", "seed", "data"}``;
+    ``data`` is ``exp.data_info`` (``{}`` if None).
+  """
+  r = {k: v for k, v in exp.recipe.to_dict().items() if k != "lora_resplit_every"}  # a schedule
+  return {"model": dataclasses.asdict(exp.model), "recipe": r,
+          "optimizer": dataclasses.asdict(exp.optimizer), "batch_size": exp.train.batch_size,
+          "seq_len": exp.train.seq_len, "seed": exp.train.seed, "data": dict(exp.data_info or {})}
+
+
+ABSENT = "<absent>"  # diff's value on the side that lacks a key
+
+
+def diff(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
+  """The leaves where two nested JSON-like trees differ.
+
+  Args:
+    a, b: nested mappings (an identity, a config); lists and tuples compare as lists.
+    prefix: prepended to every path.
+
+  Returns:
+    ``(dotted path, value in a, value in b)`` for each differing leaf, sorted by key; a key that
+    one side lacks is a leaf whose value there is ``ABSENT`` (drop those with ``a is ABSENT`` to
+    compare only what ``a`` records, e.g. an identity saved before a field existed).
+  """
+  if isinstance(a, Mapping) and isinstance(b, Mapping):
     out = []
-    for k in sorted(saved):
-      out += _diff(saved[k], current.get(k, "<absent>"), f"{prefix}{k}.")
+    for k in sorted(set(a) | set(b)):
+      out += diff(a.get(k, ABSENT), b.get(k, ABSENT), f"{prefix}{k}.")
     return out
-  if isinstance(saved, list | tuple) and isinstance(current, list | tuple):
-    saved, current = list(saved), list(current)
-  return [] if saved == current else [(prefix[:-1], saved, current)]
+  if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+    a, b = list(a), list(b)
+  return [] if a == b else [(prefix[:-1], a, b)]
+
+
+def _saved_diff(saved: Mapping, current: Mapping) -> list[tuple[str, object, object]]:
+  """``diff`` over the fields ``saved`` records (a checkpoint written before a field existed)."""
+  return [d for d in diff(saved, current) if d[1] is not ABSENT]
 
 
 def _under(path: str, sections: Iterable[str]) -> bool:
@@ -171,7 +216,7 @@ def _under(path: str, sections: Iterable[str]) -> bool:
 def identity_diffs(saved: Mapping, current: Mapping) -> list[str]:
   """``"<field>: checkpoint <saved>, this run <current>"`` for each field that differs (a field the
   saved identity lacks is not compared)."""
-  return [f"{p}: checkpoint {a!r}, this run {b!r}" for p, a, b in _diff(saved, current)]
+  return [f"{p}: checkpoint {a!r}, this run {b!r}" for p, a, b in _saved_diff(saved, current)]
 
 
 def identity_changes(saved: Mapping, current: Mapping, allow: Iterable[str] = ()) -> list[str]:
@@ -195,7 +240,7 @@ def identity_changes(saved: Mapping, current: Mapping, allow: Iterable[str] = ()
   if bad := [a for a in allow if not _under(a, CHANGEABLE)]:
     raise ValueError(f"allow_changes {bad}: a resumed run may change only {list(CHANGEABLE)} "
                      "(or a field inside them, e.g. optimizer.learning_rate)")
-  diffs = _diff(saved, current)
+  diffs = _saved_diff(saved, current)
   fixed = [f"{p}: checkpoint {a!r}, this run {b!r}" for p, a, b in diffs if _under(p, FIXED)]
   if fixed:
     raise IncompatibleCheckpointError(

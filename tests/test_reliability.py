@@ -329,6 +329,57 @@ def test_resume_is_honest(tmp_path, data_dir, capsys, caplog):
   assert json.loads((tmp_path / "config.json").read_text()) == {"note": "first"}
 
 
+def test_one_identity_and_one_diff():
+  import dataclasses
+
+  from fp4jax.execution import Execution
+  from fp4jax.experiment import Experiment
+  from fp4jax.workdir import ABSENT, diff, identity, identity_changes, identity_diffs
+  a = {"model": {"d": 1, "old": 2}, "seq": [1, 2], "same": {"x": (3,)}}
+  b = {"model": {"d": 2, "new": 3}, "seq": (1, 2), "same": {"x": [3]}}
+  assert diff(a, b) == [("model.d", 1, 2), ("model.new", ABSENT, 3), ("model.old", 2, ABSENT)]
+  # A resume compares what the checkpoint recorded: a field added since is not a change.
+  assert identity_diffs(a, b) == ["model.d: checkpoint 1, this run 2",
+                                  "model.old: checkpoint 2, this run '<absent>'"]
+  tc = TrainConfig(steps=4, batch_size=B, seq_len=T, mesh_shape=(1, 1, 1))
+  exp = Experiment(MODEL, get_recipe("fp4_linear_lorasvd"), OPT, tc,
+                   data_info={"corpus": {"name": "pydoc"}})
+  ident = identity(exp)
+  assert set(ident) == {"model", "recipe", "optimizer", "batch_size", "seq_len", "seed", "data"}
+  assert ident["data"] == {"corpus": {"name": "pydoc"}} and ident["model"]["vocab_size"] == 272
+  assert json.loads(json.dumps(ident))["recipe"]["linear"] == "nvfp4_lorasvd"
+  # Schedules and the execution are not what a run is; the seed is, and may change when allowed.
+  same = exp.with_changes({"train.steps": 9, "train.log_every": 3, "recipe.lora_resplit_every": 5})
+  assert identity(dataclasses.replace(same, execution=Execution(attention="xla"))) == ident
+  reseeded = identity(exp.with_changes({"train.seed": 1}))
+  assert identity_changes(ident, reseeded, ("seed",)) == ["seed: 0 -> 1"]
+  with pytest.raises(RunChangedError, match="seed: checkpoint 0, this run 1"):
+    identity_changes(ident, reseeded)
+
+
+def test_launcher_types_the_config_once_and_prepares_the_data_once(tmp_path, text_dir,
+                                                                   monkeypatch):
+  from fp4jax.experiment import Experiment
+  calls = []
+  typed, prepare = Experiment.from_config.__func__, data.prepare
+  monkeypatch.setattr(Experiment, "from_config",
+                      classmethod(lambda cls, cfg: calls.append("typed") or typed(cls, cfg)))
+  monkeypatch.setattr(data, "prepare", lambda *a, **k: calls.append("prepared") or prepare(*a, **k))
+  settings = _settings(text_dir, tmp_path / "tokens", steps=2, progress=False)
+  summary = launcher.run(_config(settings), tmp_path / "run")
+  assert calls == ["typed", "prepared"] and summary["step"] == 2
+  recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+  assert recorded["config"] == json.loads(json.dumps(_config(settings).to_dict()))
+  assert recorded["vocab_size"] == 384
+  # The completed experiment serves the reuse check as is: nothing typed or prepared again.
+  exp = launcher.prepare_data(launcher.experiment(_config(settings)))
+  calls.clear()
+  assert launcher.finished_run(exp, tmp_path / "run") and calls == []
+  with pytest.raises(RunChangedError, match="seed: checkpoint 0, this run 1"):
+    launcher.finished_run(exp.with_changes({"train.seed": 1}), tmp_path / "run")
+  assert not launcher.finished_run(exp.with_changes({"train.steps": 3}), tmp_path / "run")
+
+
 def test_empty_evaluation_data_fails_before_the_first_step(tmp_path, data_dir):
   with pytest.raises(ValueError, match="evaluation data yields no batch"):
     _train(tmp_path, data_dir, 4, eval_batches=lambda: iter([]))

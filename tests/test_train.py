@@ -20,6 +20,7 @@ from fp4jax import data, optim
 from fp4jax import sharding as shd
 from fp4jax.checkpoint import IncompatibleCheckpointError
 from fp4jax.data import to_global_batch
+from fp4jax.execution import Execution
 from fp4jax.metrics import read_jsonl
 from fp4jax.model import ModelConfig
 from fp4jax.recipe import get_recipe
@@ -100,7 +101,7 @@ def test_sharded_2x2x2_equals_single_device(data_dir):
     grad_fn = jax.jit(jax.grad(lambda p, b: loss_fn(graphdef, p, b["inputs"], b["targets"],
                                                     key)))
     grads = grad_fn(state["params"], batch)
-    step, _ = jit_steps(graphdef, tx, sched, shardings, mesh)
+    step, _ = jit_steps(graphdef, tx, sched, shardings, mesh, execution=Execution())
     state, metrics = step(state, batch)
     out[shape] = jax.device_get((metrics, grads, state["params"]))
     if shape == (2, 2, 2):
@@ -200,7 +201,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
 def test_divergence_names_the_last_checkpoint_with_bounded_parameters(tmp_path):
   from fp4jax.checkpoint import Checkpointer
   from fp4jax.metrics import MetricsWriter
-  from fp4jax.train import _finite_metrics
+  from fp4jax.loop import _finite_metrics
   ckpt = Checkpointer(tmp_path / "checkpoints", every=2, keep=5, async_save=False)
   for step, w in ((2, 1.5), (4, 3e17), (6, float("nan"))):
     ckpt.save(step, {"params": {"w": jnp.full((4,), w)}, "step": jnp.int32(step)})
@@ -225,7 +226,7 @@ def test_grad_accumulation_matches_full_batch(data_dir):
   res = []
   for accum in (1, 4):
     graphdef, state, sh = init_state(MODEL, get_recipe("bf16"), tx, mesh, seed=0)
-    step, _ = jit_steps(graphdef, tx, None, sh, mesh, grad_accum=accum)
+    step, _ = jit_steps(graphdef, tx, None, sh, mesh, grad_accum=accum, execution=Execution())
     _, m = step(state, to_global_batch(batch_np, mesh))
     res.append(jax.device_get(m))
   assert res[0]["loss"] == pytest.approx(res[1]["loss"], rel=1e-5)
@@ -330,7 +331,7 @@ def test_checkpoint_roundtrip_with_packed_nvfp4_optimizer_states(data_dir, tmp_p
   mesh = shd.make_mesh((1, 1, 1))
   tx = make_optimizer(OPT, recipe, 10)
   graphdef, state, sh = init_state(MODEL, recipe, tx, mesh, seed=0)
-  step, _ = jit_steps(graphdef, tx, None, sh, mesh)
+  step, _ = jit_steps(graphdef, tx, None, sh, mesh, execution=Execution())
   it = data.make_iterator(data_dir, "train", T, B, seed=0)
   for _ in range(2):
     state, _ = step(state, to_global_batch(next(it), mesh))
@@ -366,7 +367,7 @@ def test_muon_optimizer_steps(data_dir):
   tx = make_optimizer(opt, r, 10)
   mesh = shd.make_mesh((1, 1, 1))
   graphdef, state, sh = init_state(MODEL, r, tx, mesh)
-  step, _ = jit_steps(graphdef, tx, None, sh, mesh)
+  step, _ = jit_steps(graphdef, tx, None, sh, mesh, execution=Execution())
   it = data.make_iterator(data_dir, "train", T, B, seed=0)
   losses = []
   for _ in range(3):
@@ -376,7 +377,7 @@ def test_muon_optimizer_steps(data_dir):
 
 
 def test_lora_resplit_keeps_effective_weights():
-  from fp4jax.train import make_resplit
+  from fp4jax.step import make_resplit
   from flax import nnx
 
   from fp4jax.model import Transformer
@@ -410,36 +411,71 @@ def test_benchmark_model_is_the_125m_config():
 
 def test_config_fields_come_from_the_dataclasses():
   """Every dataclass field is in the experiment config with the dataclass's default, and the
-  mapping back rejects keys that no dataclass has."""
+  mapping back (``Experiment.from_config``) rejects keys that no dataclass has."""
   import dataclasses
+
+  import ml_collections
   from experiments.configs import tiny
   from experiments.train import from_config
-  from fp4jax.recipe import Recipe
-  from fp4jax.execution import Execution
+  from fp4jax.experiment import DataSpec, Experiment
   from fp4jax.ops import AttentionConfig, MatmulConfig
+  from fp4jax.recipe import Recipe
   cfg = tiny.get_config("fp4_linear")
-  model, recipe, opt, tc, execution = from_config(cfg, vocab_size=257)
-  assert recipe == get_recipe("fp4_linear") and opt.b2 == OptimizerConfig().b2
-  assert tc.tensorboard is True and execution == Execution() and tc.steps == 200
-  assert model.vocab_size == 384 and model.qk_norm == ModelConfig(1, 8, 1, 1).qk_norm
+  exp = Experiment.from_config(cfg)
+  assert exp.recipe == get_recipe("fp4_linear") and exp.optimizer.b2 == OptimizerConfig().b2
+  assert exp.train.tensorboard is True and exp.execution == Execution() and exp.train.steps == 200
+  assert exp.model.vocab_size is None and exp.model.qk_norm == ModelConfig(1, 8, 1, 1).qk_norm
+  assert exp.data == DataSpec() and exp.name == "tiny" and exp.data_info is None
   for section, cls in (("model", ModelConfig), ("optimizer", OptimizerConfig), ("recipe", Recipe),
                        ("execution", Execution), ("recipe.matmul", MatmulConfig),
-                       ("recipe.attention_op", AttentionConfig)):
+                       ("recipe.attention_op", AttentionConfig), ("data", DataSpec)):
     assert set(cfg[section]) == {f.name for f in dataclasses.fields(cls)}
   assert {f.name for f in dataclasses.fields(TrainConfig)} <= set(cfg)
+  # The experiment written out in the config's layout types back to itself.
+  assert Experiment.from_config(ml_collections.ConfigDict(exp.to_config())) == exp
+  # The launcher's parts, with the data's vocabulary rounded up to 128.
+  model, recipe, opt, tc, execution = from_config(cfg, vocab_size=257)
+  assert model == dataclasses.replace(exp.model, vocab_size=384)
+  assert (recipe, opt, tc, execution) == (exp.recipe, exp.optimizer, exp.train, exp.execution)
   # A nested recipe field is one key of the config; its section maps back to the op's config.
   cfg.recipe.matmul.hadamard = False
   cfg.recipe.attention_op.ds_tile = [32, 32]
-  _, recipe, *_ = from_config(cfg, vocab_size=257)
+  recipe = Experiment.from_config(cfg).recipe
   assert recipe.matmul == MatmulConfig.nvfp4(hadamard=False)
   assert recipe.attention_op.ds_tile == (32, 32)
   for section, key in (("optimizer", "momentum"), ("recipe.matmul", "hadamrd"),
-                       ("execution", "kernel")):
+                       ("execution", "kernel"), ("data", "corpse")):
     bad = tiny.get_config("fp4_linear")
     with bad.unlocked():
       bad[section][key] = 0
     with pytest.raises(ValueError, match=rf"config.{section}: unknown key\(s\) \['{key}'\]"):
-      from_config(bad, vocab_size=257)
+      Experiment.from_config(bad)
+
+
+def test_the_data_step_completes_the_experiment_and_changes_are_dotted():
+  from flax import nnx
+
+  from experiments.configs import tiny
+  from fp4jax.experiment import Experiment
+  from fp4jax.model import Transformer
+  exp = Experiment.from_config(tiny.get_config("fp4_linear"))
+  with pytest.raises(ValueError, match="vocab_size is None"):
+    Transformer(exp.model, exp.recipe, rngs=nnx.Rngs(0))
+  info = {"corpus": {"name": "pydoc"}, "tokenizer": {"kind": "byte"}, "vocab_size": 257}
+  done = exp.with_data("/data/pydoc-byte", info)
+  assert done.model.vocab_size == 384 and done.data.dir == "/data/pydoc-byte"
+  assert done.data_info == info and exp.model.vocab_size is None  # a new experiment
+  assert exp.with_changes({"model.vocab_size": 300}).with_data("/d", info).model.vocab_size == 300
+  changed = done.with_changes({"recipe.matmul.hadamard": False, "train.seed": 3,
+                               "optimizer.learning_rate": 1e-3})
+  assert not changed.recipe.matmul.hadamard and changed.recipe.linear == "nvfp4"
+  assert (changed.train.seed, changed.optimizer.learning_rate, changed.model) == (3, 1e-3, done.model)
+  with pytest.raises(ValueError, match="OptimizerConfig.learning_rate=-1.0"):  # validated again
+    done.with_changes({"optimizer.learning_rate": -1.0})
+  with pytest.raises(ValueError, match=r"train.sed: TrainConfig has no field 'sed'"):
+    done.with_changes({"train.sed": 1})
+  with pytest.raises(ValueError, match=r"train.seed.x: 'x' is inside a value of type int"):
+    done.with_changes({"train.seed.x": 1})
 
 
 @pytest.mark.slow
