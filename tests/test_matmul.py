@@ -586,6 +586,30 @@ def test_two_term_operands_cut_the_gemm_error_several_fold():
   assert _bits_equal(terms[0][0].codes, q1[0][0].codes)
 
 
+def test_two_term_operand_and_its_gemm_are_the_terms_quantized_and_multiplied_in_order():
+  """A two-term operand is ``Q1 = Q(a)`` and ``Q2 = Q(a − Q1)`` from the materialized ``Q1`` (its
+  second term with the key folded by 1), and the GEMM of two of them is the sum of the four term
+  GEMMs in the order ``(1, 1), (1, 2), (2, 1), (2, 2)``: bit for bit."""
+  x, w, _ = _data()
+  x2 = x.reshape(-1, K)
+  cfg = MatmulConfig.nvfp4(x=Operand(terms=2), w=Operand(rounding="stochastic", block=(16, 16), terms=2))
+  keys = matmul._keys(jax.random.key(6), cfg)
+  tx, tw = (matmul.quantize_operand(a, op, keys, cfg) for a, op in ((x2, "x"), (w, "w")))
+  x1 = nvfp4.quantize(x2, axis=-1)
+  xs = (x1, nvfp4.quantize(x2 - x1.dequantize(jnp.float32), axis=-1))
+  bits = lambda k, a: numerics.stochastic_bits(k, a.shape, "random")
+  w1 = nvfp4.quantize(w, block=(16, 16), rounding="stochastic", bits=bits(keys["w"], w))
+  r = w - w1.dequantize(jnp.float32)
+  ws = (w1, nvfp4.quantize(r, block=(16, 16), rounding="stochastic", bits=bits(jax.random.fold_in(keys["w"], 1), r)))
+  for got, want in zip((*tx, *tw), (*xs, *ws), strict=True):
+    assert got[1] is None
+    assert all(_bits_equal(np.atleast_1d(g), np.atleast_1d(e))
+               for g, e in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want), strict=True))
+  gemm = lambda a, b: nvfp4.gemm(a, b, ((1,), (0,)))
+  want = gemm(xs[0], ws[0]) + gemm(xs[0], ws[1]) + gemm(xs[1], ws[0]) + gemm(xs[1], ws[1])
+  assert _bits_equal(matmul._gemm_operands(tx, tw, ((1,), (0,))), want)
+
+
 @pytest.mark.parametrize("config", [MEAN_SPLIT, SUBSPACE_SPLIT], ids=["mean", "subspace"])
 def test_a_split_is_exact_algebra_when_nothing_is_quantized(config):
   """With every operand in BF16 the split changes nothing but rounding: y, dx and dw equal the

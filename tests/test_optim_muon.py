@@ -38,10 +38,27 @@ def test_nvfp4_products_equal_dequantized_reference_and_two_terms_are_closer():
   err = lambda y: float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact))
   one, two = err(one), err(jax.jit(ns.nvfp4_dot, static_argnums=2)(a, b, Operand(terms=2)))
   assert 0.05 < one < 0.2 and two < one / 5  # measured: 0.139 vs 0.016
+
+
+def test_two_term_products_are_the_leading_term_gemms():
+  """Two-term operands: ``Q2 = Q(a − Q1)`` from the materialized ``Q1`` (``quant.quantize_terms``),
+  and the product is exactly ``Q1·P1 + Q1·P2 + Q2·P1`` in that order (``Q2·P2`` left out), jitted
+  or not; only NVFP4 operands in 1×16 round-to-nearest blocks are taken."""
+  a, b = _matrix((32, 64), 1), _matrix((64, 48), 2)
+  a1, b1 = nvfp4.quantize(a, axis=-1), nvfp4.quantize(b, axis=0)
+  a2 = nvfp4.quantize(a - a1.dequantize(jnp.float32), axis=-1)
+  b2 = nvfp4.quantize(b - b1.dequantize(jnp.float32), axis=0)
+  gemm = lambda u, v: nvfp4.gemm(u, v, ((1,), (0,)))
+  want = gemm(a1, b1) + gemm(a1, b2) + gemm(a2, b1)
+  two = Operand(terms=2)
+  for got in (ns.nvfp4_dot(a, b, two), jax.jit(ns.nvfp4_dot, static_argnums=2)(a, b, two)):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
   with pytest.raises(ValueError, match="nvfp4_dot: operand must be an NVFP4"):
     optim.nvfp4_dot(a, b, Operand(format="bf16"))
   with pytest.raises(ValueError, match="round-to-nearest"):
     optim.nvfp4_gram(a, Operand(rounding="stochastic"))
+  with pytest.raises(ValueError, match="newton_schulz: operand must be a fp4jax.quant.Operand or None"):
+    optim.newton_schulz(a, operand="nvfp4")
 
 
 @pytest.mark.slow
