@@ -1,7 +1,8 @@
 """How a run is executed: which code runs each op. Never part of what a run computes.
 
-Every op with more than one implementation takes the same argument, ``implementation``, with its
-value from one vocabulary, ``IMPLEMENTATIONS``:
+Every op with more than one implementation takes the same argument, ``implementation`` (the
+matmul: ``execution``, a ``MatmulExecution`` whose ``implementation`` it is), with its value from
+one vocabulary, ``IMPLEMENTATIONS``:
 
   auto              the op's fastest path where computations go (``fp4jax._platform.resolve``):
                     its Pallas kernel (or cuDNN) on a CUDA GPU, XLA elsewhere
