@@ -52,7 +52,8 @@ class Recipe:
     linear: precision of the Transformer block projections (q, k, v, o, gate, up, down).
     attention: precision of the attention score products.
     optimizer_states: storage format of the AdamW moments.
-    newton_schulz: precision of the Newton–Schulz matmuls (Muon / ROOT only).
+    newton_schulz: precision of the Newton–Schulz matmuls (Muon / ROOT only); ``ns_operand`` is the
+      ``fp4jax.quant.Operand`` it means.
     bf16_first_blocks: number of leading blocks whose projections stay BF16.
     bf16_last_blocks: number of trailing blocks whose projections stay BF16.
     lora_rank: rank of the BF16 low-rank branch when ``linear == "nvfp4_lorasvd"``.

@@ -53,8 +53,8 @@ def scale_by_orthogonalized_momentum(
     eps: added to the Frobenius norm before Newton–Schulz.
     nesterov: orthogonalize ``beta * mu_hat + (1 - beta) * g_hat`` (optax's Nesterov blend).
     ns_operand: the Newton–Schulz products' operands (``fp4jax.optim.newton_schulz``'s
-      ``operand``): ``Operand(terms=2)`` (two-term NVFP4, the default), ``Operand(format="bf16")`` or None
-      (float32).
+      ``operand``): ``Operand(terms=2)`` (two-term NVFP4, the default), ``Operand(format="bf16")``
+      or None (float32).
     mu_dtype: dtype of the momentum (default float32; bfloat16 halves it).
     outlier_quantile: ROOT's soft-thresholding: clip the (Nesterov) momentum to
       ``±quantile(|M|, q)`` before orthogonalizing (the part above is dropped). None: off.
