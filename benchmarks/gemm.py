@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from benchmarks.timing import environment_line, median_seconds
+from fp4jax.execution import MatmulExecution
 from fp4jax.kernels import nvfp4_quantize as kq
 from fp4jax.model import ModelConfig, projection_dims
 from fp4jax.ops import MatmulConfig, mixed_matmul, nvfp4_matmul
@@ -108,7 +109,8 @@ def fwd_bwd_row(name, m, k, n, impls, time):
   key = jax.random.key(2)
   for impl in impls:
     f = jax.jit(lambda x, w, dy, key, impl=impl: _vjp(
-        lambda x, w: nvfp4_matmul(x, w, key=key, config=MatmulConfig.nvfp4(), implementation=impl),
+        lambda x, w: nvfp4_matmul(x, w, key=key, config=MatmulConfig.nvfp4(),
+                                  execution=MatmulExecution(impl)),
         x, w, dy))
     row[f"nvfp4 ({impl})"] = time(f, x, w, dy, key)
   row["scaled_dot_general"] = time(jax.jit(functools.partial(_vjp, _sdg)), x, w.astype(jnp.bfloat16), dy)

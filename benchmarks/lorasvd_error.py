@@ -32,6 +32,7 @@ from flax import nnx
 from fp4jax import nvfp4
 from fp4jax.layers import fp4_dense, lora_svd_dense, lora_svd_split
 from fp4jax.ops import MatmulConfig
+from fp4jax.quant import Operand
 
 RANKS = (0, 8, 16, 32, 64, 128)
 
@@ -85,9 +86,8 @@ RECIPES = {
     "bf16 (reference)": MatmulConfig.bf16(),
     "nvfp4 (NVIDIA recipe)": MatmulConfig.nvfp4(),
     "nvfp4, no Hadamard": MatmulConfig.nvfp4(hadamard=False),
-    "nvfp4, no SR (nearest)": MatmulConfig.nvfp4(dy_dgrad_rounding="nearest", dy_wgrad_rounding="nearest"),
-    "nvfp4, no SR, no Hadamard": MatmulConfig.nvfp4(dy_dgrad_rounding="nearest", dy_wgrad_rounding="nearest",
-                                                   hadamard=False),
+    "nvfp4, no SR (nearest)": MatmulConfig.nvfp4(dy_dgrad=Operand(), dy_wgrad=Operand()),
+    "nvfp4, no SR, no Hadamard": MatmulConfig.nvfp4(dy_dgrad=Operand(), dy_wgrad=Operand(), hadamard=False),
     "nvfp4 forward only": MatmulConfig.nvfp4(dgrad=False, wgrad=False, hadamard=False),
 }
 

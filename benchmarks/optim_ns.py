@@ -10,7 +10,7 @@ Tables (markdown, last):
    (partial sums of each 16-element block added into a bf16 running sum, as a low-precision
    accumulator would).
 3. Distance to the fp32 iterate after each Newton–Schulz step (error compounding), also for one
-   NVFP4 tensor per operand (``nvfp4_dot(terms=1)``), whose singular values leave the basin.
+   NVFP4 tensor per operand (``nvfp4_dot(operand=Operand())``), whose singular values leave the basin.
 
   python -m benchmarks.optim_ns [--quick]
 """
@@ -27,8 +27,9 @@ import numpy as np
 from benchmarks.optim_lm import init_model, loss_of, stdlib_bytes
 from fp4jax import analysis, optim
 from fp4jax.optim import ns
+from fp4jax.quant import Operand
 
-PRECS = ns.PRECISIONS  # ("fp32", "bf16", "nvfp4")
+PRECS = {"fp32": None, "bf16": Operand(format="bf16"), "nvfp4": ns.NS_OPERAND}  # newton_schulz's operand
 
 
 def matrices(quick: bool):
@@ -56,9 +57,9 @@ def matrices(quick: bool):
 def table_orthogonality(mats):
   rows = []
   for name, x in mats.items():
-    ref = jax.jit(lambda x: optim.newton_schulz(x, precision="fp32"))(x)
+    ref = jax.jit(lambda x: optim.newton_schulz(x, operand=None))(x)
     for p in PRECS:
-      y = jax.jit(lambda x, p=p: optim.newton_schulz(x, precision=p))(x)
+      y = jax.jit(lambda x, p=p: optim.newton_schulz(x, operand=PRECS[p]))(x)
       e = analysis.orthogonality_error(y)
       dist = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
       rows.append((name, p, e["s_min"], e["s_max"], e["s_std"], dist))
@@ -68,8 +69,8 @@ def table_orthogonality(mats):
 
 def _bf16_accumulated(a, b):
   """NVFP4 operands, each 16-element block's partial product summed in f32, running sum in bf16."""
-  qa = ns._split(a, -1, 1)[0]
-  qb = ns._split(b, 0, 1)[0]
+  qa = ns._terms(a, -1, Operand())[0]
+  qb = ns._terms(b, 0, Operand())[0]
   ea, eb = qa.scaled_elements(jnp.float32), qb.scaled_elements(jnp.float32)
   k = a.shape[1]
   parts = jnp.einsum("mkb,kbn->kmn", ea.reshape(a.shape[0], k // 16, 16),
@@ -84,8 +85,8 @@ def table_k(ks):
   fns = {
       "bf16 operands, f32 acc": jax.jit(lambda a, b: jnp.dot(a.astype(jnp.bfloat16), b.astype(
           jnp.bfloat16), preferred_element_type=jnp.float32)),
-      "nvfp4 operands, f32 acc": jax.jit(lambda a, b: optim.nvfp4_dot(a, b, 1)),
-      "nvfp4 two-term, f32 acc": jax.jit(lambda a, b: optim.nvfp4_dot(a, b, 2)),
+      "nvfp4 operands, f32 acc": jax.jit(lambda a, b: optim.nvfp4_dot(a, b, Operand())),
+      "nvfp4 two-term, f32 acc": jax.jit(lambda a, b: optim.nvfp4_dot(a, b, Operand(terms=2))),
       "nvfp4 operands, bf16 acc": jax.jit(_bf16_accumulated),
   }
   rows = []
@@ -103,10 +104,9 @@ def table_k(ks):
 def table_steps(x, steps=5):
   coeffs = optim.MUON_COEFFS
   xs = {}
-  one_term = (lambda a, b: optim.nvfp4_dot(a, b, 1), lambda y: optim.nvfp4_gram(y, 1),
-              lambda y: optim.nvfp4_gram(y, 1))
+  one_term = (lambda a, b: optim.nvfp4_dot(a, b), optim.nvfp4_gram, optim.nvfp4_gram)
   for p in (*PRECS, "nvfp4_1term"):
-    mm, gram, square = one_term if p == "nvfp4_1term" else ns._products(p)
+    mm, gram, square = one_term if p == "nvfp4_1term" else ns._products(PRECS[p])
     a, b, c = coeffs
     y = x / (jnp.linalg.norm(x) + 1e-8)
     if p.startswith("nvfp4"):

@@ -33,7 +33,7 @@ from fp4jax.train import train
 RUNS = {  # name: (optimizer, optimizer_states, newton_schulz)
     "adamw": ("adamw", "fp32", "bf16"),          # optax.adamw
     "adamw_nvfp4": ("adamw", "nvfp4", "bf16"),
-    "muon": ("muon", "fp32", "bf16"),            # muon_nvfp4(ns_precision="bf16", quantize=False)
+    "muon": ("muon", "fp32", "bf16"),            # muon_nvfp4(ns_operand=Operand(format="bf16"), quantize=False)
     "muon_nvfp4": ("muon", "nvfp4", "nvfp4"),    # NVFP4 Newton–Schulz and NVFP4 states
 }
 

@@ -8,8 +8,9 @@ r"""Train-step throughput of the 125m model: bf16 vs fp4_linear (tokens/s, MFU, 
   python -m benchmarks.train_step --recipes=bf16,fp4_linear,fp4_linear:matmul.rounding_bits=counter
 
 A recipe is a preset of ``fp4jax.recipe`` with optional ``:FIELD=VALUE`` overrides of its fields
-(a nested op config's as ``matmul.hadamard=false``). Recipes are separated by commas, or by
-semicolons where a value holds a comma (``--recipes="fp4_linear;fp4_linear:matmul.two_term=x,w"``).
+(a nested op config's as ``matmul.hadamard=false``, an operand's as ``matmul.x.terms=2``). Recipes
+are separated by commas, or by semicolons where a value holds a comma
+(``--recipes="fp4_linear;fp4_linear:matmul.x.terms=2:matmul.w.terms=2"``).
 
 The model is ``experiments/configs/125m.py``'s (d=768, 12 blocks, vocab 32768; a test keeps
 ``MODEL_125M`` equal to it; ``--tiny``: d=64, 2 blocks). Each recipe's full jitted train step
@@ -82,16 +83,17 @@ def recipe_list(recipes: str) -> list[str]:
 def recipe_of(spec: str):
   """``PRESET[:FIELD=VALUE...]`` -> the ``Recipe`` (values read as bool, int or float where they
   read as one, else str); ``SECTION.FIELD`` sets a field of a nested op config (``matmul``,
-  ``attention_op``, ``moments``)."""
+  ``attention_op``, ``moments``), ``SECTION.FIELD.SUBFIELD`` one of its nested dataclasses (e.g.
+  ``matmul.x.terms=2``)."""
   name, *pairs = spec.split(":")
   overrides = {}
   for pair in pairs:
     field, value = assignment(pair, f"recipe {spec!r}", "FIELD=VALUE")
-    section, _, sub = field.partition(".")
-    if sub:
-      overrides.setdefault(section, {})[sub] = value
-    else:
-      overrides[field] = value
+    *path, last = field.split(".")
+    nested = overrides
+    for part in path:
+      nested = nested.setdefault(part, {})
+    nested[last] = value
   try:
     return get_recipe(name, **overrides)
   except TypeError as e:  # an unknown field

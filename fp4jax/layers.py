@@ -6,9 +6,9 @@ as ``flax.nnx.Linear`` takes a ``dot_general``. The matmul is a small frozen cal
 
 - ``MixedMatmul``: BF16 (``fp4jax.ops.mixed_matmul``: operands in ``x``'s dtype, float32
   accumulation, a bf16 backward);
-- ``NVFP4Matmul(config, implementation=...)``: the three GEMMs per ``fp4jax.ops.MatmulConfig``
+- ``NVFP4Matmul(config, execution)``: the three GEMMs per ``fp4jax.ops.MatmulConfig``
   (``nvfp4_matmul``; ``MatmulConfig.nvfp4()`` is NVIDIA's recipe), run by the code that
-  ``implementation`` and ``gemm`` name (``fp4jax.execution``).
+  ``execution`` names (``fp4jax.execution.MatmulExecution``).
 
 ``rank > 0`` adds the LoRA-SVD branch ``(x·A)·B`` in bf16, unquantized: A and B start from the top-r
 SVD of the initial weight (``A = U√Σ``, ``B = √Σ Vᵀ``) and the kernel holds ``W_res = W − A·B``, so the
@@ -32,7 +32,9 @@ from flax import nnx
 from jax import lax
 
 from fp4jax.ops.mixed import mixed_matmul, mixed_matmul_split
+from fp4jax.execution import MatmulExecution
 from fp4jax.ops.matmul import MatmulConfig, nvfp4_matmul
+from fp4jax.quant import range_finder
 
 _HIGHEST = lax.Precision.HIGHEST
 _SVD_METHODS = ("exact", "randomized", "auto")
@@ -52,7 +54,8 @@ default_bias_init = nnx.initializers.zeros_init()
 
 
 def randomized_svd(w_KxN, rank: int, key, *, oversample: int = 8, power_iters: int = 2):
-  """Top-``rank`` SVD of ``w`` by randomized range finding with power iterations (Halko et al. 2011).
+  """Top-``rank`` SVD of ``w`` by randomized range finding with power iterations (Halko et al. 2011):
+  ``fp4jax.quant.range_finder`` in float32, each power iteration re-orthonormalized.
 
   Args:
     w_KxN: matrix (computed in float32).
@@ -66,12 +69,9 @@ def randomized_svd(w_KxN, rank: int, key, *, oversample: int = 8, power_iters: i
   """
   w = jnp.asarray(w_KxN, jnp.float32)
   k, n = w.shape
-  p = min(rank + oversample, k, n)
-  omega_NxP = jax.random.normal(key, (n, p), jnp.float32)
-  q_KxP, _ = jnp.linalg.qr(jnp.dot(w, omega_NxP, precision=_HIGHEST))
-  for _ in range(power_iters):
-    z_NxP, _ = jnp.linalg.qr(jnp.dot(w.T, q_KxP, precision=_HIGHEST))
-    q_KxP, _ = jnp.linalg.qr(jnp.dot(w, z_NxP, precision=_HIGHEST))
+  hdot = lambda a, b: jnp.dot(a, b, precision=_HIGHEST)
+  q_KxP = range_finder(w, key, min(rank + oversample, k, n), power_iters, dot=hdot,
+                       dot_t=lambda a, b: hdot(a.T, b), reorthonormalize=True)
   ub_PxP, s_P, vt_PxN = jnp.linalg.svd(jnp.dot(q_KxP.T, w, precision=_HIGHEST), full_matrices=False)
   u_KxP = jnp.dot(q_KxP, ub_PxP, precision=_HIGHEST)
   return u_KxP[:, :rank], s_P[:rank], vt_PxN[:rank]
@@ -157,28 +157,25 @@ class NVFP4Matmul:
   """The NVFP4 matmul: ``fp4jax.ops.nvfp4_matmul`` with ``config`` (NVIDIA's recipe by default).
 
   Attributes:
-    config: which GEMMs are quantized and how each operand rounds (the numerics).
-    implementation: which code quantizes (``nvfp4_matmul``'s ``implementation``; same bits).
-    gemm: how the quantized GEMMs multiply (``nvfp4_matmul``'s ``gemm``).
-    amax: the quantizer kernels' first pass (``nvfp4_matmul``'s ``amax``).
+    config: which GEMMs are quantized and how each operand is quantized (the numerics).
+    execution: which code runs it (``fp4jax.execution.MatmulExecution``; the same bits).
   """
 
   config: MatmulConfig = MatmulConfig.nvfp4()
-  implementation: str = "auto"
-  gemm: str = "auto"
-  amax: str = "kernel"
+  execution: MatmulExecution = MatmulExecution()
 
   def __post_init__(self):
     if not isinstance(self.config, MatmulConfig):
       raise ValueError(f"NVFP4Matmul: config must be a MatmulConfig, got {type(self.config).__name__}")
+    if not isinstance(self.execution, MatmulExecution):
+      raise ValueError(f"NVFP4Matmul: execution must be a MatmulExecution, got {type(self.execution).__name__}")
 
   @property
   def needs_key(self) -> bool:
     return self.config.needs_key
 
   def __call__(self, x, kernel, *, key=None):
-    return nvfp4_matmul(x, kernel, key=key, config=self.config, implementation=self.implementation,
-                        gemm=self.gemm, amax=self.amax)
+    return nvfp4_matmul(x, kernel, key=key, config=self.config, execution=self.execution)
 
 
 # ----------------------------------------------------------------------------------------------

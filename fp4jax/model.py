@@ -236,7 +236,7 @@ def _projection(in_features: int, out_features: int, precision: str, recipe: Rec
     rngs: parameter RNGs.
     role: the projection's name in its block (``qkv``, ``o``, ``gate_up``, ``down``): with
       ``nvfp4_lorasvd``, ``recipe.lora_on(role)`` says whether it carries the branch.
-    execution: which code runs the NVFP4 matmul (``execution.matmul``, ``.gemm``, ``.amax``).
+    execution: which code runs the NVFP4 matmul (``execution.matmul_execution``).
     probe: ``Dense``'s probe (``fp4jax.telemetry``).
 
   Returns:
@@ -245,8 +245,7 @@ def _projection(in_features: int, out_features: int, precision: str, recipe: Rec
     it), or the latter with a bf16 rank-``recipe.lora_rank`` branch split
     from the initial weight's SVD (nvfp4_lorasvd, on the projections of ``recipe.lora_projections``).
   """
-  matmul = MixedMatmul() if precision == "bf16" else NVFP4Matmul(
-      recipe.matmul, implementation=execution.matmul, gemm=execution.gemm, amax=execution.amax)
+  matmul = MixedMatmul() if precision == "bf16" else NVFP4Matmul(recipe.matmul, execution.matmul_execution)
   rank = recipe.lora_rank if precision == "nvfp4_lorasvd" and recipe.lora_on(role) else 0
   return Dense(in_features, out_features, matmul=matmul, rank=rank, rngs=rngs,
                kernel_init=nnx.initializers.normal(std), dtype=cfg.compute_dtype, probe=probe)

@@ -18,11 +18,28 @@ can contract and raises a ``ValueError`` naming the operand otherwise.
 The numerics of each field are those of ``fp4jax.nvfp4.quantize`` (Transformer Engine's order of
 float32 operations): ``rounding`` is its ``rounding``, ``block`` its ``block``; ``scale_rule``
 chooses each block's E4M3 scale (``"max"``: the block's amax maps to 6, the only rule today).
+
+The mechanisms that operand specs share live here once:
+
+- ``quantize_terms``: the terms of an operand, ``Q1 = Q(a)`` and, with ``terms=2``,
+  ``Q2 = Q(a − Q1)`` from the *materialized* ``Q1`` (so the GPU computes the residual as the CPU
+  does); the caller's quantizer makes each term (``nvfp4.quantize`` or the quantizer kernels).
+- ``gemm_terms``: the float32 sum of the GEMMs of every pair of terms, in a fixed order (optionally
+  only the leading pairs, as Newton–Schulz takes them).
+- ``range_finder``: the randomized range finder (Halko et al. 2011) behind the low-rank split of a
+  matmul operand (``fp4jax.ops.matmul.Split``) and the LoRA-SVD of a weight
+  (``fp4jax.layers.randomized_svd``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
 
 from fp4jax import nvfp4
 
@@ -85,3 +102,78 @@ class Operand:
 
 
 BF16 = Operand(format="bf16")  # an operand left unquantized
+
+
+def quantize_terms(a, terms: int, quantize: Callable[[jax.Array, int], Any]) -> tuple:
+  """The ``terms`` NVFP4 terms of ``a``: ``Q1 = quantize(a, 0)``, then ``Q2 = quantize(a − Q1, 1)``.
+
+  Args:
+    a: the operand (any float dtype; the residual is formed in float32).
+    terms: 1 or 2 (``Operand.terms``).
+    quantize: makes term ``t`` of its argument: an ``NVFP4Tensor``, or a tuple whose first item is
+      one (e.g. the tensor and its decoded copy).
+
+  Returns:
+    A tuple of ``terms`` results of ``quantize``.
+  """
+  out = []
+  for term in range(terms):
+    out.append(quantize(a, term))
+    if term + 1 < terms:
+      q = out[-1] if isinstance(out[-1], nvfp4.NVFP4Tensor) else out[-1][0]
+      # The residual from the materialized Q1: fused into the subtraction, the GPU backend computes
+      # a − e·s·g with a fused multiply-add (one rounding, not two) and the second term's codes
+      # would differ from the CPU's.
+      a = a.astype(jnp.float32) - lax.optimization_barrier(q.dequantize(jnp.float32))
+  return tuple(out)
+
+
+def gemm_terms(a_terms: Sequence, b_terms: Sequence, gemm: Callable[[Any, Any], jax.Array], *,
+               order: int | None = None) -> jax.Array:
+  """The float32 product of two operands given as terms: ``Σ gemm(a_i, b_j)``.
+
+  Args:
+    a_terms, b_terms: the terms of each operand (``quantize_terms``' results, or one plain array).
+    gemm: the product of one pair of terms.
+    order: keep only the pairs with ``i + j < order`` (``order=2``: ``Q1·P1 + Q1·P2 + Q2·P1``,
+      the ``Q2·P2`` term being below the others' error); None: every pair.
+
+  Returns:
+    The sum, accumulated in the order ``(0, 0), (0, 1), …, (1, 0), …``.
+  """
+  out = None
+  for i, ta in enumerate(a_terms):
+    for j, tb in enumerate(b_terms):
+      if order is not None and i + j >= order:
+        continue
+      y = gemm(ta, tb)
+      out = y if out is None else out + y
+  return out
+
+
+def range_finder(a_MxC, key, width: int, power_iters: int, *, dot: Callable, dot_t: Callable,
+                 reorthonormalize: bool) -> jax.Array:
+  """An orthonormal M×``width`` basis of the dominant column space of ``a`` (randomized range
+  finding with power iterations, Halko et al. 2011).
+
+  ``Q = qr(a·Ω)`` for a Gaussian ``Ω`` (C×``width``, float32, from ``key``), then ``power_iters``
+  times ``Q = qr(a·(aᵀ·Q))``, with ``aᵀ·Q`` itself orthonormalized where ``reorthonormalize``.
+
+  Args:
+    a_MxC: the matrix.
+    key: random key of ``Ω``.
+    width: columns of the basis (at most ``min(M, C)``).
+    power_iters: power iterations.
+    dot, dot_t: ``dot(a, b) = a·b`` and ``dot_t(a, b) = aᵀ·b`` in the caller's precision.
+    reorthonormalize: orthonormalize ``aᵀ·Q`` too (the stable form; costs one more QR).
+
+  Returns:
+    ``Q``: M×``width`` float32 with orthonormal columns.
+  """
+  orthonormal = lambda y: jnp.linalg.qr(y)[0]
+  omega = jax.random.normal(key, (a_MxC.shape[1], width), jnp.float32)
+  q = orthonormal(dot(a_MxC, omega))
+  for _ in range(power_iters):
+    z = dot_t(a_MxC, q)
+    q = orthonormal(dot(a_MxC, orthonormal(z) if reorthonormalize else z))
+  return q

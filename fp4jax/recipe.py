@@ -13,7 +13,8 @@ keeps ~15% of the linear layers, mostly the last blocks, in BF16).
 
 What each NVFP4 module computes is the config of its op, nested as one field, so an ablation is one
 field in one place: ``matmul`` (``fp4jax.ops.MatmulConfig``: the NVFP4 projections' GEMMs, e.g.
-``--config.recipe.matmul.hadamard=False``), ``attention_op`` (``fp4jax.ops.AttentionConfig``: the
+``--config.recipe.matmul.hadamard=False``, or an operand's field such as
+``--config.recipe.matmul.x.terms=2``), ``attention_op`` (``fp4jax.ops.AttentionConfig``: the
 NVFP4 attention's operands, e.g. ``--config.recipe.attention_op.ds=bf16``) and ``moments``
 (``fp4jax.optim.AdamNvfp4Options``: how NVFP4 moments are stored, e.g.
 ``--config.recipe.moments.mu_rounding=nearest``). Each applies where its module is NVFP4. Which code
@@ -31,6 +32,8 @@ from fp4jax.layers import DEFAULT_LORA_RANK
 from fp4jax.ops.attention import AttentionConfig
 from fp4jax.ops.matmul import MatmulConfig
 from fp4jax.optim.adam import AdamNvfp4Options
+from fp4jax.optim.ns import NS_OPERAND
+from fp4jax.quant import BF16, Operand
 
 LINEAR_CHOICES = ("bf16", "nvfp4", "nvfp4_lorasvd")
 ATTENTION_CHOICES = ("bf16", "nvfp4")
@@ -49,7 +52,8 @@ class Recipe:
     linear: precision of the Transformer block projections (q, k, v, o, gate, up, down).
     attention: precision of the attention score products.
     optimizer_states: storage format of the AdamW moments.
-    newton_schulz: precision of the Newton–Schulz matmuls (Muon / ROOT only).
+    newton_schulz: precision of the Newton–Schulz matmuls (Muon / ROOT only); ``ns_operand`` is the
+      ``fp4jax.quant.Operand`` it means.
     bf16_first_blocks: number of leading blocks whose projections stay BF16.
     bf16_last_blocks: number of trailing blocks whose projections stay BF16.
     lora_rank: rank of the BF16 low-rank branch when ``linear == "nvfp4_lorasvd"``.
@@ -63,10 +67,12 @@ class Recipe:
       ``PROJECTIONS`` separated by commas (e.g. ``"gate_up,down"``: the MLP only); the others stay
       plain NVFP4.
     matmul: the GEMMs of the NVFP4 projections (``linear`` nvfp4 or nvfp4_lorasvd): NVIDIA's recipe
-      (``MatmulConfig.nvfp4()``) by default. Ablations: ``hadamard=False`` (no random Hadamard
-      transform of the wgrad operands), ``dy_dgrad_rounding`` / ``dy_wgrad_rounding="nearest"``
-      (the output gradient rounded to nearest), ``rounding_bits="counter"`` (a keyed hash's bits
-      for stochastic rounding: a different random stream, cheaper in the kernels).
+      (``MatmulConfig.nvfp4()``) by default, one ``fp4jax.quant.Operand`` per operand. Ablations:
+      ``hadamard=False`` (no random Hadamard transform of the wgrad operands),
+      ``dy_dgrad.rounding`` / ``dy_wgrad.rounding="nearest"`` (the output gradient rounded to
+      nearest), ``rounding_bits="counter"`` (a keyed hash's bits for stochastic rounding: a
+      different random stream, cheaper in the kernels), ``x.format="bf16"`` (one operand left
+      unquantized), ``x.terms=2`` (a two-term operand), ``split.tensors=("x",)`` (a low-rank split).
     attention_op: the products of NVFP4 attention (``attention="nvfp4"``): the method
       (``AttentionConfig.nvfp4()``: q, k and dS in NVFP4, V, P, dO in BF16, tensor reuse) by
       default. Ablations: ``v``/``p``/``do="nvfp4"`` (the P·V branch quantized too), ``ds="bf16"``,
@@ -114,6 +120,12 @@ class Recipe:
         raise ValueError(f"Recipe.{field} must be a {cls.__name__}, got "
                          f"{type(getattr(self, field)).__name__}")
 
+  @property
+  def ns_operand(self) -> Operand:
+    """The Newton–Schulz operands of ``newton_schulz`` (``fp4jax.optim.newton_schulz``'s
+    ``operand``): two-term NVFP4 (``fp4jax.optim.ns.NS_OPERAND``) or bfloat16."""
+    return NS_OPERAND if self.newton_schulz == "nvfp4" else BF16
+
   def lora_on(self, projection: str) -> bool:
     """Whether the block projection ``projection`` (one of ``PROJECTIONS``) carries the LoRA-SVD
     branch when the linear precision is ``nvfp4_lorasvd`` (``lora_projections``)."""
@@ -138,16 +150,22 @@ class Recipe:
     return self.linear
 
   def replace(self, **changes) -> Recipe:
-    """A copy with ``changes`` applied (validated); a nested config may be given as a dict of the
-    fields to change, e.g. ``replace(matmul={"hadamard": False})``."""
-    for field in _NESTED:
-      if isinstance(changes.get(field), dict):
-        changes[field] = dataclasses.replace(getattr(self, field), **changes[field])
-    return dataclasses.replace(self, **changes)
+    """A copy with ``changes`` applied (validated); a nested config, or a dataclass nested in it,
+    may be given as a dict of the fields to change, e.g. ``replace(matmul={"hadamard": False})`` or
+    ``replace(matmul={"x": {"terms": 2}})``."""
+    return _replaced(self, changes)
 
   def to_dict(self) -> dict:
     """The recipe as nested plain dicts (JSON-able: tuples become lists in JSON)."""
     return dataclasses.asdict(self)
+
+
+def _replaced(obj, changes: dict):
+  """``dataclasses.replace(obj, **changes)`` where a dict value changes the fields of the dataclass
+  that the field holds."""
+  changes = {k: _replaced(getattr(obj, k), v) if isinstance(v, dict) and dataclasses.is_dataclass(
+      getattr(obj, k, None)) else v for k, v in changes.items()}
+  return dataclasses.replace(obj, **changes)
 
 
 PRESETS: dict[str, Recipe] = {

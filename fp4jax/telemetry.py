@@ -207,10 +207,10 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
       w = dense.kernel[...].astype(_F32)
       x = seen[name]["x"].reshape(-1, dense.in_features)
       dy = dys[name]["y"].reshape(-1, dense.out_features).astype(x.dtype)
-      quant.add(f"{name}/w", _tiles(w), (16, 16), config.w_rounding, next(keys),
+      quant.add(f"{name}/w", _tiles(w), (16, 16), config.w.rounding, next(keys),
                 ref_norm=_norm(dense.effective_kernel()))
-      quant.add(f"{name}/x", _rows(x, -1), (1, 16), config.x_rounding, next(keys))
-      quant.add(f"{name}/dy", _rows(dy, -1), (1, 16), config.dy_dgrad_rounding, next(keys))
+      quant.add(f"{name}/x", _rows(x, -1), (1, 16), config.x.rounding, next(keys))
+      quant.add(f"{name}/dy", _rows(dy, -1), (1, 16), config.dy_dgrad.rounding, next(keys))
       products.append((name, config, x, dense.kernel[...], dy, next(keys)))
       for t, a in (("w", w), ("x", x), ("dy", dy)):
         shares[f"{name}/{t}_top{TOP_K}_energy"] = analysis.top_energy_share(a, TOP_K)

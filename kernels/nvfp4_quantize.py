@@ -56,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fp4jax import numerics, nvfp4
+from fp4jax.execution import AMAX_PASSES
 from fp4jax.kernels._common import (BLOCK, F32_INF_BITS, F32_NORMAL_MIN_BITS, ROUNDINGS, abs_bits,
                                     check_powers_of_two, div_rn, division, e2m1_codes, float_of,
                                     e4m3_block_scales, key_words, load, max_all, ref_words, store)
@@ -64,7 +65,6 @@ from fp4jax.numerics import BIT_SOURCES, stochastic_bits
 __all__ = ["AMAX_PASSES", "BIT_SOURCES", "BLOCK", "BlockSizes", "amax_bits", "check_powers_of_two",
            "hadamard_signs", "quantize", "quantize_reference", "stochastic_bits", "threefry_key"]
 
-AMAX_PASSES = ("kernel", "xla")
 _MIN_BB = 8  # the fewest blocks (or slab columns) of the contiguous axis that a divisor tile takes
 _TF_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 

@@ -50,9 +50,10 @@ def test_train_step_recipe_specs():
 
   assert recipe_of("fp4_linear") == get_recipe("fp4_linear")
   assert recipe_list("bf16,fp4_linear") == ["bf16", "fp4_linear"]
-  specs = recipe_list("fp4_linear;fp4_linear:matmul.two_term=x,w")
-  assert specs == ["fp4_linear", "fp4_linear:matmul.two_term=x,w"]
-  assert recipe_of(specs[1]).matmul.two_term == "x,w"
+  specs = recipe_list("fp4_linear;fp4_linear:matmul.x.terms=2:matmul.w.terms=2")
+  assert specs == ["fp4_linear", "fp4_linear:matmul.x.terms=2:matmul.w.terms=2"]
+  two = recipe_of(specs[1]).matmul
+  assert (two.x.terms, two.w.terms, two.w.block, two.dy_dgrad.terms) == (2, 2, (16, 16), 1)
   r = recipe_of("fp4_linear:matmul.rounding_bits=counter:matmul.hadamard=false:lora_rank=4")
   assert (r.matmul.rounding_bits, r.matmul.hadamard, r.lora_rank) == ("counter", False, 4)
   with pytest.raises(ValueError, match="not FIELD=VALUE"):

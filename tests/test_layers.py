@@ -204,3 +204,5 @@ def test_one_dense_with_an_injected_matmul():
     bf16.resplit()
   with pytest.raises(ValueError, match="config must be a MatmulConfig"):
     NVFP4Matmul("nvfp4")
+  with pytest.raises(ValueError, match="execution must be a MatmulExecution"):
+    NVFP4Matmul(NVFP4, "xla")

@@ -18,6 +18,7 @@ from conftest import H200
 from jax.sharding import AbstractMesh
 
 from fp4jax import _platform, numerics, nvfp4
+from fp4jax.execution import MatmulExecution
 from fp4jax.ops import (
   MatmulConfig,
   nvfp4_matmul,
@@ -25,11 +26,16 @@ from fp4jax.ops import (
   nvfp4_matmul_vjp_reference,
 )
 from fp4jax.ops import matmul
+from fp4jax.ops.matmul import Split
+from fp4jax.quant import Operand
 
 M0, M1, K, N = 2, 16, 32, 32
 NVFP4 = MatmulConfig.nvfp4()
 # Every operand stochastically rounded: each GEMM is then unbiased for the *exact* product.
-ALL_SR = MatmulConfig.nvfp4(x_rounding="stochastic", w_rounding="stochastic", x_wgrad_rounding="stochastic")
+SR = Operand(rounding="stochastic")
+ALL_SR = MatmulConfig.nvfp4(x=SR, w=Operand(rounding="stochastic", block=(16, 16)), x_wgrad=SR)
+NEAREST_DY = dict(dy_dgrad=Operand(), dy_wgrad=Operand())  # the recipe without stochastic rounding
+BF16 = Operand(format="bf16")
 N_KEYS = 128
 
 
@@ -42,8 +48,8 @@ def _data(dtype=jnp.float32, seed=0):
 
 
 def _vjp(x, w, dy, key, config, implementation="xla", gemm="auto", amax="kernel"):
-  y, vjp = jax.vjp(lambda x, w: nvfp4_matmul(x, w, key=key, config=config, implementation=implementation,
-                                             gemm=gemm, amax=amax), x, w)
+  ex = MatmulExecution(implementation, gemm, amax)
+  y, vjp = jax.vjp(lambda x, w: nvfp4_matmul(x, w, key=key, config=config, execution=ex), x, w)
   return (y, *vjp(dy))
 
 
@@ -83,22 +89,30 @@ def test_config_presets_validation_and_hashing():
   assert not MatmulConfig.bf16().quantized and not MatmulConfig.bf16().needs_key
   assert NVFP4.quantized and NVFP4.needs_key and NVFP4 == MatmulConfig()
   assert MatmulConfig.bf16(hadamard=True).needs_key  # Hadamard signs are random
-  no_random = MatmulConfig.nvfp4(dy_dgrad_rounding="nearest", dy_wgrad_rounding="nearest", hadamard=False)
+  no_random = MatmulConfig.nvfp4(**NEAREST_DY, hadamard=False)
   assert no_random.quantized and not no_random.needs_key
   # A stochastic rounding of an operand whose GEMM is off draws no bits.
-  assert not MatmulConfig.bf16(dy_dgrad_rounding="stochastic", x_rounding="stochastic").needs_key
+  assert not MatmulConfig.bf16(x=SR).needs_key
   assert hash(MatmulConfig.nvfp4(hadamard=False)) == hash(MatmulConfig(hadamard=False))
-  with pytest.raises(ValueError, match="x_rounding"):
-    MatmulConfig(x_rounding="up")
+  with pytest.raises(ValueError, match="MatmulConfig.x must be a fp4jax.quant.Operand"):
+    MatmulConfig(x="stochastic")
   with pytest.raises(ValueError, match="fwd must be a bool"):
     MatmulConfig(fwd=1)
+  # Each operand's block is the one its GEMMs contract.
+  with pytest.raises(ValueError, match=r"MatmulConfig.w.block=\(1, 16\).*use block=\(16, 16\)"):
+    MatmulConfig(w=Operand())
+  with pytest.raises(ValueError, match=r"MatmulConfig.dy_wgrad.block=\(16, 16\)"):
+    MatmulConfig(dy_wgrad=Operand(block=(16, 16)))
+  MatmulConfig(w=Operand(format="bf16"))  # an unquantized operand has no blocks
   x, w = jnp.ones((32, 32)), jnp.ones((32, 32))
-  with pytest.raises(ValueError, match="nvfp4_matmul: implementation must be one of"):
-    nvfp4_matmul(x, w, key=jax.random.key(0), config=NVFP4, implementation="triton")
-  with pytest.raises(ValueError, match="amax must be one of"):
-    nvfp4_matmul(x, w, key=jax.random.key(0), config=NVFP4, amax="fused")
-  with pytest.raises(ValueError, match="gemm must be one of"):
-    nvfp4_matmul(x, w, key=jax.random.key(0), config=NVFP4, gemm="fp4")
+  with pytest.raises(ValueError, match="MatmulExecution.implementation: implementation must be one of"):
+    MatmulExecution("triton")
+  with pytest.raises(ValueError, match="MatmulExecution.amax must be one of"):
+    MatmulExecution(amax="fused")
+  with pytest.raises(ValueError, match="MatmulExecution.gemm must be one of"):
+    MatmulExecution(gemm="fp4")
+  with pytest.raises(ValueError, match="execution must be a fp4jax.execution.MatmulExecution"):
+    nvfp4_matmul(x, w, key=jax.random.key(0), config=NVFP4, execution="xla")
   with pytest.raises(TypeError):  # what runs an op is not part of what it computes
     MatmulConfig(implementation="xla")
 
@@ -204,7 +218,8 @@ def test_residuals_are_packed_nvfp4(implementation):
   """The backward keeps Q(w) and Q(H·x) packed (uint8 codes + e4m3 scales), no float copy of x or w."""
   x, w, _ = _data(jnp.bfloat16)
   vjp_fn = jax.eval_shape(lambda x, w: jax.vjp(
-      lambda x, w: nvfp4_matmul(x, w, key=jax.random.key(0), config=NVFP4, implementation=implementation),
+      lambda x, w: nvfp4_matmul(x, w, key=jax.random.key(0), config=NVFP4,
+                                execution=MatmulExecution(implementation)),
       x, w)[1], x, w)
   leaves = [(tuple(l.shape), l.dtype) for l in jax.tree.leaves(vjp_fn)]
   assert ((K, N // 2), jnp.uint8) in leaves and ((M0 * M1 // 2, K), jnp.uint8) in leaves
@@ -266,12 +281,14 @@ def _both_implementations(x, w, dy, key, config, gemm="auto", amax="kernel"):
           _vjp(x, w, dy, key, config, "pallas_interpret", gemm, amax))
 
 
+TWO_TERM_AND_BF16 = MatmulConfig.nvfp4(x=Operand(terms=2), dy_dgrad=BF16,
+                                      dy_wgrad=Operand(rounding="stochastic", terms=2))
 KERNEL_CASES = [
     # Nearest x and w, stochastic dy, the Hadamard transform on the wgrad operands; x 3-D.
     ("recipe, 3-D x", NVFP4, (M0, M1, K), {}),
     # Every forward/dgrad rounding flipped, no Hadamard; x 2-D.
     ("flipped roundings, no Hadamard, 2-D x",
-     MatmulConfig.nvfp4(x_rounding="stochastic", w_rounding="stochastic", dy_dgrad_rounding="nearest",
+     MatmulConfig.nvfp4(x=SR, w=Operand(rounding="stochastic", block=(16, 16)), dy_dgrad=Operand(),
                         hadamard=False), (M0 * M1, K), {}),
     # Q(w) for the dgrad only (packed, no decoded forward operand); the Hadamard transform in f32.
     ("dgrad only", MatmulConfig.nvfp4(fwd=False, wgrad=False), (M0, M1, K), {}),
@@ -280,14 +297,13 @@ KERNEL_CASES = [
     # The quantizer kernels' first pass as an XLA reduction.
     ("amax in XLA", NVFP4, (M0, M1, K), {"amax": "xla"}),
     # Stochastic rounding with counter-hash bits (x stochastic too), every implementation alike.
-    ("counter rounding bits", MatmulConfig.nvfp4(rounding_bits="counter", x_rounding="stochastic"),
+    ("counter rounding bits", MatmulConfig.nvfp4(rounding_bits="counter", x=SR),
      (M0, M1, K), {}),
     # Two-term operands (the kernels quantize each term; H applied before the first) and a BF16 one.
-    ("two-term and bf16 operands", MatmulConfig.nvfp4(two_term="x,dy_wgrad", bf16_operands="dy_dgrad"),
-     (M0, M1, K), {}),
+    ("two-term and bf16 operands", TWO_TERM_AND_BF16, (M0, M1, K), {}),
     # x and dy split: the residuals quantized by the kernels.
-    ("mean split", MatmulConfig.nvfp4(split="x,dy"), (M0, M1, K), {}),
-    ("subspace split", MatmulConfig.nvfp4(split="x,dy", split_method="subspace", split_rank=4),
+    ("mean split", MatmulConfig.nvfp4(split=Split(("x", "dy"))), (M0, M1, K), {}),
+    ("subspace split", MatmulConfig.nvfp4(split=Split(("x", "dy"), method="subspace", rank=4)),
      (M0 * M1, K), {}),
 ]
 
@@ -313,7 +329,7 @@ def test_auto_is_xla_on_the_cpu_and_kernel_choices_check_their_inputs():
   auto = MatmulConfig.nvfp4()
   hlo = jax.jit(lambda x, w: nvfp4_matmul(x, w, key=jax.random.key(0), config=auto)).lower(x, w).as_text()
   assert "custom_call" not in hlo  # neither the kernels nor their interpret-mode loops
-  pallas = functools.partial(nvfp4_matmul, config=MatmulConfig.nvfp4(), implementation="pallas")
+  pallas = functools.partial(nvfp4_matmul, config=MatmulConfig.nvfp4(), execution=MatmulExecution("pallas"))
   with pytest.raises(ValueError, match="threefry2x32 .*implementation='xla'"):
     pallas(x, w, key=jax.random.key(0, impl="rbg"))
   big = jax.ShapeDtypeStruct((2**27, 16), jnp.bfloat16)  # 2**31 elements
@@ -346,12 +362,13 @@ def test_counter_rounding_bits(monkeypatch):
   counter = MatmulConfig.nvfp4(rounding_bits="counter")
   keys = matmul._keys(key, counter)
   want = nvfp4.quantize(dy, rounding="stochastic", bits=numerics.counter_bits(keys["dy_dgrad"], dy.shape))
-  got = matmul.quantize_dy_dgrad(dy, keys, counter)
+  dy_dgrad = lambda keys, config: matmul.quantize_operand(dy, "dy_dgrad", keys, config)[0][0]
+  got = dy_dgrad(keys, counter)
   assert _bits_equal(got.codes, want.codes) and _bits_equal(got.scales, want.scales)
-  random = matmul.quantize_dy_dgrad(dy, keys, dataclasses.replace(counter, rounding_bits="random"))
+  random = dy_dgrad(keys, dataclasses.replace(counter, rounding_bits="random"))
   assert not _bits_equal(got.codes, random.codes)
   # Unbiased: the mean over keys of the decoded operand approaches dy (as for the random bits).
-  many = jax.vmap(lambda k: matmul.quantize_dy_dgrad(dy, matmul._keys(k, counter), counter).dequantize(
+  many = jax.vmap(lambda k: dy_dgrad(matmul._keys(k, counter), counter).dequantize(
       jnp.float32))(jax.random.split(key, 256))
   err = jnp.abs(many.mean(0) - dy.astype(jnp.float32)).mean() / jnp.abs(dy.astype(jnp.float32)).mean()
   assert err < 0.02, err
@@ -491,9 +508,10 @@ def test_fp4_tensor_cores_reads_the_compute_capability(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # Attribution (BF16 operands) and remedies (two-term operands, low-rank splits of x and dy)
 
-ALL_OPERANDS = ",".join(matmul.OPERANDS)
-MEAN_SPLIT = MatmulConfig.nvfp4(split="x,dy")
-SUBSPACE_SPLIT = MatmulConfig.nvfp4(split="x,dy", split_method="subspace", split_rank=4)
+ALL_BF16 = dict.fromkeys(matmul.OPERANDS, BF16)
+ALL_TWO_TERM = {op: dataclasses.replace(getattr(NVFP4, op), terms=2) for op in matmul.OPERANDS}
+MEAN_SPLIT = MatmulConfig.nvfp4(split=Split(("x", "dy")))
+SUBSPACE_SPLIT = MatmulConfig.nvfp4(split=Split(("x", "dy"), method="subspace", rank=4))
 
 
 def _structured(seed=0):
@@ -508,25 +526,26 @@ def _structured(seed=0):
 
 
 def test_new_config_fields_are_validated_and_need_keys_where_they_draw_bits():
-  with pytest.raises(ValueError, match="split='w'"):
-    MatmulConfig(split="w")
-  with pytest.raises(ValueError, match="bf16_operands='x,x'"):
-    MatmulConfig(bf16_operands="x,x")
-  with pytest.raises(ValueError, match="two_term='dy'"):
-    MatmulConfig(two_term="dy")
-  with pytest.raises(ValueError, match="both bf16_operands and two_term"):
-    MatmulConfig(bf16_operands="x", two_term="x,w")
-  with pytest.raises(ValueError, match="split_method must be one of"):
-    MatmulConfig(split_method="svd")
-  with pytest.raises(ValueError, match="split_rank must be an int >= 1"):
-    MatmulConfig(split_rank=0)
-  deterministic = dict(dy_dgrad_rounding="nearest", dy_wgrad_rounding="nearest", hadamard=False)
-  assert not MatmulConfig.nvfp4(split="x,dy", **deterministic).needs_key  # the mean draws nothing
-  assert MatmulConfig.nvfp4(split="x", split_method="subspace", **deterministic).needs_key
+  with pytest.raises(ValueError, match=r"split.tensors=\('w',\)"):
+    Split(("w",))
+  with pytest.raises(ValueError, match=r"split.tensors=\('x', 'x'\)"):
+    Split(("x", "x"))
+  with pytest.raises(ValueError, match="split.tensors='x'"):  # no comma strings
+    Split("x")
+  with pytest.raises(ValueError, match="split.method must be one of"):
+    Split(method="svd")
+  with pytest.raises(ValueError, match="split.rank must be an int >= 1"):
+    Split(rank=0)
+  with pytest.raises(ValueError, match="MatmulConfig.split must be a Split"):
+    MatmulConfig(split=("x",))
+  assert Split(["x"]).tensors == ("x",) and hash(Split(["x"])) == hash(Split(("x",)))
+  deterministic = dict(**NEAREST_DY, hadamard=False)
+  assert not MatmulConfig.nvfp4(split=Split(("x", "dy")), **deterministic).needs_key  # the mean draws nothing
+  assert MatmulConfig.nvfp4(split=Split(("x",), method="subspace"), **deterministic).needs_key
   # A split of a tensor that no quantized GEMM reads is no split.
-  assert not MatmulConfig.nvfp4(fwd=False, wgrad=False, split="x").splits("x")
+  assert not MatmulConfig.nvfp4(fwd=False, wgrad=False, split=Split(("x",))).splits("x")
   # BF16 operands draw no bits: a forward with only Q(w) nearest needs no key.
-  assert not MatmulConfig.nvfp4(bf16_operands="dy_dgrad,dy_wgrad", **deterministic).needs_key
+  assert not MatmulConfig.nvfp4(dy_dgrad=BF16, dy_wgrad=BF16, hadamard=False).needs_key
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -535,15 +554,15 @@ def _op_and_exact(x, w, dy, key, config):
 
 
 def test_bf16_operands_make_an_nvfp4_times_bf16_gemm():
-  """``bf16_operands="x"`` in the forward: ``y = x · Q(w)`` (Q(w) decoded exactly), and with every
+  """A BF16 ``x`` in the forward: ``y = x · Q(w)`` (Q(w) decoded exactly), and with every
   operand in BF16 (no Hadamard) the three GEMMs are the unquantized products."""
   x, w, dy = _data()
-  cfg = MatmulConfig.nvfp4(bf16_operands="x", hadamard=False)
+  cfg = MatmulConfig.nvfp4(x=BF16, hadamard=False)
   (y, _, _), _ = _op_and_exact(x, w, dy, jax.random.key(1), cfg)
   qw = nvfp4.quantize(w, block=(16, 16)).dequantize(jnp.float32)
   want = jnp.dot(x.reshape(-1, K), qw, precision="highest").reshape(y.shape)
   np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
-  none = MatmulConfig.nvfp4(bf16_operands=ALL_OPERANDS, hadamard=False)
+  none = MatmulConfig.nvfp4(**ALL_BF16, hadamard=False)
   got, exact = _op_and_exact(x, w, dy, jax.random.key(1), none)
   for name, g, e in zip(("y", "dx", "dw"), got, exact):
     assert _rel(g, e) < 1e-5, (name, _rel(g, e))
@@ -556,15 +575,39 @@ def test_two_term_operands_cut_the_gemm_error_several_fold():
   x, w, dy = _data()
   key = jax.random.key(3)
   one, exact = _op_and_exact(x, w, dy, key, NVFP4)
-  two, _ = _op_and_exact(x, w, dy, key, MatmulConfig.nvfp4(two_term=ALL_OPERANDS))
+  two, _ = _op_and_exact(x, w, dy, key, MatmulConfig.nvfp4(**ALL_TWO_TERM))
   for name, a, b, e in zip(("y", "dx", "dw"), one, two, exact):
     assert _rel(b, e) < 0.25 * _rel(a, e), (name, _rel(a, e), _rel(b, e))
   # A two-term operand is the sum of its terms' GEMMs: term 1 alone is the one-term operand's.
   keys = matmul._keys(key, NVFP4)
-  terms = matmul.quantize_operand(x.reshape(-1, K), "x", keys, MatmulConfig.nvfp4(two_term="x"))
+  terms = matmul.quantize_operand(x.reshape(-1, K), "x", keys, MatmulConfig.nvfp4(x=Operand(terms=2)))
   q1 = matmul.quantize_operand(x.reshape(-1, K), "x", keys, NVFP4)
   assert len(terms) == 2 and len(q1) == 1
   assert _bits_equal(terms[0][0].codes, q1[0][0].codes)
+
+
+def test_two_term_operand_and_its_gemm_are_the_terms_quantized_and_multiplied_in_order():
+  """A two-term operand is ``Q1 = Q(a)`` and ``Q2 = Q(a − Q1)`` from the materialized ``Q1`` (its
+  second term with the key folded by 1), and the GEMM of two of them is the sum of the four term
+  GEMMs in the order ``(1, 1), (1, 2), (2, 1), (2, 2)``: bit for bit."""
+  x, w, _ = _data()
+  x2 = x.reshape(-1, K)
+  cfg = MatmulConfig.nvfp4(x=Operand(terms=2), w=Operand(rounding="stochastic", block=(16, 16), terms=2))
+  keys = matmul._keys(jax.random.key(6), cfg)
+  tx, tw = (matmul.quantize_operand(a, op, keys, cfg) for a, op in ((x2, "x"), (w, "w")))
+  x1 = nvfp4.quantize(x2, axis=-1)
+  xs = (x1, nvfp4.quantize(x2 - x1.dequantize(jnp.float32), axis=-1))
+  bits = lambda k, a: numerics.stochastic_bits(k, a.shape, "random")
+  w1 = nvfp4.quantize(w, block=(16, 16), rounding="stochastic", bits=bits(keys["w"], w))
+  r = w - w1.dequantize(jnp.float32)
+  ws = (w1, nvfp4.quantize(r, block=(16, 16), rounding="stochastic", bits=bits(jax.random.fold_in(keys["w"], 1), r)))
+  for got, want in zip((*tx, *tw), (*xs, *ws), strict=True):
+    assert got[1] is None
+    assert all(_bits_equal(np.atleast_1d(g), np.atleast_1d(e))
+               for g, e in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want), strict=True))
+  gemm = lambda a, b: nvfp4.gemm(a, b, ((1,), (0,)))
+  want = gemm(xs[0], ws[0]) + gemm(xs[0], ws[1]) + gemm(xs[1], ws[0]) + gemm(xs[1], ws[1])
+  assert _bits_equal(matmul._gemm_operands(tx, tw, ((1,), (0,))), want)
 
 
 @pytest.mark.parametrize("config", [MEAN_SPLIT, SUBSPACE_SPLIT], ids=["mean", "subspace"])
@@ -572,7 +615,7 @@ def test_a_split_is_exact_algebra_when_nothing_is_quantized(config):
   """With every operand in BF16 the split changes nothing but rounding: y, dx and dw equal the
   unquantized products (the low-rank terms carry bf16 operands: ≤ 1% where U·P is most of x)."""
   x, w, dy = _structured()
-  cfg = dataclasses.replace(config, bf16_operands=ALL_OPERANDS, hadamard=False)
+  cfg = dataclasses.replace(config, **ALL_BF16, hadamard=False)
   got, exact = _op_and_exact(x, w, dy, jax.random.key(2), cfg)
   for name, g, e in zip(("y", "dx", "dw"), got, exact):
     assert _rel(g, e) < 1e-2, (name, _rel(g, e))
@@ -590,7 +633,7 @@ def test_a_split_removes_the_error_of_what_it_takes_out(config):
   split, _ = _op_and_exact(x, w, dy, key, config)
   errs = {n: (_rel(b, e), _rel(s, e)) for n, b, s, e in zip(("y", "dx", "dw"), base, split, exact)}
   assert errs["y"][1] < 0.5 * errs["y"][0], errs  # x's mean is in both splits
-  if config.split_method == "subspace":
+  if config.split.method == "subspace":
     assert errs["dx"][1] < 0.5 * errs["dx"][0], errs  # dy's rank-2 part
   for name, (b, s) in errs.items():
     assert s < 1.05 * b, (name, errs)
@@ -598,7 +641,7 @@ def test_a_split_removes_the_error_of_what_it_takes_out(config):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [
-    MatmulConfig.nvfp4(two_term="x,dy_wgrad", bf16_operands="dy_dgrad"), MEAN_SPLIT, SUBSPACE_SPLIT],
+    TWO_TERM_AND_BF16, MEAN_SPLIT, SUBSPACE_SPLIT],
     ids=["two-term and bf16 operands", "mean split", "subspace split"])
 def test_new_configs_match_their_dequantized_reference(config):
   x, w, dy = _structured()

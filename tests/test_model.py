@@ -18,6 +18,7 @@ from fp4jax.model import NVFP4Attention, ModelConfig, Transformer, attention_imp
 from fp4jax.ops.attention import AttentionConfig
 from fp4jax.ops import MatmulConfig, mixed_matmul
 from fp4jax.recipe import Recipe, get_recipe
+from fp4jax.quant import Operand
 
 CFG = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                   dtype="float32")
@@ -155,7 +156,7 @@ def test_recipe_places_precision_per_block():
     assert b.attn.qkv.rank == b.attn.o.rank == 0 and b.attn.qkv.lora_a is None
     assert isinstance(b.attn.qkv.matmul, NVFP4Matmul)
   # The linear ablations reach every NVFP4 projection.
-  want = MatmulConfig.nvfp4(hadamard=False, dy_dgrad_rounding="nearest", dy_wgrad_rounding="nearest")
+  want = MatmulConfig.nvfp4(hadamard=False, dy_dgrad=Operand(), dy_wgrad=Operand())
   ablated = _model(cfg, Recipe(linear="nvfp4", matmul=want))
   assert all(b.attn.qkv.matmul.config == want and b.mlp.down.matmul.config == want for b in ablated.blocks)
 

@@ -34,8 +34,8 @@ CONFIGS = {
     "adamw_unquantized": lambda: optim.adamw_nvfp4(LR, quantize=False),
     "scale_by_adam_nvfp4": lambda: optim.scale_by_adam_nvfp4(options=ALL_NVFP4),
     "muon_nvfp4": lambda: optim.muon_nvfp4(LR, adam_options=ALL_NVFP4),
-    "muon_fp32": lambda: optim.muon_nvfp4(LR, ns_precision="fp32", adam_options=ALL_NVFP4),
-    "muon_unquantized": lambda: optim.muon_nvfp4(LR, ns_precision="fp32", quantize=False),
+    "muon_fp32": lambda: optim.muon_nvfp4(LR, ns_operand=None, adam_options=ALL_NVFP4),
+    "muon_unquantized": lambda: optim.muon_nvfp4(LR, ns_operand=None, quantize=False),
     "root": lambda: optim.root(LR, adam_options=ALL_NVFP4),
 }
 

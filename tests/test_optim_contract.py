@@ -13,6 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp4jax import nvfp4, optim
+from fp4jax.quant import Operand
 
 
 def _mesh():
@@ -44,7 +45,7 @@ ALL_NVFP4 = optim.AdamNvfp4Options(min_size=0)
 
 
 @pytest.mark.parametrize("make", [lambda: optim.adamw_nvfp4(1e-2, options=ALL_NVFP4),
-                                  lambda: optim.muon_nvfp4(1e-2, adam_options=ALL_NVFP4, ns_precision="fp32")],
+                                  lambda: optim.muon_nvfp4(1e-2, adam_options=ALL_NVFP4, ns_operand=None)],
                          ids=["adamw", "muon"])
 @pytest.mark.slow
 def test_state_sharding_follows_params_and_sharded_equals_unsharded(make):
@@ -89,7 +90,7 @@ def test_state_sharding_follows_params_and_sharded_equals_unsharded(make):
 
 @pytest.mark.slow
 def test_orbax_round_trip_of_packed_state_into_shardings(tmp_path):
-  tx = optim.muon_nvfp4(1e-2, adam_options=ALL_NVFP4, ns_precision="bf16")
+  tx = optim.muon_nvfp4(1e-2, adam_options=ALL_NVFP4, ns_operand=Operand(format="bf16"))
   mesh, params = _mesh(), _params()
   p_sh = {k: NamedSharding(mesh, s) for k, s in SPECS.items()}
   abstract = jax.eval_shape(tx.init, params)

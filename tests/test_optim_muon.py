@@ -9,6 +9,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from fp4jax import analysis, nvfp4, optim
 from fp4jax.optim import ns
+from fp4jax.quant import Operand
 
 MUON = jnp.asarray(optim.MUON_COEFFS)
 
@@ -21,7 +22,7 @@ def _matrix(shape, seed=0):
 def test_fp32_newton_schulz_matches_optax(shape):
   x = _matrix(shape)
   ref = optax.contrib._muon.orthogonalize_via_newton_schulz(x, MUON, 5)
-  np.testing.assert_allclose(optim.newton_schulz(x, precision="fp32"), ref, atol=2e-6)
+  np.testing.assert_allclose(optim.newton_schulz(x, operand=None), ref, atol=2e-6)
 
 
 @pytest.mark.slow
@@ -35,10 +36,29 @@ def test_nvfp4_products_equal_dequantized_reference_and_two_terms_are_closer():
                              rtol=1e-5, atol=1e-5)
   exact = hi(a, b)
   err = lambda y: float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact))
-  one, two = err(one), err(jax.jit(ns.nvfp4_dot, static_argnums=2)(a, b, 2))
+  one, two = err(one), err(jax.jit(ns.nvfp4_dot, static_argnums=2)(a, b, Operand(terms=2)))
   assert 0.05 < one < 0.2 and two < one / 5  # measured: 0.139 vs 0.016
-  with pytest.raises(ValueError, match="terms must be 1 or 2"):
-    optim.nvfp4_dot(a, b, 3)
+
+
+def test_two_term_products_are_the_leading_term_gemms():
+  """Two-term operands: ``Q2 = Q(a − Q1)`` from the materialized ``Q1`` (``quant.quantize_terms``),
+  and the product is exactly ``Q1·P1 + Q1·P2 + Q2·P1`` in that order (``Q2·P2`` left out), jitted
+  or not; only NVFP4 operands in 1×16 round-to-nearest blocks are taken."""
+  a, b = _matrix((32, 64), 1), _matrix((64, 48), 2)
+  a1, b1 = nvfp4.quantize(a, axis=-1), nvfp4.quantize(b, axis=0)
+  a2 = nvfp4.quantize(a - a1.dequantize(jnp.float32), axis=-1)
+  b2 = nvfp4.quantize(b - b1.dequantize(jnp.float32), axis=0)
+  gemm = lambda u, v: nvfp4.gemm(u, v, ((1,), (0,)))
+  want = gemm(a1, b1) + gemm(a1, b2) + gemm(a2, b1)
+  two = Operand(terms=2)
+  for got in (ns.nvfp4_dot(a, b, two), jax.jit(ns.nvfp4_dot, static_argnums=2)(a, b, two)):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+  with pytest.raises(ValueError, match="nvfp4_dot: operand must be an NVFP4"):
+    optim.nvfp4_dot(a, b, Operand(format="bf16"))
+  with pytest.raises(ValueError, match="round-to-nearest"):
+    optim.nvfp4_gram(a, Operand(rounding="stochastic"))
+  with pytest.raises(ValueError, match="newton_schulz: operand must be a fp4jax.quant.Operand or None"):
+    optim.newton_schulz(a, operand="nvfp4")
 
 
 @pytest.mark.slow
@@ -47,18 +67,18 @@ def test_nvfp4_products_use_scaled_matmul_on_fp4_tensor_cores(monkeypatch):
   CPU: its float32 dequantize-then-dot) with the same value up to summation order."""
   from fp4jax import _platform
   a, b = _matrix((32, 64), 1), _matrix((64, 48), 2)
-  decoded = ns.nvfp4_dot(a, b, 2)
+  decoded = ns.nvfp4_dot(a, b, Operand(terms=2))
   monkeypatch.setattr(_platform, "fp4_tensor_cores", lambda: True)
   # A fresh function: a jitted trace of nvfp4_dot from another test would be reused as it is.
-  assert "scaled_matmul" in str(jax.make_jaxpr(lambda a, b: ns.nvfp4_dot(a, b, 2))(a, b))
-  np.testing.assert_allclose(ns.nvfp4_dot(a, b, 2), decoded, rtol=1e-5, atol=1e-5)
+  assert "scaled_matmul" in str(jax.make_jaxpr(lambda a, b: ns.nvfp4_dot(a, b, Operand(terms=2)))(a, b))
+  np.testing.assert_allclose(ns.nvfp4_dot(a, b, Operand(terms=2)), decoded, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
 def test_nvfp4_newton_schulz_orthogonalizes():
   x = _matrix((20, 40), 3)  # not multiples of 16: the padded path
-  ref = optim.newton_schulz(x, precision="fp32")
-  two = jax.jit(lambda x: optim.newton_schulz(x, precision="nvfp4"))(x)
+  ref = optim.newton_schulz(x, operand=None)
+  two = jax.jit(lambda x: optim.newton_schulz(x, operand=Operand(terms=2)))(x)
   assert two.shape == x.shape
   e = analysis.orthogonality_error(two)
   assert 0.55 < e["s_min"] and e["s_max"] < 1.3
@@ -68,7 +88,7 @@ def test_nvfp4_newton_schulz_orthogonalizes():
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_unquantized_muon_matches_optax_scale_by_muon(nesterov):
   params = {"a": _matrix((24, 40), 4), "b": _matrix((24, 40), 5), "c": _matrix((40, 16), 6)}
-  ours = optim.scale_by_muon_nvfp4(ns_precision="fp32", nesterov=nesterov)
+  ours = optim.scale_by_muon_nvfp4(ns_operand=None, nesterov=nesterov)
   dims = lambda p: jax.tree.map(lambda _: MuonDimensionNumbers(), p)
   ref = optax.contrib.scale_by_muon(nesterov=nesterov, weight_dimension_numbers=dims)
   s1, s2 = ours.init(params), ref.init(params)
@@ -111,22 +131,24 @@ def test_muon_routes_embedding_head_and_vectors_to_adamw():
     optim.muon_nvfp4(1e-2, muon_mask=dims).init(params)
   with pytest.raises(ValueError, match="2-D"):
     optim.scale_by_muon_nvfp4().init({"w": jnp.zeros((2, 16, 16))})
-  with pytest.raises(ValueError, match="ns_precision"):
-    optim.scale_by_muon_nvfp4(ns_precision="fp8")
+  with pytest.raises(ValueError, match="ns_operand must be a fp4jax.quant.Operand or None"):
+    optim.scale_by_muon_nvfp4(ns_operand="fp32")
+  with pytest.raises(ValueError, match="ns_operand=.*round-to-nearest"):
+    optim.scale_by_muon_nvfp4(ns_operand=Operand(rounding="stochastic"))
 
 
 def test_root_coefficients_and_soft_thresholding_match_reference_step():
   assert optim.root_coeffs((8192, 2048)) == optim.ROOT_NS_COEFFS[(2048, 8192)]
   assert optim.root_coeffs((100, 300)) == optim.MUON_COEFFS
   g = _matrix((32, 48), 7).at[0, :4].mul(50.0)  # a few outliers
-  tx = optim.scale_by_root_nvfp4(ns_precision="fp32")
+  tx = optim.scale_by_root_nvfp4(ns_operand=None)
   u, state = jax.jit(tx.update)({"w": g}, tx.init({"w": g}))
   # ROOT's first step: Nesterov momentum of one gradient is g up to scale; clip at the 0.9-quantile.
   thr = np.quantile(np.abs(np.asarray(g)), 0.9) * 1.0
-  ref = optim.newton_schulz(np.clip(np.asarray(g), -thr, thr), optim.MUON_COEFFS, precision="fp32",
+  ref = optim.newton_schulz(np.clip(np.asarray(g), -thr, thr), optim.MUON_COEFFS, operand=None,
                             eps=1e-7)
   np.testing.assert_allclose(u["w"], ref, atol=1e-4)
-  plain = optim.newton_schulz(g, precision="fp32")
+  plain = optim.newton_schulz(g, operand=None)
   assert float(jnp.linalg.norm(plain - ref)) > 0.1  # the thresholding mattered
 
 

@@ -14,6 +14,7 @@ import pytest
 from optax.contrib import MuonDimensionNumbers
 
 from fp4jax import nvfp4, optim
+from fp4jax.quant import Operand
 
 LR = 1e-2
 
@@ -21,10 +22,10 @@ LR = 1e-2
 TRANSFORMS = {
     "adamw_nvfp4": (optim.adamw_nvfp4, dict(learning_rate=LR), False),
     "scale_by_adam_nvfp4": (optim.scale_by_adam_nvfp4, dict(), False),
-    "muon_nvfp4": (optim.muon_nvfp4, dict(learning_rate=LR, ns_precision="fp32"), False),
-    "scale_by_muon_nvfp4": (optim.scale_by_muon_nvfp4, dict(ns_precision="fp32"), True),
-    "root": (optim.root, dict(learning_rate=LR, ns_precision="fp32"), False),
-    "scale_by_root_nvfp4": (optim.scale_by_root_nvfp4, dict(ns_precision="fp32"), True),
+    "muon_nvfp4": (optim.muon_nvfp4, dict(learning_rate=LR, ns_operand=None), False),
+    "scale_by_muon_nvfp4": (optim.scale_by_muon_nvfp4, dict(ns_operand=None), True),
+    "root": (optim.root, dict(learning_rate=LR, ns_operand=None), False),
+    "scale_by_root_nvfp4": (optim.scale_by_root_nvfp4, dict(ns_operand=None), True),
 }
 
 
@@ -154,9 +155,9 @@ def test_traced_adam_constants_and_ns_steps():
     np.testing.assert_allclose(u2["w"], u1["w"], rtol=1e-5)
     assert np.mean(np.asarray(s1.mu["w"].codes) != np.asarray(s2.inner_state.mu["w"].codes)) < 0.02
   x = jax.random.normal(jax.random.key(2), (20, 40))
-  for precision in ("fp32", "bf16"):
-    traced = jax.jit(lambda x, n, p=precision: optim.newton_schulz(x, steps=n, precision=p))
-    np.testing.assert_allclose(traced(x, 5), optim.newton_schulz(x, steps=5, precision=precision),
+  for operand in (None, Operand(format="bf16")):
+    traced = jax.jit(lambda x, n, p=operand: optim.newton_schulz(x, steps=n, operand=p))
+    np.testing.assert_allclose(traced(x, 5), optim.newton_schulz(x, steps=5, operand=operand),
                                atol=1e-5)
 
 
@@ -164,11 +165,11 @@ def test_newton_schulz_and_shape_scale_of_empty_matrices():
   shapes = {"e04": (0, 4), "e40": (4, 0), "e00": (0, 0)}
   for shape in shapes.values():
     x = jnp.zeros(shape)
-    for precision in ("fp32", "nvfp4"):
-      assert optim.newton_schulz(x, precision=precision).shape == shape
+    for operand in (None, Operand(terms=2)):
+      assert optim.newton_schulz(x, operand=operand).shape == shape
     for rms in (None, 0.2):
       assert optim.scale_by_shape(rms).update({"w": x}, None)[0]["w"].shape == shape
-  for tx in (optim.muon_nvfp4(LR, ns_precision="fp32"), optim.root(LR, ns_precision="fp32")):
+  for tx in (optim.muon_nvfp4(LR, ns_operand=None), optim.root(LR, ns_operand=None)):
     params = {**{k: jnp.zeros(s) for k, s in shapes.items()}, "v": jnp.ones((16, 32))}
     u, _ = jax.jit(tx.update)(params, tx.init(params), params)
     assert all(u[k].shape == s for k, s in shapes.items())
@@ -227,11 +228,11 @@ def test_quantize_false_on_bfloat16_params_equals_optax_adamw_with_float32_momen
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fp32_muon_momentum_equals_optax_bit_for_bit(dtype):
-  """scale_by_muon_nvfp4(ns_precision="fp32"): the momentum is optax.contrib.scale_by_muon's bit for
+  """scale_by_muon_nvfp4(ns_operand=None): the momentum is optax.contrib.scale_by_muon's bit for
   bit (on bfloat16 parameters: optax's initialized on float32 copies), the update agrees to float32
   rounding and takes the gradients' dtype."""
   params = {"a": jax.random.normal(jax.random.key(4), (24, 40)).astype(dtype)}
-  ours = optim.scale_by_muon_nvfp4(ns_precision="fp32")
+  ours = optim.scale_by_muon_nvfp4(ns_operand=None)
   dims = lambda p: jax.tree.map(lambda _: MuonDimensionNumbers(), p)
   ref = optax.contrib.scale_by_muon(weight_dimension_numbers=dims)
   s1, s2 = ours.init(params), ref.init(_f32(params))
@@ -288,7 +289,7 @@ def test_prefix_muon_mask_gives_params_shaped_inner_states():
   params = {"blocks": {"w1": jnp.ones((32, 64)), "w2": jnp.ones((64, 32))},
             "embed": jnp.ones((64, 32))}
   mask = {"blocks": True, "embed": False}
-  tx = optim.muon_nvfp4(LR, ns_precision="fp32", muon_mask=mask,
+  tx = optim.muon_nvfp4(LR, ns_operand=None, muon_mask=mask,
                         adam_options=optim.AdamNvfp4Options(min_size=0))
   state = tx.init(params)
   muon_mu = state.inner_states["muon"].inner_state[0].mu

@@ -8,9 +8,10 @@ from fp4jax import recipe as recipe_lib
 from fp4jax.execution import Execution
 from fp4jax.layers import DEFAULT_LORA_RANK
 from fp4jax.ops.attention import AttentionConfig
-from fp4jax.ops.matmul import MatmulConfig
+from fp4jax.ops.matmul import MatmulConfig, Split
 from fp4jax.optim import AdamNvfp4Options
 from fp4jax.recipe import PROJECTIONS, Recipe, get_recipe
+from fp4jax.quant import Operand
 
 
 def test_presets_are_cumulative():
@@ -73,6 +74,11 @@ def test_op_configs_nest_in_the_recipe():
   assert r.matmul == MatmulConfig.nvfp4(hadamard=False) and r.moments == full.moments
   assert get_recipe("fp4_linear", matmul={"rounding_bits": "counter"}).matmul == MatmulConfig.nvfp4(
       rounding_bits="counter")
+  # A dataclass nested in an op config takes a dict too: one operand's field.
+  two = full.replace(matmul={"x": {"terms": 2}, "split": {"tensors": ("x",)}}).matmul
+  assert two == MatmulConfig.nvfp4(x=Operand(terms=2), split=Split(("x",)))
+  with pytest.raises(ValueError, match=r"MatmulConfig.w.block=\(1, 16\)"):
+    full.replace(matmul={"w": {"block": (1, 16)}})
   with pytest.raises(ValueError, match="AttentionConfig.ds"):
     full.replace(attention_op={"ds": "fp8"})
   with pytest.raises(ValueError, match="rounding_bits"):

@@ -9,23 +9,45 @@ With ``x: [..., K]`` flattened to ``x_MxK`` (M = tokens) and ``w_KxN``:
 H is a 16-point random Hadamard transform on the token axis (it cancels in the product). Every GEMM
 is ``fp4jax.nvfp4.gemm``: the packed operands decoded to bf16 (``e2m1 × e4m3`` is exact there), a
 float32-accumulated dot, then both float32 global scales one at a time: an NVFP4 tensor-core GEMM
-up to summation order.
+up to summation order. ``MatmulConfig`` says what is computed: which GEMMs are quantized and, for
+each of the five operands, one ``fp4jax.quant.Operand`` (format, rounding, block, terms).
 
-Two implementations compute the same bits (``nvfp4_matmul(implementation=...)``, the vocabulary of
-``fp4jax.execution``): ``"xla"`` quantizes
-with ``nvfp4.quantize`` and decodes inside ``nvfp4.gemm``; ``"pallas"`` quantizes each operand once
-with the kernels of ``fp4jax.kernels.nvfp4_quantize`` (one custom call each, the Hadamard transform
-and the random bits fused), which also write the decoded bf16 operand a GEMM reads at once, so the
-step's program stays small and XLA compiles it quickly. ``gemm`` chooses how the
-GEMMs multiply: decoded bf16 operands on bf16 tensor cores (Hopper: exact emulation), or the packed
-operands through ``jax.nn.scaled_matmul`` (``nvfp4.scaled_matmul_gemm``) on GPUs with FP4 tensor
-cores (compute capability 10.0 and up), picked by default from the device.
+Which code computes it is a ``fp4jax.execution.MatmulExecution`` (``nvfp4_matmul``'s
+``execution``), with the same bits: implementation ``"xla"`` quantizes with ``nvfp4.quantize`` and
+decodes inside ``nvfp4.gemm``; ``"pallas"`` quantizes each operand once with the kernels of
+``fp4jax.kernels.nvfp4_quantize`` (one custom call each, the Hadamard transform and the random bits
+fused), which also write the decoded bf16 operand a GEMM reads at once, so the step's program stays
+small and XLA compiles it quickly. Its ``gemm`` chooses how the GEMMs multiply: decoded bf16
+operands on bf16 tensor cores (Hopper: exact emulation), or the packed operands through
+``jax.nn.scaled_matmul`` (``nvfp4.scaled_matmul_gemm``) on GPUs with FP4 tensor cores (compute
+capability 10.0 and up), picked by default from the device.
 
 Residuals: the backward keeps the packed ``Q(w)`` and ``Q(H·x)`` (4.5 bits per element) in both
 implementations and decodes them to bf16 in the backward (one elementwise pass), where a bf16
 matmul keeps bf16 ``x`` and ``w``: the NVFP4 layer's saved activations are 0.28× the bf16 layer's.
 Saving the decoded bf16 instead would save that pass but cost the bf16 layer's memory; the only
 extra traffic of the packed choice is re-reading the packed bytes.
+
+Three research variants, each a field of ``MatmulConfig`` that measures or removes one part of the
+error:
+
+- **BF16 operands** (``Operand(format="bf16")``, e.g. ``MatmulConfig.nvfp4(x=Operand(format="bf16"))``):
+  the operand enters its GEMM unquantized in the compute dtype, so the GEMM is NVFP4 × BF16 (the
+  NVFP4 operand decoded exactly to bf16, a float32-accumulated dot, its global scale). Switching
+  operands one at a time attributes the recipe's error to each.
+- **Two terms** (``Operand(terms=2)``): the operand is ``Q1 + Q2`` with ``Q1 = Q(a)`` and
+  ``Q2 = Q(a − Q1)`` (``fp4jax.quant.quantize_terms``: each term its own scales, the residual from
+  the materialized ``Q1`` so every backend gives the same bits), and its GEMM is the sum of every
+  pair of terms' NVFP4 GEMMs (``fp4jax.quant.gemm_terms``: two, or four where both operands have
+  two terms), with about 1/8 of one term's error at twice the GEMM cost.
+- **Split** (``MatmulConfig.split``, a ``Split``): ``x`` and/or ``dy`` become ``a = U·P + R``
+  before their quantized GEMMs; only the residual ``R`` is quantized, and the low-rank part is
+  multiplied in float32 (skinny GEMMs of rank r, the weight unquantized), so each GEMM stays exact
+  up to the residual's quantization: ``x·w = Q(R_x)·Q(w) + U_x·(P_x·w)``,
+  ``dy·wᵀ = Q(R_dy)·Q(w)ᵀ + U_dy·(P_dy·wᵀ)``,
+  ``xᵀ·dy = Q(H·R_x)ᵀ·Q(H·R_dy) + P_xᵀ·(U_xᵀ·dy) + (R_xᵀ·U_dy)·P_dy``. ``"mean"`` takes out the
+  mean over the tokens (rank 1: a channel offset); ``"subspace"`` the top-r token subspace, found
+  each call by ``fp4jax.quant.range_finder`` from the call's key.
 
 ``nvfp4_matmul_reference`` / ``nvfp4_matmul_vjp_reference`` compute the same products from the same
 quantized values in plain float32 (dequantize, then a HIGHEST-precision dot), so tests can separate
@@ -42,45 +64,91 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import _platform, execution, numerics, nvfp4
+from fp4jax import _platform, numerics, nvfp4
+from fp4jax.execution import MatmulExecution
 from fp4jax.kernels import nvfp4_quantize
+from fp4jax.quant import Operand, gemm_terms, quantize_terms, range_finder
 
 _F32 = jnp.float32
 _HIGHEST = lax.Precision.HIGHEST
 _KERNEL_MAX_ELEMENTS = 2**31 - 1  # the quantizer kernels' 32-bit addressing
+_XLA = MatmulExecution("xla", "decoded")  # the references' execution
 
 
 OPERANDS = ("x", "w", "dy_dgrad", "x_wgrad", "dy_wgrad")  # the five quantized operands
 SPLIT_TENSORS = ("x", "dy")
 SPLIT_METHODS = ("mean", "subspace")
-_ROUNDING_FIELD = {op: f"{op}_rounding" for op in OPERANDS}
+# The axis of each operand's 1×16 blocks (its contraction axis); w is in 16×16 tiles.
+_AXIS = {"x": -1, "dy_dgrad": -1, "x_wgrad": 0, "dy_wgrad": 0}
+_BLOCK_USE = {"x": "1×16 along K", "w": "16×16 tiles (one quantization serves the forward and the dgrad)",
+              "dy_dgrad": "1×16 along N", "x_wgrad": "1×16 along the tokens",
+              "dy_wgrad": "1×16 along the tokens"}
 
 
-def _names(value: str) -> tuple[str, ...]:
-  return tuple(value.split(",")) if value else ()
+def _int_at_least(where: str, value, low: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    raise ValueError(f"{where} must be an int >= {low}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """A low-rank split ``a = U·P + R`` of ``x`` and/or ``dy`` before their quantized GEMMs (module
+  docstring, "Split"): the residual ``R`` is quantized in every quantized GEMM that reads the
+  tensor, the low-rank part ``U·P`` multiplied in float32.
+
+  Attributes:
+    tensors: the tensors split, distinct names of ``SPLIT_TENSORS`` (``"x"``, ``"dy"``); ``()``
+      (the default): no split.
+    method: ``"mean"`` (``U = 1``, ``P = μᵀ``: the mean over the tokens, a rank-1 split) or
+      ``"subspace"`` (``U`` orthonormal M×r, ``P = Uᵀ·a``: the top-``rank`` subspace of the tokens,
+      found afresh each call by a randomized range finder with ``power_iters`` power iterations,
+      from the call's key).
+    rank: r of ``"subspace"`` (at least 1; at most ``min(M, C)`` is used).
+    power_iters: power iterations of ``"subspace"``.
+  """
+
+  tensors: tuple[str, ...] = ()
+  method: str = "mean"
+  rank: int = 16
+  power_iters: int = 1
+
+  def __post_init__(self):
+    tensors = tuple(self.tensors) if isinstance(self.tensors, tuple | list) else None
+    if (tensors is None or not all(t in SPLIT_TENSORS for t in tensors)
+        or len(set(tensors)) != len(tensors)):
+      raise ValueError(f"MatmulConfig.split.tensors={self.tensors!r}: expected a tuple of distinct names "
+                       f"of {SPLIT_TENSORS}, or () for no split")
+    object.__setattr__(self, "tensors", tensors)
+    if self.method not in SPLIT_METHODS:
+      raise ValueError(f"MatmulConfig.split.method must be one of {SPLIT_METHODS}, got {self.method!r}")
+    _int_at_least("MatmulConfig.split.rank", self.rank, 1)
+    _int_at_least("MatmulConfig.split.power_iters", self.power_iters, 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig:
-  """What ``nvfp4_matmul`` computes: which GEMMs run in NVFP4 and how each operand is rounded
-  (hashable, static). Which code computes it is ``nvfp4_matmul``'s ``implementation``, not a field.
+  """What ``nvfp4_matmul`` computes: which GEMMs run in NVFP4 and how each operand is quantized
+  (hashable, static). Which code computes it is ``nvfp4_matmul``'s ``execution``, not a field.
 
   The defaults are NVIDIA's recipe (``MatmulConfig.nvfp4()``); ``MatmulConfig.bf16()`` turns every
   GEMM and the Hadamard transform off. Any field can be switched alone, e.g.
-  ``MatmulConfig.nvfp4(hadamard=False, dy_dgrad_rounding="nearest")``.
+  ``MatmulConfig.nvfp4(hadamard=False, dy_dgrad=Operand())`` (the dgrad's ``dy`` rounded to
+  nearest); on the command line ``--config.recipe.matmul.x.terms=2``.
 
   The five operands of the quantized GEMMs are named ``OPERANDS``: ``x`` and ``w`` (forward),
-  ``dy_dgrad`` (and ``w``, the same ``Q(w)``: dgrad), ``x_wgrad`` and ``dy_wgrad`` (wgrad).
+  ``dy_dgrad`` (and ``w``, the same ``Q(w)``: dgrad), ``x_wgrad`` and ``dy_wgrad`` (wgrad). Each is
+  a ``fp4jax.quant.Operand`` whose block runs along the operand's contraction axis (1×16), except
+  ``w``'s 16×16 tiles, the one layout that serves both of its GEMMs.
 
   Attributes:
     fwd: quantize the forward GEMM ``x · w``.
     dgrad: quantize the dgrad GEMM ``dy · wᵀ``.
     wgrad: quantize the wgrad GEMM ``xᵀ · dy``.
-    x_rounding: rounding of ``x`` (1×16 along K) in the forward.
-    w_rounding: rounding of ``w`` (16×16 tiles); one quantized ``w`` serves forward and dgrad.
-    dy_dgrad_rounding: rounding of ``dy`` (1×16 along N) in the dgrad.
-    x_wgrad_rounding: rounding of ``H·x`` (1×16 along tokens) in the wgrad.
-    dy_wgrad_rounding: rounding of ``H·dy`` (1×16 along tokens) in the wgrad.
+    x: ``x`` in the forward (1×16 along K).
+    w: ``w`` (16×16 tiles); one quantized ``w`` serves forward and dgrad.
+    dy_dgrad: ``dy`` in the dgrad (1×16 along N; stochastic rounding in the recipe).
+    x_wgrad: ``H·x`` in the wgrad (1×16 along the tokens).
+    dy_wgrad: ``H·dy`` in the wgrad (1×16 along the tokens; stochastic rounding in the recipe).
     hadamard: random Hadamard transform H on the token axis of both wgrad operands (also applied,
       in f32, when ``wgrad`` is False, where it only changes rounding).
     rounding_bits: the random bits of stochastic rounding, in every implementation alike:
@@ -89,71 +157,38 @@ class MatmulConfig:
       elements, 8 bits per element, so each rounding probability is a multiple of 1/256, as on
       Blackwell's stochastic-rounding conversions). ``"counter"`` is a different random stream, not
       the same bits, and cheaper in the quantizer kernels (no threefry rounds).
-    bf16_operands: operands (``OPERANDS``, separated by commas) that enter their quantized GEMM
-      unquantized, in the compute dtype: the GEMM is then NVFP4 × BF16 (e.g. ``"x"``: a forward
-      with ``Q(w)`` only). For attributing the error to one operand.
-    two_term: operands (``OPERANDS``) quantized as two NVFP4 terms, ``a ≈ Q1 + Q2`` with
-      ``Q1 = Q(a)`` and ``Q2 = Q(a − Q1)`` (its own global and block scales, the operand's rounding
-      with a key of its own): the GEMM becomes the sum of the terms' NVFP4 GEMMs (two, or four when
-      both operands have two terms), with about 1/8 of one term's error.
-    split: tensors (``SPLIT_TENSORS``: ``x``, ``dy``) split as ``a = U·P + R`` before their
-      quantized GEMMs: the residual ``R`` is quantized in every quantized GEMM that reads the tensor,
-      and the low-rank part ``U·P`` is multiplied in float32 (skinny GEMMs of rank r; the weight
-      unquantized), so each GEMM stays exact up to the residual's
-      quantization: ``x·w = Q(R_x)·Q(w) + U_x·(P_x·w)``, ``dy·wᵀ = Q(R_dy)·Q(w)ᵀ + U_dy·(P_dy·wᵀ)``,
-      ``xᵀ·dy = Q(H·R_x)ᵀ·Q(H·R_dy) + P_xᵀ·(U_xᵀ·dy) + (R_xᵀ·U_dy)·P_dy``.
-    split_method: ``"mean"`` (``U = 1``, ``P = μᵀ``: the mean over the tokens, a rank-1 split) or
-      ``"subspace"`` (``U`` orthonormal M×r, ``P = Uᵀ·a``: the top-``split_rank`` subspace of the
-      tokens, found afresh each call by a randomized range finder with ``split_power_iters`` power
-      iterations, from the call's key).
-    split_rank: r of ``"subspace"``.
-    split_power_iters: power iterations of ``"subspace"``.
+    split: the low-rank split of ``x`` and/or ``dy`` (``Split``); ``Split()`` splits nothing.
   """
 
   fwd: bool = True
   dgrad: bool = True
   wgrad: bool = True
-  x_rounding: str = "nearest"
-  w_rounding: str = "nearest"
-  dy_dgrad_rounding: str = "stochastic"
-  x_wgrad_rounding: str = "nearest"
-  dy_wgrad_rounding: str = "stochastic"
+  x: Operand = Operand()
+  w: Operand = Operand(block=(16, 16))
+  dy_dgrad: Operand = Operand(rounding="stochastic")
+  x_wgrad: Operand = Operand()
+  dy_wgrad: Operand = Operand(rounding="stochastic")
   hadamard: bool = True
   rounding_bits: str = "random"
-  bf16_operands: str = ""
-  two_term: str = ""
-  split: str = ""
-  split_method: str = "mean"
-  split_rank: int = 16
-  split_power_iters: int = 1
+  split: Split = Split()
 
   def __post_init__(self):
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      if f.name == "rounding_bits":
-        if v not in numerics.BIT_SOURCES:
-          raise ValueError(f"MatmulConfig.rounding_bits must be one of {numerics.BIT_SOURCES}, got {v!r}")
-      elif f.name.endswith("rounding"):
-        if v not in nvfp4.ROUNDINGS:
-          raise ValueError(f"MatmulConfig.{f.name} must be one of {nvfp4.ROUNDINGS}, got {v!r}")
-      elif f.name in ("bf16_operands", "two_term", "split"):
-        allowed = SPLIT_TENSORS if f.name == "split" else OPERANDS
-        names = _names(v) if isinstance(v, str) else [None]
-        if not all(n in allowed for n in names) or len(set(names)) != len(names):
-          raise ValueError(f"MatmulConfig.{f.name}={v!r}: expected distinct names of {allowed} "
-                           "separated by commas, or ''")
-      elif f.name == "split_method":
-        if v not in SPLIT_METHODS:
-          raise ValueError(f"MatmulConfig.split_method must be one of {SPLIT_METHODS}, got {v!r}")
-      elif f.name in ("split_rank", "split_power_iters"):
-        if isinstance(v, bool) or not isinstance(v, int) or v < (f.name == "split_rank"):
-          raise ValueError(f"MatmulConfig.{f.name} must be an int >= {int(f.name == 'split_rank')}, "
-                           f"got {v!r}")
-      elif not isinstance(v, bool):
-        raise ValueError(f"MatmulConfig.{f.name} must be a bool, got {v!r}")
-    both = set(_names(self.bf16_operands)) & set(_names(self.two_term))
-    if both:
-      raise ValueError(f"MatmulConfig: operands {sorted(both)} are both bf16_operands and two_term")
+    for name in ("fwd", "dgrad", "wgrad", "hadamard"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"MatmulConfig.{name} must be a bool, got {getattr(self, name)!r}")
+    for op in OPERANDS:
+      spec = getattr(self, op)
+      if not isinstance(spec, Operand):
+        raise ValueError(f"MatmulConfig.{op} must be a fp4jax.quant.Operand, got {type(spec).__name__}")
+      want = (16, 16) if op == "w" else (1, 16)
+      if spec.quantized and spec.block != want:
+        raise ValueError(f"MatmulConfig.{op}.block={spec.block}: the GEMMs contract {op} in "
+                         f"{_BLOCK_USE[op]}; use block={want}")
+    if self.rounding_bits not in numerics.BIT_SOURCES:
+      raise ValueError(f"MatmulConfig.rounding_bits must be one of {numerics.BIT_SOURCES}, got "
+                       f"{self.rounding_bits!r}")
+    if not isinstance(self.split, Split):
+      raise ValueError(f"MatmulConfig.split must be a Split, got {type(self.split).__name__}")
 
   @classmethod
   def nvfp4(cls, **overrides) -> MatmulConfig:
@@ -173,30 +208,20 @@ class MatmulConfig:
   def splits(self, tensor: str) -> bool:
     """Whether ``tensor`` (``x`` or ``dy``) is split before a quantized GEMM that reads it."""
     reads = {"x": self.fwd or self.wgrad, "dy": self.dgrad or self.wgrad}[tensor]
-    return reads and tensor in _names(self.split)
+    return reads and tensor in self.split.tensors
 
   def _quantizes(self, op: str) -> bool:
     gemm = {"x": self.fwd, "w": self.fwd or self.dgrad, "dy_dgrad": self.dgrad,
             "x_wgrad": self.wgrad, "dy_wgrad": self.wgrad}[op]
-    return gemm and op not in _names(self.bf16_operands)
+    return gemm and getattr(self, op).quantized
 
   @property
   def needs_key(self) -> bool:
     """True if the config draws random bits (stochastic rounding of a quantized operand, the
     Hadamard transform, or a subspace split)."""
     return (self.hadamard
-            or any(self._quantizes(op) and getattr(self, _ROUNDING_FIELD[op]) == "stochastic"
-                   for op in OPERANDS)
-            or (self.split_method == "subspace" and any(map(self.splits, SPLIT_TENSORS))))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Run:
-  """How one call executes (static): the resolved implementation, GEMM and kernel amax pass."""
-
-  implementation: str = "xla"
-  gemm: str = "decoded"
-  amax: str = "kernel"
+            or any(self._quantizes(op) and getattr(self, op).stochastic for op in OPERANDS)
+            or (self.split.method == "subspace" and any(map(self.splits, SPLIT_TENSORS))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,84 +251,54 @@ def _q(x, rounding, key, config, **kw):
   return nvfp4.quantize(x, rounding=rounding, bits=bits, **kw)
 
 
-def quantize_x(x_MxK, keys, config):
-  """Forward operand: x quantized in 1×16 blocks along K."""
-  return _q(x_MxK, config.x_rounding, keys["x"], config, block=(1, 16), axis=-1)
-
-
-def quantize_w(w_KxN, keys, config):
-  """The weight in 16×16 tiles: one quantization serves the forward and (transposed) the dgrad."""
-  return _q(w_KxN, config.w_rounding, keys["w"], config, block=(16, 16))
-
-
 def wgrad_operand(a_MxC, keys):
   """``H·a`` (float32) along the token axis, with the Hadamard key; identity without a key."""
   a = a_MxC.astype(_F32)
   return a if keys["hadamard"] is None else nvfp4.hadamard(a, keys["hadamard"], axis=0)
 
 
-def quantize_x_wgrad(x_MxK, keys, config):
-  """wgrad operand: (H·)x quantized in 1×16 blocks along the tokens."""
-  return _q(_wg(x_MxK, keys, config), config.x_wgrad_rounding, keys["x_wgrad"], config, block=(1, 16), axis=0)
-
-
-def quantize_dy_dgrad(dy_MxN, keys, config):
-  """dgrad operand: dy quantized in 1×16 blocks along N."""
-  return _q(dy_MxN, config.dy_dgrad_rounding, keys["dy_dgrad"], config, block=(1, 16), axis=-1)
-
-
-def quantize_dy_wgrad(dy_MxN, keys, config):
-  """wgrad operand: (H·)dy quantized in 1×16 blocks along the tokens."""
-  return _q(_wg(dy_MxN, keys, config), config.dy_wgrad_rounding, keys["dy_wgrad"], config, block=(1, 16), axis=0)
-
-
-def _wg(a, keys, config):
-  return wgrad_operand(a, keys) if config.hadamard else a
-
-
-_LAYOUT = {"x": {"axis": -1}, "w": {"block": (16, 16)}, "dy_dgrad": {"axis": -1},
-           "x_wgrad": {"axis": 0}, "dy_wgrad": {"axis": 0}}
-
-
 def _term_key(key, term: int):
   return key if key is None or term == 0 else jax.random.fold_in(key, term)
 
 
-def quantize_operand(a, op: str, keys, config: MatmulConfig, run: _Run | None = None, *,
+def quantize_operand(a, op: str, keys, config: MatmulConfig, run: MatmulExecution | None = None, *,
                      dtype=None, decoded: bool = False):
   """Operand ``op`` (``OPERANDS``) of its quantized GEMM, as ``config`` prepares it from ``a``.
 
   ``a`` is the tensor the operand is made of (``x``, ``w`` or ``dy``, or a split's residual); the
   wgrad operands get the Hadamard transform here (``config.hadamard``).
 
+  Args:
+    a: the tensor.
+    op: which operand (``OPERANDS``): its ``Operand`` and key.
+    keys: the call's keys (``_keys``).
+    config: the ``MatmulConfig``.
+    run: the resolved ``MatmulExecution`` (default: XLA).
+    dtype: the dtype of an unquantized (``format="bf16"``) operand (default: ``a``'s).
+    decoded: with the quantizer kernels, also write each term's decoded bf16 copy.
+
   Returns:
-    A tuple of ``(NVFP4Tensor, decoded bf16 or None)`` terms (one, or two with ``two_term``), or,
-    for a ``bf16_operands`` operand, the plain array in ``dtype``.
+    A tuple of ``(NVFP4Tensor, decoded bf16 or None)`` terms (``Operand.terms`` of them), or, for
+    an unquantized operand, the plain array in ``dtype``.
   """
-  run = run or _Run()
+  run = run or _XLA
+  spec = getattr(config, op)
   hadamard = config.hadamard and op in ("x_wgrad", "dy_wgrad")
-  if op in _names(config.bf16_operands):
+  if not spec.quantized:
     return (wgrad_operand(a, keys) if hadamard else a).astype(dtype or a.dtype)
-  rounding, key = getattr(config, _ROUNDING_FIELD[op]), keys[op]
-  two = op in _names(config.two_term)
-  layout = _LAYOUT[op] if op == "w" else {"block": (1, 16), **_LAYOUT[op]}
+  layout = {"block": spec.block} if op == "w" else {"block": spec.block, "axis": _AXIS[op]}
   kernels = run.implementation != "xla"
-  if hadamard and (two or not kernels):
+  if hadamard and (spec.terms > 1 or not kernels):
     a, hadamard = wgrad_operand(a, keys), False  # the kernels fuse H where the operand is one term
-  terms = []
-  for term in range(2 if two else 1):
-    k = _term_key(key, term)
+
+  def term(a, t):
+    k = _term_key(keys[op], t)
     if kernels:
-      terms.append(_kernel_quantize(a, rounding, k, config, run, decoded=decoded,
-                                    hadamard_key=keys["hadamard"] if hadamard else None, **layout))
-    else:
-      terms.append((_q(a, rounding, k, config, **layout), None))
-    if two and term == 0:
-      # The residual from the materialized Q1: fused into the subtraction, the GPU backend computes
-      # a − e·s·g with a fused multiply-add (one rounding, not two) and the second term's codes
-      # would differ from the CPU's.
-      a = a.astype(_F32) - lax.optimization_barrier(terms[0][0].dequantize(_F32))
-  return tuple(terms)
+      return _kernel_quantize(a, spec.rounding, k, config, run, decoded=decoded,
+                              hadamard_key=keys["hadamard"] if hadamard else None, **layout)
+    return _q(a, spec.rounding, k, config, **layout), None
+
+  return quantize_terms(a, spec.terms, term)
 
 
 def _plain(operand) -> bool:
@@ -324,10 +319,6 @@ class _Split(NamedTuple):
   residual: jax.Array
 
 
-def _orthonormal(y):
-  return jnp.linalg.qr(y)[0]
-
-
 def _bdot(a, b, dims=((1,), (0,))) -> jax.Array:
   """The range finder's products: bf16 operands, float32 accumulation (the subspace need only be
   approximate; the split itself is exact for any U)."""
@@ -335,20 +326,17 @@ def _bdot(a, b, dims=((1,), (0,))) -> jax.Array:
                          preferred_element_type=_F32)
 
 
-def split_tensor(a_MxC, tensor: str, keys, config: MatmulConfig) -> _Split | None:
+def _split_tensor(a_MxC, tensor: str, keys, config: MatmulConfig) -> _Split | None:
   """``MatmulConfig.split`` of ``tensor`` (``x`` or ``dy``): None where it is not split."""
   if not config.splits(tensor):
     return None
   a32 = a_MxC.astype(_F32)
-  if config.split_method == "mean":
+  if config.split.method == "mean":
     p = jnp.mean(a32, axis=0, keepdims=True)
     return _Split(None, p, (a32 - p).astype(a_MxC.dtype))
   m, c = a_MxC.shape
-  rank = min(config.split_rank, m, c)
-  omega = jax.random.normal(keys[f"split_{tensor}"], (c, rank), _F32)
-  u = _orthonormal(_bdot(a_MxC, omega))
-  for _ in range(config.split_power_iters):
-    u = _orthonormal(_bdot(a_MxC, _bdot(a_MxC, u, ((0,), (0,)))))
+  u = range_finder(a_MxC, keys[f"split_{tensor}"], min(config.split.rank, m, c), config.split.power_iters,
+                   dot=_bdot, dot_t=lambda a, b: _bdot(a, b, ((0,), (0,))), reorthonormalize=False)
   p = _ut_dot(u, a32)
   return _Split(u, p, (a32 - _u_dot(u, p)).astype(a_MxC.dtype))
 
@@ -412,21 +400,21 @@ def _mixed_gemm(t, d, plain, dims, t_first: bool) -> jax.Array:
   return acc * t.global_scale
 
 
-def gemm_operands(a, b, dims, run: _Run | None = None) -> jax.Array:
+def _gemm_operands(a, b, dims, run: MatmulExecution | None = None) -> jax.Array:
   """The float32 product of two operands of ``quantize_operand``: the sum of every pair of terms'
-  GEMMs (``nvfp4.gemm``; NVFP4 × BF16 where one operand is plain; a plain GEMM where both are)."""
-  run = run or _Run()
+  GEMMs (``fp4jax.quant.gemm_terms`` of ``nvfp4.gemm``; NVFP4 × BF16 where one operand is plain; a
+  plain GEMM where both are)."""
+  run = run or _XLA
   if _plain(a) and _plain(b):
     return _fdot(a, b.astype(a.dtype), dims)
-  out = None
-  for ta, da in ((None, a),) if _plain(a) else a:
-    for tb, db in ((None, b),) if _plain(b) else b:
-      if ta is not None and tb is not None:
-        y = _gemm(ta, tb, dims, run, (da, db))
-      else:
-        y = _mixed_gemm(ta, da, db, dims, True) if tb is None else _mixed_gemm(tb, db, da, dims, False)
-      out = y if out is None else out + y
-  return out
+
+  def pair(term_a, term_b):
+    (ta, da), (tb, db) = term_a, term_b
+    if ta is not None and tb is not None:
+      return _gemm(ta, tb, dims, run, (da, db))
+    return _mixed_gemm(ta, da, db, dims, True) if tb is None else _mixed_gemm(tb, db, da, dims, False)
+
+  return gemm_terms(((None, a),) if _plain(a) else a, ((None, b),) if _plain(b) else b, pair)
 
 
 _NN = ((1,), (0,))  # x_MxK · w_KxN
@@ -445,14 +433,14 @@ def _matmul_fwd(x_MxK, w_KxN, key, config, run, x_dtype, w_dtype):
   split's residual) in high precision where the wgrad needs it for a split ``dy``."""
   keys = _keys(key, config)
   decoded = run.gemm == "decoded" and run.implementation != "xla"
-  sx = split_tensor(x_MxK, "x", keys, config)
+  sx = _split_tensor(x_MxK, "x", keys, config)
   x_q = x_MxK if sx is None else sx.residual
   qw = None
   if config.fwd or config.dgrad:
     qw = quantize_operand(w_KxN, "w", keys, config, run, dtype=x_dtype, decoded=config.fwd and decoded)
   if config.fwd:
     qx = quantize_operand(x_q, "x", keys, config, run, dtype=x_dtype, decoded=decoded)
-    y = gemm_operands(qx, qw, _NN, run)
+    y = _gemm_operands(qx, qw, _NN, run)
     if sx is not None:
       y = y + _u_dot(sx.u, jnp.dot(sx.p, w_KxN.astype(_F32), precision=_HIGHEST), x_MxK.shape[0])
   else:
@@ -470,18 +458,18 @@ def _matmul_bwd(config, run, x_dtype, w_dtype, res, dy_MxN):
   w_res, x_res, sx, x_hp, w_hp, keys = res
   decoded = run.gemm == "decoded" and run.implementation != "xla"
   m = dy_MxN.shape[0]
-  sd = split_tensor(dy_MxN, "dy", keys, config)
+  sd = _split_tensor(dy_MxN, "dy", keys, config)
   dy_q = dy_MxN if sd is None else sd.residual
   if config.dgrad:
     qdy = quantize_operand(dy_q, "dy_dgrad", keys, config, run, dtype=x_dtype, decoded=decoded)
-    dx = gemm_operands(qdy, w_res, _NT, run)
+    dx = _gemm_operands(qdy, w_res, _NT, run)
     if sd is not None:
       dx = dx + _u_dot(sd.u, jnp.dot(sd.p, w_hp.astype(_F32).T, precision=_HIGHEST), m)
   else:
     dx = _fdot(dy_MxN, w_res.astype(x_dtype), _NT)
   if config.wgrad:
     qdy = quantize_operand(dy_q, "dy_wgrad", keys, config, run, dtype=x_dtype, decoded=decoded)
-    dw = gemm_operands(x_res, qdy, _TN, run)
+    dw = _gemm_operands(x_res, qdy, _TN, run)
     if sx is not None:  # P_xᵀ·(U_xᵀ·dy)
       dw = dw + jnp.dot(sx.p.T, _ut_dot(sx.u, dy_MxN), precision=_HIGHEST)
     if sd is not None:  # (R_xᵀ·U_dy)·P_dy
@@ -527,19 +515,18 @@ def _check(x, w, key, config) -> None:
     _keys(None, config)  # raises the key error
 
 
-def _resolve(config: MatmulConfig, implementation: str, gemm: str, amax: str, sizes, key) -> _Run:
-  """The ``_Run`` of one call: ``"auto"`` picks the kernels on a CUDA GPU when they take these
-  operands (an explicit kernel choice that cannot take them raises), and ``scaled_matmul`` GEMMs on
-  a GPU with FP4 tensor cores."""
-  impl = execution.check("nvfp4_matmul", implementation)
-  if gemm not in execution.GEMMS:
-    raise ValueError(f"nvfp4_matmul: gemm must be one of {execution.GEMMS}, got {gemm!r}")
-  if amax not in execution.AMAX_PASSES:
-    raise ValueError(f"nvfp4_matmul: amax must be one of {execution.AMAX_PASSES}, got {amax!r}")
+def _resolve(config: MatmulConfig, ex: MatmulExecution, sizes, key) -> MatmulExecution:
+  """The ``MatmulExecution`` of one call, with nothing left ``"auto"``: the kernels on a CUDA GPU
+  when they take these operands (an explicit kernel choice that cannot take them raises), and
+  ``scaled_matmul`` GEMMs on a GPU with FP4 tensor cores."""
+  if not isinstance(ex, MatmulExecution):
+    raise ValueError(f"nvfp4_matmul: execution must be a fp4jax.execution.MatmulExecution, got "
+                     f"{type(ex).__name__}")
+  impl, gemm = ex.implementation, ex.gemm
   if gemm == "auto":
     gemm = "scaled_matmul" if _platform.fp4_tensor_cores() else "decoded"
   if impl == "xla":
-    return _Run("xla", gemm, amax)
+    return MatmulExecution("xla", gemm, ex.amax)
   too_large = max(sizes) > _KERNEL_MAX_ELEMENTS
   # The kernels reproduce jax.random.bits of threefry2x32 keys (JAX's default) only.
   other_key = (config.needs_key and config.rounding_bits == "random"
@@ -548,17 +535,17 @@ def _resolve(config: MatmulConfig, implementation: str, gemm: str, amax: str, si
     impl = "xla" if too_large or other_key else _platform.resolve(impl, "pallas", "xla",
                                                                    whole_arrays=True)
   elif too_large:
-    raise ValueError(f"nvfp4_matmul: implementation={impl!r} quantizes operands of fewer than 2**31 "
-                     f"elements; got {max(sizes)}: use implementation='xla'")
+    raise ValueError(f"nvfp4_matmul: MatmulExecution.implementation={impl!r} quantizes operands of "
+                     f"fewer than 2**31 elements; got {max(sizes)}: use implementation='xla'")
   elif other_key:
-    raise ValueError(f"nvfp4_matmul: implementation={impl!r} draws jax.random.bits of threefry2x32 "
-                     "keys (JAX's default, with jax_threefry_partitionable); got a key of "
+    raise ValueError(f"nvfp4_matmul: MatmulExecution.implementation={impl!r} draws jax.random.bits of "
+                     "threefry2x32 keys (JAX's default, with jax_threefry_partitionable); got a key of "
                      f"{jax.random.key_impl(key)}: use implementation='xla'")
-  return _Run(impl, gemm, amax)
+  return MatmulExecution(impl, gemm, ex.amax)
 
 
-def nvfp4_matmul(x, w, *, key=None, config: MatmulConfig, implementation: str = "auto",
-                 gemm: str = "auto", amax: str = "kernel") -> jax.Array:
+def nvfp4_matmul(x, w, *, key=None, config: MatmulConfig,
+                 execution: MatmulExecution = MatmulExecution()) -> jax.Array:
   """``x @ w`` with the forward, dgrad and wgrad GEMMs in NVFP4 as ``config`` says (differentiable).
 
   Args:
@@ -568,22 +555,21 @@ def nvfp4_matmul(x, w, *, key=None, config: MatmulConfig, implementation: str = 
     key: a ``jax.random`` key for stochastic rounding and the Hadamard signs; may be None only when
       ``config.needs_key`` is False. Same key, same bits; use a fresh key per step.
     config: a ``MatmulConfig`` (``MatmulConfig.nvfp4()`` is NVIDIA's recipe, ``.bf16()`` plain).
-    implementation: which code quantizes, with the same bits (``fp4jax.execution``): ``"xla"``
-      (``nvfp4.quantize``), ``"pallas"`` (the quantizer kernels of ``fp4jax.kernels.nvfp4_quantize``,
-      CUDA), ``"pallas_interpret"`` (those kernels in interpret mode, for CPU tests), or ``"auto"``:
-      ``"pallas"`` when computations go to a CUDA GPU (``fp4jax._platform.resolve``), the mesh in
-      context (``jax.set_mesh``) has one device, and the kernels take the operands (fewer than
-      2**31 elements each, threefry keys), else ``"xla"``.
-    gemm: how each quantized GEMM multiplies, with the same result up to float32 summation order:
-      ``"decoded"`` (the operands decoded exactly to bf16, a bf16 tensor-core GEMM with float32
-      accumulation: ``nvfp4.gemm``; Hopper and every other device), ``"scaled_matmul"`` (the packed
-      operands as float4_e2m1fn elements and float8_e4m3fn scales into ``jax.nn.scaled_matmul``:
-      ``nvfp4.scaled_matmul_gemm``, cuDNN's block-scaled GEMM on FP4 tensor cores), or ``"auto"``:
-      ``"scaled_matmul"`` on a CUDA GPU of compute capability 10.0 or more
-      (``fp4jax._platform.fp4_tensor_cores``), else ``"decoded"``.
-    amax: with the quantizer kernels, how their first pass forms each operand's ``max|x|``:
-      ``"kernel"`` (a Pallas kernel) or ``"xla"`` (an XLA reduction, so each operand is one Triton
-      kernel); the same bits either way (``nvfp4_quantize.quantize(amax=...)``).
+    execution: which code runs it, with the same bits (``fp4jax.execution.MatmulExecution``):
+      its ``implementation`` ``"xla"`` (``nvfp4.quantize``), ``"pallas"`` (the quantizer kernels of
+      ``fp4jax.kernels.nvfp4_quantize``, CUDA), ``"pallas_interpret"`` (those kernels in interpret
+      mode, for CPU tests), or ``"auto"``: ``"pallas"`` when computations go to a CUDA GPU
+      (``fp4jax._platform.resolve``), the mesh in context (``jax.set_mesh``) has one device, and
+      the kernels take the operands (fewer than 2**31 elements each, threefry keys), else
+      ``"xla"``. Its ``gemm``, how each quantized GEMM multiplies, with the same result up to
+      float32 summation order: ``"decoded"`` (the operands decoded exactly to bf16, a bf16
+      tensor-core GEMM with float32 accumulation: ``nvfp4.gemm``; Hopper and every other device),
+      ``"scaled_matmul"`` (the packed operands as float4_e2m1fn elements and float8_e4m3fn scales
+      into ``jax.nn.scaled_matmul``: ``nvfp4.scaled_matmul_gemm``, cuDNN's block-scaled GEMM on FP4
+      tensor cores), or ``"auto"``: ``"scaled_matmul"`` on a CUDA GPU of compute capability 10.0 or
+      more (``fp4jax._platform.fp4_tensor_cores``), else ``"decoded"``. Its ``amax``: with the
+      quantizer kernels, how their first pass forms each operand's ``max|x|`` (the same bits either
+      way: ``nvfp4_quantize.quantize(amax=...)``).
 
   Returns:
     ``[..., N]`` in ``x``'s dtype (f32 accumulation). Gradients come back in ``x``'s and ``w``'s
@@ -592,23 +578,22 @@ def nvfp4_matmul(x, w, *, key=None, config: MatmulConfig, implementation: str = 
 
   Raises:
     ValueError: shapes that disagree, K/N/M not a multiple of 16 where a GEMM needs it (M only for
-      the wgrad), non-float inputs, a missing key, an unknown implementation, gemm or amax, or a
-      kernel implementation that cannot take the operands (2**31 elements or more, a key that is
-      not threefry2x32).
+      the wgrad), non-float inputs, a missing key, an ``execution`` that is not a
+      ``MatmulExecution``, or a kernel implementation that cannot take the operands (2**31 elements
+      or more, a key that is not threefry2x32).
   """
   x, w = jnp.asarray(x), jnp.asarray(w)
   _check(x, w, key, config)
   x_MxK = x.reshape(-1, w.shape[0])
-  run = _resolve(config, implementation, gemm, amax, (x.size, w.size, x_MxK.shape[0] * w.shape[1]), key)
+  run = _resolve(config, execution, (x.size, w.size, x_MxK.shape[0] * w.shape[1]), key)
   y = _matmul(x_MxK, w, key, config, run, x.dtype, w.dtype)
   return y.reshape(*x.shape[:-1], w.shape[1])
 
 
 def _reference_product(a, b, dims) -> jax.Array:
-  """``gemm_operands`` from dequantized operands: one HIGHEST-precision float32 dot per term pair."""
+  """``_gemm_operands`` from dequantized operands: one HIGHEST-precision float32 dot per term pair."""
   deq = lambda o: [o.astype(_F32)] if _plain(o) else [t.dequantize(_F32) for t, _ in o]
-  return sum(lax.dot_general(ta, tb, (dims, ((), ())), precision=_HIGHEST)
-             for ta in deq(a) for tb in deq(b))
+  return gemm_terms(deq(a), deq(b), lambda ta, tb: lax.dot_general(ta, tb, (dims, ((), ())), precision=_HIGHEST))
 
 
 def nvfp4_matmul_reference(x, w, *, key=None, config: MatmulConfig) -> jax.Array:
@@ -622,7 +607,7 @@ def nvfp4_matmul_reference(x, w, *, key=None, config: MatmulConfig) -> jax.Array
   keys = _keys(key, config)
   x_MxK = x.reshape(-1, w.shape[0])
   if config.fwd:
-    sx = split_tensor(x_MxK, "x", keys, config)
+    sx = _split_tensor(x_MxK, "x", keys, config)
     x_q = x_MxK if sx is None else sx.residual
     y = _reference_product(quantize_operand(x_q, "x", keys, config, dtype=x.dtype),
                            quantize_operand(w, "w", keys, config, dtype=x.dtype), _NN)
@@ -647,7 +632,7 @@ def nvfp4_matmul_vjp_reference(x, w, dy, *, key=None, config: MatmulConfig):
   keys = _keys(key, config)
   x_MxK, dy_MxN = x.reshape(-1, w.shape[0]), dy.reshape(-1, w.shape[1]).astype(x.dtype)
   m = x_MxK.shape[0]
-  sx, sd = split_tensor(x_MxK, "x", keys, config), split_tensor(dy_MxN, "dy", keys, config)
+  sx, sd = _split_tensor(x_MxK, "x", keys, config), _split_tensor(dy_MxN, "dy", keys, config)
   x_q = x_MxK if sx is None else sx.residual
   dy_q = dy_MxN if sd is None else sd.residual
   f32 = lambda a: a.astype(_F32)

@@ -141,7 +141,7 @@ def make_optimizer(cfg: OptimizerConfig, recipe: Recipe, total_steps: int,
     # One Muon implementation for every recipe (so a comparison changes only the precision):
     # NS operands in recipe.newton_schulz, momentum / Adam moments NVFP4 if optimizer_states is.
     tx = muon_nvfp4(lr, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                    ns_precision=recipe.newton_schulz, quantize=quant, adam_b1=cfg.b1,
+                    ns_operand=recipe.ns_operand, quantize=quant, adam_b1=cfg.b1,
                     adam_b2=cfg.b2, adam_weight_decay=cfg.weight_decay,
                     weight_decay_mask=_decay_mask, seed=seed, adam_options=recipe.moments,
                     adam_implementation=impl)

@@ -20,7 +20,8 @@ import optax
 
 from fp4jax.optim import _common
 from fp4jax.optim.adam import AdamNvfp4Options, adamw_nvfp4
-from fp4jax.optim.ns import MUON_COEFFS, PRECISIONS, newton_schulz
+from fp4jax.optim.ns import MUON_COEFFS, NS_OPERAND, check_operand, newton_schulz
+from fp4jax.quant import Operand
 
 ADAM_NAMES = ("embed", "wte", "wpe", "lm_head", "unembed")
 
@@ -39,7 +40,7 @@ def scale_by_orthogonalized_momentum(
     eps: float = 1e-8,
     *,
     nesterov: bool = True,
-    ns_precision: str = "nvfp4",
+    ns_operand: Operand | None = NS_OPERAND,
     mu_dtype=None,
     outlier_quantile: float | None = None,
 ) -> optax.GradientTransformation:
@@ -51,7 +52,9 @@ def scale_by_orthogonalized_momentum(
     beta: momentum decay (EMA: ``mu = beta * mu + (1 - beta) * g``).
     eps: added to the Frobenius norm before Newton–Schulz.
     nesterov: orthogonalize ``beta * mu_hat + (1 - beta) * g_hat`` (optax's Nesterov blend).
-    ns_precision: operands of the Newton–Schulz products: "nvfp4", "bf16" or "fp32".
+    ns_operand: the Newton–Schulz products' operands (``fp4jax.optim.newton_schulz``'s
+      ``operand``): ``Operand(terms=2)`` (two-term NVFP4, the default), ``Operand(format="bf16")``
+      or None (float32).
     mu_dtype: dtype of the momentum (default float32; bfloat16 halves it).
     outlier_quantile: ROOT's soft-thresholding: clip the (Nesterov) momentum to
       ``±quantile(|M|, q)`` before orthogonalizing (the part above is dropped). None: off.
@@ -61,8 +64,7 @@ def scale_by_orthogonalized_momentum(
     Its numeric arguments may be arrays (``optax.inject_hyperparams``): a traced ``ns_steps``
     loops with ``lax.fori_loop``, and ``outlier_quantile`` is checked when its value is known.
   """
-  if ns_precision not in PRECISIONS:
-    raise ValueError(f"ns_precision must be one of {PRECISIONS}, got {ns_precision!r}")
+  check_operand("ns_operand", ns_operand)
   _common.check_steps("ns_steps", ns_steps)
   _common.check_decay("beta", beta)
   _common.check_non_negative("eps", eps)
@@ -88,7 +90,7 @@ def scale_by_orthogonalized_momentum(
         m_hat = m_hat * jnp.minimum(1.0, thr / jnp.maximum(jnp.abs(m_hat), thr))
       else:
         m_hat = jnp.clip(m_hat, -thr, thr)
-    return newton_schulz(m_hat, coeffs_for_shape(m_hat.shape), ns_steps, precision=ns_precision,
+    return newton_schulz(m_hat, coeffs_for_shape(m_hat.shape), ns_steps, operand=ns_operand,
                          eps=eps)
 
   def update_fn(updates, state, params=None):
@@ -127,7 +129,7 @@ def scale_by_muon_nvfp4(
     eps: float = 1e-8,
     *,
     nesterov: bool = True,
-    ns_precision: str = "nvfp4",
+    ns_operand: Operand | None = NS_OPERAND,
     mu_dtype=None,
 ) -> optax.GradientTransformation:
   r"""Muon's scaling (no learning rate, no shape scale) with NVFP4 Newton–Schulz.
@@ -137,7 +139,7 @@ def scale_by_muon_nvfp4(
     u_t = \operatorname{NS}\big(\beta \hat\mu_t + (1 - \beta) \hat g_t\big)
 
   (with Nesterov; ``NS(mu_hat)`` without), with ``NS`` the quintic Newton–Schulz iteration of
-  ``fp4jax.optim.newton_schulz``. With ``ns_precision="fp32"`` it computes
+  ``fp4jax.optim.newton_schulz``. With ``ns_operand=None`` (float32) it computes
   ``optax.contrib.scale_by_muon``: the momentum bit for bit, the update to float32 rounding (the same
   products, summed in another order). The momentum is float32 (or ``mu_dtype``) for every parameter
   dtype, where optax keeps it in the parameters' dtype: on bfloat16 parameters the equality is with
@@ -147,7 +149,8 @@ def scale_by_muon_nvfp4(
   Args:
     ns_coeffs: quintic coefficients ``(a, b, c)``, the same at every step.
     ns_steps, beta, eps, nesterov: as ``optax.contrib.scale_by_muon``.
-    ns_precision: "nvfp4" (two-term NVFP4 operands, default), "bf16" or "fp32".
+    ns_operand: the Newton–Schulz operands (``fp4jax.quant.Operand``): ``Operand(terms=2)`` (two-term
+      NVFP4, the default), ``Operand(format="bf16")`` or None (float32 products).
     mu_dtype: dtype of the momentum (default float32).
 
   Returns:
@@ -165,7 +168,7 @@ def scale_by_muon_nvfp4(
     raise ValueError(f"ns_coeffs must be (a, b, c), got {ns_coeffs!r}")
   coeffs = tuple(float(c) for c in ns_coeffs)
   return scale_by_orthogonalized_momentum(
-      lambda shape: coeffs, ns_steps, beta, eps, nesterov=nesterov, ns_precision=ns_precision,
+      lambda shape: coeffs, ns_steps, beta, eps, nesterov=nesterov, ns_operand=ns_operand,
       mu_dtype=mu_dtype)
 
 
@@ -239,7 +242,7 @@ def muon_nvfp4(
     weight_decay_mask=None,
     *,
     nesterov: bool = True,
-    ns_precision: str = "nvfp4",
+    ns_operand: Operand | None = NS_OPERAND,
     quantize: bool = True,
     mu_dtype=None,
     consistent_rms: float | None = None,
@@ -256,7 +259,7 @@ def muon_nvfp4(
 
   Args:
     learning_rate: Muon's learning rate (float or schedule).
-    ns_coeffs, ns_steps, beta, eps, nesterov, ns_precision: see ``scale_by_muon_nvfp4``.
+    ns_coeffs, ns_steps, beta, eps, nesterov, ns_operand: see ``scale_by_muon_nvfp4``.
     weight_decay, weight_decay_mask: decoupled weight decay of the Muon leaves.
     quantize: NVFP4 moments on the AdamW side (``adamw_nvfp4``); ``False`` gives float32 ones.
     mu_dtype: dtype of the Muon momentum (default float32).
@@ -289,7 +292,7 @@ def muon_nvfp4(
   """
   muon_tx = optax.chain(
       scale_by_muon_nvfp4(ns_coeffs, ns_steps, beta, eps, nesterov=nesterov,
-                          ns_precision=ns_precision, mu_dtype=mu_dtype),
+                          ns_operand=ns_operand, mu_dtype=mu_dtype),
       scale_by_shape(consistent_rms),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),

@@ -22,7 +22,8 @@ import optax
 from fp4jax.optim.adam import AdamNvfp4Options, adamw_nvfp4
 from fp4jax.optim.muon import default_muon_mask, partitioned, scale_by_orthogonalized_momentum, \
     scale_by_shape
-from fp4jax.optim.ns import MUON_COEFFS
+from fp4jax.optim.ns import MUON_COEFFS, NS_OPERAND
+from fp4jax.quant import Operand
 
 # (min dim, max dim) -> (a, b, c), from ROOT's reference code (fitted for a 2048-wide model).
 ROOT_NS_COEFFS: dict[tuple[int, int], tuple[float, float, float]] = {
@@ -58,7 +59,7 @@ def scale_by_root_nvfp4(
     coeffs_table: Mapping[tuple[int, int], Sequence[float]] | None = None,
     outlier_quantile: float | None = 0.9,
     nesterov: bool = True,
-    ns_precision: str = "nvfp4",
+    ns_operand: Operand | None = NS_OPERAND,
     mu_dtype=None,
 ) -> optax.GradientTransformation:
   """ROOT's scaling of 2-D leaves (no learning rate, no shape scale).
@@ -70,7 +71,8 @@ def scale_by_root_nvfp4(
     coeffs_table: shape-specific coefficients (default ``ROOT_NS_COEFFS``; Muon's elsewhere).
     outlier_quantile: soft-thresholding level (ROOT: 0.9); None turns it off.
     nesterov: Nesterov momentum (ROOT: on).
-    ns_precision: "nvfp4" (two-term NVFP4 operands), "bf16" or "fp32".
+    ns_operand: the Newton–Schulz operands (``fp4jax.quant.Operand``): ``Operand(terms=2)`` (two-term
+      NVFP4, the default), ``Operand(format="bf16")`` or None (float32 products).
     mu_dtype: dtype of the momentum (default float32).
 
   Returns:
@@ -87,7 +89,7 @@ def scale_by_root_nvfp4(
   table = dict(ROOT_NS_COEFFS if coeffs_table is None else coeffs_table)
   return scale_by_orthogonalized_momentum(
       lambda shape: root_coeffs(shape, table), ns_steps, beta, eps, nesterov=nesterov,
-      ns_precision=ns_precision, mu_dtype=mu_dtype, outlier_quantile=outlier_quantile)
+      ns_operand=ns_operand, mu_dtype=mu_dtype, outlier_quantile=outlier_quantile)
 
 
 def root(
@@ -99,7 +101,7 @@ def root(
     coeffs_table: Mapping[tuple[int, int], Sequence[float]] | None = None,
     outlier_quantile: float | None = 0.9,
     consistent_rms: float | None = 0.2,
-    ns_precision: str = "nvfp4",
+    ns_operand: Operand | None = NS_OPERAND,
     quantize: bool = True,
     mu_dtype=None,
     adam_b1: float = 0.9,
@@ -115,7 +117,7 @@ def root(
 
   Args:
     learning_rate: float or schedule, shared by both sides unless ``adam_learning_rate``.
-    ns_steps, beta, coeffs_table, outlier_quantile, ns_precision: see ``scale_by_root_nvfp4``.
+    ns_steps, beta, coeffs_table, outlier_quantile, ns_operand: see ``scale_by_root_nvfp4``.
     weight_decay: decoupled weight decay of both sides (ROOT: 0.1, times the learning rate).
     consistent_rms: ROOT's update scale ``consistent_rms * sqrt(max(m, n))`` (0.2); None gives
       Muon's ``sqrt(max(1, fan_out / fan_in))``.
@@ -145,7 +147,7 @@ def root(
   """
   root_tx = optax.chain(
       scale_by_root_nvfp4(ns_steps, beta, coeffs_table=coeffs_table,
-                          outlier_quantile=outlier_quantile, ns_precision=ns_precision,
+                          outlier_quantile=outlier_quantile, ns_operand=ns_operand,
                           mu_dtype=mu_dtype),
       scale_by_shape(consistent_rms),
       optax.add_decayed_weights(weight_decay),

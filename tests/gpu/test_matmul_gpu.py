@@ -27,8 +27,11 @@ import pytest
 from _check import bits_differ, devices, on, rel, table
 from flax import nnx
 
+from fp4jax.execution import MatmulExecution
 from fp4jax.layers import fp4_dense, lora_svd_dense
 from fp4jax.ops import MatmulConfig, matmul, nvfp4_matmul
+from fp4jax.ops.matmul import Split
+from fp4jax.quant import BF16, Operand
 
 pytestmark = pytest.mark.gpu
 
@@ -50,24 +53,16 @@ def _operands(x, w, dy, key, config, implementation):
   (``"xla"`` or ``"pallas"``), and the XLA implementation's float32 H·x."""
   keys = matmul._keys(key, config)
   x2, dy2 = x.reshape(-1, K), dy.reshape(-1, N)
-  if implementation == "xla":
-    ops = {"x (fwd, 1x16 along K)": matmul.quantize_x(x2, keys, config),
-           "w (fwd+dgrad, 16x16)": matmul.quantize_w(w, keys, config),
-           "dy (dgrad, 1x16 along N, SR)": matmul.quantize_dy_dgrad(dy2, keys, config),
-           "H.x (wgrad, along tokens)": matmul.quantize_x_wgrad(x2, keys, config),
-           "H.dy (wgrad, along tokens, SR)": matmul.quantize_dy_wgrad(dy2, keys, config)}
-    if config.hadamard:
-      ops["H.x f32 (before quantization)"] = matmul.wgrad_operand(x2, keys)
-    return ops
-  run = matmul._Run(implementation)
-  q = lambda a, r, k, **kw: matmul._kernel_quantize(a, r, keys[k], config, run, decoded=False, **kw)[0]
-  hkey = keys["hadamard"] if config.hadamard else None
-  return {"x (fwd, 1x16 along K)": q(x2, config.x_rounding, "x", axis=-1),
-          "w (fwd+dgrad, 16x16)": q(w, config.w_rounding, "w", block=(16, 16)),
-          "dy (dgrad, 1x16 along N, SR)": q(dy2, config.dy_dgrad_rounding, "dy_dgrad", axis=-1),
-          "H.x (wgrad, along tokens)": q(x2, config.x_wgrad_rounding, "x_wgrad", axis=0, hadamard_key=hkey),
-          "H.dy (wgrad, along tokens, SR)": q(dy2, config.dy_wgrad_rounding, "dy_wgrad", axis=0,
-                                              hadamard_key=hkey)}
+  run = MatmulExecution(implementation, "decoded")
+  q = lambda a, op: matmul.quantize_operand(a, op, keys, config, run)[0][0]
+  ops = {"x (fwd, 1x16 along K)": q(x2, "x"),
+         "w (fwd+dgrad, 16x16)": q(w, "w"),
+         "dy (dgrad, 1x16 along N, SR)": q(dy2, "dy_dgrad"),
+         "H.x (wgrad, along tokens)": q(x2, "x_wgrad"),
+         "H.dy (wgrad, along tokens, SR)": q(dy2, "dy_wgrad")}
+  if implementation == "xla" and config.hadamard:
+    ops["H.x f32 (before quantization)"] = matmul.wgrad_operand(x2, keys)
+  return ops
 
 
 def operand_rows(dev, cpu):
@@ -97,16 +92,17 @@ def matmul_rows(dev, cpu):
 
   def fwd_bwd(x, w, dy, key, config, implementation="xla"):
     y, vjp = jax.vjp(lambda x, w: nvfp4_matmul(x, w, key=key, config=config,
-                                               implementation=implementation), x, w)
+                                               execution=MatmulExecution(implementation)), x, w)
     return (y, *vjp(dy))
 
   unq = on(cpu, lambda x, w, dy: fwd_bwd(x, w, dy, None, MatmulConfig.bf16()), x, w, dy)
   for base, name in ((NVFP4, "nvfp4"), (MatmulConfig.nvfp4(hadamard=False), "nvfp4, no Hadamard"),
                      (MatmulConfig.bf16(), "bf16"),
-                     (MatmulConfig.nvfp4(two_term="x,w,dy_wgrad"), "two-term x, w, H.dy"),
-                     (MatmulConfig.nvfp4(bf16_operands="x,dy_dgrad"), "bf16 x and dy (dgrad)"),
-                     (MatmulConfig.nvfp4(split="x,dy"), "mean split of x and dy"),
-                     (MatmulConfig.nvfp4(split="x,dy", split_method="subspace"), "rank-16 subspace split")):
+                     (MatmulConfig.nvfp4(x=Operand(terms=2), w=Operand(block=(16, 16), terms=2),
+                                         dy_wgrad=Operand(rounding="stochastic", terms=2)), "two-term x, w, H.dy"),
+                     (MatmulConfig.nvfp4(x=BF16, dy_dgrad=BF16), "bf16 x and dy (dgrad)"),
+                     (MatmulConfig.nvfp4(split=Split(("x", "dy"))), "mean split of x and dy"),
+                     (MatmulConfig.nvfp4(split=Split(("x", "dy"), method="subspace")), "rank-16 subspace split")):
     config = base
     c = on(cpu, lambda x, w, dy, key: fwd_bwd(x, w, dy, key, config), x, w, dy, key)
     for impl in ("xla", "pallas"):
@@ -114,7 +110,7 @@ def matmul_rows(dev, cpu):
       for out, gv, cv, uv in zip(("y", "dx", "dw"), g, c, unq):
         r, r_unq = rel(gv, cv), rel(gv, uv)
         tol = 1e-4 if (out == "dw" and config.hadamard) else 1e-5
-        if config.split_method == "subspace" and config.split:
+        if config.split.method == "subspace" and config.split.tensors:
           # The range finder's QR rounds differently on the two backends, so a few residual
           # elements round to the neighbouring code: a rounding-level difference, not a drift.
           tol = 1e-2

@@ -8,7 +8,7 @@ For fixed inputs and seeds, on the GPU and on the CPU backend of the same proces
 1. ``nvfp4_dot`` / ``nvfp4_gram`` (one and two terms): GPU vs CPU within float32 accumulation
    tolerance, and the one-term error against the exact product ~0.13 (not the ~0.003 of bf16
    operands, which would mean XLA folded the quantization away);
-2. ``newton_schulz(precision="nvfp4")`` on each device against fp32 Newton–Schulz on the same device
+2. ``newton_schulz(operand=Operand(terms=2))`` on each device against fp32 Newton–Schulz on the same device
    (distance <= 0.15) and its singular values. GPU and CPU are not compared with each other tightly:
    each step requantizes a product whose summation order differs by backend, and five steps make
    the two runs two equally valid roundings;
@@ -29,6 +29,7 @@ from _check import devices, on, rel, table
 
 from fp4jax import numerics, nvfp4, optim
 from fp4jax.optim import _common
+from fp4jax.quant import Operand
 
 pytestmark = pytest.mark.gpu
 
@@ -61,7 +62,7 @@ def product_rows(dev, cpu):
   exact = a.astype(np.float64) @ b
   rows, ok = [], True
   for terms in (1, 2):
-    f = lambda a, b, t=terms: optim.nvfp4_dot(a, b, t)
+    f = lambda a, b, t=terms: optim.nvfp4_dot(a, b, Operand(terms=t))
     g, c = on(dev, f, a, b), on(cpu, f, a, b)
     r, err = rel(g, c), rel(g, exact)
     lo, hi = (0.05, 0.2) if terms == 1 else (0.005, 0.03)
@@ -73,7 +74,7 @@ def product_rows(dev, cpu):
   good = rel(g, c) <= 1e-5
   rows.append(("nvfp4_gram", f"rel {rel(g, c):.1e}", "≤ 1e-5", good))
   x = rng.standard_normal((256, 768)).astype(np.float32)
-  f = lambda x: (optim.newton_schulz(x, precision="nvfp4"), optim.newton_schulz(x, precision="fp32"))
+  f = lambda x: (optim.newton_schulz(x, operand=Operand(terms=2)), optim.newton_schulz(x, operand=None))
   (g, g32), (c, c32) = on(dev, f, x), on(cpu, f, x)
   s = np.linalg.svd(g.astype(np.float64), compute_uv=False)
   good2 = rel(g, g32) <= 0.15 and rel(c, c32) <= 0.15 and 0.5 < s.min() and s.max() < 1.3
