@@ -28,16 +28,17 @@ import optax
 
 from benchmarks.optim_lm import batches, init_model, loss_of, stdlib_bytes, train
 from fp4jax import optim
+from fp4jax.quant import Operand
 
 _LOG_SCALE = 2.0**-40  # log-companded candidate: store log2(1 + v / c)
 LOG_MAP = (lambda v: jnp.log2(1.0 + v / _LOG_SCALE), lambda y: (jnp.exp2(y) - 1.0) * _LOG_SCALE)
 
 Options = optim.AdamNvfp4Options
-NEAREST = dict(mu_rounding="nearest", nu_rounding="nearest")
+NEAREST = dict(mu=Operand(), nu=Operand())
 CANDIDATES = {
     "stochastic, clip (default)": Options(),
     "nearest, clip": Options(**NEAREST),
-    "m stochastic, sqrt v nearest, clip": Options(nu_rounding="nearest"),
+    "m stochastic, sqrt v nearest, clip": Options(nu=Operand()),
     "stochastic, no clip": Options(clip_update=False),
     "nearest, no clip": Options(**NEAREST, clip_update=False),
 }

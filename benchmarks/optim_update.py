@@ -39,9 +39,10 @@ import optax
 from benchmarks.profile_step import busy_by_prefix, busy_ms, kernel_sequence, read_trace, summarize
 from fp4jax import nvfp4, optim
 from fp4jax.optim import _common
+from fp4jax.quant import Operand
 
 
-NEAREST = optim.AdamNvfp4Options(mu_rounding="nearest", nu_rounding="nearest")
+NEAREST = optim.AdamNvfp4Options(mu=Operand(), nu=Operand())
 
 
 class _QuantizeOnly(optax.GradientTransformation):

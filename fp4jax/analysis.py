@@ -1,7 +1,7 @@
 """Error studies of the NVFP4 numerics: measurements of what quantization moves, not training ops.
 
 - ``ds_scale_error``: the error of attention's dS quantization for each second-level scale scope
-  (``fp4jax.ops.attention.SCALE_SCOPES``), on one attention backward; ``fp4jax.telemetry`` measures
+  (``"tile"``, ``"matrix"``, ``"tensor"``), on one attention backward; ``fp4jax.telemetry`` measures
   dS with its ``"tile"`` scope.
 - ``orthogonality_error``: the singular-value spread of a Newton–Schulz output
   (``fp4jax.optim.newton_schulz``), on the host.
@@ -40,7 +40,7 @@ def _decoded_operand(x, config: attention.AttentionConfig, name: str, key):
   the head dim, the config's rounding) where ``config`` quantizes ``name``, else ``x``."""
   if not config.quantizes(name):
     return x.astype(_F32)
-  rounding = getattr(config, f"{name}_rounding")
+  rounding = getattr(config, name).rounding
   key = key if config.stochastic(name) else None
   return nvfp4.quantize(x, block=(1, nvfp4.BLOCK), axis=-1, rounding=rounding,
                         key=key).dequantize(_F32)
@@ -51,9 +51,10 @@ def ds_scale_error(q, k, v, do, *, causal: bool = True, key=None,
                    ) -> dict[str, dict[str, jax.Array]]:
   """The error of dS's NVFP4 quantization for each second-level scale scope, on one attention backward.
 
-  Materializes the backward's dS (``nvfp4_attention_vjp_reference``) and quantizes it with
-  ``fake_quant_ds`` for each scope of ``SCALE_SCOPES`` (``"tile"`` with ``config.ds_tile``, the op's;
-  ``"matrix"`` and ``"tensor"``, the exact two-level quantization), with the same rounding bits::
+  Materializes the backward's dS (``nvfp4_attention_vjp_reference``) and quantizes it in 16×16
+  blocks for each second-level scale scope (``"tile"``: one scale per ``config.ds_tile``, the op's;
+  ``"matrix"`` and ``"tensor"``: the exact two-level quantization per ``[T, S]`` matrix and of the
+  whole dS), with the op's rounding bits::
 
     ds_rel  = ‖Q(dS) − dS‖ / ‖dS‖          ds_snr_db = −20·log10(ds_rel)
     dq_rel  = ‖Q(dS)·K − dS·K‖ / ‖dS·K‖    dk_rel    = the same for dSᵀ·Q      (f32 products)
@@ -61,30 +62,30 @@ def ds_scale_error(q, k, v, do, *, causal: bool = True, key=None,
 
   Args:
     q, k, v, do, causal, key, config: as ``fp4jax.ops.nvfp4_attention_vjp_reference``
-      (``config.ds_rounding`` sets the rounding; ``config.ds`` need not be ``"nvfp4"``).
+      (``config.ds.rounding`` sets the rounding; ``config.ds.format`` need not be ``"nvfp4"``).
 
   Returns:
     ``{scope: {"ds_rel", "ds_snr_db", "dq_rel", "dk_rel", "vs_matrix"}}`` of float32 scalars.
   """
-  config = dataclasses.replace(config, ds="bf16")
+  config = dataclasses.replace(config, ds=dataclasses.replace(config.ds, format="bf16"))
   (_, _, _), inter = attention.nvfp4_attention_vjp_reference(
       q, k, v, do, causal=causal, key=key, config=config, return_intermediates=True)
   ds = inter["ds"]
-  stochastic = config.ds_rounding == "stochastic"
+  stochastic = config.ds.rounding == "stochastic"
   if stochastic and key is None:
-    raise ValueError("ds_scale_error: stochastic ds_rounding needs `key`")
+    raise ValueError("ds_scale_error: stochastic config.ds.rounding needs `key`")
   # The op's keys: one per operand, split in ``OPERANDS`` order.
   keys = dict.fromkeys(attention.OPERANDS) if key is None else dict(
       zip(attention.OPERANDS, jax.random.split(key, len(attention.OPERANDS)), strict=True))
-  bits = attention.ds_bits(keys["ds"], ds.shape) if stochastic else None
+  bits = attention._ds_bits(keys["ds"], ds.shape) if stochastic else None
   # dK per query head (before GQA's sum over a group): the error of each head's contribution.
   kd = jnp.repeat(_decoded_operand(k, config, "k", keys["k"]), q.shape[2] // k.shape[2], axis=2)
   qd = _decoded_operand(q, config, "q", keys["q"])
   dq = _dot("bhts,bshd->bthd", ds, kd)
   dk = _dot("bhts,bthd->bshd", ds, qd)
-  quantized = {scope: attention.fake_quant_ds(ds, scope=scope, ds_tile=config.ds_tile,
-                                              rounding=config.ds_rounding, bits=bits)
-               for scope in attention.SCALE_SCOPES}
+  quantized = {scope: attention._fake_quant_ds(ds, scope=scope, ds_tile=config.ds_tile,
+                                               rounding=config.ds.rounding, bits=bits)
+               for scope in attention._SCALE_SCOPES}
   out = {}
   for scope, dsq in quantized.items():
     ds_rel = _rel(dsq - ds, ds)

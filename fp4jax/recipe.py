@@ -15,9 +15,9 @@ What each NVFP4 module computes is the config of its op, nested as one field, so
 field in one place: ``matmul`` (``fp4jax.ops.MatmulConfig``: the NVFP4 projections' GEMMs, e.g.
 ``--config.recipe.matmul.hadamard=False``, or an operand's field such as
 ``--config.recipe.matmul.x.terms=2``), ``attention_op`` (``fp4jax.ops.AttentionConfig``: the
-NVFP4 attention's operands, e.g. ``--config.recipe.attention_op.ds=bf16``) and ``moments``
+NVFP4 attention's operands, e.g. ``--config.recipe.attention_op.ds.format=bf16``) and ``moments``
 (``fp4jax.optim.AdamNvfp4Options``: how NVFP4 moments are stored, e.g.
-``--config.recipe.moments.mu_rounding=nearest``). Each applies where its module is NVFP4. Which code
+``--config.recipe.moments.mu.rounding=nearest``). Each applies where its module is NVFP4. Which code
 runs an op (kernels, cuDNN, XLA) is not part of a recipe: see ``fp4jax.execution``.
 
 Named presets: ``bf16``, ``fp4_linear``, ``fp4_linear_lorasvd``, ``fp4_full_stack``
@@ -75,9 +75,11 @@ class Recipe:
       unquantized), ``x.terms=2`` (a two-term operand), ``split.tensors=("x",)`` (a low-rank split).
     attention_op: the products of NVFP4 attention (``attention="nvfp4"``): the method
       (``AttentionConfig.nvfp4()``: q, k and dS in NVFP4, V, P, dO in BF16, tensor reuse) by
-      default. Ablations: ``v``/``p``/``do="nvfp4"`` (the P·V branch quantized too), ``ds="bf16"``,
-      ``reuse=False`` (the backward on the unquantized q, k).
-    moments: how NVFP4 moments are stored (``optimizer_states="nvfp4"``): ``AdamNvfp4Options()``.
+      default; one ``fp4jax.quant.Operand`` per operand. Ablations: ``v``/``p``/``do.format="nvfp4"``
+      (the P·V branch quantized too), ``ds.format="bf16"``, ``reuse=False`` (the backward on the
+      unquantized q, k).
+    moments: how NVFP4 moments are stored (``optimizer_states="nvfp4"``): ``AdamNvfp4Options()``
+      (m and √v stochastically rounded; ``mu.rounding="nearest"`` is an ablation).
   """
 
   linear: str = "bf16"

@@ -218,8 +218,8 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
     for name, attn in _attentions(model):
       config = _attention_config(attn.attention_op)
       q, k, v = (seen[name][t] for t in ("q", "k", "v"))
-      quant.add(f"{name}/q", _rows(q, -1), (1, 16), config.q_rounding, next(keys))
-      quant.add(f"{name}/k", _rows(k, -1), (1, 16), config.k_rounding, next(keys))
+      quant.add(f"{name}/q", _rows(q, -1), (1, 16), config.q.rounding, next(keys))
+      quant.add(f"{name}/k", _rows(k, -1), (1, 16), config.k.rounding, next(keys))
       if hdim_ok:
         n = min(attention_examples, inputs.shape[0])
         do = dys[name]["out"][:n].astype(q.dtype)

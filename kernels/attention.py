@@ -31,7 +31,7 @@ of the blocks (the arrays are padded, padding keys get P = 0, padding rows dS = 
 T == S. q and k are the decoded NVFP4 operands ``nvfp4.dequantize(Q(q), bf16)``; any bf16 (or f16)
 arrays work.
 
-dS quantization (its jnp reference is ``fp4jax.ops.attention.fake_quant_ds``): each ``ds_tile`` of
+dS quantization (its jnp reference is ``fp4jax.ops.attention._fake_quant_ds``): each ``ds_tile`` of
 the ``[T, S]`` dS matrix of one (b, h) is
 quantized as a tensor of its own by ``nvfp4.quantize(tile, block=(16, 16))`` (Transformer Engine's
 order: tile amax, ``S_enc = 2688 / amax``, E4M3 scales of 16×16 blocks, E2M1 codes) and decoded as
@@ -571,7 +571,7 @@ def _key_words4(ds_key, p_key):
 def attention_pv(q, k, v, lse, *, causal: bool, sm_scale: float, p_rounding: str = "nearest",
                  key=None, block_sizes: BlockSizes | None = None, interpret: bool = False):
   """``O = deq(Q(P))·V`` with ``P = exp(S − lse)`` from the forward's log-sum-exp: the output of
-  attention with an NVFP4 P (``AttentionConfig.p = "nvfp4"``).
+  attention with an NVFP4 P (``AttentionConfig.p.format = "nvfp4"``).
 
   P is quantized tile by tile as ``fp4jax.ops.attention``'s reference quantizes the whole P: 1×16
   blocks along the keys, the global scale of ``amax = 1``; stochastic rounding takes its bits from
@@ -638,13 +638,13 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float,
 
   ``P = exp(S - lse)`` recomputed with the forward's ``S``, ``dP = dO·Vᵀ``, ``δ = rowsum(dO ∘ O)``,
   ``dS = (P ∘ (dP - δ)) * sm_scale`` in float32; ``dQ = dS·K``, ``dK = dSᵀ·Q`` with dS cast to
-  bf16, or quantized to NVFP4 per ``ds_tile`` and decoded (``fp4jax.ops.attention.fake_quant_ds``);
+  bf16, or quantized to NVFP4 per ``ds_tile`` and decoded (``fp4jax.ops.attention._fake_quant_ds``);
   ``dV = Pᵀ·dO`` with P in bf16, or with ``p_rounding`` set ``deq(Q(P))`` as ``attention_pv``
   quantizes it (dS keeps the unquantized P). f32 accumulation; dK and dV sum over the query heads of
   each key/value head.
 
   Reference: ``fp4jax.ops.attention.nvfp4_attention_vjp_reference`` (dS quantization:
-  ``fp4jax.ops.attention.fake_quant_ds``).
+  ``fp4jax.ops.attention._fake_quant_ds``).
 
   ``dq_accumulation`` chooses how dQ is summed over the key blocks; dK and dV are computed the same
   way by either:

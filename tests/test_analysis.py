@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fp4jax import analysis, ops, optim
+from fp4jax.quant import BF16
 
 
 def test_error_studies_live_in_analysis_only():
@@ -26,7 +27,7 @@ def test_orthogonality_error_of_an_orthogonal_matrix():
 def test_ds_scale_error_needs_a_key_for_stochastic_rounding():
   x = jax.random.normal(jax.random.key(0), (1, 16, 1, 16))
   with pytest.raises(ValueError, match="needs `key`"):
-    analysis.ds_scale_error(x, x, x, x, config=ops.AttentionConfig.nvfp4(q="bf16", k="bf16"))
+    analysis.ds_scale_error(x, x, x, x, config=ops.AttentionConfig.nvfp4(q=BF16, k=BF16))
 
 
 def _np_shares(a, k=16):

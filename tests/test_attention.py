@@ -18,22 +18,29 @@ from conftest import H200
 from jax.sharding import AbstractMesh
 from nvfp4_np_reference import dequantize_ref, quantize_ref
 
-from fp4jax import _platform, nvfp4
+from fp4jax import _platform, nvfp4, quant
 from fp4jax.analysis import ds_scale_error
 from fp4jax.ops import attention as attn
 from fp4jax.ops.attention import (
     AttentionConfig,
-    ds_bits,
-    fake_quant_ds,
     nvfp4_attention,
     nvfp4_attention_reference,
     nvfp4_attention_vjp_reference,
 )
+from fp4jax.ops.attention import _ds_bits as ds_bits
+from fp4jax.ops.attention import _fake_quant_ds as fake_quant_ds
+from fp4jax.quant import Operand
 
 B, T, H, HK, D = 1, 32, 4, 2, 64
 NVFP4 = AttentionConfig.nvfp4()
 BF16 = AttentionConfig.bf16()
 KEY = jax.random.key(7)
+
+
+def _switched(config=NVFP4, **formats) -> AttentionConfig:
+  """``config`` with the named operands' format switched (``v="nvfp4"``), each keeping its rounding."""
+  return dataclasses.replace(config, **{n: dataclasses.replace(getattr(config, n), format=f)
+                                        for n, f in formats.items()})
 
 
 def _data(t=T, s=None, h=H, hk=HK, dtype=jnp.bfloat16, seed=0):
@@ -95,13 +102,23 @@ def _deq(x):
 
 
 def test_config_defaults_and_validation():
-  assert (NVFP4.q, NVFP4.k, NVFP4.v, NVFP4.p, NVFP4.do, NVFP4.ds) == (
-      "nvfp4", "nvfp4", "bf16", "bf16", "bf16", "nvfp4")
-  assert NVFP4.ds_rounding == "stochastic" and NVFP4.needs_key and NVFP4.reuse
+  """The method: q, k nearest and dS stochastic in 16×16 blocks; V, P, dO unquantized, and when
+  switched to NVFP4 rounded as before (V, P nearest, dO stochastic)."""
+  nearest, sr = Operand(), Operand(rounding="stochastic")
+  assert (NVFP4.q, NVFP4.k, NVFP4.ds) == (nearest, nearest, Operand(rounding="stochastic", block=(16, 16)))
+  assert [n for n in attn.OPERANDS if NVFP4.quantizes(n)] == ["q", "k", "ds"]
+  assert [n for n in attn.OPERANDS if NVFP4.stochastic(n)] == ["ds"] and NVFP4.needs_key and NVFP4.reuse
+  pv = _switched(v="nvfp4", p="nvfp4", do="nvfp4")
+  assert (pv.v, pv.p, pv.do) == (nearest, nearest, sr) and pv.stochastic("do")
   assert not any(BF16.quantizes(n) for n in attn.OPERANDS) and not BF16.needs_key
+  assert _switched(BF16, **dict.fromkeys(attn.OPERANDS, "nvfp4")) == pv  # bf16() keeps the roundings
+  assert not AttentionConfig.nvfp4(ds=quant.BF16).quantizes("ds")  # a bf16 operand's block is moot
   assert AttentionConfig.nvfp4(ds_tile=[32, 128]).ds_tile == (32, 128)
-  assert hash(AttentionConfig.nvfp4(v="nvfp4")) == hash(AttentionConfig(v="nvfp4"))
-  for bad, match in ((dict(q="fp8"), "AttentionConfig.q"), (dict(ds_rounding="down"), "ds_rounding"),
+  assert hash(AttentionConfig.nvfp4(v=Operand())) == hash(AttentionConfig(v=Operand()))
+  for bad, match in ((dict(q="nvfp4"), "AttentionConfig.q must be an fp4jax.quant.Operand"),
+                     (dict(v=Operand(terms=2)), "AttentionConfig.v.terms must be 1"),
+                     (dict(ds=Operand()), r"AttentionConfig.ds.block must be \(16, 16\)"),
+                     (dict(k=Operand(block=(16, 16))), r"AttentionConfig.k.block must be \(1, 16\)"),
                      (dict(reuse=1), "reuse"), (dict(ds_tile=(64, 40)), "multiples of 16"),
                      (dict(ds_tile=(48, 64)), "powers of two"), (dict(ds_tile=64), "rows, cols")):
     with pytest.raises(ValueError, match=match):
@@ -140,7 +157,7 @@ def test_gradients_are_straight_through_the_quantizers():
   """With dS unquantized, the custom_vjp equals autodiff of attention on fake_quant(q), fake_quant(k)
   (f32 inputs: only summation order differs)."""
   q, k, v, do = _data(dtype=jnp.float32)
-  config = AttentionConfig.nvfp4(ds="bf16")
+  config = _switched(ds="bf16")
   ours = _op(q, k, v, do, KEY, config=config)
   theirs = _dpa(_deq(q), _deq(k), v, do)  # _deq: forward values of nvfp4.fake_quant
   for a, b in zip(ours, theirs, strict=True):
@@ -179,7 +196,7 @@ def test_residuals_are_packed():
   assert isinstance(res.q, nvfp4.NVFP4Tensor) and isinstance(res.k, nvfp4.NVFP4Tensor)
   assert res.q.codes.dtype == jnp.uint8 and res.q.codes.shape == (B, T, H, D // 2)
   assert res.v.dtype == jnp.bfloat16 and res.lse.shape == (B, H, T) and res.lse.dtype == jnp.float32
-  res = fwd(AttentionConfig.nvfp4(v="nvfp4", reuse=False))
+  res = fwd(AttentionConfig.nvfp4(v=Operand(), reuse=False))
   assert res.q.shape == q.shape and res.q.dtype == q.dtype and isinstance(res.v, nvfp4.NVFP4Tensor)
 
 
@@ -223,7 +240,7 @@ def test_p_stochastic_rounding_is_unbiased():
   q, k, v, do = _data()
   _, p, _ = _ref_fwd(q, k, v, key=KEY, return_stats=True)
   p = p.reshape(B, HK, H // HK, T, T)
-  sr = AttentionConfig.nvfp4(p="nvfp4", p_rounding="stochastic")
+  sr = AttentionConfig.nvfp4(p=Operand(rounding="stochastic"))
   draw = jax.jit(lambda key: attn._probs_operand(p, sr, {"p": key}, jnp.float32))
   n = 64
   draws = jnp.stack([draw(key) for key in jax.random.split(jax.random.key(2), n)])
@@ -234,7 +251,7 @@ def test_p_stochastic_rounding_is_unbiased():
 
 def test_ds_stochastic_rounding_unbiased_through_dq():
   q, k, v, do = _data()
-  exact = _op(q, k, v, do, KEY, config=AttentionConfig.nvfp4(ds="bf16"))
+  exact = _op(q, k, v, do, KEY, config=_switched(ds="bf16"))
   draws = [_op(q, k, v, do, key)[1:] for key in jax.random.split(jax.random.key(2), 32)]
   for i in range(3):  # dq, dk, dv
     mean = jnp.stack([_f32(d[i]) for d in draws]).mean(0)
@@ -247,7 +264,7 @@ def test_ds_stochastic_rounding_unbiased_through_dq():
 def test_ds_nearest_quantized_per_tile_in_dq_dk():
   """dQ = deq(Q(dS))·deq(Q(k)) and dK = deq(Q(dS))ᵀ·deq(Q(q)), dS quantized per ds_tile."""
   q, k, v, do = _data()
-  config = AttentionConfig.nvfp4(ds_rounding="nearest", ds_tile=(32, 16))
+  config = AttentionConfig.nvfp4(ds=Operand(block=(16, 16)), ds_tile=(32, 16))
   (dq, dk, _), inter = _ref_vjp(q, k, v, do, config=config, return_intermediates=True)
   ds = jax.jit(functools.partial(fake_quant_ds, ds_tile=(32, 16), rounding="nearest"))(inter["ds"])
   ds = ds.astype(jnp.bfloat16)
@@ -287,7 +304,7 @@ def test_ds_scale_error():
   q, k, v, do = _data(t=64, h=2, hk=2)
   config = AttentionConfig.nvfp4(ds_tile=(32, 32))
   err = jax.jit(functools.partial(ds_scale_error, config=config))(q, k, v, do, key=KEY)
-  assert set(err) == set(attn.SCALE_SCOPES)
+  assert set(err) == {"tile", "matrix", "tensor"}
   assert float(err["matrix"]["vs_matrix"]) == 0.0
   for scope, e in err.items():
     assert 0.05 < float(e["ds_rel"]) < 0.4, scope
@@ -330,13 +347,13 @@ def test_ragged_t_equals_zero_padded_problem():
 def test_config_switches_each_operand():
   q, k, v, do = _data()
   base = _op(q, k, v, do, KEY)
-  fwd = lambda **kw: _ref_fwd(q, k, v, key=KEY, config=AttentionConfig.nvfp4(**kw))
+  fwd = lambda **kw: _ref_fwd(q, k, v, key=KEY, config=_switched(**kw))
   with_v = fwd(v="nvfp4")
   _close(with_v, _dpa(_deq(q), _deq(k), _deq(v), do)[0], 1e-2)
   assert _rel(with_v, base[0]) > 0.02
   _close(fwd(q="bf16", k="bf16"), _dpa(q, k, v, do)[0], 1e-2)
   assert _rel(fwd(p="nvfp4"), base[0]) > 0.02
-  with_do = _op(q, k, v, do, KEY, config=AttentionConfig.nvfp4(do="nvfp4"))
+  with_do = _op(q, k, v, do, KEY, config=_switched(do="nvfp4"))
   np.testing.assert_array_equal(_f32(with_do[0]), _f32(base[0]))
   assert all(_rel(a, b) > 0.02 for a, b in zip(with_do[1:], base[1:], strict=True))
 
@@ -346,7 +363,7 @@ def test_quantized_p():
   sums to 0 as for the exact gradient."""
   q, k, v, do = _data()
   grads, inter = _ref_vjp(q, k, v, do, key=KEY, return_intermediates=True,
-                          config=AttentionConfig.nvfp4(p="nvfp4"))
+                          config=_switched(p="nvfp4"))
   ds = inter["ds"]
   assert float(jnp.abs(ds.sum(-1)).max()) < 1e-2 * float(jnp.abs(ds).sum(-1).max())
   assert _rel(grads[2], _op(q, k, v, do, KEY)[3]) > 0.02  # dV = Q(P)ᵀ·dO
@@ -372,11 +389,11 @@ def test_auto_takes_the_kernels_on_one_cuda_device_only(monkeypatch):
     assert ("__gpu$xla.gpu.triton" in hlo) == kernels, (mesh, d)
 
 
-_PV = dict(v="nvfp4", p="nvfp4", do="nvfp4")
+_PV = _switched(v="nvfp4", p="nvfp4", do="nvfp4")
 
 
 @pytest.mark.parametrize("config", [
-    NVFP4, NVFP4.nvfp4(reuse=False), NVFP4.nvfp4(**_PV), NVFP4.nvfp4(**_PV, p_rounding="stochastic"),
+    NVFP4, NVFP4.nvfp4(reuse=False), _PV, dataclasses.replace(_PV, p=Operand(rounding="stochastic")),
 ], ids=["reuse", "no reuse", "V P dO nvfp4", "V P dO nvfp4, P stochastic"])
 @pytest.mark.slow
 def test_pallas_interpret_runs_the_kernels_on_the_same_operands(config):

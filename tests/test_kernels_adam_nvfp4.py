@@ -14,6 +14,7 @@ from fp4jax.kernels import adam_nvfp4 as kernel
 from fp4jax.kernels.adam_nvfp4 import AdamKernelConfig
 from fp4jax.nvfp4 import NVFP4Tensor
 from fp4jax.optim import _common
+from fp4jax.quant import Operand
 
 # (64, 128): 512 blocks; (33, 160): 330 blocks, a ragged last program at any power-of-two size;
 # "zero": an all-zero gradient (amax 0); "bias": a float32 leaf.
@@ -56,7 +57,7 @@ def _tx(impl, rounding="stochastic", config=AdamKernelConfig(), **kw):
   moments' or a pair (m, √v)."""
   mu, nu = (rounding, rounding) if isinstance(rounding, str) else rounding
   return optim.scale_by_adam_nvfp4(implementation=impl, block_sizes=config, options=optim.AdamNvfp4Options(
-      min_size=1024, mu_rounding=mu, nu_rounding=nu), **kw)
+      min_size=1024, mu=Operand(rounding=mu), nu=Operand(rounding=nu)), **kw)
 
 
 def _run(tx, steps, **tree_kw):

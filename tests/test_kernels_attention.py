@@ -16,7 +16,9 @@ from jax.experimental import pallas as pl
 from fp4jax import numerics, nvfp4
 from fp4jax.kernels import _common as C
 from fp4jax.kernels import attention as A
-from fp4jax.ops.attention import ds_bits, fake_quant_ds
+from fp4jax.ops.attention import _ds_bits as ds_bits
+from fp4jax.ops.attention import _fake_quant_ds as fake_quant_ds
+from fp4jax.quant import Operand
 
 
 def _inputs(b, t, h, hk, d, s=None, seed=0):
@@ -380,7 +382,7 @@ def test_in_kernel_p_quantizer_is_bit_exact(rounding):
   x[0, 0, 1, 5, :] = 1.0
   p = jnp.asarray(x, jnp.float32)
   key = jax.random.key(9)
-  config = ops.AttentionConfig.nvfp4(p="nvfp4", p_rounding=rounding)
+  config = ops.AttentionConfig.nvfp4(p=Operand(rounding=rounding))
   keys = {"p": key}
   whole = np.asarray(ops._probs_operand(p, config, keys, jnp.bfloat16), np.float32)
   assert (whole != np.asarray(p.astype(jnp.bfloat16), np.float32)).mean() > 0.3  # it quantizes
@@ -410,7 +412,7 @@ def test_attention_pv_and_quantized_p_backward_match_reference():
   s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
   p = jnp.exp(s - lse[..., None]).reshape(b, hk, h // hk, t, t)
   for rounding in ("nearest", "stochastic"):
-    config = ops.AttentionConfig.nvfp4(p="nvfp4", p_rounding=rounding)
+    config = ops.AttentionConfig.nvfp4(p=Operand(rounding=rounding))
     pq = ops._probs_operand(p, config, {"p": key}, jnp.bfloat16).reshape(b, h, t, t)
     o_want = jnp.einsum("bhts,bshd->bthd", pq, vh, preferred_element_type=jnp.float32)
     dv_want = jnp.einsum("bhts,bthd->bshd", pq, do, preferred_element_type=jnp.float32)

@@ -187,12 +187,12 @@ def test_nvfp4_forward_is_close_to_bf16_with_same_weights():
 def test_attention_nvfp4_runs_the_nvfp4_op_with_its_ablations():
   """recipe attention='nvfp4': every block's attention op is nvfp4_attention with the recipe's
   AttentionConfig; the model needs a key, trains (finite gradients) and differs from bf16 attention."""
-  recipe = Recipe(attention="nvfp4", attention_op=AttentionConfig.nvfp4(ds="bf16", reuse=False))
+  recipe = Recipe(attention="nvfp4", attention_op=AttentionConfig.nvfp4(ds=Operand(format="bf16"), reuse=False))
   m = _model(recipe=recipe)
   assert m.needs_key
   op = m.blocks[0].attn.attention_op
   assert isinstance(op, NVFP4Attention)
-  assert op.config == AttentionConfig.nvfp4(ds="bf16", reuse=False)
+  assert op.config == AttentionConfig.nvfp4(ds=Operand(format="bf16"), reuse=False)
   tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, CFG.vocab_size)
   with pytest.raises(ValueError, match="key"):
     m(tokens)

@@ -20,6 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp4jax import optim
+from fp4jax.quant import Operand
 
 LR = 1e-2
 ALL_NVFP4 = optim.AdamNvfp4Options(min_size=0)
@@ -29,7 +30,7 @@ ALL_NVFP4 = optim.AdamNvfp4Options(min_size=0)
 CONFIGS = {
     "adamw_nvfp4": lambda: optim.adamw_nvfp4(LR, weight_decay=0.1, options=ALL_NVFP4),
     "adamw_nvfp4_nearest": lambda: optim.adamw_nvfp4(
-        LR, options=optim.AdamNvfp4Options(min_size=0, mu_rounding="nearest", nu_rounding="nearest")),
+        LR, options=optim.AdamNvfp4Options(min_size=0, mu=Operand(), nu=Operand())),
     "adamw_nvfp4_xla": lambda: optim.adamw_nvfp4(LR, options=ALL_NVFP4, implementation="xla"),
     "adamw_unquantized": lambda: optim.adamw_nvfp4(LR, quantize=False),
     "scale_by_adam_nvfp4": lambda: optim.scale_by_adam_nvfp4(options=ALL_NVFP4),
@@ -280,6 +281,6 @@ def test_nvfp4_moments_settle_within_half_a_learning_rate_of_optax(rounding):
 
   ref = run(optax.adamw(LR, b1=0.9, b2=0.95, weight_decay=0.0))
   ours = run(optim.adamw_nvfp4(LR, weight_decay=0.0, options=optim.AdamNvfp4Options(
-      min_size=0, mu_rounding=rounding, nu_rounding=rounding)))
+      min_size=0, mu=Operand(rounding=rounding), nu=Operand(rounding=rounding))))
   assert np.max(np.abs(ours - ref)) < 0.5 * LR
   assert np.max(np.abs(ours - ref)) > 0  # the moments were quantized

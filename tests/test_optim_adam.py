@@ -9,6 +9,7 @@ import pytest
 from fp4jax import _platform, numerics, nvfp4, optim
 from fp4jax.optim import _common
 from fp4jax.optim.adam import adam_update_bound
+from fp4jax.quant import Operand
 
 B1, B2 = 0.9, 0.95
 Options = optim.AdamNvfp4Options
@@ -119,7 +120,7 @@ def test_stochastic_rounding_lets_a_moment_decay():
   results = {}
   for rounding in ("stochastic", "nearest"):
     tx = optim.scale_by_adam_nvfp4(B1, B2, options=Options(
-        min_size=0, mu_rounding=rounding, nu_rounding=rounding, clip_update=False))
+        min_size=0, mu=Operand(rounding=rounding), nu=Operand(rounding=rounding), clip_update=False))
     step = jax.jit(tx.update)
     state = tx.init({"w": x})
     _, state = step({"w": x}, state)
@@ -202,9 +203,15 @@ def test_stochastic_rounding_is_reproducible_from_seed():
   assert np.any(np.asarray(runs[0]) != np.asarray(runs[2]))
 
 
+def test_options_default_to_stochastic_nvfp4_moments():
+  assert Options().mu == Options().nu == Operand(rounding="stochastic")
+
+
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(mu_rounding="up"), "mu_rounding must be one of"),
-    (dict(nu_rounding="stochastic_plus"), "nu_rounding must be one of"),
+    (dict(mu="nearest"), "AdamNvfp4Options.mu must be an fp4jax.quant.Operand"),
+    (dict(nu=Operand(format="bf16")), "AdamNvfp4Options.nu.format must be 'nvfp4'.*quantize=False"),
+    (dict(mu=Operand(block=(16, 16))), r"AdamNvfp4Options.mu.block must be \(1, 16\)"),
+    (dict(nu=Operand(terms=2)), "AdamNvfp4Options.nu.terms must be 1"),
     (dict(min_size=-1), "min_size must be a non-negative int"),
     (dict(min_size=1.5), "min_size must be a non-negative int"),
     (dict(clip_update="yes"), "clip_update must be a bool")])

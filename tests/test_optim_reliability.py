@@ -250,8 +250,7 @@ def test_nvfp4_moments_stay_finite_and_recover_after_a_gradient_whose_square_ove
   """A finite gradient element of 1e30 (its square overflows float32): optax.adamw stays finite,
   so must the NVFP4 moments, and the other elements' updates are those of a normal step."""
   tx = optim.adamw_nvfp4(LR, weight_decay=0.0, implementation=implementation,
-                         options=optim.AdamNvfp4Options(min_size=0, mu_rounding="nearest",
-                                                        nu_rounding="nearest"))
+                         options=optim.AdamNvfp4Options(min_size=0, mu=Operand(), nu=Operand()))
   params = {"w": jnp.zeros((32, 64))}
   state = tx.init(params)
   step = jax.jit(tx.update)

@@ -69,8 +69,8 @@ def test_op_configs_nest_in_the_recipe():
   full = get_recipe("fp4_full_stack")
   assert (full.matmul, full.attention_op, full.moments) == (
       MatmulConfig.nvfp4(), AttentionConfig.nvfp4(), AdamNvfp4Options())
-  r = full.replace(attention_op={"ds": "bf16", "reuse": False}, matmul={"hadamard": False})
-  assert r.attention_op == AttentionConfig.nvfp4(ds="bf16", reuse=False)
+  r = full.replace(attention_op={"ds": Operand(format="bf16"), "reuse": False}, matmul={"hadamard": False})
+  assert r.attention_op == AttentionConfig.nvfp4(ds=Operand(format="bf16"), reuse=False)
   assert r.matmul == MatmulConfig.nvfp4(hadamard=False) and r.moments == full.moments
   assert get_recipe("fp4_linear", matmul={"rounding_bits": "counter"}).matmul == MatmulConfig.nvfp4(
       rounding_bits="counter")
@@ -83,13 +83,30 @@ def test_op_configs_nest_in_the_recipe():
     full.replace(attention_op={"ds": "fp8"})
   with pytest.raises(ValueError, match="rounding_bits"):
     full.replace(matmul={"rounding_bits": "philox"})
-  with pytest.raises(TypeError, match="mu_roundng"):
-    full.replace(moments={"mu_roundng": "nearest"})
+  with pytest.raises(TypeError, match="mu_rounding"):
+    full.replace(moments={"mu_rounding": "nearest"})  # the moment's rounding is moments.mu.rounding
   with pytest.raises(ValueError, match="Recipe.moments must be a AdamNvfp4Options"):
-    Recipe(moments={"mu_rounding": "nearest"})
+    Recipe(moments={"mu": Operand(rounding="nearest")})
   with pytest.raises(ValueError, match="Recipe.matmul must be a MatmulConfig"):
     Recipe(matmul=AttentionConfig.nvfp4())
   assert Recipe().lora_rank == DEFAULT_LORA_RANK  # one default, the layer's
+
+
+def test_operands_are_sections_of_the_experiment_config():
+  """Each operand of a nested op config is a section of the experiment config, so the command line
+  sets one field of it (``--config.recipe.attention_op.v.format=nvfp4``)."""
+  from experiments.configs import tiny
+  from experiments.train import from_config
+  cfg = tiny.get_config("fp4_full_stack")
+  cfg.recipe.attention_op.v.format = "nvfp4"
+  cfg.recipe.attention_op.do.format = "nvfp4"
+  cfg.recipe.moments.mu.rounding = "nearest"
+  _, recipe, *_ = from_config(cfg, vocab_size=257)
+  assert recipe.attention_op == AttentionConfig.nvfp4(v=Operand(), do=Operand(rounding="stochastic"))
+  assert recipe.moments == AdamNvfp4Options(mu=Operand())
+  cfg.recipe.attention_op.v.terms = 2
+  with pytest.raises(ValueError, match="AttentionConfig.v.terms must be 1"):
+    from_config(cfg, vocab_size=257)
 
 
 def test_recipe_holds_no_execution_choice():

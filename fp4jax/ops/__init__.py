@@ -5,9 +5,6 @@ Error studies of these ops (``ds_scale_error``) are in ``fp4jax.analysis``.
 
 from fp4jax.ops.attention import (
     AttentionConfig,
-    AttentionResiduals,
-    ds_bits,
-    fake_quant_ds,
     nvfp4_attention,
     nvfp4_attention_reference,
     nvfp4_attention_vjp_reference,
@@ -22,9 +19,6 @@ from fp4jax.ops.matmul import (
 
 __all__ = [
     "AttentionConfig",
-    "AttentionResiduals",
-    "ds_bits",
-    "fake_quant_ds",
     "nvfp4_attention",
     "nvfp4_attention_reference",
     "nvfp4_attention_vjp_reference",

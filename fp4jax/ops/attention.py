@@ -15,9 +15,10 @@ float32 product of codes and scales, the operands the flash kernels take), the d
 
 dS is quantized in 16×16 blocks of each ``[T, S]`` matrix (one packed dS serves both products) with
 stochastic rounding, and its second-level (float32) scale is set per ``ds_tile`` of that matrix
-(``fake_quant_ds``). Every product takes operands in the inputs' dtype with float32 accumulation; the
-softmax is float32. ``AttentionConfig`` switches each operand of the seven products between NVFP4 and
-the plain input, with its rounding. Gradients reach q, k, v straight through their quantizers.
+(``_fake_quant_ds``). Every product takes operands in the inputs' dtype with float32 accumulation; the
+softmax is float32. ``AttentionConfig`` holds one ``fp4jax.quant.Operand`` for each operand of the seven
+products: NVFP4 or the plain input, and its rounding. Gradients reach q, k, v straight through their
+quantizers.
 
 ``nvfp4_attention_reference`` / ``nvfp4_attention_vjp_reference`` are the same numerics in plain jnp
 with S, P and dS materialized; they are the op's ``implementation="xla"``. ``"pallas"`` runs the flash
@@ -38,37 +39,47 @@ from jax import lax
 from fp4jax import _platform, execution, nvfp4
 from fp4jax.kernels import attention as attention_kernels
 from fp4jax.kernels import nvfp4_quantize
+from fp4jax.quant import Operand
 
 _F32 = jnp.float32
 _HIGHEST = lax.Precision.HIGHEST
-FORMATS = ("bf16", "nvfp4")
+# The operands, in the order of their random keys: fixed, so that a config switch never moves
+# another operand's bits.
 OPERANDS = ("q", "k", "v", "p", "do", "ds")
-HEAD_DIMS = (64, 128)  # the flash kernels' head dims; the XLA path takes any multiple of 16
-SCALE_SCOPES = ("tile", "matrix", "tensor")
-# One key per random choice, in a fixed order so that a config switch never moves another's bits.
-_KEY_NAMES = ("q", "k", "v", "p", "do", "ds")
+_BLOCKS = {**dict.fromkeys(OPERANDS, (1, nvfp4.BLOCK)), "ds": (nvfp4.BLOCK, nvfp4.BLOCK)}
+_HEAD_DIMS = (64, 128)  # the flash kernels' head dims; the XLA path takes any multiple of 16
+_SCALE_SCOPES = ("tile", "matrix", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-  """Which operands of ``nvfp4_attention``'s seven products are NVFP4, and how each is rounded.
+  """How ``nvfp4_attention`` quantizes each operand of its seven products: one ``Operand`` each.
 
   Frozen and hashable (a static argument). ``AttentionConfig.nvfp4()`` is the method's default;
-  ``AttentionConfig.bf16()`` quantizes nothing and equals ``jax.nn.dot_product_attention``. Any field
-  can be switched alone, e.g. ``AttentionConfig.nvfp4(v="nvfp4")`` or ``.nvfp4(ds="bf16")``.
+  ``AttentionConfig.bf16()`` quantizes nothing and equals ``jax.nn.dot_product_attention``. Any
+  operand can be switched alone, e.g. ``AttentionConfig.nvfp4(v=Operand())`` (V in NVFP4, nearest)
+  or ``dataclasses.replace(config, ds=dataclasses.replace(config.ds, format="bf16"))``; on the
+  experiments' command line ``--config.recipe.attention_op.v.format=nvfp4``. An operand in
+  ``"bf16"`` keeps the rounding and block it takes when switched to ``"nvfp4"``.
+
+  Each ``Operand`` (``fp4jax.quant``) is ``format`` ``"nvfp4"`` or ``"bf16"`` (the plain input) and
+  its ``rounding``; the blocks are fixed per operand (as below) and one term each: a quantized
+  operand with another ``block`` or ``terms=2`` is a ``ValueError``.
 
   Attributes:
-    q: ``"nvfp4"`` or ``"bf16"`` (the plain input): q in ``S = Q·Kᵀ`` and ``dK = dSᵀ·Q``. 1×16 blocks
-      along D; the same packed Q(q) serves forward and backward (see ``reuse``).
-    k: k in ``S = Q·Kᵀ`` and ``dQ = dS·K``, as ``q``.
-    v: v in ``O = P·V`` and ``dP = dO·Vᵀ``: one Q(v), 1×16 blocks along D.
+    q: q in ``S = Q·Kᵀ`` and ``dK = dSᵀ·Q``: 1×16 blocks along D; the same packed Q(q) serves
+      forward and backward (see ``reuse``). Default: NVFP4, nearest.
+    k: k in ``S = Q·Kᵀ`` and ``dQ = dS·K``, as ``q``. Default: NVFP4, nearest.
+    v: v in ``O = P·V`` and ``dP = dO·Vᵀ``: one Q(v), 1×16 blocks along D. Default: bf16 (nearest
+      when switched to NVFP4).
     p: P in ``O = P·V`` and ``dV = Pᵀ·dO``: one Q(P), 1×16 blocks along the keys with the fixed
       global scale of ``amax = 1`` (``P <= 1``). Then δ uses ``O = P·V`` with the unquantized P (a
-      second P·V in the forward), so that ``rowsum(dS) = 0`` as for the exact gradient.
-    do: dO in ``dP = dO·Vᵀ``, ``dV = Pᵀ·dO`` and δ: one Q(dO), 1×16 blocks along D.
+      second P·V in the forward), so that ``rowsum(dS) = 0`` as for the exact gradient. Default:
+      bf16 (nearest when switched to NVFP4).
+    do: dO in ``dP = dO·Vᵀ``, ``dV = Pᵀ·dO`` and δ: one Q(dO), 1×16 blocks along D. Default: bf16
+      (stochastic when switched to NVFP4).
     ds: dS in ``dQ = dS·K`` and ``dK = dSᵀ·Q``: 16×16 blocks, one float32 scale per ``ds_tile``.
-    q_rounding, k_rounding, v_rounding, p_rounding, do_rounding, ds_rounding: ``"nearest"`` or
-      ``"stochastic"`` for that operand when it is ``"nvfp4"``.
+      Default: NVFP4, stochastic.
     reuse: tensor reuse (the method): the backward recomputes S and forms dQ = dS·K and dK = dSᵀ·Q
       from the forward's packed Q(q), Q(k), so it differentiates the function the forward computed.
       False is the ablation without it (drop-in quantization-aware training, which Attn-QAT found
@@ -78,28 +89,30 @@ class AttentionConfig:
       two >= 16 (the flash kernels' blocks hold whole tiles).
   """
 
-  q: str = "nvfp4"
-  k: str = "nvfp4"
-  v: str = "bf16"
-  p: str = "bf16"
-  do: str = "bf16"
-  ds: str = "nvfp4"
-  q_rounding: str = "nearest"
-  k_rounding: str = "nearest"
-  v_rounding: str = "nearest"
-  p_rounding: str = "nearest"
-  do_rounding: str = "stochastic"
-  ds_rounding: str = "stochastic"
+  q: Operand = Operand()
+  k: Operand = Operand()
+  v: Operand = Operand(format="bf16")
+  p: Operand = Operand(format="bf16")
+  do: Operand = Operand(format="bf16", rounding="stochastic")
+  ds: Operand = Operand(rounding="stochastic", block=(nvfp4.BLOCK, nvfp4.BLOCK))
   reuse: bool = True
   ds_tile: tuple[int, int] = (64, 64)
 
   def __post_init__(self):
     for name in OPERANDS:
-      if getattr(self, name) not in FORMATS:
-        raise ValueError(f"AttentionConfig.{name} must be one of {FORMATS}, got {getattr(self, name)!r}")
-      rounding = getattr(self, f"{name}_rounding")
-      if rounding not in nvfp4.ROUNDINGS:
-        raise ValueError(f"AttentionConfig.{name}_rounding must be one of {nvfp4.ROUNDINGS}, got {rounding!r}")
+      op = getattr(self, name)
+      if not isinstance(op, Operand):
+        raise ValueError(f"AttentionConfig.{name} must be an fp4jax.quant.Operand, got {op!r}; e.g. "
+                         f"Operand(format='nvfp4') or Operand(format='bf16')")
+      if not op.quantized:
+        continue
+      block = _BLOCKS[name]
+      if op.block != block:
+        raise ValueError(f"AttentionConfig.{name}.block must be {block} (the blocks the attention "
+                         f"products take), got {op.block}")
+      if op.terms != 1:
+        raise ValueError(f"AttentionConfig.{name}.terms must be 1 (attention quantizes each operand as "
+                         f"one NVFP4 term), got {op.terms}")
     if not isinstance(self.reuse, bool):
       raise ValueError(f"AttentionConfig.reuse must be a bool, got {self.reuse!r}")
     tile = _check_tile(self.ds_tile, "AttentionConfig.ds_tile")
@@ -115,15 +128,17 @@ class AttentionConfig:
   @classmethod
   def bf16(cls, **overrides) -> AttentionConfig:
     """Nothing quantized: ``nvfp4_attention`` is then ``jax.nn.dot_product_attention`` (to rounding)."""
-    return cls(**{**dict.fromkeys(OPERANDS, "bf16"), **overrides})
+    method = cls()
+    plain = {name: dataclasses.replace(getattr(method, name), format="bf16") for name in OPERANDS}
+    return cls(**{**plain, **overrides})
 
   def quantizes(self, operand: str) -> bool:
     """True if ``operand`` (one of ``OPERANDS``) is quantized to NVFP4."""
-    return getattr(self, operand) == "nvfp4"
+    return getattr(self, operand).quantized
 
   def stochastic(self, operand: str) -> bool:
     """True if ``operand`` is quantized with stochastic rounding."""
-    return self.quantizes(operand) and getattr(self, f"{operand}_rounding") == "stochastic"
+    return getattr(self, operand).stochastic
 
   @property
   def needs_key(self) -> bool:
@@ -152,11 +167,11 @@ def _keys(key, config: AttentionConfig | None = None) -> dict:
       raise ValueError(
           "nvfp4_attention: this AttentionConfig rounds an operand stochastically and needs `key` (a "
           "jax.random key); only a config without stochastic rounding accepts key=None")
-    return dict.fromkeys(_KEY_NAMES)
-  return dict(zip(_KEY_NAMES, jax.random.split(key, len(_KEY_NAMES)), strict=True))
+    return dict.fromkeys(OPERANDS)
+  return dict(zip(OPERANDS, jax.random.split(key, len(OPERANDS)), strict=True))
 
 
-def ds_bits(key, shape) -> jax.Array:
+def _ds_bits(key, shape) -> jax.Array:
   """uint32 stochastic-rounding bits for a dS array ``[B, H, T, S]``.
 
   Element ``(b, h, row, col)`` takes the bits of ``fp4jax.kernels.attention.ds_rounding_bits``: a
@@ -171,17 +186,17 @@ def _quantize(x, config, name, key, impl="xla", **kw) -> nvfp4.NVFP4Tensor:
   """``nvfp4.quantize`` of one operand; on the kernel paths the same bits from one Pallas quantizer
   call over the whole tensor (``fp4jax.kernels.nvfp4_quantize``)."""
   stochastic = config.stochastic(name)
-  kw.update(rounding=getattr(config, f"{name}_rounding"), key=key if stochastic else None)
+  kw.update(rounding=getattr(config, name).rounding, key=key if stochastic else None)
   if impl in ("pallas", "pallas_interpret"):
     return nvfp4_quantize.quantize(x, interpret=impl == "pallas_interpret", **kw)
   return nvfp4.quantize(x, **kw)
 
 
-def _operand(x, config, name, keys, key_name=None, impl="xla"):
+def _operand(x, config, name, keys, impl="xla"):
   """``x`` quantized (1×16 along the last axis, D) when ``config`` says so, else ``x`` itself."""
   if not config.quantizes(name):
     return x
-  return _quantize(x, config, name, keys[key_name or name], impl, block=(1, nvfp4.BLOCK), axis=-1)
+  return _quantize(x, config, name, keys[name], impl, block=getattr(config, name).block, axis=-1)
 
 
 def _decoded(x, dtype):
@@ -203,7 +218,7 @@ def _crop(x, shape):
 def _probs_operand(p, config, keys, dtype):
   """P as the operand of ``P·V`` and ``Pᵀ·dO``: cast to ``dtype``, or ``deq(Q(P))`` with 1×16 blocks
   along the keys (zero-padded to a multiple of 16) and the global scale of ``amax = 1``. P is
-  ``[B, Hk, G, T, S]``; stochastic rounding takes element (b, h, row, col)'s bits from ``ds_bits``
+  ``[B, Hk, G, T, S]``; stochastic rounding takes element (b, h, row, col)'s bits from ``_ds_bits``
   (``h = kv_head · G + g``), as the flash kernels draw them tile by tile."""
   if not config.quantizes("p"):
     return p.astype(dtype)
@@ -213,15 +228,15 @@ def _probs_operand(p, config, keys, dtype):
   bits = None
   if config.stochastic("p"):
     b, hk, g, t, s = padded.shape
-    bits = ds_bits(keys["p"], (b, hk * g, t, s)).reshape(padded.shape)
+    bits = _ds_bits(keys["p"], (b, hk * g, t, s)).reshape(padded.shape)
     bits = jnp.concatenate([bits, jnp.zeros(one.shape, jnp.uint32)], axis=-2)
   qp = nvfp4.quantize(jnp.concatenate([padded, one], axis=-2), block=(1, nvfp4.BLOCK), axis=-1,
-                      rounding=config.p_rounding, bits=bits)
+                      rounding=config.p.rounding, bits=bits)
   return _crop(qp.dequantize(dtype), p.shape)
 
 
-def fake_quant_ds(ds, *, scope: str = "tile", ds_tile=(64, 64), rounding: str = "stochastic",
-                  bits=None) -> jax.Array:
+def _fake_quant_ds(ds, *, scope: str = "tile", ds_tile=(64, 64), rounding: str = "stochastic",
+                   bits=None) -> jax.Array:
   """``deq(Q(dS))`` in float32 for dS ``[..., T, S]``: 16×16 blocks with the second-level scale of ``scope``.
 
   Two-level NVFP4 quantization (``nvfp4.quantize(·, block=(16, 16))``, Transformer Engine's order)
@@ -239,24 +254,24 @@ def fake_quant_ds(ds, *, scope: str = "tile", ds_tile=(64, 64), rounding: str = 
     scope: ``"tile"``, ``"matrix"`` or ``"tensor"``.
     ds_tile: ``(rows, cols)``, multiples of 16, for ``scope="tile"``.
     rounding: ``"nearest"`` or ``"stochastic"``.
-    bits: uint32 rounding bits shaped like ``ds`` (``ds_bits``), for stochastic rounding.
+    bits: uint32 rounding bits shaped like ``ds`` (``_ds_bits``), for stochastic rounding.
 
   Returns:
     float32 array shaped like ``ds``.
   """
-  if scope not in SCALE_SCOPES:
-    raise ValueError(f"fake_quant_ds: scope must be one of {SCALE_SCOPES}, got {scope!r}")
+  if scope not in _SCALE_SCOPES:
+    raise ValueError(f"_fake_quant_ds: scope must be one of {_SCALE_SCOPES}, got {scope!r}")
   if rounding not in nvfp4.ROUNDINGS:
-    raise ValueError(f"fake_quant_ds: rounding must be one of {nvfp4.ROUNDINGS}, got {rounding!r}")
+    raise ValueError(f"_fake_quant_ds: rounding must be one of {nvfp4.ROUNDINGS}, got {rounding!r}")
   ds = jnp.asarray(ds, _F32)
   if ds.ndim < 2:
-    raise ValueError(f"fake_quant_ds: ds must be [..., T, S], got shape {ds.shape}")
+    raise ValueError(f"_fake_quant_ds: ds must be [..., T, S], got shape {ds.shape}")
   if (rounding == "stochastic") != (bits is not None):
-    raise ValueError("fake_quant_ds: give `bits` exactly when rounding='stochastic'")
+    raise ValueError("_fake_quant_ds: give `bits` exactly when rounding='stochastic'")
   *lead, t, s = ds.shape
   blk = (nvfp4.BLOCK, nvfp4.BLOCK)
   if scope == "tile":
-    rows, cols = _check_tile(ds_tile, "fake_quant_ds: ds_tile")
+    rows, cols = _check_tile(ds_tile, "_fake_quant_ds: ds_tile")
   else:
     rows, cols = t + -t % nvfp4.BLOCK, s + -s % nvfp4.BLOCK
   x = _pad_to(ds, (rows, cols))
@@ -283,7 +298,7 @@ def fake_quant_ds(ds, *, scope: str = "tile", ds_tile=(64, 64), rounding: str = 
 # The reference computation (materializes S, P, dS)
 
 
-class AttentionResiduals(NamedTuple):
+class _Residuals(NamedTuple):
   """What the backward keeps: packed NVFP4 operands (or the plain inputs where not quantized).
 
   Attributes:
@@ -342,17 +357,17 @@ def _forward(q, k, v, keys, causal, config):
   lse = lse.reshape(q.shape[0], q.shape[2], q.shape[1])
   if not config.reuse:
     qt, kt = q, k
-  return o.astype(dtype), AttentionResiduals(qt, kt, vt, o_delta.astype(dtype), lse, None), p
+  return o.astype(dtype), _Residuals(qt, kt, vt, o_delta.astype(dtype), lse, None), p
 
 
-def _bwd_operands(res: AttentionResiduals):
+def _bwd_operands(res: _Residuals):
   """The decoded q, k, v of the backward: the forward's packed tensors (the unquantized q and k
   without reuse)."""
   dtype = res.o.dtype
   return _decoded(res.q, dtype), _decoded(res.k, dtype), _decoded(res.v, dtype)
 
 
-def _backward(res: AttentionResiduals, do, keys, causal, config):
+def _backward(res: _Residuals, do, keys, causal, config):
   """The reference backward: ``(dq, dk, dv)`` in f32 and the intermediates ``{"p", "ds"}``."""
   qd, kd, vd = _bwd_operands(res)
   b, t, h, d = qd.shape
@@ -369,8 +384,8 @@ def _backward(res: AttentionResiduals, do, keys, causal, config):
   if config.quantizes("ds"):
     bits = None
     if config.stochastic("ds"):
-      bits = ds_bits(keys["ds"], (b, h, t, kd.shape[1])).reshape(ds.shape)
-    ds_op = fake_quant_ds(ds, ds_tile=config.ds_tile, rounding=config.ds_rounding, bits=bits)
+      bits = _ds_bits(keys["ds"], (b, h, t, kd.shape[1])).reshape(ds.shape)
+    ds_op = _fake_quant_ds(ds, ds_tile=config.ds_tile, rounding=config.ds.rounding, bits=bits)
   else:
     ds_op = ds
   ds_op = ds_op.astype(qd.dtype)
@@ -397,14 +412,14 @@ def _attention_fwd(q, k, v, key, causal, config, impl):
   o_delta = o  # δ takes the output with the unquantized P
   if config.quantizes("p"):
     o = attention_kernels.attention_pv(qd, kd, vd, lse, causal=causal, sm_scale=sm_scale,
-                                       p_rounding=config.p_rounding, key=keys["p"],
+                                       p_rounding=config.p.rounding, key=keys["p"],
                                        interpret=interpret)
   if not config.reuse:
     qt, kt = q, k
-  return o, AttentionResiduals(qt, kt, vt, o_delta, lse, key)
+  return o, _Residuals(qt, kt, vt, o_delta, lse, key)
 
 
-def _attention_bwd(causal, config, impl, res: AttentionResiduals, do):
+def _attention_bwd(causal, config, impl, res: _Residuals, do):
   keys = _keys(res.key, config)
   dtypes = tuple(x.dtype for x in (res.q, res.k, res.v))
   if impl == "xla":
@@ -414,8 +429,8 @@ def _attention_bwd(causal, config, impl, res: AttentionResiduals, do):
     dod = _decoded(_operand(do.astype(qd.dtype), config, "do", keys, impl=impl), qd.dtype)
     dq, dk, dv = attention_kernels.attention_bwd(
         qd, kd, vd, res.o, res.lse, dod, causal=causal, sm_scale=1.0 / math.sqrt(qd.shape[-1]),
-        ds_rounding=config.ds_rounding if config.quantizes("ds") else None, key=keys["ds"],
-        ds_tile=config.ds_tile, p_rounding=config.p_rounding if config.quantizes("p") else None,
+        ds_rounding=config.ds.rounding if config.quantizes("ds") else None, key=keys["ds"],
+        ds_tile=config.ds_tile, p_rounding=config.p.rounding if config.quantizes("p") else None,
         p_key=keys["p"], interpret=impl == "pallas_interpret")
   return (*(g.astype(dt) for g, dt in zip((dq, dk, dv), dtypes, strict=True)), None)
 
@@ -479,7 +494,7 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
 
   The backward recomputes P from the same packed Q(q), Q(k) and the saved log-sum-exp, and forms
   ``dQ = deq(Q(dS))·deq(Q(k))`` and ``dK = deq(Q(dS))ᵀ·deq(Q(q))`` with dS quantized per
-  ``config.ds_tile`` (see the module docstring and ``fake_quant_ds``); q, k, v get those gradients
+  ``config.ds_tile`` (see the module docstring); q, k, v get those gradients
   straight through their quantizers.
 
   Args:
@@ -527,10 +542,10 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
   impl = execution.check("nvfp4_attention", implementation)
   head_dim = q.shape[-1]
   if impl == "auto":
-    impl = (_platform.resolve(impl, "pallas", "xla", whole_arrays=True) if head_dim in HEAD_DIMS
+    impl = (_platform.resolve(impl, "pallas", "xla", whole_arrays=True) if head_dim in _HEAD_DIMS
             else "xla")
-  elif impl != "xla" and head_dim not in HEAD_DIMS:
-    raise ValueError(f"nvfp4_attention: implementation={impl!r} takes head dims {HEAD_DIMS}, got "
+  elif impl != "xla" and head_dim not in _HEAD_DIMS:
+    raise ValueError(f"nvfp4_attention: implementation={impl!r} takes head dims {_HEAD_DIMS}, got "
                      f"D = {head_dim}; use implementation='xla'")
   return _attention(q, k, v, key, causal, config, impl)
 
@@ -568,7 +583,7 @@ def nvfp4_attention_vjp_reference(q, k, v, do, *, causal: bool = True, key=None,
     q, k, v, causal, key, config: as ``nvfp4_attention``.
     do: ``[B, T, H, D]`` the cotangent of the output.
     return_intermediates: also return ``{"p": P, "ds": dS}``, both ``[B, H, T, S]`` float32: the
-      backward's recomputed P and the unquantized dS (``1/√D`` folded in) before ``fake_quant_ds``.
+      backward's recomputed P and the unquantized dS (``1/√D`` folded in) before its quantization.
 
   Returns:
     ``(dq, dk, dv)`` in the dtypes of q, k, v; with ``return_intermediates``, ``((dq, dk, dv), dict)``.

@@ -126,11 +126,6 @@ def check_min_size(min_size):
     raise ValueError(f"min_size must be a non-negative int, got {min_size!r}")
 
 
-def check_rounding(name, rounding):
-  if rounding not in nvfp4.ROUNDINGS:
-    raise ValueError(f"{name} must be one of {nvfp4.ROUNDINGS}, got {rounding!r}")
-
-
 def zeros_nvfp4(shape, like=None) -> NVFP4Tensor:
   """``quantize(zeros(shape))`` without computing it (works for abstract shapes in ``init``); codes
   and scales sharded like the parameter ``like`` (``zeros``), the global scale replicated."""

@@ -6,7 +6,7 @@ current gradient enters unquantized) and requantizes them::
   m  = b1 m_old + (1 - b1) g                 m_old = dequantize(mu)
   v  = b2 v_old + (1 - b2) g²                v_old = dequantize(nu)²
   u  = m_hat / (sqrt(v_hat + eps_root) + eps),  clipped to exact Adam's bound |u| <= B_t
-  mu = quantize(m),  nu = quantize(sqrt(v))  1×16 blocks, stochastic rounding
+  mu = quantize(m),  nu = quantize(sqrt(v))  1×16 blocks, stochastic rounding (AdamNvfp4Options)
 
 √v is stored: it halves v's log-range, so the E4M3 block scales cover it, and its relative error
 maps one to one onto the update. A √v entry far below its block's largest stores as 0, and
@@ -40,33 +40,57 @@ from fp4jax.kernels import adam_nvfp4 as adam_kernel
 from fp4jax.kernels.adam_nvfp4 import AdamKernelConfig
 from fp4jax.optim import _common
 from fp4jax.optim.state import DEFAULT_MIN_SIZE
+from fp4jax.quant import Operand
+
+_STOCHASTIC = Operand(rounding="stochastic")
+
 
 @dataclasses.dataclass(frozen=True)
 class AdamNvfp4Options:
   """How ``scale_by_adam_nvfp4`` stores its moments: the knobs of an ablation study.
 
   The defaults are the tested choice; each field switches one part of it off or to its alternative.
+  Each moment is one ``fp4jax.quant.Operand``: NVFP4 in 1×16 blocks along the storage rule's axis
+  (the leaf's last axis that is a multiple of 16), one term; only its ``rounding`` is free. Moments
+  kept in float32 are ``quantize=False`` (the recipe's ``optimizer_states="fp32"``), not a
+  ``"bf16"`` operand.
 
   Attributes:
     min_size: leaves with fewer elements keep float32 moments (the storage rule of
       ``fp4jax.optim.state``).
-    mu_rounding: rounding of the stored first moment, ``"stochastic"`` or ``"nearest"``.
-    nu_rounding: rounding of the stored √v.
+    mu: the stored first moment m: ``Operand(rounding="stochastic")`` (the default) or
+      ``Operand(rounding="nearest")``.
+    nu: the stored √v, as ``mu``.
     clip_update: clip the updates of NVFP4 leaves to ``adam_update_bound``, the guard against
       moments quantized to zero (keep it on).
   """
 
   min_size: int = DEFAULT_MIN_SIZE
-  mu_rounding: str = "stochastic"
-  nu_rounding: str = "stochastic"
+  mu: Operand = _STOCHASTIC
+  nu: Operand = _STOCHASTIC
   clip_update: bool = True
 
   def __post_init__(self):
     _common.check_min_size(self.min_size)
-    _common.check_rounding("mu_rounding", self.mu_rounding)
-    _common.check_rounding("nu_rounding", self.nu_rounding)
+    for name in ("mu", "nu"):
+      _check_moment(name, getattr(self, name))
     if not isinstance(self.clip_update, bool):
       raise ValueError(f"clip_update must be a bool, got {self.clip_update!r}")
+
+
+def _check_moment(name: str, op) -> None:
+  """Raises unless ``op`` is a moment's spec that the codec and the kernels store."""
+  where = f"AdamNvfp4Options.{name}"
+  if not isinstance(op, Operand):
+    raise ValueError(f"{where} must be an fp4jax.quant.Operand, got {op!r}; e.g. "
+                     f"Operand(rounding='nearest')")
+  if not op.quantized:
+    raise ValueError(f"{where}.format must be 'nvfp4', got {op.format!r}; for float32 moments use "
+                     f"quantize=False (the recipe's optimizer_states='fp32')")
+  if op.block != (1, 16):
+    raise ValueError(f"{where}.block must be (1, 16) (the storage rule's blocks), got {op.block}")
+  if op.terms != 1:
+    raise ValueError(f"{where}.terms must be 1 (a moment is stored as one NVFP4 term), got {op.terms}")
 
 
 class ScaleByAdamNvfp4State(NamedTuple):
@@ -153,7 +177,8 @@ def scale_by_adam_nvfp4(
     An ``optax.GradientTransformation`` whose state is a ``ScaleByAdamNvfp4State``.
 
   Example:
-    >>> tx = scale_by_adam_nvfp4(options=AdamNvfp4Options(nu_rounding="nearest"))
+    >>> from fp4jax.quant import Operand
+    >>> tx = scale_by_adam_nvfp4(options=AdamNvfp4Options(nu=Operand(rounding="nearest")))
     >>> params = {"w": jnp.zeros((64, 64))}
     >>> updates, state = tx.update(params, tx.init(params))
 
@@ -172,7 +197,7 @@ def scale_by_adam_nvfp4(
   if not isinstance(block_sizes, AdamKernelConfig):
     raise ValueError(f"block_sizes must be an AdamKernelConfig, got {type(block_sizes).__name__}")
   min_size, clip_update = options.min_size, options.clip_update
-  mu_rounding, nu_rounding = options.mu_rounding, options.nu_rounding
+  mu_rounding, nu_rounding = options.mu.rounding, options.nu.rounding
   stochastic = "stochastic" in (mu_rounding, nu_rounding)
   # The kernels compile Adam's constants in; traced ones (optax.inject_hyperparams under jit) take
   # the XLA path, which gives the same bits.

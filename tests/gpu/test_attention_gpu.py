@@ -22,7 +22,9 @@ from jax.experimental import pallas as pl
 from fp4jax import nvfp4
 from fp4jax.kernels import _common as C
 from fp4jax.kernels import attention as A
-from fp4jax.ops.attention import AttentionConfig, fake_quant_ds, nvfp4_attention
+from fp4jax.ops.attention import AttentionConfig, nvfp4_attention
+from fp4jax.ops.attention import _fake_quant_ds as fake_quant_ds
+from fp4jax.quant import BF16, Operand
 
 pytestmark = pytest.mark.gpu
 
@@ -57,10 +59,10 @@ def _rel(a, b):
 
 
 _CONFIGS = {
-    "bf16_ds": AttentionConfig.nvfp4(ds="bf16"),
+    "bf16_ds": AttentionConfig.nvfp4(ds=BF16),
     "nvfp4": AttentionConfig.nvfp4(),
     # The pv_quantized ablation: V, P and dO in NVFP4 too (attention_pv, Q(P) in the dK/dV kernel).
-    "pv_nvfp4": AttentionConfig.nvfp4(v="nvfp4", p="nvfp4", do="nvfp4"),
+    "pv_nvfp4": AttentionConfig.nvfp4(v=Operand(), p=Operand(), do=Operand(rounding="stochastic")),
 }
 
 

@@ -42,7 +42,7 @@ OTHER_LAUNCHES = optim.AdamKernelConfig(block_rows=32, stats_block_rows=64, atom
 OPTIMIZERS = {
     "adamw_nvfp4 stochastic": (lambda: optim.adamw_nvfp4(1e-3), 1e-5, 3),
     "adamw_nvfp4 nearest": (lambda: optim.adamw_nvfp4(1e-3, options=optim.AdamNvfp4Options(
-        mu_rounding="nearest", nu_rounding="nearest")), 1e-5, 3),
+        mu=Operand(), nu=Operand())), 1e-5, 3),
     "adamw_nvfp4 stochastic, other launch settings": (
         lambda: optim.adamw_nvfp4(1e-3, block_sizes=OTHER_LAUNCHES), 1e-5, 3),
     "adamw_nvfp4 stochastic, XLA on the GPU too": (lambda: optim.adamw_nvfp4(1e-3, implementation="xla"), 1e-5, 3),
