@@ -193,3 +193,52 @@ def get_recipe(name: str, **overrides) -> Recipe:
   if name not in PRESETS:
     raise ValueError(f"unknown recipe {name!r}: expected one of {sorted(PRESETS)}")
   return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+
+
+_MATMUL_OPERANDS = ("x", "w", "dy_dgrad", "x_wgrad", "dy_wgrad")
+_ATTENTION_OPERANDS = ("q", "k", "v", "p", "do", "ds")
+
+
+def _names(value) -> list[str]:
+  return [n for n in value.split(",") if n] if isinstance(value, str) else list(value or ())
+
+
+def upgrade_dict(recipe: dict) -> dict:
+  """A recipe's ``to_dict()`` as saved before the op configs held one ``fp4jax.quant.Operand`` per
+  operand, in today's layout; today's layout passes through unchanged.
+
+  Run folders and checkpoints record the recipe they ran; resuming one written with the flat fields
+  (``matmul.x_rounding``, ``matmul.bf16_operands="x"``, ``matmul.two_term="x,w"``, ``matmul.split="x"``
+  with ``split_method``/``split_rank``/``split_power_iters``; ``attention_op.v="nvfp4"`` with
+  ``attention_op.v_rounding``; ``moments.mu_rounding``) compares it, upgraded, with this run's. Only
+  the fields the old layout recorded appear: an operand's ``block``, ``scale_rule`` (and, for
+  attention, ``terms``) are left out, so they are not compared.
+  """
+  out = dict(recipe)
+  m = out.get("matmul")
+  if isinstance(m, dict) and not isinstance(m.get("x"), dict) and "x_rounding" in m:
+    m = dict(m)
+    bf16, two = _names(m.pop("bf16_operands", "")), _names(m.pop("two_term", ""))
+    for op in _MATMUL_OPERANDS:
+      m[op] = {"format": "bf16" if op in bf16 else "nvfp4", "rounding": m.pop(f"{op}_rounding"),
+               "terms": 2 if op in two else 1}
+    if "split" in m:
+      m["split"] = {"tensors": _names(m.pop("split")), "method": m.pop("split_method", "mean"),
+                    "rank": m.pop("split_rank", 16), "power_iters": m.pop("split_power_iters", 1)}
+    out["matmul"] = m
+  a = out.get("attention_op")
+  if isinstance(a, dict) and isinstance(a.get("q"), str):
+    a = dict(a)
+    for op in _ATTENTION_OPERANDS:
+      spec = {"format": a.pop(op)}
+      if f"{op}_rounding" in a:
+        spec["rounding"] = a.pop(f"{op}_rounding")
+      a[op] = spec
+    out["attention_op"] = a
+  mo = out.get("moments")
+  if isinstance(mo, dict) and "mu_rounding" in mo:
+    mo = dict(mo)
+    for name in ("mu", "nu"):
+      mo[name] = {"rounding": mo.pop(f"{name}_rounding")}
+    out["moments"] = mo
+  return out

@@ -205,7 +205,12 @@ def diff(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
 
 
 def _saved_diff(saved: Mapping, current: Mapping) -> list[tuple[str, object, object]]:
-  """``diff`` over the fields ``saved`` records (a checkpoint written before a field existed)."""
+  """``diff`` over the fields ``saved`` records (a checkpoint written before a field existed); a
+  recipe saved in an older layout is compared upgraded (``fp4jax.recipe.upgrade_dict``)."""
+  from fp4jax.recipe import upgrade_dict  # the recipe imports the ops; identities stay light
+
+  if isinstance(saved.get("recipe"), Mapping):
+    saved = {**saved, "recipe": upgrade_dict(dict(saved["recipe"]))}
   return [d for d in diff(saved, current) if d[1] is not ABSENT]
 
 

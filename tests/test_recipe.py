@@ -141,3 +141,42 @@ def test_presets_set_exactly_the_modules():
             if f.name not in recipe_lib.MODULES}
     assert rest == {f.name: getattr(Recipe(), f.name) for f in dataclasses.fields(r)
                     if f.name not in recipe_lib.MODULES}
+
+
+# A recipe as run folders saved it before the op configs held one Operand per operand.
+_OLD_LAYOUT = {
+    "linear": "nvfp4_lorasvd", "attention": "nvfp4", "optimizer_states": "nvfp4", "newton_schulz": "nvfp4",
+    "bf16_first_blocks": 0, "bf16_last_blocks": 0, "lora_rank": 16, "lora_resplit_every": 0,
+    "lora_lr_scale": 1.0, "lora_projections": "all",
+    "matmul": {"fwd": True, "dgrad": True, "wgrad": True, "x_rounding": "nearest", "w_rounding": "nearest",
+               "dy_dgrad_rounding": "stochastic", "x_wgrad_rounding": "nearest",
+               "dy_wgrad_rounding": "stochastic", "hadamard": True, "rounding_bits": "random",
+               "bf16_operands": "dy_dgrad", "two_term": "x,w", "split": "dy", "split_method": "mean",
+               "split_rank": 8, "split_power_iters": 1},
+    "attention_op": {"q": "nvfp4", "k": "nvfp4", "v": "nvfp4", "p": "bf16", "do": "bf16", "ds": "nvfp4",
+                     "q_rounding": "nearest", "k_rounding": "nearest", "v_rounding": "nearest",
+                     "p_rounding": "nearest", "do_rounding": "stochastic", "ds_rounding": "stochastic",
+                     "reuse": True, "ds_tile": [64, 64]},
+    "moments": {"min_size": 4096, "mu_rounding": "nearest", "nu_rounding": "stochastic", "clip_update": True},
+}
+
+
+def test_a_recipe_saved_in_the_flat_layout_resumes_as_the_same_recipe():
+  """``upgrade_dict`` maps the flat fields onto the operand specs, so a run folder written before them
+  resumes; any real difference is still refused, named in today's layout."""
+  from fp4jax import workdir
+  from fp4jax.recipe import upgrade_dict
+
+  same = get_recipe("fp4_full_stack", matmul={
+      "x": {"terms": 2}, "w": {"terms": 2}, "dy_dgrad": {"format": "bf16"},
+      "split": {"tensors": ("dy",), "rank": 8}}, attention_op={"v": {"format": "nvfp4"}},
+      moments={"mu": {"rounding": "nearest"}})
+  up = upgrade_dict(_OLD_LAYOUT)
+  assert up["matmul"]["w"] == {"format": "nvfp4", "rounding": "nearest", "terms": 2}
+  assert up["attention_op"]["v"] == {"format": "nvfp4", "rounding": "nearest"}
+  assert upgrade_dict(same.to_dict()) == same.to_dict()  # today's layout passes through
+  saved = {"recipe": _OLD_LAYOUT, "seed": 0}
+  assert workdir.identity_changes(saved, {"recipe": same.to_dict(), "seed": 0}) == []
+  other = same.replace(matmul={"x": {"terms": 1}})
+  with pytest.raises(workdir.IncompatibleCheckpointError, match=r"recipe\.matmul\.x\.terms: checkpoint 2"):
+    workdir.identity_changes(saved, {"recipe": other.to_dict(), "seed": 0})
