@@ -23,6 +23,7 @@ from experiments import train as launcher
 from experiments.configs import tiny
 from fp4jax import data
 from fp4jax.checkpoint import verify
+from fp4jax.experiment import Experiment
 from fp4jax.workdir import RunChangedError, RunLock, RunLockedError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -211,11 +212,12 @@ def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpu
   big = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
             key=lambda p: p.stat().st_size)
   big.write_bytes(big.read_bytes()[:-8] + b"\0" * 8)
-  assert not launcher.finished_run(st.arm_config(cfg, st.select_arms("bf16_s1")[0], False), arm)
+  exp = launcher.prepare_data(st.arm_experiment(Experiment.from_config(cfg), st.select_arms("bf16_s1")[0], False))
+  assert not launcher.finished_run(exp, arm)
   assert "is corrupt" in capsys.readouterr().out
   (arm / st.EVAL_FILE).unlink()
   assert evaluate_lib.evaluate_cached(arm, str(corpus), 3, 32, None)["step"] == 2
-  row = st.arm_row(cfg, st.select_arms("bf16_s1")[0], study, 32)
+  row = st.arm_row(Experiment.from_config(cfg), st.select_arms("bf16_s1")[0], study, 32)
   assert row["eval_step"] == 2 and not row["comparable"]
 
 

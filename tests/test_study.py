@@ -19,48 +19,84 @@ from experiments import compare
 from experiments import evaluate as ev
 from experiments.configs import tiny
 from experiments.studies import Arm
+from fp4jax.experiment import Experiment
 from fp4jax.recipe import MODULES, PRESETS, get_recipe
 from fp4jax.train import OptimizerConfig, _lora_mask, abstract_model, make_optimizer, make_schedule
 
 
-def test_every_arm_builds_a_valid_config():
+def test_every_arm_builds_a_valid_experiment():
   cfg = tiny.get_config()
+  exp = Experiment.from_config(cfg)
   assert len(set(st.ARM_NAMES)) == len(st.ARMS)
   for arm in st.ARMS:
-    c = st.arm_config(cfg, arm)
-    _, recipe, opt, tc, _ = launcher.from_config(c, vocab_size=256)
+    e = st.arm_experiment(exp, arm)
     for k in MODULES:
-      assert getattr(recipe, k) == arm.changes.get(f"recipe.{k}", getattr(PRESETS[arm.preset], k)), arm.name
+      assert getattr(e.recipe, k) == arm.changes.get(f"recipe.{k}", getattr(PRESETS[arm.preset], k)), arm.name
     for key, v in arm.changes.items():
-      node = {"recipe": recipe, "optimizer": opt}[key.split(".")[0]]
+      node = {"recipe": e.recipe, "optimizer": e.optimizer}[key.split(".")[0]]
       for part in key.split(".")[1:]:
         node = getattr(node, part)
       if key != "recipe.lora_resplit_every":
         assert node == (tuple(v) if isinstance(v, list) else v), (arm.name, key)
-    assert tc.seed == arm.seed and tc.telemetry_every == cfg.steps // 10
+    assert e.train.seed == arm.seed and e.train.telemetry_every == cfg.steps // 10
     assert arm.baseline in (None, *st.ARM_NAMES), arm.name
     assert arm.what and arm.group
   assert [a.seed for a in st.ARMS if a.baseline is None] == [0, 1, 2]
-  resplit = st.arm_config(cfg, st.select_arms("lorasvd_resplit10")[0])
+  resplit = st.arm_experiment(exp, st.select_arms("lorasvd_resplit10")[0])
   assert resplit.recipe.lora_resplit_every == cfg.steps // 10
-  assert st.arm_config(cfg, st.ARMS[0], telemetry=False).telemetry_every == 0
+  assert st.arm_experiment(exp, st.ARMS[0], telemetry=False).train.telemetry_every == 0
 
 
-def test_an_arm_is_a_function_of_the_config():
+def _config_with(cfg, arm: Arm):
+  """The arm's config as ``--config.<key>`` flags would make it: the ConfigDict set field by field."""
+  c = cfg.copy_and_resolve_references()
+  c.recipe.update({k: getattr(PRESETS[arm.preset], k) for k in MODULES})
+  for key, value in arm.changes.items():
+    *path, leaf = key.split(".")
+    node = c
+    for part in path:
+      node = node[part]
+    node[leaf] = max(1, c.steps // -value) if key == "recipe.lora_resplit_every" and value < 0 else value
+  c.seed = arm.seed
+  return c
+
+
+def test_an_arm_of_the_experiment_equals_the_arm_typed_from_its_config():
+  """``Arm.apply`` on the typed experiment gives what typing the arm's config gives, field for field
+  and type for type (an int for a float field becomes a float, a list a tuple), for every arm."""
   cfg = tiny.get_config()
-  arm = Arm("x", "fp4_linear", {"recipe.lora_rank": 4, "optimizer.name": "muon"}, 3, "fp4_linear", "test")
-  c = arm.apply(cfg)
-  assert (c.recipe.linear, c.recipe.lora_rank, c.optimizer.name, c.seed) == ("nvfp4", 4, "muon", 3)
-  assert (cfg.recipe.linear, cfg.recipe.lora_rank, cfg.optimizer.name, cfg.seed) == ("bf16", 16, "adamw", 0)
-  assert arm.recipe_text() == "fp4_linear, recipe.lora_rank=4, optimizer.name=muon"
+  exp = Experiment.from_config(cfg)
+  extra = (Arm("ints", "fp4_linear", {"recipe.lora_lr_scale": 4, "optimizer.learning_rate": 1}),
+           Arm("list", "bf16", {"mesh_shape": [1, 1, 1], "eval_every": 7}, 2))
+  for arm in (*st.ARMS, *extra):
+    mine, typed = arm.apply(exp), Experiment.from_config(_config_with(cfg, arm))
+    assert mine == typed, arm.name
+    assert json.dumps(mine.to_config()) == json.dumps(typed.to_config()), arm.name
+
+
+def test_an_arm_is_a_function_of_the_experiment():
+  exp = Experiment.from_config(tiny.get_config())
+  arm = Arm("x", "fp4_linear", {"recipe.lora_rank": 4, "optimizer.name": "muon", "steps": 7}, 3, "fp4_linear",
+            "test")
+  e = arm.apply(exp)
+  assert (e.recipe.linear, e.recipe.lora_rank, e.optimizer.name, e.train.seed, e.train.steps) == (
+      "nvfp4", 4, "muon", 3, 7)
+  assert (exp.recipe.linear, exp.recipe.lora_rank, exp.optimizer.name, exp.train.seed) == ("bf16", 16, "adamw", 0)
+  assert arm.recipe_text() == "fp4_linear, recipe.lora_rank=4, optimizer.name=muon, steps=7"
   with pytest.raises(ValueError, match=r"arm y: changes key 'recipe.lora_rnk' is not a field"):
-    Arm("y", "bf16", {"recipe.lora_rnk": 4}).apply(cfg)
+    Arm("y", "bf16", {"recipe.lora_rnk": 4}).apply(exp)
   with pytest.raises(ValueError, match=r"arm y: changes key 'recipe.nope.x' is not a field"):
-    Arm("y", "bf16", {"recipe.nope.x": 1}).apply(cfg)
-  with pytest.raises(ValueError, match=r"arm y: changes recipe.lora_rank='4'"):
-    Arm("y", "bf16", {"recipe.lora_rank": "4"}).apply(cfg)
+    Arm("y", "bf16", {"recipe.nope.x": 1}).apply(exp)
+  with pytest.raises(ValueError, match=r"arm y: changes key 'study.eval_tokens' is not a field"):
+    Arm("y", "bf16", {"study.eval_tokens": 1}).apply(exp)
+  with pytest.raises(ValueError, match=r"arm y: changes recipe.lora_rank='4': expected a int"):
+    Arm("y", "bf16", {"recipe.lora_rank": "4"}).apply(exp)
+  with pytest.raises(ValueError, match=r"arm y: changes recipe.matmul.hadamard=1: expected a bool"):
+    Arm("y", "bf16", {"recipe.matmul.hadamard": 1}).apply(exp)
+  with pytest.raises(ValueError, match=r"arm y: .*lora_rank=-1"):
+    Arm("y", "bf16", {"recipe.lora_rank": -1}).apply(exp)
   with pytest.raises(ValueError, match=r"arm y: preset 'fp3'"):
-    Arm("y", "fp3").apply(cfg)
+    Arm("y", "fp3").apply(exp)
 
 
 def test_select_arms():
