@@ -6,8 +6,10 @@ r"""Train several recipes on identical data, seed and schedule; print the loss-g
 Each recipe (a preset of ``fp4jax.recipe``: it sets the config's ``recipe.linear``,
 ``recipe.attention``, ``recipe.optimizer_states`` and ``recipe.newton_schulz``, and keeps the other
 recipe fields) trains in ``<workdir>/<recipe>`` (an existing finished run is reused, an unfinished
-one resumes). Every recipe's config is checked before any trains, and so is every finished run
-that would be reused: one of other settings (learning rate, seed, sequence length, ...; the run
+one resumes). The config is typed once (``fp4jax.experiment.Experiment``), each recipe's
+experiment made from it (``recipe_experiments``) and completed by one data step shared by all
+(``with_data``); every one is checked before any trains, and so is every finished run that would
+be reused: one of other settings (learning rate, seed, sequence length, ...; the run
 identity ``experiments.train`` checks on resume) is refused, naming the fields.
 
 Each final checkpoint is evaluated on the held-out split of the corpus (``experiments.evaluate``:

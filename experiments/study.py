@@ -9,12 +9,12 @@ the config (dotted keys, as ``--config.<key>`` sets them), a seed, the arm it is
 what it measures (``--list`` prints them). Everything else is the config's, so the arms share the
 data, the schedule and (at equal seed) the data order and the initialization. The config is typed
 once (``fp4jax.experiment.Experiment``); each arm is a function of that experiment (``Arm.apply``,
-with the study's telemetry: ``arm_experiment``), completed by one data step (``experiments.compare.with_data``), and
-trains with the launcher (``experiments.train.run``) in ``<workdir>/<arm>``: a finished arm is
-reused, an interrupted one resumes. It logs the per-module quantization error every ``telemetry_every`` steps
-(``fp4jax.telemetry``; the config's value, or ``steps // 10`` when it is 0), and its final
-checkpoint is evaluated on the held-out split of the corpus (``experiments.evaluate``; cached in
-``<workdir>/<arm>/eval.json``).
+with the study's telemetry: ``arm_experiment``), completed by one data step shared by the arms
+(``experiments.compare.with_data``), and trains with the launcher (``experiments.train.run``) in
+``<workdir>/<arm>``: a finished arm is reused, an interrupted one resumes. It logs the per-module
+quantization error every ``telemetry_every`` steps (``fp4jax.telemetry``; the config's value, or
+``steps // 10`` when it is 0), and its final checkpoint is evaluated on the held-out split of the
+corpus (``experiments.evaluate``; cached in ``<workdir>/<arm>/eval.json``).
 
 After the arms of the command, every finished arm of the workdir goes into
 ``<workdir>/study.jsonl`` (one line per arm) and ``<workdir>/table.md``, printed too. The gap of an
@@ -69,9 +69,9 @@ from experiments.compare import BETWEEN_RUNS, add_gaps, run_row, table, with_dat
 from experiments.evaluate import EVAL_FILE
 from experiments.studies import Arm
 from experiments.studies.loss_gap import ARMS
+from fp4jax.experiment import Experiment, TrainConfig
 from fp4jax.preemption import StopSignals, TrainingInterrupted
 from fp4jax.train import NonFiniteLossError
-from fp4jax.experiment import Experiment, TrainConfig
 from fp4jax.workdir import ABSENT, RunLock, diff
 
 STUDY_FILE = "study.json"

@@ -19,6 +19,7 @@ from experiments import compare
 from experiments import evaluate as ev
 from experiments.configs import tiny
 from experiments.studies import Arm
+from fp4jax import data
 from fp4jax.experiment import Experiment
 from fp4jax.recipe import MODULES, PRESETS, get_recipe
 from fp4jax.train import OptimizerConfig, _lora_mask, abstract_model, make_optimizer, make_schedule
@@ -214,10 +215,17 @@ def _small_config(steps=3):
 
 
 @pytest.mark.slow
-def test_two_arms_collect_and_reuse(tmp_path, capsys):
+def test_two_arms_collect_and_reuse(tmp_path, capsys, monkeypatch):
+  # The study types its config once and prepares the (shared) data once, however many arms.
+  calls = []
+  typed, prepare = Experiment.from_config.__func__, data.prepare
+  monkeypatch.setattr(Experiment, "from_config",
+                      classmethod(lambda cls, cfg: calls.append("typed") or typed(cls, cfg)))
+  monkeypatch.setattr(data, "prepare", lambda *a, **k: calls.append("prepared") or prepare(*a, **k))
   cfg = _small_config()
   work, dest = tmp_path / "study", tmp_path / "results"
   rows = st.study(cfg, work, "bf16_s0,bf16_s1", eval_tokens=256, collect_to=dest, telemetry=False)
+  assert calls == ["typed", "prepared"]
   out = capsys.readouterr().out
   assert "=== arm bf16_s0 (1/2)" in out and "=== arm bf16_s1: trained" in out
   assert [r["arm"] for r in rows] == ["bf16_s0", "bf16_s1"]
@@ -240,7 +248,9 @@ def test_two_arms_collect_and_reuse(tmp_path, capsys):
 
   # A finished arm is reused (not trained again); a study of another config is refused.
   before = (work / "bf16_s0" / "metrics.jsonl").read_text()
+  calls.clear()
   again = st.study(cfg, work, "bf16_s0", eval_tokens=256, telemetry=False)
+  assert calls == ["typed", "prepared"]
   assert "=== arm bf16_s0: reused" in capsys.readouterr().out
   assert (work / "bf16_s0" / "metrics.jsonl").read_text() == before
   assert [r["eval_loss"] for r in again] == [e["loss"] for e in evals]
