@@ -174,12 +174,20 @@ def test_a_lock_of_a_reused_pid_is_taken_over(tmp_path):
 
 
 @pytest.mark.slow
-def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpus, capsys):
+def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpus, capsys, monkeypatch):
   settings = _settings(corpus, tmp_path / "tokens", steps=3, checkpoint_every=1)
   work = tmp_path / "cmp"
   compare.compare(_config(settings), ["bf16"], work)
   capsys.readouterr()
+  # Reusing the run (check, evaluation, row) types the config once and prepares the data once.
+  calls = []
+  typed, prepare = Experiment.from_config.__func__, data.prepare
+  monkeypatch.setattr(Experiment, "from_config",
+                      classmethod(lambda cls, cfg: calls.append("typed") or typed(cls, cfg)))
+  monkeypatch.setattr(data, "prepare", lambda *a, **k: calls.append("prepared") or prepare(*a, **k))
   results = compare.compare(_config(settings), ["bf16"], work)
+  assert calls == ["typed", "prepared"]
+  monkeypatch.undo()
   assert "already trained to step 3 with these settings; reusing it" in capsys.readouterr().out
   # The final checkpoint evaluated on the whole held-out split, with its standard error.
   whole = data.num_windows(str(tmp_path / "tokens"), "validation", 16) * 16
