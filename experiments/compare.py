@@ -299,11 +299,11 @@ def compare(cfg, recipes: list[str], workdir: str | Path, eval_tokens: int | Non
       else:
         try:
           launcher.run(e, workdir / name)
-        except NonFiniteLossError as e:
-          print(f"{name}: {e}")
+        except NonFiniteLossError as err:
+          print(f"{name}: {err}")
           diverged = True
-        except TrainingInterrupted as e:
-          raise launcher.stopped_among(e, "recipe", name, list(results),
+        except TrainingInterrupted as err:
+          raise launcher.stopped_among(err, "recipe", name, list(results),
                                        list(exps)[i:]) from None
       ev = None if diverged else evaluate_lib.evaluate_cached(
           workdir / name, e.data.corpus, e.train.steps, eval_tokens, eval_batch_size, exp=e)

@@ -229,6 +229,22 @@ def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpu
   assert row["eval_step"] == 2 and not row["comparable"]
 
 
+def test_a_diverged_recipe_is_a_row_of_its_own(tmp_path, corpus, monkeypatch):
+  """A recipe whose loss turns NaN is reported as diverged (no evaluation, no gap); the others go on."""
+  from fp4jax.loop import NonFiniteLossError
+
+  def diverge(exp, run_dir):
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"data_dir": exp.data.dir, "num_params": 1}))
+    raise NonFiniteLossError(f"{exp.recipe.linear}: loss is NaN at step 2")
+
+  monkeypatch.setattr(launcher, "run", diverge)
+  rows = compare.compare(_config(_settings(corpus, tmp_path / "tokens", steps=3)), ["bf16", "fp4_linear"],
+                         tmp_path / "cmp")
+  assert [r["status"] for r in rows.values()] == ["diverged", "diverged"]
+  assert rows["fp4_linear"]["seed"] == 0 and math.isnan(rows["fp4_linear"]["gap_pct"])
+
+
 def test_distributed_without_a_coordinator_names_what_to_set(tmp_path):
   env = {k: v for k, v in ENV.items() if k not in launcher.DISTRIBUTED_ENV}
   r = subprocess.run([sys.executable, "-m", "experiments.train", "--config=experiments/configs/"
