@@ -14,7 +14,6 @@ import optax
 import pytest
 
 from experiments import study as st
-from experiments import train as launcher
 from experiments import compare
 from experiments import evaluate as ev
 from experiments.configs import tiny
@@ -349,8 +348,9 @@ def test_lora_lr_scale(opt):
 
 def test_lora_mask_finds_every_branch_of_the_model():
   cfg = tiny.get_config()
-  model_cfg, recipe, *_ = launcher.from_config(cfg, vocab_size=256)
-  _, params = abstract_model(model_cfg, get_recipe("fp4_linear_lorasvd"))
+  exp = Experiment.from_config(cfg).with_changes({"model.vocab_size": 256})
+  recipe = exp.recipe
+  _, params = abstract_model(exp.model, get_recipe("fp4_linear_lorasvd"))
   paths = [jax.tree_util.keystr(p) for p, m in jax.tree_util.tree_leaves_with_path(_lora_mask(params)) if m]
   projections = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
                  if "kernel" in jax.tree_util.keystr(p) and "blocks" in jax.tree_util.keystr(p)]
