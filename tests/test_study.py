@@ -87,11 +87,12 @@ def test_an_arm_is_a_function_of_the_experiment():
     Arm("y", "bf16", {"recipe.lora_rnk": 4}).apply(exp)
   with pytest.raises(ValueError, match=r"arm y: changes key 'recipe.nope.x' is not a field"):
     Arm("y", "bf16", {"recipe.nope.x": 1}).apply(exp)
-  with pytest.raises(ValueError, match=r"arm y: changes key 'study.eval_tokens' is not a field"):
-    Arm("y", "bf16", {"study.eval_tokens": 1}).apply(exp)
-  with pytest.raises(ValueError, match=r"arm y: changes recipe.lora_rank='4': expected a int"):
+  for key in ("study.eval_tokens", "train.seed", "data_info"):  # not keys of the config's root
+    with pytest.raises(ValueError, match=rf"arm y: changes key '{key}' is not a field"):
+      Arm("y", "bf16", {key: 1}).apply(exp)
+  with pytest.raises(ValueError, match=r"arm y: changes recipe.lora_rank='4': expected a value of type int"):
     Arm("y", "bf16", {"recipe.lora_rank": "4"}).apply(exp)
-  with pytest.raises(ValueError, match=r"arm y: changes recipe.matmul.hadamard=1: expected a bool"):
+  with pytest.raises(ValueError, match=r"arm y: changes recipe.matmul.hadamard=1: expected a value of type bool"):
     Arm("y", "bf16", {"recipe.matmul.hadamard": 1}).apply(exp)
   with pytest.raises(ValueError, match=r"arm y: .*lora_rank=-1"):
     Arm("y", "bf16", {"recipe.lora_rank": -1}).apply(exp)

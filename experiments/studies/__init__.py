@@ -14,6 +14,7 @@ from fp4jax.experiment import Experiment, TrainConfig
 from fp4jax.recipe import MODULES, PRESETS
 
 _TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+_SECTIONS = frozenset(("name", "model", "recipe", "optimizer", "execution", "data"))
 # A negative value of this key is a number of re-splits over the run: -n sets ``steps // n``.
 RESPLIT_KEY = "recipe.lora_resplit_every"
 
@@ -68,8 +69,8 @@ class Arm:
     for key, value in self.changes.items():
       path = experiment_path(key)
       try:
-        current = _field(exp, path)
-      except (AttributeError, ValueError):
+        current = _field(exp, path or "")
+      except AttributeError:
         raise ValueError(f"arm {self.name}: changes key {key!r} is not a field of the config "
                          "(write it as --config.<key> would be written)") from None
       if key == RESPLIT_KEY and value < 0:
@@ -90,12 +91,14 @@ def _text(v) -> str:
   return ",".join(map(str, v)) if isinstance(v, list | tuple) else str(v)
 
 
-def experiment_path(key: str) -> str:
+def experiment_path(key: str) -> str | None:
   """The ``Experiment`` field of a config key: a section's key is the same path
   (``recipe.matmul.hadamard``), a top-level field of the run is under ``train`` (``seed`` ->
-  ``train.seed``); ``name`` is the experiment's name."""
+  ``train.seed``), ``name`` is the experiment's name; None for a key of no section (``study.*``)."""
   head = key.split(".", 1)[0]
-  return f"train.{key}" if head in _TRAIN_FIELDS else key
+  if head in _TRAIN_FIELDS:
+    return f"train.{key}"
+  return key if head in _SECTIONS else None
 
 
 def _field(exp: Experiment, path: str):
@@ -118,6 +121,6 @@ def _typed_like(current, value, where: str):
   if isinstance(current, tuple) and isinstance(value, list):
     return tuple(value)
   if type(value) is not type(current):
-    raise ValueError(f"{where}: expected a {type(current).__name__}, as the field holds "
-                     f"{current!r}")
+    raise ValueError(f"{where}: expected a value of type {type(current).__name__}, as the field "
+                     f"holds {current!r}")
   return value
