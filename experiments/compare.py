@@ -6,8 +6,10 @@ r"""Train several recipes on identical data, seed and schedule; print the loss-g
 Each recipe (a preset of ``fp4jax.recipe``: it sets the config's ``recipe.linear``,
 ``recipe.attention``, ``recipe.optimizer_states`` and ``recipe.newton_schulz``, and keeps the other
 recipe fields) trains in ``<workdir>/<recipe>`` (an existing finished run is reused, an unfinished
-one resumes). Every recipe's config is checked before any trains, and so is every finished run
-that would be reused: one of other settings (learning rate, seed, sequence length, ...; the run
+one resumes). The config is typed once (``fp4jax.experiment.Experiment``), each recipe's
+experiment made from it (``recipe_experiments``) and completed by one data step shared by all
+(``with_data``); every one is checked before any trains, and so is every finished run that would
+be reused: one of other settings (learning rate, seed, sequence length, ...; the run
 identity ``experiments.train`` checks on resume) is refused, naming the fields.
 
 Each final checkpoint is evaluated on the held-out split of the corpus (``experiments.evaluate``:
@@ -41,6 +43,7 @@ from ml_collections import config_flags
 from experiments import evaluate as evaluate_lib
 from experiments import train as launcher
 from fp4jax import data
+from fp4jax.experiment import DataSpec, Experiment
 from fp4jax.metrics import read_jsonl
 from fp4jax.preemption import StopSignals, TrainingInterrupted
 from fp4jax.recipe import MODULES, get_recipe
@@ -81,30 +84,32 @@ def run_summary(workdir: str | Path, tail: float = 0.1) -> dict:
           "step_time_s": sorted(times)[len(times) // 2] if times else float("nan")}
 
 
-def run_row(cfg, run_dir: Path, name: str, recipe: str, ev: Mapping | None,
+def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping | None,
             eval_tokens: int | None, **fields) -> dict:
-  """One row of the table: the run in ``run_dir`` of config ``cfg`` (its steps, batch, sequence
-  length and corpus), its evaluation ``ev`` (``experiments.evaluate``; None: it diverged) and
+  """One row of the table: the run in ``run_dir`` of experiment ``exp`` (its steps, batch, sequence
+  length, seed and corpus), its evaluation ``ev`` (``experiments.evaluate``; None: it diverged) and
   ``fields`` (``reference``, ``baseline``, ``seed``, ...). ``comparable`` says the evaluation is
-  the one asked for: step ``cfg.steps``, the config's corpus, at most ``eval_tokens`` tokens."""
+  the one asked for: step ``exp.train.steps``, the experiment's corpus, at most ``eval_tokens``
+  tokens."""
   s = run_summary(run_dir)
   run = json.loads((run_dir / "config.json").read_text())
   meta = data.read_meta(run["data_dir"])
-  tokens = cfg.steps * cfg.batch_size * cfg.seq_len
+  tc = exp.train
+  tokens = tc.steps * tc.batch_size * tc.seq_len
   step_time = s.get("step_time_s", math.nan)
   status = "diverged" if ev is None else s["status"]
   ev = ev or {}
-  comparable = (status == "ok" and ev.get("step") == cfg.steps
-                and ev.get("text") == cfg.data.corpus and ev.get("max_tokens") == eval_tokens)
+  comparable = (status == "ok" and ev.get("step") == tc.steps
+                and ev.get("text") == exp.data.corpus and ev.get("max_tokens") == eval_tokens)
   return {"arm": name, "recipe": recipe, "status": status, "reference": False, "baseline": None,
-          "seed": cfg.seed, **fields,
+          "seed": tc.seed, **fields,
           "eval_loss": ev.get("loss", math.nan), "eval_loss_se": ev.get("loss_se", math.nan),
           "eval_tokens": ev.get("tokens", 0), "eval_step": ev.get("step"),
           "eval_text": ev.get("text"), "eval_max_tokens": ev.get("max_tokens"),
           "eval_batch_losses": ev.get("batch_losses"), "eval_batch_windows": ev.get("batch_windows"),
           "comparable": comparable, "train_loss": s.get("train_loss", math.nan),
           "step": s.get("step", 0), "tokens": tokens, "params": run["num_params"],
-          "tokens_per_s": cfg.batch_size * cfg.seq_len / step_time if step_time > 0 else math.nan,
+          "tokens_per_s": tc.batch_size * tc.seq_len / step_time if step_time > 0 else math.nan,
           "epochs": tokens / meta.splits["train"]["num_tokens"], "step_time_s": step_time,
           "platform": run.get("platform"), "devices": run.get("devices")}
 
@@ -232,18 +237,28 @@ def table(rows: list[dict], floor: Mapping, title: str = "", notes: Sequence[str
   return "\n".join(lines)
 
 
-def recipe_configs(cfg, recipes: list[str]) -> dict:
-  """The config of each recipe, every one checked (``ValueError`` on the first bad one) before
-  anything trains."""
+def with_data(exps: Mapping[str, Experiment]) -> dict[str, Experiment]:
+  """Each experiment completed by the data step (``experiments.train.prepare_data``), which runs
+  once per distinct ``data`` spec (the runs of a comparison or study share theirs)."""
+  prepared: dict[DataSpec, Experiment] = {}
+  out = {}
+  for name, e in exps.items():
+    if e.data not in prepared:
+      prepared[e.data] = launcher.prepare_data(e)
+    done = prepared[e.data]
+    out[name] = e.with_data(done.data.dir, done.data_info)
+  return out
+
+
+def recipe_experiments(exp: Experiment, recipes: list[str]) -> dict[str, Experiment]:
+  """The experiment of each recipe: ``exp`` with the preset's modules (``MODULES``), every one
+  checked (``ValueError`` on the first bad one) before anything trains."""
   if not recipes or len(set(recipes)) != len(recipes):
     raise ValueError(f"--recipes={','.join(recipes)}: give distinct recipe names")
   out = {}
   for name in recipes:
     preset = get_recipe(name)
-    c = cfg.copy_and_resolve_references()
-    c.recipe.update({k: getattr(preset, k) for k in MODULES})
-    launcher.from_config(c, vocab_size=c.model.vocab_size or 256)
-    out[name] = c
+    out[name] = exp.with_changes({f"recipe.{k}": getattr(preset, k) for k in MODULES})
   return out
 
 
@@ -266,32 +281,33 @@ def compare(cfg, recipes: list[str], workdir: str | Path, eval_tokens: int | Non
     TrainingInterrupted: a stop signal (the message names where each recipe stopped).
   """
   workdir = Path(workdir)
-  configs = recipe_configs(cfg, recipes)
+  exps = recipe_experiments(Experiment.from_config(cfg), recipes)
   eval_tokens = evaluate_lib.eval_tokens(cfg, eval_tokens)
   results = {}
   with RunLock(workdir, "comparison") as lock, StopSignals(
       lambda t: print(t, flush=True), BETWEEN_RUNS, lambda: lock.release(force=True)):
     for note in lock.notes:
       print(note, flush=True)
+    exps = with_data(exps)
     # Every finished run is checked before anything trains.
-    finished = {name: launcher.finished_run(c, workdir / name) for name, c in configs.items()}
-    for i, (name, c) in enumerate(configs.items(), 1):
+    finished = {name: launcher.finished_run(e, workdir / name) for name, e in exps.items()}
+    for i, (name, e) in enumerate(exps.items(), 1):
       print(f"\n=== recipe {name} ({i}/{len(recipes)}): {workdir / name}", flush=True)
       diverged = False
       if finished[name]:
-        print(f"{name}: already trained to step {c.steps} with these settings; reusing it")
+        print(f"{name}: already trained to step {e.train.steps} with these settings; reusing it")
       else:
         try:
-          launcher.run(c, workdir / name)
-        except NonFiniteLossError as e:
-          print(f"{name}: {e}")
+          launcher.run(e, workdir / name)
+        except NonFiniteLossError as err:
+          print(f"{name}: {err}")
           diverged = True
-        except TrainingInterrupted as e:
-          raise launcher.stopped_among(e, "recipe", name, list(results),
-                                       list(configs)[i:]) from None
+        except TrainingInterrupted as err:
+          raise launcher.stopped_among(err, "recipe", name, list(results),
+                                       list(exps)[i:]) from None
       ev = None if diverged else evaluate_lib.evaluate_cached(
-          workdir / name, c.data.corpus, c.steps, eval_tokens, eval_batch_size)
-      results[name] = run_row(c, workdir / name, name, name, ev, eval_tokens, reference=i == 1,
+          workdir / name, e.data.corpus, e.train.steps, eval_tokens, eval_batch_size, exp=e)
+      results[name] = run_row(e, workdir / name, name, name, ev, eval_tokens, reference=i == 1,
                               baseline=None if i == 1 else recipes[0])
   add_gaps(list(results.values()))
   return results

@@ -34,7 +34,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
-import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
@@ -44,6 +43,7 @@ from fp4jax import data
 from fp4jax import sharding as shd
 from fp4jax import tokenizer as tokenizer_lib
 from fp4jax.checkpoint import Checkpointer
+from fp4jax.experiment import Experiment
 from fp4jax.train import abstract_model, jit_steps, make_optimizer, make_schedule
 
 SPLITS = ("validation", "all")
@@ -121,8 +121,13 @@ def windows(tok: tokenizer_lib.Tokenizer, files: Sequence[Path], seq_len: int,
 
 def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
              max_tokens: int | None = None, batch_size: int | None = None,
-             encoding: str | None = None) -> dict:
+             encoding: str | None = None, exp: Experiment | None = None) -> dict:
   """Loss and perplexity of the latest checkpoint of ``workdir`` on ``text``.
+
+  Args:
+    exp: the run's experiment, completed by its data step (``experiments.train.prepare_data``), as
+      a launcher that trained or checked the run holds it; default: the run's recorded config
+      (``<workdir>/config.json``), typed here.
 
   Returns:
     ``{"workdir", "step", "text", "split", "loss", "loss_se", "perplexity", "tokens", "windows",
@@ -131,18 +136,21 @@ def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
     ``batch_losses`` the mean of each batch of ``batch_windows`` windows, in order.
   """
   run = read_run(workdir)
-  cfg = ml_collections.ConfigDict(run["config"])
-  model_cfg, recipe, opt_cfg, tc, execution = launcher.from_config(cfg, run["vocab_size"])
+  if exp is None:
+    exp = Experiment.from_config(run["config"])
+    if exp.model.vocab_size is None:
+      exp = exp.with_changes({"model.vocab_size": run["vocab_size"]})
+  model_cfg, recipe, opt_cfg, tc, execution = exp.model, exp.recipe, exp.optimizer, exp.train, exp.execution
   ckpt_dir = Path(workdir) / "checkpoints"
   if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
     raise FileNotFoundError(f"run {workdir} has no checkpoint yet (nothing in {ckpt_dir})")
-  if cfg.data.tokenizer == "byte":
+  if exp.data.tokenizer == "byte":
     tok = tokenizer_lib.ByteTokenizer()
   else:
     tok = data.load_tokenizer(run["data_dir"])
   files, split = documents(text, split)
   # Built-in corpora are stored as UTF-8; user text is in the run's (or the given) encoding.
-  enc = "utf-8" if text in corpus_lib.CORPORA else encoding or cfg.data.encoding
+  enc = "utf-8" if text in corpus_lib.CORPORA else encoding or exp.data.encoding
   w = windows(tok, files, tc.seq_len, enc)
   if max_tokens is not None:
     if max_tokens < tc.seq_len:
@@ -206,7 +214,7 @@ def eval_tokens(cfg, tokens: int | None = None) -> int | None:
 
 
 def evaluate_cached(workdir: str | os.PathLike, text: str, steps: int, max_tokens: int | None,
-                    batch_size: int | None = None) -> dict:
+                    batch_size: int | None = None, exp: Experiment | None = None) -> dict:
   """``evaluate`` of a finished run on the ``validation`` split of ``text``, kept in
   ``<workdir>/eval.json`` and reused while its step, text and ``max_tokens`` are these.
 
@@ -221,7 +229,7 @@ def evaluate_cached(workdir: str | os.PathLike, text: str, steps: int, max_token
     cached = json.loads(path.read_text())
     if cached.get("step") == steps and all(cached.get(k) == v for k, v in key.items()):
       return cached
-  r = evaluate(workdir, text, "validation", max_tokens, batch_size)
+  r = evaluate(workdir, text, "validation", max_tokens, batch_size, exp=exp)
   r.update(key)
   if r["step"] != steps:
     print(f"{workdir.name}: evaluated at step {r['step']}, not {steps}: the final checkpoint is "

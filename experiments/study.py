@@ -7,13 +7,14 @@ r"""The loss-gap study: BF16 against each NVFP4 module and the full stack, on on
 The study is data: ``experiments.studies.loss_gap.ARMS``, each arm a recipe preset, its changes to
 the config (dotted keys, as ``--config.<key>`` sets them), a seed, the arm it is read against and
 what it measures (``--list`` prints them). Everything else is the config's, so the arms share the
-data, the schedule and (at equal seed) the data order and the initialization. Every arm's config is
-made once (``arm_config``: ``Arm.apply`` and the study's telemetry) and trains with the launcher
-(``experiments.train.run``) in ``<workdir>/<arm>``: a finished arm is reused, an interrupted one
-resumes. It logs the per-module quantization error every ``telemetry_every`` steps
-(``fp4jax.telemetry``; the config's value, or ``steps // 10`` when it is 0), and its final
-checkpoint is evaluated on the held-out split of the corpus (``experiments.evaluate``; cached in
-``<workdir>/<arm>/eval.json``).
+data, the schedule and (at equal seed) the data order and the initialization. The config is typed
+once (``fp4jax.experiment.Experiment``); each arm is a function of that experiment (``Arm.apply``,
+with the study's telemetry: ``arm_experiment``), completed by one data step shared by the arms
+(``experiments.compare.with_data``), and trains with the launcher (``experiments.train.run``) in
+``<workdir>/<arm>``: a finished arm is reused, an interrupted one resumes. It logs the per-module
+quantization error every ``telemetry_every`` steps (``fp4jax.telemetry``; the config's value, or
+``steps // 10`` when it is 0), and its final checkpoint is evaluated on the held-out split of the
+corpus (``experiments.evaluate``; cached in ``<workdir>/<arm>/eval.json``).
 
 After the arms of the command, every finished arm of the workdir goes into
 ``<workdir>/study.jsonl`` (one line per arm) and ``<workdir>/table.md``, printed too. The gap of an
@@ -55,7 +56,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from absl import app, flags, logging
@@ -64,13 +65,14 @@ from ml_collections import config_flags
 from experiments import _pool
 from experiments import evaluate as evaluate_lib
 from experiments import train as launcher
-from experiments.compare import BETWEEN_RUNS, add_gaps, run_row, table
+from experiments.compare import BETWEEN_RUNS, add_gaps, run_row, table, with_data
 from experiments.evaluate import EVAL_FILE
 from experiments.studies import Arm
 from experiments.studies.loss_gap import ARMS
+from fp4jax.experiment import Experiment, TrainConfig
 from fp4jax.preemption import StopSignals, TrainingInterrupted
 from fp4jax.train import NonFiniteLossError
-from fp4jax.workdir import RunLock
+from fp4jax.workdir import ABSENT, RunLock, diff
 
 STUDY_FILE = "study.json"
 ROWS_FILE = "study.jsonl"
@@ -112,26 +114,20 @@ def list_arms(arms: Sequence[Arm] = ARMS) -> str:
   return "\n".join(lines)
 
 
-def telemetry_every(cfg) -> int:
-  """The config's ``telemetry_every``, or ``steps // 10`` (at least 1) when it is 0."""
-  return cfg.telemetry_every or max(1, cfg.steps // 10)
+def telemetry_every(tc: TrainConfig) -> int:
+  """The run's ``telemetry_every``, or ``steps // 10`` (at least 1) when it is 0."""
+  return tc.telemetry_every or max(1, tc.steps // 10)
 
 
-def arm_config(cfg, arm: Arm, telemetry: bool = True):
-  """The config of ``arm``: ``arm.apply(cfg)`` (the preset's modules, the arm's changes and seed)
-  with the study's telemetry (``telemetry_every(cfg)``; off without ``telemetry``); checked
-  (``ValueError``) like the launcher's."""
-  c = arm.apply(cfg)
-  c.telemetry_every = telemetry_every(c) if telemetry else 0
-  launcher.from_config(c, vocab_size=c.model.vocab_size or 256)
-  return c
+def arm_experiment(exp: Experiment, arm: Arm, telemetry: bool = True) -> Experiment:
+  """The experiment of ``arm``: ``arm.apply(exp)`` (the preset's modules, the arm's changes and
+  seed) with the study's telemetry (``telemetry_every``; off without ``telemetry``).
 
-
-def _identity(cfg) -> dict:
-  c = cfg.to_dict()
-  for k in VOLATILE:
-    c.pop(k, None)
-  return c
+  Raises:
+    ValueError: the arm does not fit the study's experiment (``Arm.apply``).
+  """
+  e = arm.apply(exp)
+  return e.with_changes({"train.telemetry_every": telemetry_every(e.train) if telemetry else 0})
 
 
 def check_workdir(cfg, workdir: Path) -> None:
@@ -142,57 +138,50 @@ def check_workdir(cfg, workdir: Path) -> None:
     ValueError: the workdir holds a study of another config (the differing fields are named).
   """
   path = workdir / STUDY_FILE
-  mine = _identity(cfg)
+  mine = {k: v for k, v in cfg.to_dict().items() if k not in VOLATILE}
   if not path.is_file():
     workdir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"config": mine}, indent=1) + "\n")
     return
   theirs = json.loads(path.read_text())["config"]
-  diffs = sorted(_diff_keys(theirs, mine))
+  diffs = [d for d in diff(theirs, mine) if d[1] is not ABSENT]
   if diffs:
     shown = "; ".join(f"{k}: study {a!r}, this command {b!r}" for k, a, b in diffs[:6])
     raise ValueError(f"{workdir} holds a study of another config ({shown}{' ...' * (len(diffs) > 6)})"
                      f": use another --workdir, or the study's settings ({path})")
 
 
-def _diff_keys(a, b, prefix=""):
-  """``(path, a, b)`` of the leaves of ``a`` that differ in ``b``."""
-  if isinstance(a, Mapping) and isinstance(b, Mapping):
-    for k in sorted(a):
-      yield from _diff_keys(a[k], b.get(k, "<absent>"), f"{prefix}{k}.")
-  elif (list(a) if isinstance(a, list | tuple) else a) != (list(b) if isinstance(b, list | tuple)
-                                                          else b):
-    yield prefix[:-1], a, b
-
-
 def is_finished(workdir: Path, steps: int) -> bool:
   return (workdir / "checkpoints" / str(steps)).is_dir()
 
 
-def run_arm(c, arm: Arm, workdir: Path, eval_tokens: int | None = None,
+def run_arm(exp: Experiment, arm: Arm, workdir: Path, eval_tokens: int | None = None,
             eval_batch_size: int | None = None) -> str:
-  """Trains (or reuses, or resumes) one arm of config ``c`` (``arm_config``) and evaluates it;
-  returns its status ("trained", "reused" or "diverged")."""
+  """Trains (or reuses, or resumes) one arm, ``exp`` being its experiment (``arm_experiment``,
+  completed by ``compare.with_data``), and evaluates it; returns its status ("trained", "reused" or
+  "diverged")."""
   run_dir = workdir / arm.name
   status = "reused"
-  if not launcher.finished_run(c, run_dir):
+  if not launcher.finished_run(exp, run_dir):
     status = "trained"
     (run_dir / EVAL_FILE).unlink(missing_ok=True)  # of an earlier checkpoint
     if not os.environ.get(_pool.CHILD_ENV):  # trained alone: its throughput is its own
       (run_dir / SHARED_FILE).unlink(missing_ok=True)
     try:
-      launcher.run(c, run_dir)
+      launcher.run(exp, run_dir)
     except NonFiniteLossError as e:
       print(f"{arm.name}: {e}", flush=True)
       (run_dir / "diverged.json").write_text(json.dumps({"error": str(e)}) + "\n")
       return "diverged"
   (run_dir / "diverged.json").unlink(missing_ok=True)
-  evaluate_lib.evaluate_cached(run_dir, c.data.corpus, c.steps, eval_tokens, eval_batch_size)
+  evaluate_lib.evaluate_cached(run_dir, exp.data.corpus, exp.train.steps, eval_tokens, eval_batch_size,
+                               exp=exp)
   return status
 
 
-def arm_row(cfg, arm: Arm, workdir: Path, eval_tokens: int | None = None) -> dict | None:
-  """The study's row of one arm (None if it has not run): ``compare.run_row`` of its run, with
+def arm_row(exp: Experiment, arm: Arm, workdir: Path, eval_tokens: int | None = None) -> dict | None:
+  """The study's row of one arm (None if it has not run), ``exp`` being the study's experiment
+  (its steps, batch, sequence length and corpus): ``compare.run_row`` of its run, with
   the arm's preset, ``changes`` (the ``recipe`` column prints exactly those), seed, group and
   baseline; the bf16 seeds (no baseline) are the reference."""
   run_dir = workdir / arm.name
@@ -202,16 +191,16 @@ def arm_row(cfg, arm: Arm, workdir: Path, eval_tokens: int | None = None) -> dic
   ev = None if diverged else json.loads((run_dir / EVAL_FILE).read_text())
   shared = run_dir / SHARED_FILE
   parallel = json.loads(shared.read_text())["parallel"] if shared.is_file() else 1
-  return run_row(cfg, run_dir, arm.name, arm.recipe_text(), ev, eval_tokens, seed=arm.seed,
+  return run_row(exp, run_dir, arm.name, arm.recipe_text(), ev, eval_tokens, seed=arm.seed,
                  reference=arm.baseline is None, baseline=arm.baseline, group=arm.group,
                  preset=arm.preset, changes=dict(arm.changes), shared_device=parallel)
 
 
-def write_results(cfg, workdir: Path, eval_tokens: int | None = None) -> tuple[list[dict], str]:
-  """Writes ``study.jsonl`` and ``table.md`` from every finished arm of ``workdir``; rows
-  evaluated on other than ``eval_tokens`` held-out tokens (at most; None: the whole split) are not
-  compared."""
-  rows = [r for a in ARMS if (r := arm_row(cfg, a, workdir, eval_tokens)) is not None]
+def write_results(exp: Experiment, workdir: Path, eval_tokens: int | None = None) -> tuple[list[dict], str]:
+  """Writes ``study.jsonl`` and ``table.md`` from every finished arm of ``workdir`` (``exp``: the
+  study's experiment); rows evaluated on other than ``eval_tokens`` held-out tokens (at most;
+  None: the whole split) are not compared."""
+  rows = [r for a in ARMS if (r := arm_row(exp, a, workdir, eval_tokens)) is not None]
   floor = add_gaps(rows)
   with open(workdir / ROWS_FILE, "w") as f:
     for r in rows:
@@ -219,8 +208,9 @@ def write_results(cfg, workdir: Path, eval_tokens: int | None = None) -> tuple[l
   platform = rows[0]["platform"] if rows else "?"
   held_out = "the whole held-out split" if eval_tokens is None else \
       f"the first {eval_tokens:,} held-out tokens"
-  title = (f"Loss-gap study: config {cfg.name}, {cfg.steps} steps x {cfg.batch_size} x "
-           f"{cfg.seq_len} tokens, corpus {cfg.data.corpus}, on {platform}; eval loss on "
+  tc = exp.train
+  title = (f"Loss-gap study: config {exp.name}, {tc.steps} steps x {tc.batch_size} x "
+           f"{tc.seq_len} tokens, corpus {exp.data.corpus}, on {platform}; eval loss on "
            f"{held_out}. The recipe column is each arm's preset and its changes "
            "(`python -m experiments.study --list`).")
   text = table(rows, floor, title)
@@ -292,8 +282,9 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
   selected = select_arms(arms)
   if parallel < 1:
     raise ValueError(f"--parallel={parallel}: give 1 or more arms at a time")
-  # Each arm's config, made once and checked before any trains.
-  configs = {arm.name: arm_config(cfg, arm, telemetry) for arm in selected}
+  # The study's experiment is typed once; each arm's is made from it and checked before any trains.
+  base = Experiment.from_config(cfg)
+  exps = {arm.name: arm_experiment(base, arm, telemetry) for arm in selected}
   child = bool(os.environ.get(_pool.CHILD_ENV))  # an arm of --parallel: the parent holds the lock
   workdir.mkdir(parents=True, exist_ok=True)
   lock = RunLock(workdir, "study")
@@ -302,14 +293,19 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
     for note in lock.notes:
       print(note, flush=True)
     check_workdir(cfg, workdir)
-    if not child:  # every finished arm to reuse is checked before any trains
+    pool = parallel > 1 and len(selected) > 1
+    if not pool:  # the arms train in this process: one data step completes them all
+      exps = with_data(exps)
+    # Every finished arm to reuse is checked before any trains (the parent of a pool prepares the
+    # data only for those, so that it leaves the device(s) to its arms' processes).
+    if not child:
       for arm in selected:
-        launcher.finished_run(configs[arm.name], workdir / arm.name)
+        launcher.finished_run(exps[arm.name], workdir / arm.name)
     failed = []
-    if parallel > 1 and len(selected) > 1:
+    if pool:
       failed = _pool.run_parallel([(a.name, a.what) for a in selected], parallel, workdir,
                                   lambda name: child_command(argv, name),
-                                  on_start=lambda name: _shared(workdir / name, cfg.steps, parallel),
+                                  on_start=lambda name: _shared(workdir / name, base.train.steps, parallel),
                                   result=lambda name: _eval_loss(workdir / name))
     else:
       for i, arm in enumerate(selected, 1):
@@ -317,7 +313,7 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
               flush=True)
         t0 = time.perf_counter()
         try:
-          status = run_arm(configs[arm.name], arm, workdir, eval_tokens, eval_batch_size)
+          status = run_arm(exps[arm.name], arm, workdir, eval_tokens, eval_batch_size)
         except TrainingInterrupted as e:
           if child:
             raise
@@ -325,7 +321,7 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
                                        [a.name for a in selected[i:]]) from None
         print(f"=== arm {arm.name}: {status} in {time.perf_counter() - t0:.0f} s, eval loss "
               f"{_eval_loss(workdir / arm.name):.4f}", flush=True)
-    rows, text = write_results(cfg, workdir, eval_tokens)
+    rows, text = write_results(base, workdir, eval_tokens)
   print("\n" + text, flush=True)
   if collect_to is not None:
     files = collect(workdir, Path(collect_to))

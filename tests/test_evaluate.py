@@ -13,6 +13,7 @@ from experiments import evaluate as ev
 from experiments import train as launcher
 from experiments.configs import tiny
 from fp4jax import data
+from fp4jax.experiment import Experiment
 from fp4jax.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow  # every test reads a run trained in the module fixture
@@ -22,7 +23,7 @@ T, B = 32, 4
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def trained(tmp_path_factory):
   """A tiny run trained 3 steps on a folder of real text (CPython's docs), evaluated at the end
   on every whole batch of its validation split."""
   import pydoc_data.topics
@@ -38,11 +39,17 @@ def run(tmp_path_factory):
   cfg.model.update(d_model=32, n_layers=1, n_heads=2)
   cfg.data.update(corpus=str(text), dir=str(root / "tokens"))
   launcher.run(cfg, root / "run")
-  return root / "run", text, str(root / "tokens")
+  exp = launcher.prepare_data(Experiment.from_config(cfg))  # the run's experiment, as a launcher holds it
+  return root / "run", text, str(root / "tokens"), exp
 
 
-def test_own_validation_split_equals_the_train_loops_eval_loss(run):
-  workdir, text, tokens = run
+@pytest.fixture(scope="module")
+def run(trained):
+  return trained[:3]
+
+
+def test_own_validation_split_equals_the_train_loops_eval_loss(trained):
+  workdir, text, tokens, exp = trained
   eval_loss = read_jsonl(workdir / "metrics.jsonl")[-1]["eval_loss"]
   whole = data.num_windows(tokens, "validation", T) // B * B  # the loop's whole batches
   r = ev.evaluate(workdir, str(text), split="validation", max_tokens=whole * T)
@@ -53,6 +60,9 @@ def test_own_validation_split_equals_the_train_loops_eval_loss(run):
   assert r["loss"] == pytest.approx(np.mean(r["batch_losses"]), rel=1e-12)
   assert r["loss_se"] == pytest.approx(np.std(r["batch_losses"], ddof=1) / np.sqrt(whole // B), rel=1e-9)
   assert 0 < r["loss_se"] < 0.5
+  # A launcher's experiment stands for the recorded config: the same evaluation, bit for bit.
+  typed = ev.evaluate(workdir, str(text), split="validation", max_tokens=whole * T, exp=exp)
+  assert typed["batch_losses"] == r["batch_losses"] and typed["loss"] == r["loss"]
   # The folder whole (default split), with a last partial batch: a different, sensible loss.
   r = ev.evaluate(workdir, str(text), batch_size=3)
   assert r["split"] == "all" and r["windows"] > whole and abs(r["loss"] - eval_loss) < 0.5

@@ -23,6 +23,7 @@ from experiments import train as launcher
 from experiments.configs import tiny
 from fp4jax import data
 from fp4jax.checkpoint import verify
+from fp4jax.experiment import Experiment
 from fp4jax.workdir import RunChangedError, RunLock, RunLockedError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,12 +174,20 @@ def test_a_lock_of_a_reused_pid_is_taken_over(tmp_path):
 
 
 @pytest.mark.slow
-def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpus, capsys):
+def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpus, capsys, monkeypatch):
   settings = _settings(corpus, tmp_path / "tokens", steps=3, checkpoint_every=1)
   work = tmp_path / "cmp"
   compare.compare(_config(settings), ["bf16"], work)
   capsys.readouterr()
+  # Reusing the run (check, evaluation, row) types the config once and prepares the data once.
+  calls = []
+  typed, prepare = Experiment.from_config.__func__, data.prepare
+  monkeypatch.setattr(Experiment, "from_config",
+                      classmethod(lambda cls, cfg: calls.append("typed") or typed(cls, cfg)))
+  monkeypatch.setattr(data, "prepare", lambda *a, **k: calls.append("prepared") or prepare(*a, **k))
   results = compare.compare(_config(settings), ["bf16"], work)
+  assert calls == ["typed", "prepared"]
+  monkeypatch.undo()
   assert "already trained to step 3 with these settings; reusing it" in capsys.readouterr().out
   # The final checkpoint evaluated on the whole held-out split, with its standard error.
   whole = data.num_windows(str(tmp_path / "tokens"), "validation", 16) * 16
@@ -211,12 +220,29 @@ def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpu
   big = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
             key=lambda p: p.stat().st_size)
   big.write_bytes(big.read_bytes()[:-8] + b"\0" * 8)
-  assert not launcher.finished_run(st.arm_config(cfg, st.select_arms("bf16_s1")[0], False), arm)
+  exp = launcher.prepare_data(st.arm_experiment(Experiment.from_config(cfg), st.select_arms("bf16_s1")[0], False))
+  assert not launcher.finished_run(exp, arm)
   assert "is corrupt" in capsys.readouterr().out
   (arm / st.EVAL_FILE).unlink()
   assert evaluate_lib.evaluate_cached(arm, str(corpus), 3, 32, None)["step"] == 2
-  row = st.arm_row(cfg, st.select_arms("bf16_s1")[0], study, 32)
+  row = st.arm_row(Experiment.from_config(cfg), st.select_arms("bf16_s1")[0], study, 32)
   assert row["eval_step"] == 2 and not row["comparable"]
+
+
+def test_a_diverged_recipe_is_a_row_of_its_own(tmp_path, corpus, monkeypatch):
+  """A recipe whose loss turns NaN is reported as diverged (no evaluation, no gap); the others go on."""
+  from fp4jax.loop import NonFiniteLossError
+
+  def diverge(exp, run_dir):
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"data_dir": exp.data.dir, "num_params": 1}))
+    raise NonFiniteLossError(f"{exp.recipe.linear}: loss is NaN at step 2")
+
+  monkeypatch.setattr(launcher, "run", diverge)
+  rows = compare.compare(_config(_settings(corpus, tmp_path / "tokens", steps=3)), ["bf16", "fp4_linear"],
+                         tmp_path / "cmp")
+  assert [r["status"] for r in rows.values()] == ["diverged", "diverged"]
+  assert rows["fp4_linear"]["seed"] == 0 and math.isnan(rows["fp4_linear"]["gap_pct"])
 
 
 def test_distributed_without_a_coordinator_names_what_to_set(tmp_path):

@@ -14,53 +14,90 @@ import optax
 import pytest
 
 from experiments import study as st
-from experiments import train as launcher
 from experiments import compare
 from experiments import evaluate as ev
 from experiments.configs import tiny
 from experiments.studies import Arm
+from fp4jax import data
+from fp4jax.experiment import Experiment
 from fp4jax.recipe import MODULES, PRESETS, get_recipe
 from fp4jax.train import OptimizerConfig, _lora_mask, abstract_model, make_optimizer, make_schedule
 
 
-def test_every_arm_builds_a_valid_config():
+def test_every_arm_builds_a_valid_experiment():
   cfg = tiny.get_config()
+  exp = Experiment.from_config(cfg)
   assert len(set(st.ARM_NAMES)) == len(st.ARMS)
   for arm in st.ARMS:
-    c = st.arm_config(cfg, arm)
-    _, recipe, opt, tc, _ = launcher.from_config(c, vocab_size=256)
+    e = st.arm_experiment(exp, arm)
     for k in MODULES:
-      assert getattr(recipe, k) == arm.changes.get(f"recipe.{k}", getattr(PRESETS[arm.preset], k)), arm.name
+      assert getattr(e.recipe, k) == arm.changes.get(f"recipe.{k}", getattr(PRESETS[arm.preset], k)), arm.name
     for key, v in arm.changes.items():
-      node = {"recipe": recipe, "optimizer": opt}[key.split(".")[0]]
+      node = {"recipe": e.recipe, "optimizer": e.optimizer}[key.split(".")[0]]
       for part in key.split(".")[1:]:
         node = getattr(node, part)
       if key != "recipe.lora_resplit_every":
         assert node == (tuple(v) if isinstance(v, list) else v), (arm.name, key)
-    assert tc.seed == arm.seed and tc.telemetry_every == cfg.steps // 10
+    assert e.train.seed == arm.seed and e.train.telemetry_every == cfg.steps // 10
     assert arm.baseline in (None, *st.ARM_NAMES), arm.name
     assert arm.what and arm.group
   assert [a.seed for a in st.ARMS if a.baseline is None] == [0, 1, 2]
-  resplit = st.arm_config(cfg, st.select_arms("lorasvd_resplit10")[0])
+  resplit = st.arm_experiment(exp, st.select_arms("lorasvd_resplit10")[0])
   assert resplit.recipe.lora_resplit_every == cfg.steps // 10
-  assert st.arm_config(cfg, st.ARMS[0], telemetry=False).telemetry_every == 0
+  assert st.arm_experiment(exp, st.ARMS[0], telemetry=False).train.telemetry_every == 0
 
 
-def test_an_arm_is_a_function_of_the_config():
+def _config_with(cfg, arm: Arm):
+  """The arm's config as ``--config.<key>`` flags would make it: the ConfigDict set field by field."""
+  c = cfg.copy_and_resolve_references()
+  c.recipe.update({k: getattr(PRESETS[arm.preset], k) for k in MODULES})
+  for key, value in arm.changes.items():
+    *path, leaf = key.split(".")
+    node = c
+    for part in path:
+      node = node[part]
+    node[leaf] = max(1, c.steps // -value) if key == "recipe.lora_resplit_every" and value < 0 else value
+  c.seed = arm.seed
+  return c
+
+
+def test_an_arm_of_the_experiment_equals_the_arm_typed_from_its_config():
+  """``Arm.apply`` on the typed experiment gives what typing the arm's config gives, field for field
+  and type for type (an int for a float field becomes a float, a list a tuple), for every arm."""
   cfg = tiny.get_config()
-  arm = Arm("x", "fp4_linear", {"recipe.lora_rank": 4, "optimizer.name": "muon"}, 3, "fp4_linear", "test")
-  c = arm.apply(cfg)
-  assert (c.recipe.linear, c.recipe.lora_rank, c.optimizer.name, c.seed) == ("nvfp4", 4, "muon", 3)
-  assert (cfg.recipe.linear, cfg.recipe.lora_rank, cfg.optimizer.name, cfg.seed) == ("bf16", 16, "adamw", 0)
-  assert arm.recipe_text() == "fp4_linear, recipe.lora_rank=4, optimizer.name=muon"
+  exp = Experiment.from_config(cfg)
+  extra = (Arm("ints", "fp4_linear", {"recipe.lora_lr_scale": 4, "optimizer.learning_rate": 1}),
+           Arm("list", "bf16", {"mesh_shape": [1, 1, 1], "eval_every": 7}, 2))
+  for arm in (*st.ARMS, *extra):
+    mine, typed = arm.apply(exp), Experiment.from_config(_config_with(cfg, arm))
+    assert mine == typed, arm.name
+    assert json.dumps(mine.to_config()) == json.dumps(typed.to_config()), arm.name
+
+
+def test_an_arm_is_a_function_of_the_experiment():
+  exp = Experiment.from_config(tiny.get_config())
+  arm = Arm("x", "fp4_linear", {"recipe.lora_rank": 4, "optimizer.name": "muon", "steps": 7}, 3, "fp4_linear",
+            "test")
+  e = arm.apply(exp)
+  assert (e.recipe.linear, e.recipe.lora_rank, e.optimizer.name, e.train.seed, e.train.steps) == (
+      "nvfp4", 4, "muon", 3, 7)
+  assert (exp.recipe.linear, exp.recipe.lora_rank, exp.optimizer.name, exp.train.seed) == ("bf16", 16, "adamw", 0)
+  assert arm.recipe_text() == "fp4_linear, recipe.lora_rank=4, optimizer.name=muon, steps=7"
   with pytest.raises(ValueError, match=r"arm y: changes key 'recipe.lora_rnk' is not a field"):
-    Arm("y", "bf16", {"recipe.lora_rnk": 4}).apply(cfg)
+    Arm("y", "bf16", {"recipe.lora_rnk": 4}).apply(exp)
   with pytest.raises(ValueError, match=r"arm y: changes key 'recipe.nope.x' is not a field"):
-    Arm("y", "bf16", {"recipe.nope.x": 1}).apply(cfg)
-  with pytest.raises(ValueError, match=r"arm y: changes recipe.lora_rank='4'"):
-    Arm("y", "bf16", {"recipe.lora_rank": "4"}).apply(cfg)
+    Arm("y", "bf16", {"recipe.nope.x": 1}).apply(exp)
+  for key in ("study.eval_tokens", "train.seed", "data_info"):  # not keys of the config's root
+    with pytest.raises(ValueError, match=rf"arm y: changes key '{key}' is not a field"):
+      Arm("y", "bf16", {key: 1}).apply(exp)
+  with pytest.raises(ValueError, match=r"arm y: changes recipe.lora_rank='4': expected a value of type int"):
+    Arm("y", "bf16", {"recipe.lora_rank": "4"}).apply(exp)
+  with pytest.raises(ValueError, match=r"arm y: changes recipe.matmul.hadamard=1: expected a value of type bool"):
+    Arm("y", "bf16", {"recipe.matmul.hadamard": 1}).apply(exp)
+  with pytest.raises(ValueError, match=r"arm y: .*lora_rank=-1"):
+    Arm("y", "bf16", {"recipe.lora_rank": -1}).apply(exp)
   with pytest.raises(ValueError, match=r"arm y: preset 'fp3'"):
-    Arm("y", "fp3").apply(cfg)
+    Arm("y", "fp3").apply(exp)
 
 
 def test_select_arms():
@@ -178,10 +215,17 @@ def _small_config(steps=3):
 
 
 @pytest.mark.slow
-def test_two_arms_collect_and_reuse(tmp_path, capsys):
+def test_two_arms_collect_and_reuse(tmp_path, capsys, monkeypatch):
+  # The study types its config once and prepares the (shared) data once, however many arms.
+  calls = []
+  typed, prepare = Experiment.from_config.__func__, data.prepare
+  monkeypatch.setattr(Experiment, "from_config",
+                      classmethod(lambda cls, cfg: calls.append("typed") or typed(cls, cfg)))
+  monkeypatch.setattr(data, "prepare", lambda *a, **k: calls.append("prepared") or prepare(*a, **k))
   cfg = _small_config()
   work, dest = tmp_path / "study", tmp_path / "results"
   rows = st.study(cfg, work, "bf16_s0,bf16_s1", eval_tokens=256, collect_to=dest, telemetry=False)
+  assert calls == ["typed", "prepared"]
   out = capsys.readouterr().out
   assert "=== arm bf16_s0 (1/2)" in out and "=== arm bf16_s1: trained" in out
   assert [r["arm"] for r in rows] == ["bf16_s0", "bf16_s1"]
@@ -204,7 +248,9 @@ def test_two_arms_collect_and_reuse(tmp_path, capsys):
 
   # A finished arm is reused (not trained again); a study of another config is refused.
   before = (work / "bf16_s0" / "metrics.jsonl").read_text()
+  calls.clear()
   again = st.study(cfg, work, "bf16_s0", eval_tokens=256, telemetry=False)
+  assert calls == ["typed", "prepared"]
   assert "=== arm bf16_s0: reused" in capsys.readouterr().out
   assert (work / "bf16_s0" / "metrics.jsonl").read_text() == before
   assert [r["eval_loss"] for r in again] == [e["loss"] for e in evals]
@@ -303,8 +349,9 @@ def test_lora_lr_scale(opt):
 
 def test_lora_mask_finds_every_branch_of_the_model():
   cfg = tiny.get_config()
-  model_cfg, recipe, *_ = launcher.from_config(cfg, vocab_size=256)
-  _, params = abstract_model(model_cfg, get_recipe("fp4_linear_lorasvd"))
+  exp = Experiment.from_config(cfg).with_changes({"model.vocab_size": 256})
+  recipe = exp.recipe
+  _, params = abstract_model(exp.model, get_recipe("fp4_linear_lorasvd"))
   paths = [jax.tree_util.keystr(p) for p, m in jax.tree_util.tree_leaves_with_path(_lora_mask(params)) if m]
   projections = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
                  if "kernel" in jax.tree_util.keystr(p) and "blocks" in jax.tree_util.keystr(p)]
