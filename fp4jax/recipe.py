@@ -210,9 +210,10 @@ def upgrade_dict(recipe: dict) -> dict:
   Run folders and checkpoints record the recipe they ran; resuming one written with the flat fields
   (``matmul.x_rounding``, ``matmul.bf16_operands="x"``, ``matmul.two_term="x,w"``, ``matmul.split="x"``
   with ``split_method``/``split_rank``/``split_power_iters``; ``attention_op.v="nvfp4"`` with
-  ``attention_op.v_rounding``; ``moments.mu_rounding``) compares it, upgraded, with this run's. Only
-  the fields the old layout recorded appear: an operand's ``block``, ``scale_rule`` (and, for
-  attention, ``terms``) are left out, so they are not compared.
+  ``attention_op.v_rounding``; ``moments.mu_rounding``) compares it, upgraded, with this run's, and
+  ``fp4jax.experiment.Experiment.from_config`` types an old ``config.json`` through it. The old
+  layout's blocks were fixed (16×16 for the matmul's ``w`` and attention's ``ds``, 1×16 elsewhere)
+  and its only scale rule ``"max"``: the upgraded specs state them.
   """
   out = dict(recipe)
   m = out.get("matmul")
@@ -221,7 +222,8 @@ def upgrade_dict(recipe: dict) -> dict:
     bf16, two = _names(m.pop("bf16_operands", "")), _names(m.pop("two_term", ""))
     for op in _MATMUL_OPERANDS:
       m[op] = {"format": "bf16" if op in bf16 else "nvfp4", "rounding": m.pop(f"{op}_rounding"),
-               "terms": 2 if op in two else 1}
+               "block": [16, 16] if op == "w" else [1, 16], "terms": 2 if op in two else 1,
+               "scale_rule": "max"}
     if "split" in m:
       m["split"] = {"tensors": _names(m.pop("split")), "method": m.pop("split_method", "mean"),
                     "rank": m.pop("split_rank", 16), "power_iters": m.pop("split_power_iters", 1)}
@@ -233,12 +235,13 @@ def upgrade_dict(recipe: dict) -> dict:
       spec = {"format": a.pop(op)}
       if f"{op}_rounding" in a:
         spec["rounding"] = a.pop(f"{op}_rounding")
-      a[op] = spec
+      a[op] = {**spec, "block": [16, 16] if op == "ds" else [1, 16], "terms": 1, "scale_rule": "max"}
     out["attention_op"] = a
   mo = out.get("moments")
   if isinstance(mo, dict) and "mu_rounding" in mo:
     mo = dict(mo)
     for name in ("mu", "nu"):
-      mo[name] = {"rounding": mo.pop(f"{name}_rounding")}
+      mo[name] = {"format": "nvfp4", "rounding": mo.pop(f"{name}_rounding"), "block": [1, 16], "terms": 1,
+                  "scale_rule": "max"}
     out["moments"] = mo
   return out

@@ -164,7 +164,9 @@ _OLD_LAYOUT = {
 def test_a_recipe_saved_in_the_flat_layout_resumes_as_the_same_recipe():
   """``upgrade_dict`` maps the flat fields onto the operand specs, so a run folder written before them
   resumes; any real difference is still refused, named in today's layout."""
+  from experiments.configs.tiny import get_config
   from fp4jax import workdir
+  from fp4jax.experiment import Experiment
   from fp4jax.recipe import upgrade_dict
 
   same = get_recipe("fp4_full_stack", matmul={
@@ -172,8 +174,11 @@ def test_a_recipe_saved_in_the_flat_layout_resumes_as_the_same_recipe():
       "split": {"tensors": ("dy",), "rank": 8}}, attention_op={"v": {"format": "nvfp4"}},
       moments={"mu": {"rounding": "nearest"}})
   up = upgrade_dict(_OLD_LAYOUT)
-  assert up["matmul"]["w"] == {"format": "nvfp4", "rounding": "nearest", "terms": 2}
-  assert up["attention_op"]["v"] == {"format": "nvfp4", "rounding": "nearest"}
+  assert up["matmul"]["w"] == {"format": "nvfp4", "rounding": "nearest", "block": [16, 16], "terms": 2,
+                               "scale_rule": "max"}
+  cfg = get_config("fp4_full_stack").to_dict()
+  cfg["recipe"] = _OLD_LAYOUT  # an old config.json types as the same recipe
+  assert Experiment.from_config(cfg).recipe == same
   assert upgrade_dict(same.to_dict()) == same.to_dict()  # today's layout passes through
   saved = {"recipe": _OLD_LAYOUT, "seed": 0}
   assert workdir.identity_changes(saved, {"recipe": same.to_dict(), "seed": 0}) == []
