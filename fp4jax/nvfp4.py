@@ -362,7 +362,9 @@ def _four_over_six(x32, block_amax, amax, s_enc, table, finite, block, axis, sca
   # pattern, it keeps the GPU from fusing the product into the next addition.
   zero = jnp.minimum(lax.bitcast_convert_type(amax, jnp.int32), 0)
   ftz = numerics.flush_subnormals
-  base = ftz(numerics.div_rn(block_amax, jnp.float32(E2M1_MAX))) * s_enc
+  # The barrier keeps XLA from fusing the integer division into every element's loop (XLA:CPU then
+  # compiles for minutes).
+  base = lax.optimization_barrier(ftz(numerics.div_rn(block_amax, jnp.float32(E2M1_MAX))) * s_enc)
   scaled_x = ftz(numerics.rounded(x32 * s_enc, zero))
   candidates = []
   for v in (base * jnp.float32(_MAP4), base):  # amax to 4, amax to 6
