@@ -271,6 +271,8 @@ def four_over_six_scales(block_amax, s_enc, s_dec, finite, interpret: bool):
   rounded reciprocal, which is not the same quotient) and ``escale`` the CPU's IEEE division."""
   block_amax = jnp.where(finite, block_amax, 0.0)
   sixth = div_rn(block_amax, jnp.float32(numerics.E2M1_MAX), "exact" if interpret else "ptx")
+  if interpret:  # keeps XLA:CPU from fusing the integer division into later loops (minutes to compile)
+    sixth = lax.optimization_barrier(sixth)
   base = numerics.flush_subnormals(sixth) * s_enc
   out = []
   for m in (1.5, 1.0):  # nvfp4._MAP4; 1.0: min(base * 1, 448) is min(base, 448)
