@@ -68,6 +68,13 @@ KERNEL_ROWS = [
     ("16x16 nearest, amax in XLA", dict(block=(16, 16), amax="xla")),
     ("axis 0, Hadamard, stochastic (counter) + decoded, amax in XLA",
      dict(axis=0, hadamard=True, rounding="stochastic", bit_source="counter", decoded=True, amax="xla")),
+    # Four over Six (scale_rule): two candidates' codes and block errors per block.
+    ("1x16 nearest, 4over6_mae", dict(scale_rule="4over6_mae")),
+    ("1x16 nearest, 4over6_mse + decoded", dict(scale_rule="4over6_mse", decoded=True)),
+    ("1x16 nearest, 4over6_mae + decoded, amax in XLA", dict(scale_rule="4over6_mae", decoded=True, amax="xla")),
+    ("16x16 nearest, 4over6_mse + decoded", dict(block=(16, 16), scale_rule="4over6_mse", decoded=True)),
+    ("axis 0, Hadamard, nearest, 4over6_mae + decoded", dict(axis=0, hadamard=True, scale_rule="4over6_mae",
+                                                           decoded=True)),
 ]
 # --sweep: each tiling on the rows below (quantize_elements, num_warps, amax_elements, amax_num_warps;
 # the first is BlockSizes' default).
@@ -173,6 +180,7 @@ def main(argv=None):
       ("nvfp4.quantize 1x16 nearest", lambda a, k: nvfp4.quantize(a), 0),
       ("nvfp4.quantize 16x16 nearest", lambda a, k: nvfp4.quantize(a, block=(16, 16)), 0),
       ("nvfp4.quantize 1x16 stochastic", lambda a, k: nvfp4.quantize(a, rounding="stochastic", key=k), 0),
+      ("nvfp4.quantize 1x16 nearest, 4over6_mae", lambda a, k: nvfp4.quantize(a, scale_rule="4over6_mae"), 0),
   ):
     t = time(jax.jit(fn), x, key)
     rows.append((f"XLA: {name}", t, (q_bytes + extra) / t))

@@ -12,6 +12,30 @@ format")::
   q      = e2m1_rne(clamp(x * escale, -6, 6))      (code 0 where dscale == 0)
   x_hat  = q * dscale * S_dec
 
+Four over Six (``scale_rule="4over6_mse"`` or ``"4over6_mae"``; Cook et al., arXiv 2512.02010) gives
+each block two candidate scales, its amax mapped to 6 (as above) or to 4, and keeps the one whose
+dequantized block is closer to ``x``. E2M1 has a step of 2 between 4 and 6, so a block whose large
+elements fall there is often better served by the grid up to 4 with a scale 1.5× larger. The
+order of float32 operations is Transformer Engine's 4over6 kernel (``quantize_4over6_nvfp4.cuh``,
+its candidate error in the E4M3-scaled domain, ``NVTE_NVFP4_4OVER6_ERR_USE_FAST_MATH=1``)::
+
+  S_enc  = min(1536 / amax, FLT_MAX) (1 where amax == 0);  S_dec = 1 / S_enc     (1536 = 256 * 6)
+  base   = ftz(block_amax / 6) * S_enc
+  d6     = e4m3_rne(min(base, 448));   d4 = e4m3_rne(min(base * 1.5, 448))
+  q_c    = e2m1_rne(clamp(x * min(1 / (d_c * S_dec), FLT_MAX), -6, 6))   (0 where d_c == 0)
+  e_c    = ftz(q_c * d_c - ftz(x * S_enc)),  then |e_c| (mae) or ftz(e_c * e_c) (mse)
+  err_c  = e_c summed in float32: in element order 0..15 for a 1×16 block; for a 16×16 tile each
+           row in that order, then the 16 row sums pairwise (r + r+8, then + r+4, + r+2, + r+1)
+  keep d4 and q_4 where err_4 < err_6, else d6 and q_6          (a tie keeps the amax-to-6 scale)
+
+Each product is rounded before any addition (no fused multiply-add); ``q_c * d_c`` is exact.
+``ftz`` flushes float32 subnormals to zero on every backend (Transformer Engine keeps them; with
+``max|x| >= 1e-30`` that changes nothing but error terms below 2^-126, in the sums of the
+``x * S_enc`` domain where a block's elements run up to about 1536). The global bound 256 in place
+of 448 keeps ``d4 <= 1.5 * 256 = 384`` within E4M3; the stored global scale is ``S_dec`` as above,
+so ``dequantize`` and every consumer of an ``NVFP4Tensor`` are unchanged. Stochastic rounding is not
+offered with 4/6 (a choice made from the rounded values would bias the rounding).
+
 Divisions and roundings are computed on integer bit patterns (``fp4jax.numerics``), so the GPU gives
 the same bits as the CPU (XLA's GPU division is not correctly rounded, and it may fold float
 conversion pairs away).
@@ -40,6 +64,8 @@ transform).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import Any
 
 import jax
@@ -53,6 +79,9 @@ from fp4jax.numerics import E2M1_MAX, E4M3_MAX, F32_MAX
 BLOCK = 16
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 ROUNDINGS = ("nearest", "stochastic")  # the rounding names of every quantizing function
+SCALE_RULES = ("max", "4over6_mse", "4over6_mae")  # how a block's E4M3 scale is chosen (``quantize``)
+E4M3_MAX_4OVER6 = 256.0  # the E4M3 bound in S_enc under 4/6: map-to-4 scales (×1.5) stay below 448
+_MAP4 = 1.5  # a block's amax mapped to 4 instead of 6: its scale times 6 / 4
 _VALID_BLOCKS = ((1, BLOCK), (BLOCK, BLOCK))
 # The non-negative finite E4M3 bytes 0..126 (0x7F is NaN).
 _E4M3_CODES = np.arange(127, dtype=np.uint8)
@@ -204,15 +233,18 @@ def _expand_scales(s, t: NVFP4Tensor):
 # Public API
 
 
-def global_decode_scale(amax):
-  """``S_enc`` and ``S_dec`` for a tensor whose ``max|x|`` is ``amax`` (finite, >= 0), in TE's order."""
+def global_decode_scale(amax, e4m3_max: float = E4M3_MAX):
+  """``S_enc`` and ``S_dec`` for a tensor whose ``max|x|`` is ``amax`` (finite, >= 0), in TE's order:
+  ``S_enc = min(e4m3_max * 6 / amax, FLT_MAX)`` (1 where that is 0 or ``amax`` is), ``S_dec = 1 / S_enc``.
+  ``e4m3_max``: 448, or ``E4M3_MAX_4OVER6`` (256) under Four over Six."""
   amax = jnp.asarray(amax, jnp.float32)
-  s_enc = jnp.minimum(numerics.div_rn(jnp.float32(E4M3_MAX * E2M1_MAX), amax), F32_MAX)
+  s_enc = jnp.minimum(numerics.div_rn(jnp.float32(e4m3_max * E2M1_MAX), amax), F32_MAX)
   s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc).astype(jnp.float32)
   return s_enc, numerics.div_rn(jnp.float32(1.0), s_enc)
 
 
-def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits=None) -> NVFP4Tensor:
+def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits=None,
+             scale_rule="max") -> NVFP4Tensor:
   """Quantizes ``x`` to NVFP4, bit-exact to Transformer Engine's algorithm (module docstring).
 
   Args:
@@ -227,14 +259,19 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
     key: a ``jax.random`` key for stochastic rounding (``jax.random.bits``). Same key, same bits.
     bits: instead of ``key``, the uint32 random bits themselves, shaped like ``x`` (the top 22 of
       each are used), e.g. ``numerics.counter_bits``, which XLA fuses into the quantizer.
+    scale_rule: how each block's E4M3 scale is chosen: ``"max"`` (its amax maps to E2M1's 6: Transformer
+      Engine's NVFP4, the default), ``"4over6_mse"`` or ``"4over6_mae"`` (Four over Six: its amax maps
+      to 6 or to 4, whichever candidate's dequantized block has the lower sum of squared or absolute
+      errors; a tie keeps 6; the global scale uses 256 in place of 448; module docstring).
+      Round-to-nearest only.
 
   Returns:
     An ``NVFP4Tensor``. Non-finite ``x`` gives a NaN global scale (see the module docstring).
 
   Raises:
-    ValueError: a blocked axis not a multiple of 16, a bad ``block``/``axis``/``rounding``,
-      stochastic rounding without a key or bits (or with both), or bits of the wrong shape or
-      dtype.
+    ValueError: a blocked axis not a multiple of 16, a bad ``block``/``axis``/``rounding``/
+      ``scale_rule``, stochastic rounding without a key or bits (or with both) or with a 4/6 rule,
+      or bits of the wrong shape or dtype.
 
   Example:
     >>> t = quantize(jnp.ones((4, 32)))
@@ -247,6 +284,7 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
   block, axis = block_layout(x.shape, block, axis)
   if rounding not in ROUNDINGS:
     raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+  check_scale_rule(scale_rule, rounding)
   if rounding == "stochastic" and key is None and bits is None:
     raise ValueError("rounding='stochastic' needs a `key` (a jax.random key) or `bits`")
   if key is not None and bits is not None:
@@ -263,25 +301,49 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
   block_amax = _block_amax(ax, block, axis)
   amax = jnp.asarray(jnp.max(block_amax) if x.size else jnp.float32(0), jnp.float32)
   finite = amax <= F32_MAX  # false for NaN and inf
-  s_enc, s_dec = global_decode_scale(jnp.where(finite, amax, 0.0))
+  e4m3_max = E4M3_MAX if scale_rule == "max" else E4M3_MAX_4OVER6
+  s_enc, s_dec = global_decode_scale(jnp.where(finite, amax, 0.0), e4m3_max)
   s_dec = jnp.where(finite, s_dec, jnp.nan)
 
   block_amax = jnp.where(finite, block_amax, 0.0)
+  if scale_rule != "max":
+    dscale_code, code = _four_over_six(x32, block_amax, amax, s_enc, _escale_table(s_dec), finite,
+                                       block, axis, scale_rule)
+    return _tensor(x, code, dscale_code, s_dec, block, axis)
   dscale, dscale_code = numerics.e4m3_block_scales(block_amax, s_enc * jnp.float32(numerics.INV6))
-  # escale = 1 / (dscale * S_dec) takes one of 127 values per tensor (dscale is a non-negative
-  # E4M3 value): divide once per code, then look the blocks up. A per-block division is fused into
-  # the per-element loop by XLA and recomputed 16 times per block (the integer division is ~100
-  # operations). The barrier keeps XLA:CPU from fusing the product into the division, which it
-  # compiles slowly.
-  denominators = lax.optimization_barrier(numerics.e4m3_to_f32(_E4M3_CODES) * s_dec[..., None])
-  table = jnp.minimum(numerics.div_rn(jnp.float32(1.0), denominators), F32_MAX)
-  escale = table.at[dscale_code.astype(jnp.int32)].get(mode="promise_in_bounds")
+  escale = _escale_table(s_dec).at[dscale_code.astype(jnp.int32)].get(mode="promise_in_bounds")
 
   if rounding == "stochastic" and bits is None:
     bits = jax.random.bits(key, x.shape, jnp.uint32)
   zero_block = _expand(dscale == 0, x.shape, block, axis) | ~finite
   code = numerics.e2m1_codes(x32, _expand(escale, x.shape, block, axis), zero_block, rounding, bits)
+  return _tensor(x, code, dscale_code, s_dec, block, axis)
 
+
+def check_scale_rule(scale_rule, rounding="nearest") -> None:
+  """ValueError unless ``scale_rule`` is one of ``SCALE_RULES`` and, for a 4/6 rule, ``rounding`` is
+  ``"nearest"``."""
+  if scale_rule not in SCALE_RULES:
+    raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+  if scale_rule != "max" and rounding != "nearest":
+    raise ValueError(f"scale_rule={scale_rule!r} takes rounding='nearest' only: a scale chosen by the "
+                     f"error of the rounded block would bias stochastic rounding; use scale_rule='max'")
+
+
+def _escale_table(s_dec):
+  """``min(1 / (d * S_dec), FLT_MAX)`` for each of the 127 non-negative E4M3 values ``d``, by byte.
+
+  ``escale = 1 / (dscale * S_dec)`` takes one of 127 values per tensor (dscale is a non-negative
+  E4M3 value): divide once per code, then look the blocks up. A per-block division is fused into
+  the per-element loop by XLA and recomputed 16 times per block (the integer division is ~100
+  operations). The barrier keeps XLA:CPU from fusing the product into the division, which it
+  compiles slowly.
+  """
+  denominators = lax.optimization_barrier(numerics.e4m3_to_f32(_E4M3_CODES) * s_dec[..., None])
+  return jnp.minimum(numerics.div_rn(jnp.float32(1.0), denominators), F32_MAX)
+
+
+def _tensor(x, code, dscale_code, s_dec, block, axis) -> NVFP4Tensor:
   return NVFP4Tensor(
       codes=_pack(code, axis),
       scales=lax.bitcast_convert_type(dscale_code, jnp.float8_e4m3fn),
@@ -291,6 +353,48 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
       axis=axis,
       dtype=x.dtype,
   )
+
+
+def _four_over_six(x32, block_amax, amax, s_enc, table, finite, block, axis, scale_rule):
+  """The 4/6 block scales and codes (module docstring): ``(scale bytes, codes)``, the candidate with
+  the lower block error per block, map-to-6 on a tie."""
+  # An int32 zero that XLA cannot fold (amax >= 0, so its pattern is too): added to a product's bit
+  # pattern, it keeps the GPU from fusing the product into the next addition.
+  zero = jnp.minimum(lax.bitcast_convert_type(amax, jnp.int32), 0)
+  ftz = numerics.flush_subnormals
+  # The barrier keeps XLA from fusing the integer division into every element's loop (XLA:CPU then
+  # compiles for minutes).
+  base = lax.optimization_barrier(ftz(numerics.div_rn(block_amax, jnp.float32(E2M1_MAX))) * s_enc)
+  scaled_x = ftz(numerics.rounded(x32 * s_enc, zero))
+  candidates = []
+  for v in (base * jnp.float32(_MAP4), base):  # amax to 4, amax to 6
+    dscale, dscale_code = numerics.round_to_e4m3(jnp.minimum(v, E4M3_MAX))
+    escale = table.at[dscale_code.astype(jnp.int32)].get(mode="promise_in_bounds")
+    zero_block = _expand(dscale == 0, x32.shape, block, axis) | ~finite
+    code = numerics.e2m1_codes(x32, _expand(escale, x32.shape, block, axis), zero_block, "nearest")
+    e = ftz(numerics.decode_e2m1(code) * _expand(dscale, x32.shape, block, axis) - scaled_x)
+    e = jnp.abs(e) if scale_rule == "4over6_mae" else ftz(numerics.rounded(e * e, zero))
+    candidates.append((dscale_code, code, _block_error(e, block, axis)))
+  (code4, q4, err4), (code6, q6, err6) = candidates
+  map4 = err4 < err6
+  return jnp.where(map4, code4, code6), jnp.where(_expand(map4, x32.shape, block, axis), q4, q6)
+
+
+def _block_error(e, block, axis):
+  """Per-block float32 sums of the error terms ``e`` in a fixed order (shaped as ``_block_amax``): a
+  block's 16 elements in order; a 16×16 tile's rows so, then the 16 row sums pairwise with strides
+  8, 4, 2, 1 (Transformer Engine's warp reduction)."""
+  in_order = lambda t: functools.reduce(operator.add, [t[..., i] for i in range(BLOCK)])
+  if block == (BLOCK, BLOCK):
+    *lead, m, n = e.shape
+    rows = in_order(e.reshape(*lead, m // BLOCK, BLOCK, n // BLOCK, BLOCK))
+    v = [rows[..., r, :] for r in range(BLOCK)]
+    while len(v) > 1:
+      h = len(v) // 2
+      v = [v[r] + v[r + h] for r in range(h)]
+    return v[0]
+  e = jnp.moveaxis(e, axis, -1)
+  return jnp.moveaxis(in_order(e.reshape(*e.shape[:-1], e.shape[-1] // BLOCK, BLOCK)), -1, axis)
 
 
 def dequantize(t: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
@@ -389,13 +493,13 @@ def _straight_through_jvp(primals, tangents):
   return primals[1], tangents[0].astype(primals[1].dtype)
 
 
-def fake_quant(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None) -> jax.Array:
+def fake_quant(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, scale_rule="max") -> jax.Array:
   """``dequantize(quantize(x))`` in ``x``'s dtype, with a straight-through gradient (d/dx = identity).
 
   Arguments as in ``quantize``.
   """
   x = jnp.asarray(x)
-  y = quantize(x, block=block, axis=axis, rounding=rounding, key=key).dequantize(x.dtype)
+  y = quantize(x, block=block, axis=axis, rounding=rounding, key=key, scale_rule=scale_rule).dequantize(x.dtype)
   return _straight_through(x, lax.stop_gradient(y))
 
 

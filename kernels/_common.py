@@ -258,6 +258,46 @@ def e2m1_codes(x32, escale, rounding, bits):
 
 
 # ----------------------------------------------------------------------------------------------
+# Four over Six (``nvfp4.quantize(scale_rule="4over6_*")``)
+
+
+def four_over_six_scales(block_amax, s_enc, s_dec, finite, interpret: bool):
+  """The two candidate block scales of 4/6, amax to 4 then amax to 6, each ``(dscale, its E4M3 byte
+  (uint8), escale = min(1 / (dscale * S_dec), FLT_MAX), zero_block)``, as ``nvfp4.quantize`` forms
+  them: ``base = ftz(block_amax / 6) * S_enc`` and ``e4m3_rne(min(base * 1.5, 448))``,
+  ``e4m3_rne(min(base, 448))``. ``S_enc``, ``S_dec`` are the tensor's under the E4M3 bound 256;
+  ``finite``: whether its amax is. PTX ``div.rn.f32`` on the GPU; in interpret mode ``block_amax /
+  6`` is ``numerics.div_rn`` (XLA:CPU turns a division by a constant into a product by its
+  rounded reciprocal, which is not the same quotient) and ``escale`` the CPU's IEEE division."""
+  block_amax = jnp.where(finite, block_amax, 0.0)
+  sixth = div_rn(block_amax, jnp.float32(numerics.E2M1_MAX), "exact" if interpret else "ptx")
+  if interpret:  # keeps XLA:CPU from fusing the integer division into later loops (minutes to compile)
+    sixth = lax.optimization_barrier(sixth)
+  base = numerics.flush_subnormals(sixth) * s_enc
+  out = []
+  for m in (1.5, 1.0):  # nvfp4._MAP4; 1.0: min(base * 1, 448) is min(base, 448)
+    dscale, dcode = e4m3_block_scales(base, jnp.float32(m))
+    escale = jnp.minimum(div_rn(1.0, dscale * s_dec, division(interpret)), numerics.F32_MAX)
+    out.append((dscale, dcode.astype(jnp.uint8), escale, (dscale == 0) | ~finite))
+  return out
+
+
+def four_over_six_terms(code, dscale, scaled_x, scale_rule: str, mul):
+  """The per-element error terms of a 4/6 candidate: ``e = ftz(decode(code) * dscale - scaled_x)``,
+  then ``|e|`` (``"4over6_mae"``) or ``ftz(mul(e, e))`` (``"4over6_mse"``), where ``scaled_x`` is
+  ``ftz(mul(x, S_enc))`` and ``mul`` a float32 product that no compiler fuses into an addition
+  (``mul_rn``). ``decode(code) * dscale`` is exact (a zero-scale block gives 0 whatever its code)."""
+  e = numerics.flush_subnormals(numerics.decode_e2m1(code) * dscale - scaled_x)
+  return jnp.abs(e) if scale_rule == "4over6_mae" else numerics.flush_subnormals(mul(e, e))
+
+
+def rounded_mul(interpret: bool):
+  """``mul_rn(interpret)``, or the plain float32 product in interpret mode (the CPU rounds every
+  product on its own)."""
+  return mul_rn(interpret) or (lambda a, b: a * b)
+
+
+# ----------------------------------------------------------------------------------------------
 # Loads, stores, key words
 
 

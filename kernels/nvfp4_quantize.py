@@ -58,13 +58,15 @@ from jax.experimental.pallas import triton as plgpu
 from fp4jax import numerics, nvfp4
 from fp4jax.execution import AMAX_PASSES
 from fp4jax.kernels._common import (BLOCK, F32_INF_BITS, F32_NORMAL_MIN_BITS, ROUNDINGS, abs_bits,
-                                    check_powers_of_two, div_rn, division, e2m1_codes, float_of,
-                                    e4m3_block_scales, key_words, load, max_all, ref_words, store)
+                                    check_powers_of_two, div_rn, division, e2m1_codes, e4m3_block_scales,
+                                    float_of, four_over_six_scales, four_over_six_terms, key_words, load,
+                                    max_all, ref_words, rounded_mul, store)
 from fp4jax.numerics import BIT_SOURCES, stochastic_bits
 
 __all__ = ["AMAX_PASSES", "BIT_SOURCES", "BLOCK", "BlockSizes", "amax_bits", "check_powers_of_two",
            "hadamard_signs", "quantize", "quantize_reference", "stochastic_bits", "threefry_key"]
 
+_KERNEL_SUFFIX = {"max": "", "4over6_mse": "_4over6_mse", "4over6_mae": "_4over6_mae"}
 _MIN_BB = 8  # the fewest blocks (or slab columns) of the contiguous axis that a divisor tile takes
 _TF_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
@@ -106,7 +108,7 @@ def amax_bits(x, *, hadamard_key=None, axis=-1) -> jax.Array:
 
 
 def quantize_reference(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None,
-                       bit_source="random", hadamard_key=None, decoded=False):
+                       bit_source="random", hadamard_key=None, decoded=False, scale_rule="max"):
   """``quantize`` in plain jnp: ``nvfp4.quantize`` of ``x`` (or of ``nvfp4.hadamard`` of ``x`` in float32)
   with ``stochastic_bits(key, x.shape, bit_source)``. Arguments and results as ``quantize``."""
   x = jnp.asarray(x)
@@ -115,7 +117,7 @@ def quantize_reference(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=
   bits = None
   if rounding == "stochastic" and key is not None:
     bits = stochastic_bits(key, x.shape, bit_source)
-  t = nvfp4.quantize(x, block=block, axis=axis, rounding=rounding, bits=bits)
+  t = nvfp4.quantize(x, block=block, axis=axis, rounding=rounding, bits=bits, scale_rule=scale_rule)
   return (t, t.scaled_elements(jnp.bfloat16)) if decoded else t
 
 
@@ -124,19 +126,26 @@ def quantize_reference(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=
 
 
 def _tensor_scales(i_ref, interpret):
-  """``(S_enc / 6, S_dec, finite)`` of the tensor as (1, 1) arrays, from the bit pattern of its
-  ``max|x|`` (``i_ref[0]``), as ``nvfp4.quantize`` forms them (``nvfp4.global_decode_scale``): PTX
-  ``div.rn.f32`` on the GPU, ``numerics.div_rn`` in interpret mode (subnormal quotients included)."""
+  """``(S_enc / 6, S_dec, finite)`` of the tensor as (1, 1) arrays (``_tensor_encode``, bound 448)."""
+  s_enc, s_dec, finite = _tensor_encode(i_ref, interpret, numerics.E4M3_MAX)
+  return s_enc * jnp.float32(numerics.INV6), s_dec, finite
+
+
+def _tensor_encode(i_ref, interpret, e4m3_max):
+  """``(S_enc, S_dec, finite)`` of the tensor as (1, 1) arrays, from the bit pattern of its
+  ``max|x|`` (``i_ref[0]``), as ``nvfp4.quantize`` forms them (``nvfp4.global_decode_scale`` with
+  ``e4m3_max``): PTX ``div.rn.f32`` on the GPU, ``numerics.div_rn`` in interpret mode (subnormal
+  quotients included)."""
   exact = "exact" if interpret else "ptx"
   div = lambda a, b: div_rn(a, b, exact)
   bits = jnp.full((1, 1), i_ref[0], jnp.int32)
   bits = jnp.where(bits < F32_NORMAL_MIN_BITS, 0, bits)  # subnormals flushed, as every element
   finite = bits < F32_INF_BITS  # NaN and inf patterns lie above every finite one
   amax = float_of(jnp.where(finite, bits, 0))
-  s_enc = jnp.minimum(div(jnp.float32(numerics.E4M3_MAX * numerics.E2M1_MAX), amax), numerics.F32_MAX)
+  s_enc = jnp.minimum(div(jnp.float32(e4m3_max * numerics.E2M1_MAX), amax), numerics.F32_MAX)
   s_enc = jnp.where((amax == 0) | (s_enc == 0), jnp.float32(1.0), s_enc)
   s_dec = jnp.where(finite, div(jnp.float32(1.0), s_enc), jnp.float32(jnp.nan))
-  return s_enc * jnp.float32(numerics.INV6), s_dec, finite
+  return s_enc, s_dec, finite
 
 
 def _rotl(x, r):
@@ -209,7 +218,7 @@ def _flat_amax_kernel(x_ref, o_ref, *, n_rows):
 
 
 def _pair_quantize_kernel(i_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, n_a, n_b, rounding,
-                          bit_source, interpret):
+                          bit_source, interpret, scale_rule="max"):
   ba, s, bb = x_ref.shape[:3]
   pid_a, pid_b = pl.program_id(0), pl.program_id(1)
   # Each byte's two elements (the low and the high nibble) as two (BA, S, BB, 8) halves, split in
@@ -220,17 +229,21 @@ def _pair_quantize_kernel(i_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, 
   # Block amax over each block's 16 elements (axis 3 of both halves) and, for 16x16 tiles, its 16
   # rows (axis 1).
   block_amax = jnp.max(jnp.max(jnp.maximum(jnp.abs(lo), jnp.abs(hi)), axis=3), axis=1)  # (BA, BB)
-  consts = _tensor_scales(i_ref, interpret)
-  _store_global_scale(g_ref, consts[1], pid_a, pid_b)
-  dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
-  bits = (None, None)
-  if rounding == "stochastic":
-    # Flat index of each low element: ((a * S + s) * B + b) * 16 + 2 * i.
-    idx = _iota_index(lo.shape, (pid_a * ba, 0, pid_b * bb, 0),
-                      (s * n_b * BLOCK, n_b * BLOCK, BLOCK, 2))
-    bits = _pair_bits(idx, i_ref, bit_source)
   bc = lambda v: v[:, None, :, None]
-  code_lo, code_hi = (e2m1_codes(v, bc(escale), rounding, b) for v, b in zip((lo, hi), bits))
+  if scale_rule != "max":
+    dscale, dcode, zero_block, (code_lo, code_hi) = _pair_four_over_six(
+        i_ref, g_ref, lo, hi, block_amax, scale_rule, interpret)
+  else:
+    consts = _tensor_scales(i_ref, interpret)
+    _store_global_scale(g_ref, consts[1], pid_a, pid_b)
+    dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
+    bits = (None, None)
+    if rounding == "stochastic":
+      # Flat index of each low element: ((a * S + s) * B + b) * 16 + 2 * i.
+      idx = _iota_index(lo.shape, (pid_a * ba, 0, pid_b * bb, 0),
+                        (s * n_b * BLOCK, n_b * BLOCK, BLOCK, 2))
+      bits = _pair_bits(idx, i_ref, bit_source)
+    code_lo, code_hi = (e2m1_codes(v, bc(escale), rounding, b) for v, b in zip((lo, hi), bits))
   zero = bc(zero_block)
   packed = jnp.where(zero, 0, code_lo | (code_hi << 4))
   store(codes_ref, packed.astype(jnp.uint8).reshape(codes_ref.shape),
@@ -241,6 +254,53 @@ def _pair_quantize_kernel(i_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, 
            for c in (code_lo, code_hi)]
     dec = jnp.stack(dec, axis=-1).reshape(x.shape)
     store(dec_ref[0], dec, _pair_ok(x.shape, pid_a, pid_b, n_a, n_b))
+
+
+def _four_over_six(i_ref, g_ref, block_amax, codes_and_terms, pick_shape, scale_rule, interpret):
+  """4/6 for a tile (``nvfp4.quantize``'s order): the tensor's scales under the bound 256 (``S_dec``
+  stored), both candidates' scales, and ``codes_and_terms(escale, dscale, scaled_x, mul)`` of each
+  giving its codes and its per-block error sums; returns the kept candidate's ``(dscale, dcode,
+  zero_block, codes)``, amax to 4 where its error is strictly lower. ``pick_shape`` broadcasts a
+  per-block choice against the codes."""
+  s_enc, s_dec, finite = _tensor_encode(i_ref, interpret, nvfp4.E4M3_MAX_4OVER6)
+  _store_global_scale(g_ref, s_dec, pl.program_id(0), pl.program_id(1))
+  mul = rounded_mul(interpret)
+  cands = []
+  for dscale, dcode, escale, zero_block in four_over_six_scales(block_amax, s_enc, s_dec, finite, interpret):
+    codes, err = codes_and_terms(escale, dscale, s_enc, mul)
+    cands.append((dscale, dcode, zero_block, codes, err))
+  (d4, b4, z4, c4, e4), (d6, b6, z6, c6, e6) = cands
+  map4 = e4 < e6
+  pick = pick_shape(map4)
+  return (jnp.where(map4, d4, d6), jnp.where(map4, b4, b6), jnp.where(map4, z4, z6),
+          tuple(jnp.where(pick, a, b) for a, b in zip(c4, c6)))
+
+
+def _in_order(terms):
+  """Float32 sum of a list of arrays, first to last."""
+  return functools.reduce(lambda a, b: a + b, terms)
+
+
+def _pair_four_over_six(i_ref, g_ref, lo, hi, block_amax, scale_rule, interpret):
+  """4/6 on the (BA, S, BB, 8) halves of the pair kernels (S = 1: 1×16 blocks, 16: 16×16 tiles):
+  ``(dscale, dcode, zero_block, (code_lo, code_hi))``. A block's error terms are summed in element
+  order (element 2i is ``lo[..., i]``, 2i + 1 is ``hi[..., i]``), then a tile's 16 row sums pairwise
+  (rows r and r + 8, then r + 4, r + 2, r + 1)."""
+  bc = lambda v: v[:, None, :, None]
+  ftz = numerics.flush_subnormals
+
+  def codes_and_terms(escale, dscale, s_enc, mul):
+    codes = tuple(e2m1_codes(v, bc(escale), "nearest", None) for v in (lo, hi))
+    s_enc = s_enc.reshape(1, 1, 1, 1)
+    t_lo, t_hi = (_unstack_last(four_over_six_terms(c, bc(dscale), ftz(mul(v, s_enc)), scale_rule, mul))
+                  for c, v in zip(codes, (lo, hi)))
+    err = _in_order([t for pair in zip(t_lo, t_hi) for t in pair])  # (BA, S, BB)
+    while err.shape[1] > 1:
+      a, b = jnp.split(err, 2, axis=1)
+      err = a + b
+    return codes, err.reshape(err.shape[0], err.shape[2])
+
+  return _four_over_six(i_ref, g_ref, block_amax, codes_and_terms, bc, scale_rule, interpret)
 
 
 def _store_global_scale(g_ref, s_dec, pid_a, pid_b):
@@ -335,33 +395,53 @@ def _slab_amax_kernel(s_ref, x_ref, o_ref, *, n_a, n_b, mid, hadamard_on):
   o_ref[...] = jnp.full((1, 1), max_all(m), jnp.int32)
 
 
+def _slab_four_over_six(i_ref, g_ref, xs, block_amax, scale_rule, interpret):
+  """4/6 on the 16 (BA, BB) slabs of the slab kernels (slab i: element i of each block), stacked into
+  one (BA, BB, 16) array for the codes: ``(dscale, dcode, zero_block, (codes,))``, a block's error
+  terms summed in element order."""
+  x = _stack_last(xs)
+  ftz = numerics.flush_subnormals
+
+  def codes_and_terms(escale, dscale, s_enc, mul):
+    codes = e2m1_codes(x, escale[..., None], "nearest", None)
+    terms = four_over_six_terms(codes, dscale[..., None], ftz(mul(x, s_enc[..., None])), scale_rule, mul)
+    return (codes,), _in_order(_unstack_last(terms))
+
+  return _four_over_six(i_ref, g_ref, block_amax, codes_and_terms, lambda m: m[..., None], scale_rule,
+                        interpret)
+
+
 def _slab_quantize_kernel(i_ref, s_ref, x_ref, codes_ref, scales_ref, g_ref, *dec_ref, n_a, n_b, mid,
-                          hadamard_on, rounding, bit_source, interpret):
+                          hadamard_on, rounding, bit_source, interpret, scale_rule="max"):
   tile = _slab_tile(x_ref, mid)
   pid_a, pid_b = pl.program_id(0), pl.program_id(1)
   ok = _slab_ok(tile, pid_a, pid_b, n_a, n_b)
   xs = _slabs(x_ref, s_ref, ok, mid, hadamard_on)
   block_amax = functools.reduce(jnp.maximum, [jnp.abs(x) for x in xs])
-  consts = _tensor_scales(i_ref, interpret)
-  _store_global_scale(g_ref, consts[1], pid_a, pid_b)
-  dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
-  # The 16 slabs stacked into one (BA, BB, 16) array, element i of each block at index i of the
-  # last axis: the rounding bits, codes, packing and decoded operand are then one array operation
-  # each instead of one per slab (one threefry over the tile, a smaller IR for Triton to compile).
-  x = _stack_last(xs)
-  bits = None
-  if rounding == "stochastic":
-    starts = (pid_a * tile[0], pid_b * tile[1], 0)
-    if mid:  # element i of a block at (a * 16 + i) * B + b
-      bits = _element_bits(_iota_index((*tile, BLOCK), starts, (BLOCK * n_b, 1, n_b)), i_ref,
-                           bit_source)
-    elif bit_source == "counter":  # at (a * B + b) * 16 + i: one counter hash per pair 2p, 2p + 1
-      idx = _iota_index((*tile, BLOCK // 2), starts, (BLOCK * n_b, BLOCK, 2))
-      bits = jnp.stack(_pair_bits(idx, i_ref, bit_source), axis=-1).reshape(x.shape)
-    else:
-      bits = _element_bits(_iota_index((*tile, BLOCK), starts, (BLOCK * n_b, BLOCK, 1)), i_ref,
-                           bit_source)
-  codes = e2m1_codes(x, escale[..., None], rounding, bits)
+  if scale_rule != "max":
+    dscale, dcode, zero_block, (codes,) = _slab_four_over_six(i_ref, g_ref, xs, block_amax, scale_rule,
+                                                              interpret)
+  else:
+    consts = _tensor_scales(i_ref, interpret)
+    _store_global_scale(g_ref, consts[1], pid_a, pid_b)
+    dscale, dcode, escale, zero_block = _block_scales(block_amax, consts, interpret)
+    # The 16 slabs stacked into one (BA, BB, 16) array, element i of each block at index i of the
+    # last axis: the rounding bits, codes, packing and decoded operand are then one array operation
+    # each instead of one per slab (one threefry over the tile, a smaller IR for Triton to compile).
+    x = _stack_last(xs)
+    bits = None
+    if rounding == "stochastic":
+      starts = (pid_a * tile[0], pid_b * tile[1], 0)
+      if mid:  # element i of a block at (a * 16 + i) * B + b
+        bits = _element_bits(_iota_index((*tile, BLOCK), starts, (BLOCK * n_b, 1, n_b)), i_ref,
+                             bit_source)
+      elif bit_source == "counter":  # at (a * B + b) * 16 + i: one counter hash per pair 2p, 2p + 1
+        idx = _iota_index((*tile, BLOCK // 2), starts, (BLOCK * n_b, BLOCK, 2))
+        bits = jnp.stack(_pair_bits(idx, i_ref, bit_source), axis=-1).reshape(x.shape)
+      else:
+        bits = _element_bits(_iota_index((*tile, BLOCK), starts, (BLOCK * n_b, BLOCK, 1)), i_ref,
+                             bit_source)
+    codes = e2m1_codes(x, escale[..., None], rounding, bits)
   zero = zero_block[..., None]
   lo, hi = jnp.unstack(codes.reshape(*tile, BLOCK // 2, 2), axis=-1)
   packed = jnp.where(zero, 0, lo | (hi << 4)).astype(jnp.uint8)  # (BA, BB, 8): a block's bytes
@@ -488,12 +568,13 @@ def _flat_view(size, elements):
   return (rows, w), (min(pl.next_power_of_2(rows), max(1, elements // w)), w)
 
 
-def _check(x, block, axis, rounding, key, bit_source, hadamard_key):
+def _check(x, block, axis, rounding, key, bit_source, hadamard_key, scale_rule):
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"quantize needs a floating-point array, got dtype {x.dtype}")
   block, axis = nvfp4.block_layout(tuple(x.shape), block, axis)
   if rounding not in ROUNDINGS:
     raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+  nvfp4.check_scale_rule(scale_rule, rounding)
   if bit_source not in BIT_SOURCES:
     raise ValueError(f"bit_source must be one of {BIT_SOURCES}, got {bit_source!r}")
   if rounding == "stochastic":
@@ -521,11 +602,11 @@ def threefry_key(key) -> bool:
 
 def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_source="random",
              hadamard_key=None, decoded=False, block_sizes: BlockSizes | None = None,
-             amax: str = "kernel", interpret=False):
+             amax: str = "kernel", scale_rule: str = "max", interpret=False):
   """Quantizes ``x`` to NVFP4 in two Pallas kernels: ``nvfp4.quantize``'s tensor, bit for bit.
 
-  ``quantize(x, block=b, axis=a, rounding=r, key=k)`` equals ``nvfp4.quantize(x, block=b, axis=a,
-  rounding=r, key=k)``; with ``bit_source="counter"`` it equals ``nvfp4.quantize(x, ...,
+  ``quantize(x, block=b, axis=a, rounding=r, key=k, scale_rule=s)`` equals ``nvfp4.quantize(x,
+  block=b, axis=a, rounding=r, key=k, scale_rule=s)``; with ``bit_source="counter"`` it equals ``nvfp4.quantize(x, ...,
   bits=numerics.counter_bits(k, x.shape))``, and with ``hadamard_key=h`` it quantizes
   ``nvfp4.hadamard`` of ``x`` in float32 instead of ``x`` (``quantize_reference`` spells this out).
 
@@ -551,6 +632,10 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
       pattern: ``"kernel"`` (a Pallas kernel) or ``"xla"`` (``amax_bits``: a reduction that XLA
       fuses and compiles with its own emitters, one Triton kernel fewer per operand; docs/DESIGN.md,
       "Kernels"). The same value either way (a max is exact).
+    scale_rule: ``nvfp4.quantize``'s (static): ``"max"``, ``"4over6_mse"`` or ``"4over6_mae"`` (Four
+      over Six, round-to-nearest only; its own kernel, named ``nvfp4_quantize_*_4over6_*``: both
+      candidates' codes and block errors in registers, the error terms summed in ``nvfp4.quantize``'s
+      order, products by PTX ``mul.rn.f32`` so that none fuses into an addition).
     interpret: run the kernels in Pallas interpret mode (CPU).
 
   Returns:
@@ -568,13 +653,14 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
   if not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be an nvfp4_quantize.BlockSizes or None, got "
                      f"{type(block_sizes).__name__}")
-  block, axis = _check(x, block, axis, rounding, key, bit_source, hadamard_key)
+  block, axis = _check(x, block, axis, rounding, key, bit_source, hadamard_key, scale_rule)
   if amax not in AMAX_PASSES:
     raise ValueError(f"amax must be one of {AMAX_PASSES}, got {amax!r}")
   hadamard_on = hadamard_key is not None
   if x.size == 0:
     return quantize_reference(x, block=block, axis=axis, rounding=rounding, key=key,
-                              bit_source=bit_source, hadamard_key=hadamard_key, decoded=decoded)
+                              bit_source=bit_source, hadamard_key=hadamard_key, decoded=decoded,
+                              scale_rule=scale_rule)
   lay = _layout(x.shape, block, axis, hadamard_on, block_sizes.quantize_elements)
   xv = x.reshape(lay.view)
   signs = hadamard_signs(hadamard_key) if hadamard_on else jnp.ones((BLOCK,), jnp.float32)
@@ -619,7 +705,7 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
     out_specs.append(x_spec)
   smem8, smem16 = (pl.BlockSpec((n,), lambda i, j: (0,)) for n in (8, BLOCK))
   common = dict(n_a=lay.n_a, n_b=lay.n_b, rounding=rounding, bit_source=bit_source,
-                interpret=interpret)
+                interpret=interpret, scale_rule=scale_rule)
   params["compiler_params"] = plgpu.CompilerParams(num_warps=block_sizes.num_warps)
   if lay.kind == "pairs":
     kernel = functools.partial(_pair_quantize_kernel, **common)
@@ -627,8 +713,9 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bit_
   else:
     kernel = functools.partial(_slab_quantize_kernel, mid=lay.mid, hadamard_on=hadamard_on, **common)
     in_specs, args = [smem8, smem16, x_spec], (ints, signs, xv)
+  name = f"nvfp4_quantize_{lay.kind}{_KERNEL_SUFFIX[scale_rule]}"
   outs = pl.pallas_call(kernel, out_shape=tuple(out_shape), grid=grid, in_specs=in_specs,
-                        out_specs=tuple(out_specs), name=f"nvfp4_quantize_{lay.kind}", **params)(*args)
+                        out_specs=tuple(out_specs), name=name, **params)(*args)
 
   codes_shape = list(x.shape)
   codes_shape[axis] //= 2

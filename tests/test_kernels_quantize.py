@@ -186,6 +186,54 @@ def test_bad_arguments():
     kq.quantize(x, amax="cuda", interpret=True)
 
 
+def _mixed(shape, dtype, seed=0):
+  """``_data`` with every other 16 rows (along axis -2) uniform in [-1, 1]: blocks and tiles of both
+  kinds, where Four over Six keeps the amax-to-4 scale and where it keeps amax to 6."""
+  uniform = jax.random.uniform(jax.random.key(seed + 100), shape, jnp.float32, -1.0, 1.0)
+  rows = (jnp.arange(shape[-2]) // 16 % 2 == 0)[:, None]
+  return jnp.where(rows, uniform, _data(shape, jnp.float32, seed)).astype(dtype)
+
+
+# (name, shape, dtype, kwargs, block sizes) with a 4/6 rule: each layout, the Hadamard transform.
+CASES_4OVER6 = [
+    ("rows mse", (3, 5, 64), jnp.bfloat16, dict(scale_rule="4over6_mse"), SMALL),
+    ("rows mae, divisor tiles", (40, 384), jnp.bfloat16, dict(scale_rule="4over6_mae"), SMALL),
+    ("tiles mse", (2, 32, 48), jnp.float32, dict(block=(16, 16), scale_rule="4over6_mse"), SMALL),
+    ("tiles mae", (48, 32), jnp.bfloat16, dict(block=(16, 16), scale_rule="4over6_mae"), None),
+    ("axis1 of 3 mae", (3, 32, 20), jnp.bfloat16, dict(axis=1, scale_rule="4over6_mae"), None),
+    ("axis0 mse", (48, 40), jnp.float32, dict(axis=0, scale_rule="4over6_mse"), SMALL),
+    ("axis0 hadamard mse", (48, 40), jnp.bfloat16, dict(axis=0, hadamard_key=HKEY, scale_rule="4over6_mse"),
+     SMALL),
+    ("last hadamard mae", (20, 48), jnp.float32, dict(hadamard_key=HKEY, scale_rule="4over6_mae"), None),
+]
+
+
+@pytest.mark.parametrize("name,shape,dtype,kw,sizes", CASES_4OVER6, ids=[c[0] for c in CASES_4OVER6])
+@pytest.mark.slow
+def test_4over6_interpret_equals_nvfp4_quantize(name, shape, dtype, kw, sizes):
+  """Four over Six: the kernels' codes, scales, global scale and decoded operand are
+  ``nvfp4.quantize(..., scale_rule=...)``'s bit for bit, on data where some blocks keep the amax-to-4
+  scale and others amax to 6."""
+  from test_nvfp4 import quantize_4over6_ref
+
+  x = _mixed(shape, dtype)
+  got, dec = kq.quantize(x, decoded=True, block_sizes=sizes or kq.BlockSizes(), interpret=True, **kw)
+  want = kq.quantize_reference(x, **kw)
+  _assert_same(got, want)
+  _assert_same(dec, want.scaled_elements(jnp.bfloat16))
+  if "hadamard_key" not in kw:
+    map4 = quantize_4over6_ref(np.asarray(x), want.block, want.axis, kw["scale_rule"])[3]
+    assert map4.any() and not map4.all()
+
+
+def test_4over6_bad_arguments():
+  x = jnp.ones((32, 48), jnp.float32)
+  with pytest.raises(ValueError, match="scale_rule must be one of"):
+    kq.quantize(x, scale_rule="mse", interpret=True)
+  with pytest.raises(ValueError, match="rounding='nearest' only"):
+    kq.quantize(x, rounding="stochastic", key=KEY, scale_rule="4over6_mse", interpret=True)
+
+
 def test_gradient_is_zero_as_nvfp4():
   x = _data((16, 32), jnp.float32)
   g = jax.grad(lambda a: jnp.sum(kq.quantize(a, decoded=True, interpret=True)[1].astype(jnp.float32)))(x)
@@ -230,6 +278,47 @@ def test_lowers_to_triton_for_h200(triton_modules, shape, kw):
     hlo = jax.jit(functools.partial(f, amax="xla")).trace(x, KEY, HKEY).lower(
         lowering_platforms=("cuda",)).as_text()
   assert hlo.count("__gpu$xla.gpu.triton") == 1
+
+
+LOWERING_4OVER6 = [
+    ((48, 96), dict(scale_rule="4over6_mse")),
+    ((2, 32, 64), dict(block=(16, 16), scale_rule="4over6_mae")),
+    ((2, 32, 64), dict(block=(16, 16), scale_rule="4over6_mse")),
+    ((48, 96), dict(axis=0, scale_rule="4over6_mae")),
+    ((48, 96), dict(axis=0, hadamard=True, scale_rule="4over6_mse")),
+    ((40, 96), dict(hadamard=True, scale_rule="4over6_mae")),
+]
+
+
+@pytest.mark.parametrize("shape,kw", LOWERING_4OVER6, ids=[str(i) for i in range(len(LOWERING_4OVER6))])
+def test_4over6_lowers_to_triton_for_h200(triton_modules, shape, kw):
+  """The 4/6 quantizer lowers to one Triton kernel of its own name beside the amax pass, without
+  float4 or float8 types; it divides with PTX's correctly rounded instruction (the global scales,
+  ``block_amax / 6``, both candidates' ``escale``) and rounds ``x * S_enc`` (and, for MSE, each
+  square) with PTX ``mul.rn.f32``, which ptxas never fuses into the error sums."""
+  kw = dict(kw)
+  hadamard = kw.pop("hadamard", False)
+  x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  f = lambda x, hkey: kq.quantize(x, hadamard_key=hkey if hadamard else None, decoded=True, **kw)
+  with jax.sharding.use_abstract_mesh(H200):
+    hlo = jax.jit(f).trace(x, HKEY).lower(lowering_platforms=("cuda",)).as_text()
+  assert hlo.count("__gpu$xla.gpu.triton") == 2
+  amax, quant = sorted(triton_modules, key=lambda m: "nvfp4_quantize" in m)
+  assert "@nvfp4_amax" in amax and f"_{kw['scale_rule']}" in quant
+  for module in triton_modules:
+    assert "f4E2M1" not in module and "f8E4M3" not in module
+  assert quant.count("div.rn.f32") >= 4
+  assert quant.count("mul.rn.f32") >= (2 if kw["scale_rule"] == "4over6_mse" else 1)
+
+
+def test_max_rule_is_the_default_kernel():
+  """``scale_rule="max"`` lowers to the very program of the default call (the 4/6 code is a separate
+  branch under the static rule)."""
+  x = jax.ShapeDtypeStruct((48, 96), jnp.bfloat16)
+  lower = lambda **kw: jax.jit(lambda x: kq.quantize(x, decoded=True, **kw)).trace(x).lower(
+      lowering_platforms=("cuda",)).as_text()
+  with jax.sharding.use_abstract_mesh(H200):
+    assert lower(scale_rule="max") == lower()
 
 
 def _mismatches_on_every_float32(top: float, count) -> int:

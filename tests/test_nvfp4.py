@@ -431,3 +431,226 @@ def test_error_on_integer_input_and_hadamard_axis():
     nvfp4.quantize(np.zeros((4, 16), np.int32))
   with pytest.raises(ValueError, match="not a multiple of 16"):
     nvfp4.hadamard(np.zeros((4, 24), np.float32), jax.random.key(0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Four over Six
+
+
+def _ftz(a):
+  a = np.asarray(a, np.float32)
+  return np.where(np.abs(a) < np.float32(2.0**-126), np.float32(0.0), a)
+
+
+def _to_blocks(a, block, axis):
+  """``a`` as (..., blocks, 16) (1×16) or (..., tiles, 16 rows, 16 columns) (16×16)."""
+  if block == (16, 16):
+    *lead, m, n = a.shape
+    t = a.reshape(*lead, m // 16, 16, n // 16, 16)
+    return np.moveaxis(t, -3, -2).reshape(*lead, (m // 16) * (n // 16), 16, 16)
+  am = np.moveaxis(a, axis % a.ndim, -1)
+  return am.reshape(*am.shape[:-1], am.shape[-1] // 16, 16)
+
+
+def _from_blocks(b, shape, block, axis):
+  if block == (16, 16):
+    *lead, m, n = shape
+    t = b.reshape(*lead, m // 16, n // 16, 16, 16)
+    return np.moveaxis(t, -2, -3).reshape(shape)
+  moved = list(shape)
+  moved.append(moved.pop(axis % len(shape)))
+  return np.moveaxis(b.reshape(moved), -1, axis % len(shape))
+
+
+def _block_sum_ref(e, block):
+  """Float32 sums of the last axis in order; 16×16: each row's, then the rows pairwise (8, 4, 2, 1)."""
+  rows = e[..., 0]
+  for i in range(1, 16):
+    rows = (rows + e[..., i]).astype(np.float32)
+  if block == (1, 16):
+    return rows
+  v = [rows[..., r] for r in range(16)]
+  while len(v) > 1:
+    h = len(v) // 2
+    v = [(v[r] + v[r + h]).astype(np.float32) for r in range(h)]
+  return v[0]
+
+
+def quantize_4over6_ref(x, block, axis, rule):
+  """Numpy/ml_dtypes transcription of Four over Six in Transformer Engine's order (nvfp4's docstring):
+  ``(codes shaped like x, dscale per block, s_dec, map4 per block, (err4, err6) per block)``."""
+  f32, flt_max = np.float32, np.finfo(np.float32).max
+  x = _ftz(np.asarray(x).astype(f32))
+  xb = _to_blocks(x, block, axis)  # (..., B, 16) or (..., B, 16, 16)
+  tail = (-1,) if block == (1, 16) else (-2, -1)
+  bamax = np.abs(xb).max(axis=tail)
+  with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+    amax = f32(np.abs(x).max())
+    s_enc = f32(np.minimum(f32(1536.0) / amax, flt_max))
+    if amax == 0 or s_enc == 0:
+      s_enc = f32(1.0)
+    s_dec = f32(f32(1.0) / s_enc)
+    base = (_ftz(bamax / f32(6.0)) * s_enc).astype(f32)
+    sx = _ftz(xb * s_enc)
+    cands = []
+    for v in ((base * f32(1.5)).astype(f32), base):
+      d = np.minimum(v, f32(448.0)).astype(ml_dtypes.float8_e4m3fn).astype(f32)
+      escale = np.minimum(f32(1.0) / (d * s_dec), flt_max).astype(f32)
+      de = d.reshape(d.shape + (1,) * len(tail))
+      y = np.clip(xb * escale.reshape(de.shape), -6, 6).astype(f32)
+      q = y.astype(ml_dtypes.float4_e2m1fn)
+      codes = np.where((y == 0) | (de == 0), 0, q.view(np.uint8) & 0xF).astype(np.uint8)
+      qv = np.where(de == 0, f32(0.0), q.astype(f32))
+      e = _ftz(qv * de - sx)
+      e = np.abs(e) if rule == "4over6_mae" else _ftz(e * e)
+      cands.append((codes, d, _block_sum_ref(e, block)))
+  (c4, d4, e4), (c6, d6, e6) = cands
+  map4 = e4 < e6
+  pick = map4.reshape(map4.shape + (1,) * len(tail))
+  codes = _from_blocks(np.where(pick, c4, c6), x.shape, block, axis)
+  dscale = np.where(map4, d4, d6)
+  if block == (16, 16):
+    *lead, m, n = x.shape
+    dscale = dscale.reshape(*lead, m // 16, n // 16)
+    map4 = map4.reshape(dscale.shape)
+  else:
+    dscale = np.moveaxis(dscale, -1, axis % x.ndim)
+    map4 = np.moveaxis(map4, -1, axis % x.ndim)
+  return codes, dscale, s_dec, map4, (e4, e6)
+
+
+RULES_4OVER6 = ("4over6_mse", "4over6_mae")
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_quantize(block, axis, scale_rule):
+  return jax.jit(functools.partial(nvfp4.quantize, block=block, axis=axis, scale_rule=scale_rule))
+
+
+@pytest.mark.parametrize("rule", RULES_4OVER6)
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("block,axis", LAYOUTS, ids=["1x16_last", "1x16_first", "16x16"])
+def test_4over6_bit_exact_against_numpy_transcription(rule, dtype, block, axis):
+  for name, x in sorted(INPUTS.items()):
+    x = x.astype(dtype)
+    t = _jit_quantize(block, axis, rule)(x)
+    codes, dscale, s_dec, _, _ = quantize_4over6_ref(x, block, axis, rule)
+    np.testing.assert_array_equal(_codes(t), codes, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(t.block_scales()), dscale, err_msg=name)
+    assert np.asarray(t.global_scale).view(np.uint32) == np.float32(s_dec).view(np.uint32), name
+    np.testing.assert_array_equal(np.asarray(nvfp4.dequantize(t)),
+                                  dequantize_ref(codes, dscale, s_dec, block, axis), err_msg=name)
+
+
+def _crafted():
+  """Rows of 16 (one 1×16 block each) with global amax 6, so S_enc = 1536 / 6 = 256: the amax-6
+  block's candidate scales are 256 (amax to 6) and 384 (amax to 4), both exact in E4M3."""
+  rows = {
+      "four wins": [6.0] + [4.5] * 15,      # to 4: 6 -> 4, 4.5 -> 3, exact; to 6: 4.5 -> 4
+      "six wins": [6.0] + [1.0] * 15,       # to 6: exact; to 4: 1 -> 2/3 -> 0.5 (0.75)
+      "tie": [6.0, 3.0] + [0.0] * 14,       # exact either way: the amax-to-6 scale
+      "all zero": [0.0] * 16,
+      "one huge": [5.0] + [0.01] * 15,      # to 6: 5 -> scale 208, 5 -> 6 (6.15); to 4: 320, 5 -> 4
+      "negative four wins": [-6.0] + [-4.5] * 15,
+  }
+  return list(rows), np.array(list(rows.values()), np.float32)
+
+
+@pytest.mark.parametrize("rule", RULES_4OVER6)
+def test_4over6_choice_on_crafted_blocks(rule):
+  names, x = _crafted()
+  t = nvfp4.quantize(x, scale_rule=rule)
+  codes, dscale, s_dec, map4, (e4, e6) = quantize_4over6_ref(x, (1, 16), -1, rule)
+  np.testing.assert_array_equal(_codes(t), codes)
+  np.testing.assert_array_equal(np.asarray(t.block_scales()), dscale)
+  assert float(t.global_scale) == 1 / 256
+  want = {"four wins": True, "six wins": False, "tie": False, "all zero": False, "one huge": True,
+          "negative four wins": True}
+  assert dict(zip(names, map4[:, 0].tolist())) == want
+  scales = dict(zip(names, np.asarray(t.block_scales())[:, 0].tolist()))
+  assert scales == {"four wins": 384.0, "six wins": 256.0, "tie": 256.0, "all zero": 0.0, "one huge": 320.0,
+                    "negative four wins": 384.0}
+  deq = np.asarray(t.dequantize())
+  for exact in ("four wins", "six wins", "tie", "all zero", "negative four wins"):
+    np.testing.assert_array_equal(deq[names.index(exact)], x[names.index(exact)])
+  i = names.index("tie")
+  assert e4[i, 0] == e6[i, 0] == 0.0
+  np.testing.assert_array_equal(_codes(t)[names.index("all zero")], 0)
+
+
+@pytest.mark.parametrize("rule", RULES_4OVER6)
+@pytest.mark.parametrize("block,axis", LAYOUTS, ids=["1x16_last", "1x16_first", "16x16"])
+def test_4over6_never_worse_than_its_amax_to_6_candidate(rule, block, axis):
+  """Per block, the kept candidate's error (float64, from the dequantized values) is at most that of
+  the amax-to-6 candidate under the same global scale; over the tensor, below the "max" rule's."""
+  x = INPUTS["lognormal_s3"].astype(np.float32)
+  t = _jit_quantize(block, axis, rule)(x)
+  _, _, _, map4, _ = quantize_4over6_ref(x, block, axis, rule)
+  err = (lambda d: (d - x.astype(np.float64)) ** 2) if rule == "4over6_mse" else (
+      lambda d: np.abs(d - x.astype(np.float64)))
+  per_block = lambda d: _to_blocks(err(np.asarray(d, np.float64)), block, axis).reshape(
+      *_to_blocks(x, block, axis).shape[:-1 if block == (1, 16) else -2], -1).sum(-1)
+  got, six = per_block(nvfp4.dequantize(t)), per_block(_six_candidate(x, block, axis))
+  map4 = _to_blocks(np.repeat(np.repeat(map4, 16, -2), 16, -1) if block == (16, 16) else
+                    np.repeat(map4, 16, axis), block, axis).reshape(*got.shape, -1)[..., 0]
+  assert map4.any() and not map4.all()
+  assert np.all(got <= six * (1 + 1e-6))
+  np.testing.assert_array_equal(got[~map4], six[~map4])  # kept: the amax-to-6 candidate itself
+  assert np.all(got[map4] < six[map4])
+  max_rule = nvfp4.dequantize(_jit_quantize(block, axis, "max")(x))
+  assert got.sum() < per_block(max_rule).sum()
+
+
+def _six_candidate(x, block, axis):
+  """Dequantized amax-to-6 candidate of 4/6 (S_enc from 256), from the numpy transcription."""
+  f32 = np.float32
+  x = _ftz(x.astype(f32))
+  xb = _to_blocks(x, block, axis)
+  tail = (-1,) if block == (1, 16) else (-2, -1)
+  amax = f32(np.abs(x).max())
+  s_enc = f32(f32(1536.0) / amax)
+  s_dec = f32(f32(1.0) / s_enc)
+  d = np.minimum(_ftz(np.abs(xb).max(axis=tail) / f32(6.0)) * s_enc, f32(448.0)).astype(
+      ml_dtypes.float8_e4m3fn).astype(f32)
+  de = d.reshape(d.shape + (1,) * len(tail))
+  with np.errstate(divide="ignore"):
+    escale = np.minimum(f32(1.0) / (de * s_dec), np.finfo(f32).max).astype(f32)
+  q = np.clip(xb * escale, -6, 6).astype(f32).astype(ml_dtypes.float4_e2m1fn).astype(f32)
+  return _from_blocks(np.where(de == 0, 0, q) * de * s_dec, x.shape, block, axis).astype(np.float64)
+
+
+# Relative squared and absolute errors, sum (d - x)^2 / sum x^2 and sum |d - x| / sum |x|, of the
+# standard-normal 64×256 tensor of INPUTS (float32), per scale rule and layout.
+GOLDEN_ERRORS = {
+    ("max", (1, 16)): (9.136863e-03, 8.975633e-02),
+    ("4over6_mse", (1, 16)): (7.743050e-03, 8.657714e-02),
+    ("4over6_mae", (1, 16)): (7.979812e-03, 8.548693e-02),
+    ("max", (16, 16)): (1.229393e-02, 1.087252e-01),
+    ("4over6_mse", (16, 16)): (1.230887e-02, 1.092287e-01),
+    ("4over6_mae", (16, 16)): (1.237698e-02, 1.090097e-01),
+}
+
+
+@pytest.mark.parametrize("rule,block", list(GOLDEN_ERRORS), ids=[f"{r}-{b[0]}x{b[1]}" for r, b in GOLDEN_ERRORS])
+def test_golden_errors_per_scale_rule(rule, block):
+  """Pinned error figures: 4/6 takes 15% off the squared error of 1×16 blocks of Gaussian data (its
+  rule's own metric the lowest); 16×16 tiles (256 elements under one scale) rarely map to 4."""
+  x = INPUTS["normal"].astype(np.float32)
+  d = np.asarray(_jit_quantize(block, -1, rule)(x).dequantize(), np.float64)
+  x = x.astype(np.float64)
+  got = (((d - x) ** 2).sum() / (x**2).sum(), np.abs(d - x).sum() / np.abs(x).sum())
+  np.testing.assert_allclose(got, GOLDEN_ERRORS[rule, block], rtol=1e-5)
+
+
+def test_4over6_errors_and_non_finite():
+  x = np.ones((4, 32), np.float32)
+  with pytest.raises(ValueError, match="scale_rule must be one of"):
+    nvfp4.quantize(x, scale_rule="4over6")
+  with pytest.raises(ValueError, match="rounding='nearest' only"):
+    nvfp4.quantize(x, rounding="stochastic", key=jax.random.key(0), scale_rule="4over6_mae")
+  x[1, 3] = np.nan
+  t = nvfp4.quantize(x, scale_rule="4over6_mse")
+  assert np.isnan(float(t.global_scale)) and not np.asarray(t.codes).any()
+  assert np.isnan(np.asarray(t.dequantize())).all()
+  # The global scale under 4/6: S_enc = 1536 / amax.
+  assert float(nvfp4.quantize(np.full((1, 16), 3.0, np.float32), scale_rule="4over6_mae").global_scale) == 1 / 512
