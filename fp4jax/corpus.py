@@ -20,7 +20,7 @@ Data folder (root = ``$FP4JAX_DATA_DIR``, default ``~/.cache/fp4jax``)::
   <root>/tokens/<corpus>-<tokenizer>/   token shards written by ``fp4jax.data prepare``
 
 Validation is held out *by document*: within each source, documents sorted by id, every
-``VAL_EVERY``-th one (index % 10 == 5) goes to validation. A machine without network (the GPU
+tenth one (index % 10 == 5) goes to validation. A machine without network (the GPU
 box) gets a corpus by copying ``<name>.tar.xz`` into its data root.
 """
 
@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ENV_DATA_DIR = "FP4JAX_DATA_DIR"
-VAL_EVERY = 10
+_VAL_EVERY = 10
 MANIFEST = "MANIFEST.json"
 CORPORA = {
     "shakespeare": ("shakespeare",),
@@ -323,7 +323,7 @@ def _sha256(data: bytes) -> str:
   return hashlib.sha256(data).hexdigest()
 
 
-def is_validation(index: int, val_every: int = VAL_EVERY) -> bool:
+def is_validation(index: int, val_every: int = _VAL_EVERY) -> bool:
   """Whether the ``index``-th document (sorted by id) of a source is held out."""
   return index % val_every == val_every // 2
 
@@ -367,7 +367,7 @@ def _write_corpus(name: str, downloads: Path, out: Path) -> None:
     licenses.append(f"## {key}: {src.registry} package {src.package} ({archive.name})\n\n"
                     f"License: {src.license}\n\n{src.notes}\n\n```\n{license_text.strip()}\n```\n")
   fingerprint = _sha256(json.dumps(splits, sort_keys=True).encode())
-  manifest = {"name": name, "format_version": 1, "val_every": VAL_EVERY,
+  manifest = {"name": name, "format_version": 1, "val_every": _VAL_EVERY,
               "fingerprint": fingerprint, "sources": sources, "splits": splits}
   (out / "LICENSES.md").write_text(f"# Licenses of corpus '{name}'\n\n" + "\n".join(licenses))
   (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -455,7 +455,7 @@ def _get_builtin(name: str, root: Path, corpus_dir: Path, allow_download: bool) 
       _build(name, root)
 
 
-def text_dir_corpus(path: str | os.PathLike, val_every: int = VAL_EVERY) -> CorpusFiles:
+def text_dir_corpus(path: str | os.PathLike, val_every: int = _VAL_EVERY) -> CorpusFiles:
   """User text: ``path/train`` + ``path/validation`` folders, or ``*.txt`` split by document.
 
   Args:

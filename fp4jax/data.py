@@ -53,9 +53,9 @@ from fp4jax.checkpoint import no_space, space_line
 from fp4jax import tokenizer as tokenizer_lib
 from fp4jax.sharding import BATCH_AXES
 
-FORMAT_VERSION = 1
+_FORMAT_VERSION = 1
 SPLITS = ("train", "validation")
-META_FILE = "meta.json"
+_META_FILE = "meta.json"
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MB of uint16 per shard
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
@@ -87,9 +87,9 @@ class DataMeta:
   fingerprint: str
 
   def __post_init__(self):
-    if self.format_version != FORMAT_VERSION:
+    if self.format_version != _FORMAT_VERSION:
       raise ValueError(f"meta.json format_version {self.format_version}, this fp4jax reads "
-                       f"{FORMAT_VERSION}; prepare the data again")
+                       f"{_FORMAT_VERSION}; prepare the data again")
     if self.dtype not in _DTYPES:
       raise ValueError(f"meta.json dtype {self.dtype!r}; expected one of {sorted(_DTYPES)}")
     if not 0 < self.vocab_size <= np.iinfo(_DTYPES[self.dtype]).max + 1:
@@ -112,9 +112,9 @@ class DataMeta:
 
 def read_meta(data_dir: str | os.PathLike) -> DataMeta:
   """Reads ``<data_dir>/meta.json``; FileNotFoundError (with the fix) if absent."""
-  path = Path(data_dir) / META_FILE
+  path = Path(data_dir) / _META_FILE
   if not path.is_file():
-    what = "folder" if not Path(data_dir).is_dir() else META_FILE
+    what = "folder" if not Path(data_dir).is_dir() else _META_FILE
     raise FileNotFoundError(f"no data at {data_dir} ({what} missing); make it with `python "
                             f"-m fp4jax.data prepare --corpus=shakespeare --out={data_dir}`")
   d = json.loads(path.read_text())
@@ -293,7 +293,7 @@ def _shards_ok(data_dir: Path, meta: DataMeta) -> bool:
 
 def _reusable(out: Path, fingerprint: str) -> DataMeta | None:
   """The meta of ``out`` if it already holds intact data of ``fingerprint`` (reads only)."""
-  if not (out / META_FILE).is_file():
+  if not (out / _META_FILE).is_file():
     return None
   try:
     old = read_meta(out)
@@ -338,7 +338,7 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
   tag = _tokenizer_tag(tokenizer, vocab_size)
   out = (Path(out_dir) if out_dir is not None
          else default_out_dir(files.name, tokenizer, vocab_size, cache_dir))
-  request = {"format_version": FORMAT_VERSION, "corpus": files.fingerprint, "tokenizer": tag,
+  request = {"format_version": _FORMAT_VERSION, "corpus": files.fingerprint, "tokenizer": tag,
              "vocab_size": vocab_size, "shard_tokens": shard_tokens}
   if encoding != "utf-8":
     request["encoding"] = encoding
@@ -349,7 +349,7 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
     return old
   # One process tokenizes; the others that want the same folder wait here, then reuse it.
   with corpus_lib.file_lock(out.with_name(f".{out.name}.lock")):
-    if (out / META_FILE).is_file():
+    if (out / _META_FILE).is_file():
       old = read_meta(out)
       if old.fingerprint == fingerprint:
         if _shards_ok(out, old):
@@ -360,7 +360,7 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
         raise ValueError(f"{out} already holds other data ({old.corpus.get('name')}, "
                          f"{old.tokenizer.get('kind')} tokenizer, vocab {old.vocab_size}); {other}")
     elif out.exists() and any(out.iterdir()) and not overwrite:
-      raise ValueError(f"{out} is a non-empty folder without {META_FILE}; {other}")
+      raise ValueError(f"{out} is a non-empty folder without {_META_FILE}; {other}")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -385,11 +385,11 @@ def _write(files, tokenizer, vocab_size, tmp: Path, out: Path, shard_tokens: int
   dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
   splits = {s: _write_split(tok, files.split(s), tmp, s, _DTYPES[dtype], shard_tokens,
                             encoding) for s in SPLITS}
-  meta = DataMeta(format_version=FORMAT_VERSION, dtype=dtype, vocab_size=tok.vocab_size,
+  meta = DataMeta(format_version=_FORMAT_VERSION, dtype=dtype, vocab_size=tok.vocab_size,
                   eos_id=tok.eos_id, tokenizer=tok.spec(), splits=splits,
                   corpus={"name": files.name, "fingerprint": files.fingerprint},
                   licenses=list(files.licenses), fingerprint=fingerprint)
-  (tmp / META_FILE).write_text(json.dumps(dataclasses.asdict(meta), indent=1))
+  (tmp / _META_FILE).write_text(json.dumps(dataclasses.asdict(meta), indent=1))
   if out.exists():
     shutil.rmtree(out)
   tmp.rename(out)

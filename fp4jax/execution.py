@@ -18,7 +18,7 @@ own module, with defaults tuned on the H200.
 
 ``MatmulExecution`` is the choice of one NVFP4 matmul (``fp4jax.ops.nvfp4_matmul``'s
 ``execution``, ``fp4jax.layers.NVFP4Matmul``'s field): its implementation, how its GEMMs multiply
-(``GEMMS``) and its quantizer kernels' amax pass (``AMAX_PASSES``).
+and its quantizer kernels' amax pass (``AMAX_PASSES``).
 
 ``Execution`` gathers the choices of one training run (the ``execution`` section of an experiment
 config: ``--config.execution.attention=xla``). A resumed run may change any of them: the run's
@@ -32,7 +32,7 @@ import dataclasses
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret", "cudnn")
 KERNEL_IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")  # an op with Pallas kernels
-GEMMS = ("auto", "decoded", "scaled_matmul")  # how an NVFP4 GEMM multiplies
+_GEMMS = ("auto", "decoded", "scaled_matmul")  # how an NVFP4 GEMM multiplies
 AMAX_PASSES = ("kernel", "xla")  # how the quantizer kernels' first pass forms an operand's amax
 
 
@@ -55,7 +55,7 @@ class MatmulExecution:
       quantizer kernels of ``fp4jax.kernels.nvfp4_quantize``, CUDA), ``"pallas_interpret"`` (those
       kernels in interpret mode, for CPU tests) or ``"auto"`` (``fp4jax.ops.nvfp4_matmul`` says
       when it picks the kernels).
-    gemm: how each quantized GEMM multiplies (``GEMMS``): ``"decoded"`` (operands decoded exactly
+    gemm: how each quantized GEMM multiplies: ``"decoded"`` (operands decoded exactly
       to bf16, bf16 tensor cores: ``nvfp4.gemm``), ``"scaled_matmul"`` (``jax.nn.scaled_matmul``
       on FP4 tensor cores, compute capability >= 10.0: ``nvfp4.scaled_matmul_gemm``) or ``"auto"``
       (``scaled_matmul`` where the GPU has FP4 tensor cores, else ``decoded``).
@@ -70,8 +70,8 @@ class MatmulExecution:
 
   def __post_init__(self):
     check("MatmulExecution.implementation", self.implementation)
-    if self.gemm not in GEMMS:
-      raise ValueError(f"MatmulExecution.gemm must be one of {GEMMS}, got {self.gemm!r}")
+    if self.gemm not in _GEMMS:
+      raise ValueError(f"MatmulExecution.gemm must be one of {_GEMMS}, got {self.gemm!r}")
     if self.amax not in AMAX_PASSES:
       raise ValueError(f"MatmulExecution.amax must be one of {AMAX_PASSES}, got {self.amax!r}")
 
@@ -108,8 +108,8 @@ class Execution:
     check("Execution.attention", self.attention, IMPLEMENTATIONS)
     check("Execution.cross_entropy", self.cross_entropy)
     check("Execution.optimizer", self.optimizer)
-    if self.gemm not in GEMMS:
-      raise ValueError(f"Execution.gemm must be one of {GEMMS}, got {self.gemm!r}")
+    if self.gemm not in _GEMMS:
+      raise ValueError(f"Execution.gemm must be one of {_GEMMS}, got {self.gemm!r}")
     if self.amax not in AMAX_PASSES:
       raise ValueError(f"Execution.amax must be one of {AMAX_PASSES}, got {self.amax!r}")
 

@@ -39,7 +39,7 @@ from fp4jax.quant import range_finder
 _HIGHEST = lax.Precision.HIGHEST
 _SVD_METHODS = ("exact", "randomized", "auto")
 # ``svd="auto"`` uses the randomized SVD above this min(K, N): an exact SVD is O(K N min(K, N)).
-AUTO_RANDOMIZED_MIN_DIM = 2048
+_AUTO_RANDOMIZED_MIN_DIM = 2048
 # The rank whose error reduction per extra FLOP is best on trained-like spectra
 # (benchmarks/lorasvd_error.py).
 DEFAULT_LORA_RANK = 16
@@ -81,7 +81,7 @@ def _svd_method(method: str, shape) -> str:
   if method not in _SVD_METHODS:
     raise ValueError(f"svd method must be one of {_SVD_METHODS}, got {method!r}")
   if method == "auto":
-    return "randomized" if min(shape) > AUTO_RANDOMIZED_MIN_DIM else "exact"
+    return "randomized" if min(shape) > _AUTO_RANDOMIZED_MIN_DIM else "exact"
   return method
 
 
@@ -93,7 +93,7 @@ def lora_svd_split(w_KxN, rank: int, *, method: str = "exact", key=None, lora_dt
     w_KxN: the weight.
     rank: ``0 <= rank <= min(K, N)``.
     method: ``"exact"`` (``jnp.linalg.svd``), ``"randomized"`` (``randomized_svd``, needs ``key``) or
-      ``"auto"`` (randomized when ``min(K, N) > AUTO_RANDOMIZED_MIN_DIM``).
+      ``"auto"`` (randomized when ``min(K, N) > 2048``).
     key: random key for the randomized SVD.
     lora_dtype: A and B are rounded to this dtype (the branch's compute dtype) *before* the residual
       is formed, so the product the layer computes is exactly the one taken out of W.
@@ -226,7 +226,7 @@ class Dense(nnx.Module):
     lora_dtype: compute dtype of the low-rank branch (A, B are rounded to it at every split).
     lora_param_dtype: storage dtype of A and B (default ``param_dtype``: float32 masters cast to
       ``lora_dtype`` for each use; bfloat16 trains them in bf16).
-    svd: ``"exact"``, ``"randomized"`` or ``"auto"`` (randomized above ``AUTO_RANDOMIZED_MIN_DIM``).
+    svd: ``"exact"``, ``"randomized"`` or ``"auto"`` (randomized where ``min(K, N) > 2048``).
     svd_oversample, svd_power_iters: randomized SVD settings.
     kernel_metadata, lora_a_metadata, lora_b_metadata, bias_metadata: extra ``nnx.Param``
       metadata (e.g. ``out_sharding``).

@@ -136,7 +136,7 @@ def _cudnn_shapes_ok(cfg: ModelConfig) -> bool:
   return cfg.dtype == "bfloat16" and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
 
 
-BF16_ATTENTION_IMPLEMENTATIONS = ("auto", "cudnn", "xla")  # DotProductAttention's
+_BF16_ATTENTION_IMPLEMENTATIONS = ("auto", "cudnn", "xla")  # DotProductAttention's
 
 
 def attention_impl(cfg: ModelConfig, implementation: str = "auto") -> str:
@@ -296,7 +296,7 @@ class DotProductAttention:
   implementation: str = "auto"
 
   def __post_init__(self):
-    execution.check("BF16 attention", self.implementation, BF16_ATTENTION_IMPLEMENTATIONS)
+    execution.check("BF16 attention", self.implementation, _BF16_ATTENTION_IMPLEMENTATIONS)
     if self.implementation == "cudnn" and not _cudnn_shapes_ok(self.cfg):
       raise ValueError(f"BF16 attention: implementation='cudnn' needs dtype bfloat16 and head_dim a "
                        f"multiple of 8 up to 128 (got dtype={self.cfg.dtype}, "

@@ -34,7 +34,7 @@ from jax import lax
 from fp4jax._fp32 import F32_MAX, div_rn, flush_subnormals, sqrt_rn
 
 __all__ = [
-    "BIT_SOURCES", "E2M1_MAX", "E4M3_MAX", "F32_MAX", "INV6", "LANES", "adam_direction",
+    "BIT_SOURCES", "E2M1_MAX", "E4M3_MAX", "F32_MAX", "INV6", "_LANES", "adam_direction",
     "adam_moments", "bias_factors", "counter_bits", "counter_hash", "counter_words", "decode_e2m1", "div_rn",
     "e2m1_codes", "e2m1_rne_code", "e2m1_stochastic_code", "e4m3_block_scales", "e4m3_to_f32",
     "flush_subnormals", "lane_bits", "round_to_e4m3", "rounded", "rounded_ema", "runtime_zero",
@@ -291,7 +291,7 @@ def adam_direction(m, v, s, g32, factors, b1: float, eps: float, eps_root: float
 # ----------------------------------------------------------------------------------------------
 # Stochastic-rounding bits
 
-LANES = 2  # tensors one key's hash serves (Adam's m and √v)
+_LANES = 2  # tensors one key's hash serves (Adam's m and √v)
 
 
 def hadamard16_butterfly(v: list) -> list:
@@ -360,7 +360,7 @@ def counter_bits(key, shape, lane: int = 0) -> jax.Array:
   Returns:
     uint32 bits of ``shape``, for ``nvfp4.quantize(bits=...)``.
   """
-  if lane not in range(LANES):
+  if lane not in range(_LANES):
     raise ValueError(f"counter_bits: lane must be 0 or 1, got {lane!r}")
   k1, k2 = counter_words(key)
   size = math.prod(shape)

@@ -44,9 +44,9 @@ from jax import lax
 from fp4jax import nvfp4
 
 FORMATS = ("nvfp4", "bf16")
-BLOCKS = ((1, 16), (16, 16))
+_BLOCKS = ((1, 16), (16, 16))
 SCALE_RULES = ("max",)
-TERMS = (1, 2)
+_TERMS = (1, 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +82,11 @@ class Operand:
       block = tuple(int(b) for b in self.block)
     except (TypeError, ValueError):
       block = None
-    if block not in BLOCKS:
-      raise ValueError(f"Operand.block must be one of {BLOCKS}, got {self.block!r}")
+    if block not in _BLOCKS:
+      raise ValueError(f"Operand.block must be one of {_BLOCKS}, got {self.block!r}")
     object.__setattr__(self, "block", block)
-    if isinstance(self.terms, bool) or self.terms not in TERMS:
-      raise ValueError(f"Operand.terms must be one of {TERMS}, got {self.terms!r}")
+    if isinstance(self.terms, bool) or self.terms not in _TERMS:
+      raise ValueError(f"Operand.terms must be one of {_TERMS}, got {self.terms!r}")
     if self.scale_rule not in SCALE_RULES:
       raise ValueError(f"Operand.scale_rule must be one of {SCALE_RULES}, got {self.scale_rule!r}")
 

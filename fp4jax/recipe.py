@@ -35,11 +35,11 @@ from fp4jax.optim.adam import AdamNvfp4Options
 from fp4jax.optim.ns import NS_OPERAND
 from fp4jax.quant import BF16, Operand
 
-LINEAR_CHOICES = ("bf16", "nvfp4", "nvfp4_lorasvd")
-ATTENTION_CHOICES = ("bf16", "nvfp4")
+_LINEAR_CHOICES = ("bf16", "nvfp4", "nvfp4_lorasvd")
+_ATTENTION_CHOICES = ("bf16", "nvfp4")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a Transformer block's projections
-OPTIMIZER_STATE_CHOICES = ("fp32", "nvfp4")
-NEWTON_SCHULZ_CHOICES = ("bf16", "nvfp4")
+_OPTIMIZER_STATE_CHOICES = ("fp32", "nvfp4")
+_NEWTON_SCHULZ_CHOICES = ("bf16", "nvfp4")
 MODULES = ("linear", "attention", "optimizer_states", "newton_schulz")  # what a preset sets
 _NESTED = {"matmul": MatmulConfig, "attention_op": AttentionConfig, "moments": AdamNvfp4Options}
 
@@ -97,9 +97,9 @@ class Recipe:
   moments: AdamNvfp4Options = AdamNvfp4Options()
 
   def __post_init__(self):
-    for field, choices in (("linear", LINEAR_CHOICES), ("attention", ATTENTION_CHOICES),
-                           ("optimizer_states", OPTIMIZER_STATE_CHOICES),
-                           ("newton_schulz", NEWTON_SCHULZ_CHOICES)):
+    for field, choices in (("linear", _LINEAR_CHOICES), ("attention", _ATTENTION_CHOICES),
+                           ("optimizer_states", _OPTIMIZER_STATE_CHOICES),
+                           ("newton_schulz", _NEWTON_SCHULZ_CHOICES)):
       value = getattr(self, field)
       if value not in choices:
         raise ValueError(f"Recipe.{field}={value!r}: expected one of {choices}")

@@ -25,7 +25,7 @@ would cost). Names are ``telemetry/<module>/<tensor>_{rel_err,snr_db}``::
                          dw      xᵀ·dy                              the wgrad GEMM Q(H·x)ᵀ·Q(H·dy)
   blocks.{i}.attn        q, k    RoPE'd queries and keys            1×16 along the head dim
                          ds      the backward's dS, on the first    the op's ``AttentionConfig``:
-                                 ``ATTENTION_EXAMPLES`` sequences   ``fp4jax.analysis``'s
+                                 ``_ATTENTION_EXAMPLES`` sequences   ``fp4jax.analysis``'s
                          ds_dq,  dS·K and dSᵀ·Q from Q(dS)          ``ds_scale_error``, "tile" scope
                          ds_dk
   <parameter module>     mu, nu  Adam's m and √v of the update      1×16, stochastic, as
@@ -82,10 +82,10 @@ from fp4jax.recipe import Recipe
 from fp4jax.sharding import BATCH_AXES
 
 PREFIX = "telemetry/"
-# The energy shares of each projection's w, x and dy: the top TOP_K singular directions.
-TOP_K = 16
+# The energy shares of each projection's w, x and dy: the top _TOP_K singular directions.
+_TOP_K = 16
 # dS telemetry materializes (B, H, T, T) scores: it looks at this many sequences of the batch.
-ATTENTION_EXAMPLES = 4
+_ATTENTION_EXAMPLES = 4
 _F32 = jnp.float32
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -150,7 +150,7 @@ def _attention_config(op) -> attention_ops.AttentionConfig:
 
 def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
                    execution: Execution,
-                   attention_examples: int = ATTENTION_EXAMPLES) -> Callable:
+                   attention_examples: int = _ATTENTION_EXAMPLES) -> Callable:
   """The telemetry function of a run (module docstring): ``(state, batch) -> {name: scalar}``.
 
   Args:
@@ -213,7 +213,7 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
       quant.add(f"{name}/dy", _rows(dy, -1), (1, 16), config.dy_dgrad.rounding, next(keys))
       products.append((name, config, x, dense.kernel[...], dy, next(keys)))
       for t, a in (("w", w), ("x", x), ("dy", dy)):
-        shares[f"{name}/{t}_top{TOP_K}_energy"] = analysis.top_energy_share(a, TOP_K)
+        shares[f"{name}/{t}_top{_TOP_K}_energy"] = analysis.top_energy_share(a, _TOP_K)
         shares[f"{name}/{t}_mean_energy"] = analysis.mean_energy_share(a)
     for name, attn in _attentions(model):
       config = _attention_config(attn.attention_op)
@@ -239,16 +239,16 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
 
 
 # Every measurement is a pair (‖x̂ − x‖, ‖x‖). The quantizer error of a tensor's rows is measured
-# in chunks of ``CHUNK_ROWS`` rows, all tensors of one kind of measurement in one ``lax.map`` (XLA
+# in chunks of ``_CHUNK_ROWS`` rows, all tensors of one kind of measurement in one ``lax.map`` (XLA
 # compiles each NVFP4 quantizer slowly: one program per kind, not one per tensor shape). A chunk
-# quantizes as its tensor does: a head of ``HEAD`` rows whose first value is the tensor's amax gives
+# quantizes as its tensor does: a head of ``_HEAD`` rows whose first value is the tensor's amax gives
 # the chunk the tensor's global scale, and each block's codes depend only on the block and that
 # scale, so the chunk's blocks come out as in the whole tensor (the head is left out of the error;
 # zero rows that fill the last chunk quantize to 0 exactly). The head is 16 rows (one 16×16 tile, or
 # sixteen 1×16 blocks) so that every chunk has a multiple of 16 rows (XLA:CPU compiles the quantizer
 # slowly on other row counts). Memory is that of the tensors (as float32) plus one chunk.
-CHUNK_ROWS = 1 << 16
-HEAD = nvfp4.BLOCK
+_CHUNK_ROWS = 1 << 16
+_HEAD = nvfp4.BLOCK
 
 
 def _norm(x) -> jax.Array:
@@ -273,23 +273,23 @@ def _pad_stack(arrays, shape):
 
 
 def _chunks(rows, chunk_rows: int):
-  """``rows`` (n, 16) as float32 (chunks, HEAD + chunk_rows, 16): zero rows fill the last chunk, and
-  each chunk starts with ``HEAD`` rows that are zero but for the tensor's amax in the first (NaN
+  """``rows`` (n, 16) as float32 (chunks, _HEAD + chunk_rows, 16): zero rows fill the last chunk, and
+  each chunk starts with ``_HEAD`` rows that are zero but for the tensor's amax in the first (NaN
   taken as inf, as the quantizer takes it)."""
   n, width = rows.shape
   count = max(1, -(-n // chunk_rows))
   body = jnp.pad(rows.astype(_F32), ((0, count * chunk_rows - n), (0, 0)))
   amax = jnp.max(jnp.where(jnp.isnan(rows), jnp.inf, jnp.abs(rows))) if n else 0.0
-  first = jnp.arange(HEAD * width).reshape(HEAD, width) == 0
+  first = jnp.arange(_HEAD * width).reshape(_HEAD, width) == 0
   head = jnp.where(first, jnp.asarray(amax, _F32), 0.0)
-  return jnp.concatenate([jnp.broadcast_to(head, (count, HEAD, width)),
+  return jnp.concatenate([jnp.broadcast_to(head, (count, _HEAD, width)),
                           body.reshape(count, chunk_rows, width)], axis=1)
 
 
 class _Jobs:
   """Quantization-error measurements of (blocks, 16) rows, grouped by (block, rounding)."""
 
-  def __init__(self, chunk_rows: int = CHUNK_ROWS):
+  def __init__(self, chunk_rows: int = _CHUNK_ROWS):
     self.groups: dict = {}
     self.chunk_rows = chunk_rows
 
@@ -301,7 +301,7 @@ class _Jobs:
     for (block, rounding), jobs in self.groups.items():
       # Whole 16-row tiles per chunk; no more rows than the largest tensor needs.
       size = min(self.chunk_rows, max(r.shape[0] for _, r, _, _ in jobs))
-      size = max(HEAD, -(-size // HEAD) * HEAD)
+      size = max(_HEAD, -(-size // _HEAD) * _HEAD)
       chunks = [_chunks(rows, size) for _, rows, _, _ in jobs]
       job = np.concatenate([np.full(c.shape[0], i) for i, c in enumerate(chunks)])
       index = np.concatenate([np.arange(c.shape[0]) for c in chunks])
@@ -309,10 +309,10 @@ class _Jobs:
 
       def one(a, block=block, rounding=rounding, keys=keys):
         rows, j, i = a
-        x = rows[HEAD:]
+        x = rows[_HEAD:]
         fq = nvfp4.fake_quant(rows, block=block, axis=-1, rounding=rounding,
                               key=jax.random.fold_in(keys[j], i))
-        err = fq[HEAD:] - x
+        err = fq[_HEAD:] - x
         return jnp.sum(jnp.square(err)), jnp.sum(jnp.square(x))
 
       errs, refs = lax.map(one, (jnp.concatenate(chunks), jnp.asarray(job), jnp.asarray(index)))

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
   from fp4jax.experiment import Experiment
 
-LOCK_FILE = "run.lock"
-HISTORY_FILE = "config_history.jsonl"
-CONFIG_FILE = "config.json"
+_LOCK_FILE = "run.lock"
+_HISTORY_FILE = "config_history.jsonl"
+_CONFIG_FILE = "config.json"
 
 # Identity fields whose change makes a checkpoint unusable (its arrays would not fit), and the
 # sections a resumed run may change when asked to.
-FIXED = ("model", "recipe", "optimizer.name")
+_FIXED = ("model", "recipe", "optimizer.name")
 CHANGEABLE = ("optimizer", "data", "batch_size", "seq_len", "seed")
 
 
@@ -79,7 +79,7 @@ class RunLock:
   _held: dict[Path, int] = {}  # lock path -> nesting depth, in this process
 
   def __init__(self, workdir: str | os.PathLike, what: str = "run"):
-    self.path = (Path(workdir) / LOCK_FILE).absolute()
+    self.path = (Path(workdir) / _LOCK_FILE).absolute()
     self.what = what
     self.notes: list[str] = []
 
@@ -129,7 +129,7 @@ class RunLock:
           f"if process {pid} is not that {self.what} (it died and another program got its pid), "
           f"release the lock with `rm {self.path}`")
     # A dead holder on this host: move its lock aside atomically (one taker wins the rename).
-    stale = self.path.with_name(f"{LOCK_FILE}.stale-{os.getpid()}")
+    stale = self.path.with_name(f"{_LOCK_FILE}.stale-{os.getpid()}")
     try:
       os.rename(self.path, stale)
     except FileNotFoundError:
@@ -238,7 +238,7 @@ def identity_changes(saved: Mapping, current: Mapping, allow: Iterable[str] = ()
 
   Raises:
     ValueError: ``allow`` names something that is not changeable.
-    fp4jax.checkpoint.IncompatibleCheckpointError: a ``FIXED`` field differs.
+    fp4jax.checkpoint.IncompatibleCheckpointError: the model, recipe or optimizer kind differs.
     RunChangedError: another field differs and is not allowed.
   """
   allow = tuple(allow)
@@ -246,7 +246,7 @@ def identity_changes(saved: Mapping, current: Mapping, allow: Iterable[str] = ()
     raise ValueError(f"allow_changes {bad}: a resumed run may change only {list(CHANGEABLE)} "
                      "(or a field inside them, e.g. optimizer.learning_rate)")
   diffs = _saved_diff(saved, current)
-  fixed = [f"{p}: checkpoint {a!r}, this run {b!r}" for p, a, b in diffs if _under(p, FIXED)]
+  fixed = [f"{p}: checkpoint {a!r}, this run {b!r}" for p, a, b in diffs if _under(p, _FIXED)]
   if fixed:
     raise IncompatibleCheckpointError(
         "the checkpoint was written by a different model, recipe or optimizer:\n  "
@@ -269,9 +269,9 @@ def record_start(workdir: str | os.PathLike, step: int, config: Mapping | None,
   start (a resumed run never overwrites it)."""
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  if config is not None and (step == 0 or not (workdir / CONFIG_FILE).is_file()):
-    (workdir / CONFIG_FILE).write_text(json.dumps(config, indent=1, default=str))
+  if config is not None and (step == 0 or not (workdir / _CONFIG_FILE).is_file()):
+    (workdir / _CONFIG_FILE).write_text(json.dumps(config, indent=1, default=str))
   entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "host": socket.gethostname(),
            "pid": os.getpid(), "changes": changes, "config": config}
-  with open(workdir / HISTORY_FILE, "a") as f:
+  with open(workdir / _HISTORY_FILE, "a") as f:
     f.write(json.dumps(entry, default=str) + "\n")

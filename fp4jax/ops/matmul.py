@@ -76,8 +76,8 @@ _XLA = MatmulExecution("xla", "decoded")  # the references' execution
 
 
 OPERANDS = ("x", "w", "dy_dgrad", "x_wgrad", "dy_wgrad")  # the five quantized operands
-SPLIT_TENSORS = ("x", "dy")
-SPLIT_METHODS = ("mean", "subspace")
+_SPLIT_TENSORS = ("x", "dy")
+_SPLIT_METHODS = ("mean", "subspace")
 # The axis of each operand's 1×16 blocks (its contraction axis); w is in 16×16 tiles.
 _AXIS = {"x": -1, "dy_dgrad": -1, "x_wgrad": 0, "dy_wgrad": 0}
 _BLOCK_USE = {"x": "1×16 along K", "w": "16×16 tiles (one quantization serves the forward and the dgrad)",
@@ -97,7 +97,7 @@ class Split:
   tensor, the low-rank part ``U·P`` multiplied in float32.
 
   Attributes:
-    tensors: the tensors split, distinct names of ``SPLIT_TENSORS`` (``"x"``, ``"dy"``); ``()``
+    tensors: the tensors split, distinct names of ``"x"`` and ``"dy"``; ``()``
       (the default): no split.
     method: ``"mean"`` (``U = 1``, ``P = μᵀ``: the mean over the tokens, a rank-1 split) or
       ``"subspace"`` (``U`` orthonormal M×r, ``P = Uᵀ·a``: the top-``rank`` subspace of the tokens,
@@ -114,13 +114,13 @@ class Split:
 
   def __post_init__(self):
     tensors = tuple(self.tensors) if isinstance(self.tensors, tuple | list) else None
-    if (tensors is None or not all(t in SPLIT_TENSORS for t in tensors)
+    if (tensors is None or not all(t in _SPLIT_TENSORS for t in tensors)
         or len(set(tensors)) != len(tensors)):
       raise ValueError(f"MatmulConfig.split.tensors={self.tensors!r}: expected a tuple of distinct names "
-                       f"of {SPLIT_TENSORS}, or () for no split")
+                       f"of {_SPLIT_TENSORS}, or () for no split")
     object.__setattr__(self, "tensors", tensors)
-    if self.method not in SPLIT_METHODS:
-      raise ValueError(f"MatmulConfig.split.method must be one of {SPLIT_METHODS}, got {self.method!r}")
+    if self.method not in _SPLIT_METHODS:
+      raise ValueError(f"MatmulConfig.split.method must be one of {_SPLIT_METHODS}, got {self.method!r}")
     _int_at_least("MatmulConfig.split.rank", self.rank, 1)
     _int_at_least("MatmulConfig.split.power_iters", self.power_iters, 0)
 
@@ -221,7 +221,7 @@ class MatmulConfig:
     Hadamard transform, or a subspace split)."""
     return (self.hadamard
             or any(self._quantizes(op) and getattr(self, op).stochastic for op in OPERANDS)
-            or (self.split.method == "subspace" and any(map(self.splits, SPLIT_TENSORS))))
+            or (self.split.method == "subspace" and any(map(self.splits, _SPLIT_TENSORS))))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from fp4jax.optim.adam import AdamNvfp4Options, adamw_nvfp4
 from fp4jax.optim.ns import MUON_COEFFS, NS_OPERAND, check_operand, newton_schulz
 from fp4jax.quant import Operand
 
-ADAM_NAMES = ("embed", "wte", "wpe", "lm_head", "unembed")
+_ADAM_NAMES = ("embed", "wte", "wpe", "lm_head", "unembed")
 
 
 class ScaleByMuonNvfp4State(NamedTuple):
@@ -193,10 +193,11 @@ def scale_by_shape(consistent_rms: float | None = None) -> optax.GradientTransfo
 
 
 def default_muon_mask(params) -> Any:
-  """True for 2-D leaves whose path names no embedding or head (``ADAM_NAMES``, any case)."""
+  """True for 2-D leaves whose path names no embedding or head: the path, its keys joined by ``/``
+  and lowercased, contains none of ``embed``, ``wte``, ``wpe``, ``lm_head``, ``unembed``."""
   def is_muon(path, p):
     names = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-    return len(p.shape) == 2 and not any(n in names.lower() for n in ADAM_NAMES)
+    return len(p.shape) == 2 and not any(n in names.lower() for n in _ADAM_NAMES)
   return jax.tree_util.tree_map_with_path(is_muon, params)
 
 
