@@ -43,6 +43,14 @@ CONFIGS = {
 # The configurations whose Newton–Schulz products take NVFP4 operands.
 NVFP4_NEWTON_SCHULZ = ("muon_nvfp4", "root")
 
+# One configuration per distinct code path (the kernel, XLA and float32 AdamW; NVFP4, float32 and
+# unquantized Muon), for the properties that each cost a compilation per configuration: jit against
+# eager, scan and cond, wrappers, shardings. The others share these paths (``scale_by_adam_nvfp4``
+# is ``adamw_nvfp4``'s core, ``adamw_nvfp4_nearest`` differs only in a rounding mode, ``root`` is
+# Muon's NVFP4 Newton–Schulz with other coefficients) and take the per-dtype and convergence tests.
+CODE_PATHS = ["adamw_nvfp4", "adamw_nvfp4_xla", "adamw_unquantized", "muon_nvfp4", "muon_fp32",
+              "muon_unquantized"]
+
 REAL = [jnp.float32, jnp.bfloat16, jnp.float16]
 COMPLEX = [jnp.complex64]
 
@@ -110,7 +118,7 @@ def test_float64_params_keep_their_dtype(name):
     assert all(u[k].dtype == jnp.float64 for u in updates for k in params)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", CODE_PATHS)
 def test_jit_equals_eager_and_eval_shape_init_is_the_state_type(name):
   tx, params = CONFIGS[name](), _params()
   assert _type(jax.eval_shape(tx.init, params)) == _type(tx.init(params))
@@ -123,7 +131,7 @@ def test_jit_equals_eager_and_eval_shape_init_is_the_state_type(name):
   assert _type(s_jit) == _type(s_eager)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", CODE_PATHS)
 def test_scan_and_cond_over_steps(name):
   tx, params = CONFIGS[name](), _params()
   grads = [_grads(params, s) for s in range(3)]
@@ -152,7 +160,7 @@ def test_scan_and_cond_over_steps(name):
   assert np.any(np.asarray(u["w"]))
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", CODE_PATHS)
 def test_optax_wrappers_compose(name):
   params = _params()
   for tx in (optax.chain(optax.clip_by_global_norm(1.0), CONFIGS[name]()),
@@ -197,7 +205,7 @@ def _shardings(tree):
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", CODE_PATHS)
 @pytest.mark.slow
 def test_init_builds_the_shardings_update_returns(name, axis_type):
   tx, mesh = CONFIGS[name](), _mesh(axis_type)
@@ -262,7 +270,7 @@ def test_converges_on_a_least_squares_problem(name):
   assert float(loss(params)) < 0.05 * start
 
 
-@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+@pytest.mark.parametrize("rounding", ["stochastic"])
 @pytest.mark.slow
 def test_nvfp4_moments_settle_within_half_a_learning_rate_of_optax(rounding):
   """The tolerance README states: 10,000 steps at a constant learning rate on a quadratic; every
