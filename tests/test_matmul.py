@@ -306,6 +306,11 @@ KERNEL_CASES = [
     ("two-term and bf16 operands", TWO_TERM_AND_BF16, (M0, M1, K), {}),
     # Four over Six on x and w (its own quantizer kernels; the dy operands stochastic, "max").
     ("four over six x and w", FOUR_OVER_SIX, (M0, M1, K), {}),
+    # Four over Six on each term of a two-term x, on H·x (the transform fused into its kernels) and
+    # on the dgrad's nearest dy.
+    ("four over six, two-term x, wgrad and dgrad",
+     MatmulConfig.nvfp4(x=Operand(terms=2, scale_rule="4over6_mse"), x_wgrad=Operand(scale_rule="4over6_mae"),
+                        dy_dgrad=Operand(scale_rule="4over6_mae")), (M0 * M1, K), {}),
     # x and dy split: the residuals quantized by the kernels.
     ("mean split", MatmulConfig.nvfp4(split=Split(("x", "dy"))), (M0, M1, K), {}),
     ("subspace split", MatmulConfig.nvfp4(split=Split(("x", "dy"), method="subspace", rank=4)),
