@@ -16,8 +16,10 @@ names it), a 16×16 tile spans both of a 2-D operand's axes. Each op accepts the
 can contract and raises a ``ValueError`` naming the operand otherwise.
 
 The numerics of each field are those of ``fp4jax.nvfp4.quantize`` (Transformer Engine's order of
-float32 operations): ``rounding`` is its ``rounding``, ``block`` its ``block``; ``scale_rule``
-chooses each block's E4M3 scale (``"max"``: the block's amax maps to 6, the only rule today).
+float32 operations): ``rounding`` is its ``rounding``, ``block`` its ``block``, ``scale_rule`` its
+``scale_rule`` (each block's E4M3 scale: ``"max"`` maps the block's amax to 6; Four over Six,
+``"4over6_mse"`` / ``"4over6_mae"``, keeps whichever of 6 and 4 gives the lower squared / absolute
+error, with round-to-nearest only).
 
 The mechanisms that operand specs share live here once:
 
@@ -45,7 +47,7 @@ from fp4jax import nvfp4
 
 FORMATS = ("nvfp4", "bf16")
 _BLOCKS = ((1, 16), (16, 16))
-SCALE_RULES = ("max",)
+SCALE_RULES = nvfp4.SCALE_RULES
 _TERMS = (1, 2)
 
 
@@ -64,7 +66,10 @@ class Operand:
     terms: 1, or 2 for ``a ≈ Q1 + Q2`` with ``Q1 = Q(a)`` and ``Q2 = Q(a − Q1)`` (each term its own
       global and block scales, the operand's rounding with a key of its own); a GEMM of two-term
       operands is the sum of its terms' NVFP4 GEMMs.
-    scale_rule: how a block's scale is chosen: ``"max"`` (the block's amax maps to E2M1's 6).
+    scale_rule: how a block's scale is chosen (``nvfp4.quantize``'s ``scale_rule``): ``"max"`` (the
+      block's amax maps to E2M1's 6), ``"4over6_mse"`` or ``"4over6_mae"`` (Four over Six: the amax
+      maps to 6 or to 4, whichever gives the lower squared / absolute block error; with
+      ``rounding="nearest"`` only). Every term of a two-term operand takes the rule.
   """
 
   format: str = "nvfp4"
@@ -89,6 +94,10 @@ class Operand:
       raise ValueError(f"Operand.terms must be one of {_TERMS}, got {self.terms!r}")
     if self.scale_rule not in SCALE_RULES:
       raise ValueError(f"Operand.scale_rule must be one of {SCALE_RULES}, got {self.scale_rule!r}")
+    if self.scale_rule != "max" and self.rounding != "nearest":
+      raise ValueError(f"Operand.scale_rule={self.scale_rule!r} requires Operand.rounding='nearest' (a scale "
+                       f"chosen by the rounded block's error would bias stochastic rounding), got "
+                       f"rounding={self.rounding!r}; use scale_rule='max' for stochastic rounding")
 
   @property
   def quantized(self) -> bool:

@@ -283,6 +283,9 @@ def _both_implementations(x, w, dy, key, config, gemm="auto", amax="kernel"):
 
 TWO_TERM_AND_BF16 = MatmulConfig.nvfp4(x=Operand(terms=2), dy_dgrad=BF16,
                                       dy_wgrad=Operand(rounding="stochastic", terms=2))
+# Four over Six on the forward operands: x 1×16 by absolute error, w 16×16 by squared error.
+FOUR_OVER_SIX = MatmulConfig.nvfp4(x=Operand(scale_rule="4over6_mae"),
+                                   w=Operand(block=(16, 16), scale_rule="4over6_mse"))
 KERNEL_CASES = [
     # Nearest x and w, stochastic dy, the Hadamard transform on the wgrad operands; x 3-D.
     ("recipe, 3-D x", NVFP4, (M0, M1, K), {}),
@@ -301,6 +304,13 @@ KERNEL_CASES = [
      (M0, M1, K), {}),
     # Two-term operands (the kernels quantize each term; H applied before the first) and a BF16 one.
     ("two-term and bf16 operands", TWO_TERM_AND_BF16, (M0, M1, K), {}),
+    # Four over Six on x and w (its own quantizer kernels; the dy operands stochastic, "max").
+    ("four over six x and w", FOUR_OVER_SIX, (M0, M1, K), {}),
+    # Four over Six on each term of a two-term x, on H·x (the transform fused into its kernels) and
+    # on the dgrad's nearest dy.
+    ("four over six, two-term x, wgrad and dgrad",
+     MatmulConfig.nvfp4(x=Operand(terms=2, scale_rule="4over6_mse"), x_wgrad=Operand(scale_rule="4over6_mae"),
+                        dy_dgrad=Operand(scale_rule="4over6_mae")), (M0 * M1, K), {}),
     # x and dy split: the residuals quantized by the kernels.
     ("mean split", MatmulConfig.nvfp4(split=Split(("x", "dy"))), (M0, M1, K), {}),
     ("subspace split", MatmulConfig.nvfp4(split=Split(("x", "dy"), method="subspace", rank=4)),
@@ -641,8 +651,8 @@ def test_a_split_removes_the_error_of_what_it_takes_out(config):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [
-    TWO_TERM_AND_BF16, MEAN_SPLIT, SUBSPACE_SPLIT],
-    ids=["two-term and bf16 operands", "mean split", "subspace split"])
+    TWO_TERM_AND_BF16, MEAN_SPLIT, SUBSPACE_SPLIT, FOUR_OVER_SIX],
+    ids=["two-term and bf16 operands", "mean split", "subspace split", "four over six x and w"])
 def test_new_configs_match_their_dequantized_reference(config):
   x, w, dy = _structured()
   x, dy = x.reshape(M0, M1, K), dy.reshape(M0, M1, N)
@@ -652,3 +662,53 @@ def test_new_configs_match_their_dequantized_reference(config):
     np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * float(jnp.abs(r).max()), err_msg=name)
   for o, f in zip(op, flat):
     assert _bits_equal(o.reshape(f.shape), f)
+
+
+def _tensors_equal(got, want) -> bool:
+  return all(_bits_equal(np.atleast_1d(g), np.atleast_1d(e))
+             for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
+
+
+def test_scale_rule_reaches_each_term_of_the_operand():
+  """``Operand.scale_rule`` is ``nvfp4.quantize``'s: the operand's tensors (each term of a two-term
+  one) are ``nvfp4.quantize(..., scale_rule=...)``'s, and they differ from the ``"max"`` rule's."""
+  x, w, _ = _data()
+  x2 = x.reshape(-1, K)
+  cfg = MatmulConfig.nvfp4(x=Operand(terms=2, scale_rule="4over6_mae"),
+                           w=Operand(block=(16, 16), scale_rule="4over6_mse"))
+  keys = matmul._keys(jax.random.key(6), cfg)
+  tx, tw = (matmul.quantize_operand(a, op, keys, cfg) for a, op in ((x2, "x"), (w, "w")))
+  x1 = nvfp4.quantize(x2, axis=-1, scale_rule="4over6_mae")
+  xs = (x1, nvfp4.quantize(x2 - x1.dequantize(jnp.float32), axis=-1, scale_rule="4over6_mae"))
+  ws = (nvfp4.quantize(w, block=(16, 16), scale_rule="4over6_mse"),)
+  for got, want in zip((*tx, *tw), (*xs, *ws), strict=True):
+    assert got[1] is None and _tensors_equal(got[0], want)
+  # Not the "max" rule's tensors (global scale from 256), and some of x's blocks keep the
+  # amax-to-4 candidate (their largest element is 4).
+  for got, a, block in ((tx[0][0], x2, (1, 16)), (tw[0][0], w, (16, 16))):
+    assert not _tensors_equal(got, nvfp4.quantize(a, block=block, axis=-1)), block
+  at_four = lambda t: int(jnp.sum(jnp.abs(t.elements()).reshape(-1, 16).max(axis=1) == 4))
+  assert at_four(tx[0][0]) > at_four(nvfp4.quantize(x2, axis=-1))
+  # The op's forward is the GEMM of those operands.
+  y = nvfp4_matmul(x2, w, key=jax.random.key(6), config=cfg)
+  gemm = lambda a, b: nvfp4.gemm(a, b, ((1,), (0,)))
+  assert _bits_equal(y, (gemm(xs[0], ws[0]) + gemm(xs[1], ws[0])).astype(y.dtype))
+
+
+def test_scale_rule_is_validated_where_operands_are_specified():
+  from fp4jax.ops.attention import AttentionConfig
+  from fp4jax.optim import AdamNvfp4Options
+  from fp4jax.optim.ns import check_operand
+  with pytest.raises(ValueError, match="Operand.scale_rule must be one of"):
+    Operand(scale_rule="4over6")
+  with pytest.raises(ValueError, match=r"Operand.scale_rule='4over6_mse' requires Operand.rounding='nearest'"):
+    Operand(rounding="stochastic", scale_rule="4over6_mse")
+  assert Operand(scale_rule="4over6_mae") != Operand()  # a static argument: part of the hash
+  MatmulConfig.nvfp4(dy_dgrad=Operand(scale_rule="4over6_mse"), x_wgrad=Operand(scale_rule="4over6_mae"))
+  with pytest.raises(ValueError, match="AttentionConfig.q.scale_rule must be 'max'"):
+    AttentionConfig.nvfp4(q=Operand(scale_rule="4over6_mse"))
+  AttentionConfig.nvfp4(v=Operand(format="bf16", scale_rule="4over6_mse"))  # unquantized: no rule
+  with pytest.raises(ValueError, match="AdamNvfp4Options.mu.scale_rule must be 'max'"):
+    AdamNvfp4Options(mu=Operand(scale_rule="4over6_mae"))
+  with pytest.raises(ValueError, match="ns.scale_rule must be 'max'"):
+    check_operand("ns", Operand(terms=2, scale_rule="4over6_mae"))

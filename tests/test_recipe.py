@@ -109,6 +109,21 @@ def test_operands_are_sections_of_the_experiment_config():
     from_config(cfg, vocab_size=257)
 
 
+def test_scale_rule_on_the_command_line_reaches_the_matmul():
+  """``--config.recipe.matmul.x.scale_rule=4over6_mae`` sets the forward ``x`` operand's rule of the
+  recipe's ``MatmulConfig`` (what every quantized linear layer passes to ``nvfp4_matmul``)."""
+  from experiments.configs import tiny
+  from experiments.train import from_config
+  cfg = tiny.get_config("fp4_linear")
+  cfg.recipe.matmul.x.scale_rule = "4over6_mae"
+  _, recipe, *_ = from_config(cfg, vocab_size=257)
+  assert recipe.matmul == MatmulConfig.nvfp4(x=Operand(scale_rule="4over6_mae"))
+  assert recipe.matmul.w.scale_rule == "max"
+  cfg.recipe.matmul.x.rounding = "stochastic"
+  with pytest.raises(ValueError, match="Operand.scale_rule='4over6_mae' requires Operand.rounding='nearest'"):
+    from_config(cfg, vocab_size=257)
+
+
 def test_recipe_holds_no_execution_choice():
   """What a recipe computes is all it holds: no field of it, nested ones included, names the code
   that runs an op (``fp4jax.execution``)."""

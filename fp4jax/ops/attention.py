@@ -64,7 +64,8 @@ class AttentionConfig:
 
   Each ``Operand`` (``fp4jax.quant``) is ``format`` ``"nvfp4"`` or ``"bf16"`` (the plain input) and
   its ``rounding``; the blocks are fixed per operand (as below) and one term each: a quantized
-  operand with another ``block`` or ``terms=2`` is a ``ValueError``.
+  operand with another ``block``, ``terms=2`` or a ``scale_rule`` other than ``"max"`` is a
+  ``ValueError``.
 
   Attributes:
     q: q in ``S = Q·Kᵀ`` and ``dK = dSᵀ·Q``: 1×16 blocks along D; the same packed Q(q) serves
@@ -113,6 +114,9 @@ class AttentionConfig:
       if op.terms != 1:
         raise ValueError(f"AttentionConfig.{name}.terms must be 1 (attention quantizes each operand as "
                          f"one NVFP4 term), got {op.terms}")
+      if op.scale_rule != "max":
+        raise ValueError(f"AttentionConfig.{name}.scale_rule must be 'max' (the attention kernels scale "
+                         f"each block by its amax), got {op.scale_rule!r}")
     if not isinstance(self.reuse, bool):
       raise ValueError(f"AttentionConfig.reuse must be a bool, got {self.reuse!r}")
     tile = _check_tile(self.ds_tile, "AttentionConfig.ds_tile")

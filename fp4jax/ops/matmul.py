@@ -10,7 +10,7 @@ H is a 16-point random Hadamard transform on the token axis (it cancels in the p
 is ``fp4jax.nvfp4.gemm``: the packed operands decoded to bf16 (``e2m1 × e4m3`` is exact there), a
 float32-accumulated dot, then both float32 global scales one at a time: an NVFP4 tensor-core GEMM
 up to summation order. ``MatmulConfig`` says what is computed: which GEMMs are quantized and, for
-each of the five operands, one ``fp4jax.quant.Operand`` (format, rounding, block, terms).
+each of the five operands, one ``fp4jax.quant.Operand`` (format, rounding, block, terms, scale_rule).
 
 Which code computes it is a ``fp4jax.execution.MatmulExecution`` (``nvfp4_matmul``'s
 ``execution``), with the same bits: implementation ``"xla"`` quantizes with ``nvfp4.quantize`` and
@@ -245,6 +245,8 @@ def _keys(key, config: MatmulConfig) -> dict:
 
 
 def _q(x, rounding, key, config, **kw):
+  """``nvfp4.quantize`` of one GEMM operand (``kw``: its layout and ``scale_rule``), with the kernels'
+  random bits (``config.rounding_bits``) under stochastic rounding."""
   if rounding != "stochastic":
     return nvfp4.quantize(x, rounding=rounding, **kw)
   bits = numerics.stochastic_bits(key, x.shape, config.rounding_bits)  # the kernels' bits
@@ -286,7 +288,9 @@ def quantize_operand(a, op: str, keys, config: MatmulConfig, run: MatmulExecutio
   hadamard = config.hadamard and op in ("x_wgrad", "dy_wgrad")
   if not spec.quantized:
     return (wgrad_operand(a, keys) if hadamard else a).astype(dtype or a.dtype)
-  layout = {"block": spec.block} if op == "w" else {"block": spec.block, "axis": _AXIS[op]}
+  how = {"block": spec.block, "scale_rule": spec.scale_rule}
+  if op != "w":
+    how["axis"] = _AXIS[op]
   kernels = run.implementation != "xla"
   if hadamard and (spec.terms > 1 or not kernels):
     a, hadamard = wgrad_operand(a, keys), False  # the kernels fuse H where the operand is one term
@@ -295,8 +299,8 @@ def quantize_operand(a, op: str, keys, config: MatmulConfig, run: MatmulExecutio
     k = _term_key(keys[op], t)
     if kernels:
       return _kernel_quantize(a, spec.rounding, k, config, run, decoded=decoded,
-                              hadamard_key=keys["hadamard"] if hadamard else None, **layout)
-    return _q(a, spec.rounding, k, config, **layout), None
+                              hadamard_key=keys["hadamard"] if hadamard else None, **how)
+    return _q(a, spec.rounding, k, config, **how), None
 
   return quantize_terms(a, spec.terms, term)
 
@@ -369,16 +373,16 @@ def _fdot(a, b, dims) -> jax.Array:
 # Jitted, so that the operands of one shape (every block's projection, in a model) share one traced
 # and lowered quantizer: the step's program calls it, rather than repeating its kernels.
 _quantize_kernels = jax.jit(nvfp4_quantize.quantize, static_argnames=(
-    "block", "axis", "rounding", "bit_source", "decoded", "block_sizes", "amax", "interpret"))
+    "block", "axis", "rounding", "bit_source", "decoded", "block_sizes", "amax", "scale_rule", "interpret"))
 
 
-def _kernel_quantize(a, rounding, key, config, run, *, decoded, hadamard_key=None, **layout):
+def _kernel_quantize(a, rounding, key, config, run, *, decoded, hadamard_key=None, **how):
   """``nvfp4_quantize.quantize`` of one GEMM operand: the tensor ``_q`` gives with the same key and
   ``config.rounding_bits``, and with ``decoded`` its bf16 ``scaled_elements`` (else None)."""
   out = _quantize_kernels(a, rounding=rounding, key=key if rounding == "stochastic" else None,
                           hadamard_key=hadamard_key, decoded=decoded, amax=run.amax,
                           bit_source=config.rounding_bits,
-                          interpret=run.implementation == "pallas_interpret", **layout)
+                          interpret=run.implementation == "pallas_interpret", **how)
   return out if decoded else (out, None)
 
 

@@ -91,6 +91,9 @@ def _check_moment(name: str, op) -> None:
     raise ValueError(f"{where}.block must be (1, 16) (the storage rule's blocks), got {op.block}")
   if op.terms != 1:
     raise ValueError(f"{where}.terms must be 1 (a moment is stored as one NVFP4 term), got {op.terms}")
+  if op.scale_rule != "max":
+    raise ValueError(f"{where}.scale_rule must be 'max' (the moments' codec scales each block by its "
+                     f"amax), got {op.scale_rule!r}")
 
 
 class ScaleByAdamNvfp4State(NamedTuple):

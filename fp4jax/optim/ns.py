@@ -49,7 +49,8 @@ NS_OPERAND = Operand(terms=2)  # the optimizers' Newton–Schulz operands: two-t
 def check_operand(where: str, operand, *, quantized: bool = False) -> None:
   """Raises a ``ValueError`` naming ``where`` unless ``operand`` is one Newton–Schulz takes: None
   (float32; not where ``quantized``), or an ``Operand`` that is bf16 (not where ``quantized``) or
-  NVFP4 in 1×16 blocks with round-to-nearest (the products draw no random bits)."""
+  NVFP4 in 1×16 blocks with round-to-nearest (the products draw no random bits) and
+  ``scale_rule="max"``."""
   if operand is None and not quantized:
     return
   if not isinstance(operand, Operand) or (quantized and not operand.quantized):
@@ -58,6 +59,9 @@ def check_operand(where: str, operand, *, quantized: bool = False) -> None:
   if operand.quantized and (operand.rounding != "nearest" or operand.block != (1, BLOCK)):
     raise ValueError(f"{where}={operand!r}: Newton–Schulz quantizes in 1×16 blocks along the "
                      "contraction with round-to-nearest; use Operand(terms=...) with the defaults")
+  if operand.quantized and operand.scale_rule != "max":
+    raise ValueError(f"{where}.scale_rule must be 'max' (Newton–Schulz scales each block by its amax), "
+                     f"got {operand.scale_rule!r}")
 
 
 def _terms(x, axis, operand: Operand) -> tuple:

@@ -7,12 +7,13 @@ For fixed inputs and keys, on the GPU and on the CPU backend of the same process
 1. every quantized GEMM operand (packed codes, E4M3 scales, global scale) bit for bit, the Hadamard
    transform's float32 H·x included (``nvfp4.hadamard`` adds in one fixed order), from the XLA
    implementation on the GPU and, from the quantizer kernels (``implementation="pallas"``), on the
-   GPU against the XLA implementation on the CPU;
+   GPU against the XLA implementation on the CPU (NVIDIA's recipe, without the Hadamard transform,
+   with counter bits, and x and w under Four over Six);
 2. forward, dgrad and wgrad of ``nvfp4_matmul`` (float32 inputs) with either implementation on the
    GPU, against the XLA implementation on the CPU, within float32 accumulation tolerance (the same
    operands; only the GEMM's summation order may differ), and far (> 1e-2) from the unquantized
-   product: the quantization was not folded away; for NVIDIA's recipe and for the two-term, BF16
-   and split operands (a subspace split within 1e-2: its QR rounds per backend);
+   product: the quantization was not folded away; for NVIDIA's recipe and for the two-term, BF16,
+   Four-over-Six and split operands (a subspace split within 1e-2: its QR rounds per backend);
 3. ``fp4_dense`` and ``lora_svd_dense`` (bf16 activations, params built on the CPU, the default
    ``implementation="auto"``: the kernels on the GPU, XLA on the CPU): output and every parameter
    and input gradient within bf16 output tolerance.
@@ -37,6 +38,9 @@ pytestmark = pytest.mark.gpu
 
 M0, M1, K, N = 4, 128, 1024, 768
 NVFP4 = MatmulConfig.nvfp4()
+# Four over Six on the forward operands (x by absolute error, w by squared error).
+FOUR_OVER_SIX = MatmulConfig.nvfp4(x=Operand(scale_rule="4over6_mae"),
+                                   w=Operand(block=(16, 16), scale_rule="4over6_mse"))
 KEY_SEED = 7
 
 
@@ -71,13 +75,16 @@ def operand_rows(dev, cpu):
   key = jax.random.key(KEY_SEED)
   rows, ok = [], True
   for base, tag in ((NVFP4, ""), (MatmulConfig.nvfp4(hadamard=False), " [no Hadamard]"),
-                    (MatmulConfig.nvfp4(rounding_bits="counter"), " [counter bits]")):
+                    (MatmulConfig.nvfp4(rounding_bits="counter"), " [counter bits]"),
+                    (FOUR_OVER_SIX, " [4/6]")):
     want = on(cpu, lambda *a, c=base: _operands(*a, c, "xla"), x, w, dy, key)
     for impl in ("xla", "pallas"):
       got = on(dev, lambda *a, c=base, i=impl: _operands(*a, c, i), x, w, dy, key)
       for name in got:
         if tag == " [no Hadamard]" and "H." not in name:
           continue
+        if tag == " [4/6]" and name[:2] not in ("x ", "w "):
+          continue  # the rule is on x and w only
         n_bad = sum(bits_differ(u, v) for u, v in zip(jax.tree.leaves(got[name]), jax.tree.leaves(want[name])))
         n = int(np.prod(got[name].shape)) if "f32" in name else int(np.prod(got[name].codes.shape)) * 2
         rows.append((f"{name}{tag}, {impl} on the GPU", f"{n_bad} of {n} differ", "0"))
@@ -101,6 +108,7 @@ def matmul_rows(dev, cpu):
                      (MatmulConfig.nvfp4(x=Operand(terms=2), w=Operand(block=(16, 16), terms=2),
                                          dy_wgrad=Operand(rounding="stochastic", terms=2)), "two-term x, w, H.dy"),
                      (MatmulConfig.nvfp4(x=BF16, dy_dgrad=BF16), "bf16 x and dy (dgrad)"),
+                     (FOUR_OVER_SIX, "4/6 x (mae) and w (mse)"),
                      (MatmulConfig.nvfp4(split=Split(("x", "dy"))), "mean split of x and dy"),
                      (MatmulConfig.nvfp4(split=Split(("x", "dy"), method="subspace")), "rank-16 subspace split")):
     config = base
