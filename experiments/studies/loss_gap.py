@@ -10,6 +10,7 @@ from experiments.studies import Arm
 
 _FWD_ONLY = {"recipe.matmul.dgrad": False, "recipe.matmul.wgrad": False,
              "recipe.matmul.hadamard": False}
+_FOUR_OVER_SIX_FWD = {"recipe.matmul.x.scale_rule": "4over6_mse", "recipe.matmul.w.scale_rule": "4over6_mse"}
 
 
 def _group(group: str, *arms: Arm) -> tuple[Arm, ...]:
@@ -143,5 +144,20 @@ ARMS: tuple[Arm, ...] = (
         Arm("two_term_bwd_s1", "fp4_linear", {"recipe.matmul.dy_dgrad.terms": 2, "recipe.matmul.x_wgrad.terms": 2,
                                              "recipe.matmul.dy_wgrad.terms": 2}, 1,
             "fp4_linear_s1", "the backward's dy (dgrad, wgrad) and H·x as two NVFP4 terms, seed 1"),
+    ),
+    # The method's baseline (Four-over-Six block scaling; 1×16 weight blocks), read against fp4_linear at
+    # the same seed.
+    *_group(
+        "baseline",
+        Arm("fourover6_fwd", "fp4_linear", _FOUR_OVER_SIX_FWD, 0, "fp4_linear",
+            "the forward's x and W scaled by Four-over-Six (MSE choice of 6 or 4 per block)"),
+        Arm("fourover6_fwd_s1", "fp4_linear", _FOUR_OVER_SIX_FWD, 1, "fp4_linear_s1",
+            "the forward's x and W scaled by Four-over-Six (MSE choice of 6 or 4 per block), seed 1"),
+        Arm("fourover6_fwd_mae", "fp4_linear", {"recipe.matmul.x.scale_rule": "4over6_mae",
+                                                "recipe.matmul.w.scale_rule": "4over6_mae"}, 0, "fp4_linear",
+            "the forward's x and W scaled by Four-over-Six (absolute-error choice of 6 or 4 per block)"),
+        Arm("fourover6_all", "fp4_linear", {**_FOUR_OVER_SIX_FWD, "recipe.matmul.x_wgrad.scale_rule": "4over6_mse"},
+            0, "fp4_linear", "Four-over-Six (MSE) on every nearest-rounded operand: x, W and the wgrad's H·x "
+            "(stochastic rounding of dy keeps the max rule)"),
     ),
 )
