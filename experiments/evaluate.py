@@ -119,6 +119,25 @@ def windows(tok: tokenizer_lib.Tokenizer, files: Sequence[Path], seq_len: int,
   return w
 
 
+def prepared_windows(data_dir: str | os.PathLike, split: str, seq_len: int) -> np.ndarray:
+  """(N, seq_len + 1) int32 windows of a prepared split's shards, cut as ``windows`` cuts the
+  split's documents (the shards hold the same stream: each document's tokens, then EOS, in pieces
+  of ``shard_tokens``); each shard is checked against its sha256 first."""
+  meta = data.read_meta(data_dir)
+  out = []
+  for shard in meta.splits[split]["shards"]:
+    if (damage := data.shard_damage(data_dir, meta, shard)) is not None:
+      raise ValueError(f"{data_dir}: {damage}; prepare the data again (`python -m fp4jax.data prepare`)")
+    ids = np.fromfile(Path(data_dir) / shard["file"], meta.np_dtype).astype(np.int32)
+    n = max(len(ids) - 1, 0) // seq_len
+    out.append(ids[np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]])
+  w = np.concatenate(out) if out else np.zeros((0, seq_len + 1), np.int32)
+  if not len(w):
+    raise ValueError(f"the {split} split of {data_dir} has fewer tokens than one window of seq_len + 1 = "
+                     f"{seq_len + 1}")
+  return w
+
+
 def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
              max_tokens: int | None = None, batch_size: int | None = None,
              encoding: str | None = None, exp: Experiment | None = None) -> dict:
@@ -148,10 +167,15 @@ def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
     tok = tokenizer_lib.ByteTokenizer()
   else:
     tok = data.load_tokenizer(run["data_dir"])
-  files, split = documents(text, split)
-  # Built-in corpora are stored as UTF-8; user text is in the run's (or the given) encoding.
-  enc = "utf-8" if text in corpus_lib.CORPORA else encoding or exp.data.encoding
-  w = windows(tok, files, tc.seq_len, enc)
+  if text in corpus_lib.CORPORA and text == exp.data.corpus and split in (None, "validation"):
+    # The run's own held-out split: its prepared shards hold the same token stream (no raw text or
+    # network needed).
+    w, split = prepared_windows(run["data_dir"], "validation", tc.seq_len), "validation"
+  else:
+    files, split = documents(text, split)
+    # Built-in corpora are stored as UTF-8; user text is in the run's (or the given) encoding.
+    enc = "utf-8" if text in corpus_lib.CORPORA else encoding or exp.data.encoding
+    w = windows(tok, files, tc.seq_len, enc)
   if max_tokens is not None:
     if max_tokens < tc.seq_len:
       raise ValueError(f"--max_tokens={max_tokens} is less than one window (seq_len "

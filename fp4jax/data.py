@@ -334,15 +334,35 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
   """
   if shard_tokens < 2:
     raise ValueError(f"shard_tokens must be >= 2, got {shard_tokens}")
-  files = corpus_lib.resolve_corpus(corpus, cache_dir)
   tag = _tokenizer_tag(tokenizer, vocab_size)
+
+  def fingerprint_of(corpus_fingerprint: str) -> str:
+    request = {"format_version": _FORMAT_VERSION, "corpus": corpus_fingerprint, "tokenizer": tag,
+               "vocab_size": vocab_size, "shard_tokens": shard_tokens}
+    if encoding != "utf-8":
+      request["encoding"] = encoding
+    return hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
+
+  try:
+    files = corpus_lib.resolve_corpus(corpus, cache_dir)
+  except corpus_lib.CorpusUnavailableError:
+    # A built-in corpus whose text is not here (offline): its prepared folder serves as it is when
+    # its meta records this corpus and these settings and every shard matches its checksum.
+    if not (isinstance(corpus, str) and corpus in corpus_lib.CORPORA):
+      raise
+    out = (Path(out_dir) if out_dir is not None
+           else default_out_dir(corpus, tokenizer, vocab_size, cache_dir))
+    try:
+      old = read_meta(out)
+    except (FileNotFoundError, ValueError):
+      old = None
+    if (old is not None and old.corpus.get("name") == corpus
+        and old.fingerprint == fingerprint_of(old.corpus.get("fingerprint", "")) and _shards_ok(out, old)):
+      return old
+    raise
   out = (Path(out_dir) if out_dir is not None
          else default_out_dir(files.name, tokenizer, vocab_size, cache_dir))
-  request = {"format_version": _FORMAT_VERSION, "corpus": files.fingerprint, "tokenizer": tag,
-             "vocab_size": vocab_size, "shard_tokens": shard_tokens}
-  if encoding != "utf-8":
-    request["encoding"] = encoding
-  fingerprint = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
+  fingerprint = fingerprint_of(files.fingerprint)
   other = ("use another folder (--config.data.dir for experiments.train, --out for `python -m "
            "fp4jax.data prepare`), or replace it (`python -m fp4jax.data prepare --overwrite`)")
   if (old := _reusable(out, fingerprint)) is not None:  # no lock: the folder may be read-only
