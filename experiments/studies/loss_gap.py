@@ -82,6 +82,7 @@ ARMS: tuple[Arm, ...] = (
     *_group(
         "module",
         Arm("fp4_linear_s1", "fp4_linear", {}, 1, "bf16_s1", "fp4_linear, seed 1"),
+        Arm("fp4_linear_s2", "fp4_linear", {}, 2, "bf16_s2", "fp4_linear, seed 2"),
     ),
     # Where the linear layers' gap is: fp4_linear with only some GEMMs (or operands) in NVFP4,
     # read against bf16 at the same seed.
@@ -156,6 +157,10 @@ ARMS: tuple[Arm, ...] = (
         Arm("fourover6_fwd_mae", "fp4_linear", {"recipe.matmul.x.scale_rule": "4over6_mae",
                                                 "recipe.matmul.w.scale_rule": "4over6_mae"}, 0, "fp4_linear",
             "the forward's x and W scaled by Four-over-Six (absolute-error choice of 6 or 4 per block)"),
+        Arm("fourover6_fwd_s2", "fp4_linear", _FOUR_OVER_SIX_FWD, 2, "fp4_linear_s2",
+            "the forward's x and W scaled by Four-over-Six (MSE choice of 6 or 4 per block), seed 2"),
+        Arm("fourover6_all_s1", "fp4_linear", {**_FOUR_OVER_SIX_FWD, "recipe.matmul.x_wgrad.scale_rule": "4over6_mse"},
+            1, "fp4_linear_s1", "Four-over-Six (MSE) on x, W and the wgrad's H·x, seed 1"),
         Arm("fourover6_all", "fp4_linear", {**_FOUR_OVER_SIX_FWD, "recipe.matmul.x_wgrad.scale_rule": "4over6_mse"},
             0, "fp4_linear", "Four-over-Six (MSE) on every nearest-rounded operand: x, W and the wgrad's H·x "
             "(stochastic rounding of dy keeps the max rule)"),
