@@ -536,7 +536,8 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
   The backward recomputes P from the same packed Q(q), Q(k) and the saved log-sum-exp, and forms
   ``dQ = deq(Q(dS))·deq(Q(k))`` and ``dK = deq(Q(dS))ᵀ·deq(Q(q))`` with dS quantized per
   ``config.ds_tile`` (see the module docstring); q, k, v get those gradients
-  straight through their quantizers.
+  straight through their quantizers. With ``config.k_smooth``, k is ``k − mean_s(k)`` (per batch and
+  head) wherever it appears above: the same function, other quantization errors.
 
   Args:
     q: ``[B, T, H, D]`` queries (bf16 in a model; any float dtype shared with k and v).
