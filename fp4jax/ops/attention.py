@@ -109,7 +109,9 @@ class AttentionConfig:
       ``k − k̄``). The gradient is ``dK = deq(Q(dS))ᵀ·deq(Q(q))`` as without smoothing: k̄ is held
       constant (``stop_gradient``). Its exact term, ``−mean_s dK``, is zero, since each row of the
       exact dS sums to zero; with a quantized dS the rows' sums are rounding noise, which this
-      drops. Default: False.
+      drops. Under the causal mask k̄ includes later keys, which reach an earlier query's scores
+      through the rounding of Q(k − k̄) only (as they already do through the global scale's amax),
+      never through a gradient. Default: False.
   """
 
   q: Operand = Operand()
