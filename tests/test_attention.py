@@ -8,6 +8,7 @@ Compilation dominates on the CPU: the checks share a few jitted functions of sma
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,9 @@ B, T, H, HK, D = 1, 32, 4, 2, 64
 NVFP4 = AttentionConfig.nvfp4()
 BF16 = AttentionConfig.bf16()
 KEY = jax.random.key(7)
+SMOOTH = AttentionConfig.nvfp4(k_smooth=True)
+FOUR_OVER_SIX = AttentionConfig.nvfp4(q=Operand(scale_rule="4over6_mse"), k=Operand(scale_rule="4over6_mse"),
+                                      v=Operand(scale_rule="4over6_mae"))
 
 
 def _switched(config=NVFP4, **formats) -> AttentionConfig:
@@ -115,10 +119,16 @@ def test_config_defaults_and_validation():
   assert not AttentionConfig.nvfp4(ds=quant.BF16).quantizes("ds")  # a bf16 operand's block is moot
   assert AttentionConfig.nvfp4(ds_tile=[32, 128]).ds_tile == (32, 128)
   assert hash(AttentionConfig.nvfp4(v=Operand())) == hash(AttentionConfig(v=Operand()))
+  assert not NVFP4.k_smooth and all(getattr(NVFP4, n).scale_rule == "max" for n in attn.OPERANDS)
+  assert AttentionConfig.nvfp4(k=Operand(scale_rule="4over6_mae"), k_smooth=True).k.scale_rule == "4over6_mae"
   for bad, match in ((dict(q="nvfp4"), "AttentionConfig.q must be an fp4jax.quant.Operand"),
                      (dict(v=Operand(terms=2)), "AttentionConfig.v.terms must be 1"),
                      (dict(ds=Operand()), r"AttentionConfig.ds.block must be \(16, 16\)"),
                      (dict(k=Operand(block=(16, 16))), r"AttentionConfig.k.block must be \(1, 16\)"),
+                     (dict(p=Operand(scale_rule="4over6_mse")), "AttentionConfig.p.scale_rule must be 'max'"),
+                     (dict(ds=Operand(block=(16, 16), scale_rule="4over6_mae")),
+                      "AttentionConfig.ds.scale_rule must be 'max'"),
+                     (dict(k_smooth=1), "AttentionConfig.k_smooth must be a bool"),
                      (dict(reuse=1), "reuse"), (dict(ds_tile=(64, 40)), "multiples of 16"),
                      (dict(ds_tile=(48, 64)), "powers of two"), (dict(ds_tile=64), "rows, cols")):
     with pytest.raises(ValueError, match=match):
@@ -394,7 +404,10 @@ _PV = _switched(v="nvfp4", p="nvfp4", do="nvfp4")
 
 @pytest.mark.parametrize("config", [
     NVFP4, NVFP4.nvfp4(reuse=False), _PV, dataclasses.replace(_PV, p=Operand(rounding="stochastic")),
-], ids=["reuse", "no reuse", "V P dO nvfp4", "V P dO nvfp4, P stochastic"])
+    AttentionConfig.nvfp4(v=Operand()), dataclasses.replace(FOUR_OVER_SIX, k_smooth=True),
+    AttentionConfig.nvfp4(ds_tile=(16, 16)),
+], ids=["reuse", "no reuse", "V P dO nvfp4", "V P dO nvfp4, P stochastic", "V nvfp4",
+        "K smoothing, 4/6 q k v", "dS tile 16"])
 @pytest.mark.slow
 def test_pallas_interpret_runs_the_kernels_on_the_same_operands(config):
   """The op's kernel path (interpret mode) against its XLA path: O to bf16 rounding and dV exact; dQ
@@ -414,6 +427,113 @@ def test_pallas_interpret_runs_the_kernels_on_the_same_operands(config):
   _close(ours[0], ref[0], 1e-2)
   np.testing.assert_array_equal(_f32(ours[3]), _f32(ref[3]))
   assert _rel(ours[1], ref[1]) < 0.08 and _rel(ours[2], ref[2]) < 0.08
+
+
+# ----------------------------------------------------------------------------------------------
+# K smoothing, Four over Six on q, k, v
+
+
+def _shifted_keys(k, scale=3.0, seed=1):
+  """k plus a channel mean per (batch, head) of ``scale`` standard deviations, as real keys have."""
+  mu = scale * jax.random.normal(jax.random.key(seed), (k.shape[0], 1, *k.shape[2:]), jnp.float32)
+  return (k.astype(jnp.float32) + mu).astype(k.dtype)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_k_smooth_is_exact_without_quantization(causal):
+  """Subtracting k̄ moves each row of scores by q·k̄, which the softmax drops (under the causal mask
+  too): in float32 with nothing quantized, O and the gradients are dot_product_attention's; with q
+  alone quantized, the op's without smoothing (dK too: the rows of an unquantized dS sum to 0)."""
+  q, k, v, do = _data(dtype=jnp.float32)
+  k = _shifted_keys(k)
+  for got, want in zip(_op(q, k, v, do, None, causal=causal, config=AttentionConfig.bf16(k_smooth=True)),
+                       _dpa(q, k, v, do, causal=causal), strict=True):
+    _close(got, want, 1e-5)
+  q_only = _switched(BF16, q="nvfp4")
+  smooth = dataclasses.replace(q_only, k_smooth=True)
+  for got, want in zip(_op(q, k, v, do, None, causal=causal, config=smooth),
+                       _op(q, k, v, do, None, causal=causal, config=q_only), strict=True):
+    _close(got, want, 1e-5)
+
+
+def test_k_smooth_keeps_later_keys_out_of_the_gradient():
+  """Causality by gradient leakage: with K smoothing (k̄ takes every key) and NVFP4 q, k and dS, a
+  cotangent on the first 16 queries gives exactly zero gradient to the later keys and values."""
+  q, k, v, do = _data()
+  do = do.at[:, 16:].set(0)
+  _, _, dk, dv = _op(q, _shifted_keys(k), v, do, KEY, config=SMOOTH)
+  assert not np.any(_f32(dk)[:, 16:]) and not np.any(_f32(dv)[:, 16:])
+  assert np.all(np.any(_f32(dk)[:, :16] != 0, axis=-1))
+
+
+@pytest.mark.slow
+def test_k_smooth_quantizes_the_smoothed_keys():
+  """NVFP4 with K smoothing: the forward is attention on deq(Q(q)), deq(Q(k − k̄)); the backward's P is
+  the forward's bit for bit; on keys with a large channel mean, O and the gradients come closer to
+  exact attention than without smoothing. Without reuse the backward recomputes P from the
+  unquantized k − k̄ (the forward's log-sum-exp belongs to the smoothed scores)."""
+  q, k, v, do = _data()
+  k = _shifted_keys(k)
+  k32 = k.astype(jnp.float32)
+  ks = (k32 - k32.mean(axis=1, keepdims=True)).astype(k.dtype)
+  _, p_fwd, _ = _ref_fwd(q, k, v, key=KEY, config=SMOOTH, return_stats=True)
+  _close(_ref_fwd(q, k, v, key=KEY, config=SMOOTH), _dpa(_deq(q), _deq(ks), v, do)[0], 1e-2)
+  _, inter = _ref_vjp(q, k, v, do, key=KEY, config=SMOOTH, return_intermediates=True)
+  np.testing.assert_array_equal(p_fwd, inter["p"])
+  exact, plain, smooth = _dpa(q, k, v, do), _op(q, k, v, do, KEY), _op(q, k, v, do, KEY, config=SMOOTH)
+  # dK's error is mostly dS's rounding noise (measured: O 0.24 -> 0.10, dQ 0.82 -> 0.26, dK 0.35 -> 0.26).
+  for name, p, s, e, gain in zip(("o", "dq", "dk", "dv"), plain, smooth, exact, (0.5, 0.5, 0.8, 0.5), strict=True):
+    assert _rel(s, e) < gain * _rel(p, e), (name, _rel(s, e), _rel(p, e))
+  no_reuse = _op(q, k, v, do, KEY, config=dataclasses.replace(SMOOTH, reuse=False))
+  np.testing.assert_array_equal(_f32(no_reuse[0]), _f32(smooth[0]))
+  assert all(_rel(g, e) < 0.5 for g, e in zip(no_reuse[1:], exact[1:], strict=True))
+
+
+def test_four_over_six_on_q_k_v():
+  """q, k (MSE) and v (MAE) with Four-over-Six block scales: the forward is attention on those decoded
+  operands."""
+  q, k, v, do = _data()
+  deq46 = lambda x, rule: nvfp4.quantize(x, scale_rule=rule).dequantize(x.dtype)
+  decoded = jax.jit(lambda q, k, v: (deq46(q, "4over6_mse"), deq46(k, "4over6_mse"), deq46(v, "4over6_mae")))
+  got = _ref_fwd(q, k, v, key=KEY, config=FOUR_OVER_SIX)
+  _close(got, _dpa(*decoded(q, k, v), do)[0], 1e-2)
+  assert _rel(got, _dpa(_deq(q), _deq(k), _deq(v), do)[0]) > 1e-3  # not the amax rule's
+
+
+@pytest.mark.slow
+def test_kernel_quantizer_packs_smoothed_four_over_six_operands_as_the_reference():
+  """The kernels' quantizer (interpret mode) packs q, k (Four over Six, MSE), v (MAE) and the smoothed
+  keys bit for bit as the reference does."""
+  q, k, v, _ = _data()
+  smooth = dataclasses.replace(FOUR_OVER_SIX, k_smooth=True)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def packed(impl, q, k, v):
+    keys = attn._keys(KEY)
+    ks = attn._smoothed_k(_shifted_keys(k), smooth)
+    return [attn._operand(x, smooth, n, keys, impl=impl) for x, n in ((q, "q"), (k, "k"), (v, "v"), (ks, "k"))]
+
+  for a, b in zip(jax.tree.leaves(packed("pallas_interpret", q, k, v)), jax.tree.leaves(packed("xla", q, k, v)),
+                  strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_kernel_path_lowers_with_k_smooth_four_over_six_and_fine_ds_tiles():
+  """The op's kernel path with K smoothing, Four over Six on q, k (MSE) and v (MAE) and 32×32 dS
+  tiles lowers for an abstract H200: the quantizer kernels of both rules and the flash kernels."""
+  config = dataclasses.replace(FOUR_OVER_SIX, k_smooth=True, ds_tile=(32, 32))
+  x = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+
+  def grads(q, k, v):
+    f = lambda q, k, v: nvfp4_attention(q, k, v, key=KEY, config=config, implementation="pallas")
+    return jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+
+  with jax.sharding.use_abstract_mesh(H200):
+    hlo = jax.jit(grads).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+  for name in ("nvfp4_quantize_pairs_4over6_mse", "nvfp4_quantize_pairs_4over6_mae", "nvfp4_attention_fwd",
+               "nvfp4_attention_dkdv", "nvfp4_attention_dq"):
+    assert name in hlo, name
+  assert not re.search(r"nvfp4_quantize_pairs(?!_4over6)", hlo)  # no amax-scaled quantizer
 
 
 # ----------------------------------------------------------------------------------------------

@@ -106,14 +106,14 @@ def test_backward_bf16_ds_matches_reference(b, t, h, hk, d, causal, bq, bk):
     _close(got, want, 2e-2)
 
 
-@pytest.mark.parametrize("rounding,causal,t,blocks", [
-    ("stochastic", True, 128, (64, 64)),
-    ("nearest", False, 96, (64, 32)),  # padded to 128, two ds tiles of 32 per key block
+@pytest.mark.parametrize("rounding,causal,t,blocks,ds_tile", [
+    ("stochastic", True, 128, (64, 64), (64, 64)),
+    ("nearest", False, 96, (64, 32), (64, 32)),  # padded to 128, two ds tiles of 32 per key block
+    ("stochastic", True, 64, (64, 32), (32, 32)),  # finer second-level scales: two tiles per block
 ])
 @pytest.mark.slow
-def test_backward_nvfp4_ds_matches_reference(rounding, causal, t, blocks):
+def test_backward_nvfp4_ds_matches_reference(rounding, causal, t, blocks, ds_tile):
   b, h, hk, d = 1, 2, 1, 64
-  ds_tile = (64, 64) if blocks == (64, 64) else (64, 32)
   q, k, v, do = _inputs(b, t, h, hk, d, seed=7)
   key = jax.random.key(5)
   o, lse, dq_r, dk_r, dv_r = _reference(q, k, v, do, causal=causal, ds_rounding=rounding, key=key,
@@ -517,17 +517,19 @@ def test_shared_helpers_are_defined_once():
   assert nvfp4_quantize.stochastic_bits is numerics.stochastic_bits
 
 
-# (D, causal, ds_rounding, GQA group): both head dims, dS in bf16 and NVFP4 (both roundings).
+# (D, causal, ds_rounding, GQA group, ds_tile): both head dims, dS in bf16 and NVFP4 (both roundings),
+# the default and the finest dS tiles (16×16 blocks of the backward's kernels).
 LOWER_CASES = [
-    (64, True, "stochastic", 2),
-    (128, True, "stochastic", 1),
-    (128, False, "nearest", 4),
-    (128, True, None, 2),
+    (64, True, "stochastic", 2, A.DS_TILE),
+    (128, True, "stochastic", 1, A.DS_TILE),
+    (128, False, "nearest", 4, A.DS_TILE),
+    (128, True, None, 2, A.DS_TILE),
+    (64, True, "stochastic", 2, (16, 16)),
 ]
 
 
-@pytest.mark.parametrize("d,causal,ds_rounding,group", LOWER_CASES)
-def test_lowers_to_triton_for_h200(triton_modules, d, causal, ds_rounding, group):
+@pytest.mark.parametrize("d,causal,ds_rounding,group,ds_tile", LOWER_CASES)
+def test_lowers_to_triton_for_h200(triton_modules, d, causal, ds_rounding, group, ds_tile):
   """The CUDA lowering of jitted forward and backward for an abstract H200 (no GPU): one Triton call
   forward, two backward (dK/dV and dQ), each verified; the dS quantizer divides with div.rn.f32 and
   rcp.rn.f32 and uses no float4/float8 type."""
@@ -538,7 +540,7 @@ def test_lowers_to_triton_for_h200(triton_modules, d, causal, ds_rounding, group
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   fwd = jax.jit(functools.partial(A.attention_fwd, causal=causal, sm_scale=d**-0.5))
   bwd = jax.jit(functools.partial(A.attention_bwd, causal=causal, sm_scale=d**-0.5,
-                                  ds_rounding=ds_rounding))
+                                  ds_rounding=ds_rounding, ds_tile=ds_tile))
   with jax.sharding.use_abstract_mesh(H200):  # abstract values only in here
     hlo_f = fwd.trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
     hlo_b = bwd.trace(q, k, k, q, lse, q, key=key).lower(lowering_platforms=("cuda",)).as_text()

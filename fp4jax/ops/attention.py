@@ -17,8 +17,10 @@ dS is quantized in 16×16 blocks of each ``[T, S]`` matrix (one packed dS serves
 stochastic rounding, and its second-level (float32) scale is set per ``ds_tile`` of that matrix
 (``_fake_quant_ds``). Every product takes operands in the inputs' dtype with float32 accumulation; the
 softmax is float32. ``AttentionConfig`` holds one ``fp4jax.quant.Operand`` for each operand of the seven
-products: NVFP4 or the plain input, and its rounding. Gradients reach q, k, v straight through their
-quantizers.
+products: NVFP4 or the plain input, its rounding and (q, k, v) its block scale rule (Four over Six).
+With ``k_smooth``, k's mean over the keys is subtracted before Q(k) (K smoothing: exact under the
+softmax, and the packed Q(k − k̄) serves forward and backward). Gradients reach q, k, v straight
+through their quantizers (k̄ held constant).
 
 ``nvfp4_attention_reference`` / ``nvfp4_attention_vjp_reference`` are the same numerics in plain jnp
 with S, P and dS materialized; they are the op's ``implementation="xla"``. ``"pallas"`` runs the flash
@@ -49,6 +51,9 @@ OPERANDS = ("q", "k", "v", "p", "do", "ds")
 _BLOCKS = {**dict.fromkeys(OPERANDS, (1, nvfp4.BLOCK)), "ds": (nvfp4.BLOCK, nvfp4.BLOCK)}
 _HEAD_DIMS = (64, 128)  # the flash kernels' head dims; the XLA path takes any multiple of 16
 _SCALE_SCOPES = ("tile", "matrix", "tensor")
+# The operands quantized by one quantizer call over the whole tensor (``_operand``), which takes any
+# ``scale_rule``; P's and dS's quantizers run inside the flash kernels and scale each block by its amax.
+_SCALE_RULE_OPERANDS = ("q", "k", "v")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,17 +67,22 @@ class AttentionConfig:
   experiments' command line ``--config.recipe.attention_op.v.format=nvfp4``. An operand in
   ``"bf16"`` keeps the rounding and block it takes when switched to ``"nvfp4"``.
 
-  Each ``Operand`` (``fp4jax.quant``) is ``format`` ``"nvfp4"`` or ``"bf16"`` (the plain input) and
-  its ``rounding``; the blocks are fixed per operand (as below) and one term each: a quantized
-  operand with another ``block``, ``terms=2`` or a ``scale_rule`` other than ``"max"`` is a
-  ``ValueError``.
+  Each ``Operand`` (``fp4jax.quant``) is ``format`` ``"nvfp4"`` or ``"bf16"`` (the plain input), its
+  ``rounding`` and, for q, k and v, its ``scale_rule``; the blocks are fixed per operand (as below)
+  and one term each: a quantized operand with another ``block``, ``terms=2``, or a ``scale_rule``
+  other than ``"max"`` on P, dO or dS is a ``ValueError``.
 
   Attributes:
     q: q in ``S = Q·Kᵀ`` and ``dK = dSᵀ·Q``: 1×16 blocks along D; the same packed Q(q) serves
-      forward and backward (see ``reuse``). Default: NVFP4, nearest.
-    k: k in ``S = Q·Kᵀ`` and ``dQ = dS·K``, as ``q``. Default: NVFP4, nearest.
-    v: v in ``O = P·V`` and ``dP = dO·Vᵀ``: one Q(v), 1×16 blocks along D. Default: bf16 (nearest
-      when switched to NVFP4).
+      forward and backward (see ``reuse``). Default: NVFP4, nearest. ``scale_rule`` may be Four over
+      Six (``"4over6_mse"`` or ``"4over6_mae"``, nearest rounding): each block takes the E4M3 scale
+      that maps its amax to 6 or to 4, whichever decodes with the smaller squared (absolute) error;
+      the kernels' path gives the same bits (``fp4jax.kernels.nvfp4_quantize``).
+    k: k in ``S = Q·Kᵀ`` and ``dQ = dS·K``, as ``q`` (after ``k_smooth``). Default: NVFP4, nearest.
+    v: v in ``O = P·V`` and ``dP = dO·Vᵀ``: one Q(v), 1×16 blocks along D, used forward and
+      backward; ``scale_rule`` as ``q``'s. Default: bf16 (nearest when switched to NVFP4). V in
+      NVFP4 with P and dO in bf16 is Q/K/V quantized once and reused, the products through P and dO
+      in the input dtype.
     p: P in ``O = P·V`` and ``dV = Pᵀ·dO``: one Q(P), 1×16 blocks along the keys with the fixed
       global scale of ``amax = 1`` (``P <= 1``). Then δ uses ``O = P·V`` with the unquantized P (a
       second P·V in the forward), so that ``rowsum(dS) = 0`` as for the exact gradient. Default:
@@ -87,7 +97,21 @@ class AttentionConfig:
       unstable): the backward uses the unquantized q and k, kept as residuals, so its recomputed P
       is the softmax of the unquantized scores, not the forward's.
     ds_tile: ``(rows, cols)`` of the dS tiles that each get their own second-level scale; powers of
-      two >= 16 (the flash kernels' blocks hold whole tiles).
+      two >= 16 (the flash kernels' blocks hold whole tiles, so a finer tile is also a smaller
+      kernel block). dS keeps ``scale_rule="max"``: Four over Six takes nearest rounding only, and dS
+      is rounded stochastically.
+    k_smooth: K smoothing (SageAttention): per batch and key/value head, subtract k's mean over the
+      keys, ``k̄ = mean_s k[b, s, h, :]`` (float32, then k's dtype), before Q(k): ``S = Q(q)·Q(k −
+      k̄)ᵀ``. Exact under the softmax: ``q·(k − k̄)ᵀ`` differs from ``q·kᵀ`` by ``q·k̄``, one constant
+      per query row, with or without the causal mask, so only the quantization error changes
+      (keys share a large per-channel mean that otherwise sets the blocks' scales). The backward's
+      recomputed scores use the same smoothed packed Q(k − k̄) (without ``reuse``, the unquantized
+      ``k − k̄``). The gradient is ``dK = deq(Q(dS))ᵀ·deq(Q(q))`` as without smoothing: k̄ is held
+      constant (``stop_gradient``). Its exact term, ``−mean_s dK``, is zero, since each row of the
+      exact dS sums to zero; with a quantized dS the rows' sums are rounding noise, which this
+      drops. Under the causal mask k̄ includes later keys, which reach an earlier query's scores
+      through the rounding of Q(k − k̄) only (as they already do through the global scale's amax),
+      never through a gradient. Default: False.
   """
 
   q: Operand = Operand()
@@ -98,6 +122,7 @@ class AttentionConfig:
   ds: Operand = Operand(rounding="stochastic", block=(nvfp4.BLOCK, nvfp4.BLOCK))
   reuse: bool = True
   ds_tile: tuple[int, int] = (64, 64)
+  k_smooth: bool = False
 
   def __post_init__(self):
     for name in OPERANDS:
@@ -114,11 +139,13 @@ class AttentionConfig:
       if op.terms != 1:
         raise ValueError(f"AttentionConfig.{name}.terms must be 1 (attention quantizes each operand as "
                          f"one NVFP4 term), got {op.terms}")
-      if op.scale_rule != "max":
-        raise ValueError(f"AttentionConfig.{name}.scale_rule must be 'max' (the attention kernels scale "
-                         f"each block by its amax), got {op.scale_rule!r}")
-    if not isinstance(self.reuse, bool):
-      raise ValueError(f"AttentionConfig.reuse must be a bool, got {self.reuse!r}")
+      if op.scale_rule != "max" and name not in _SCALE_RULE_OPERANDS:
+        raise ValueError(f"AttentionConfig.{name}.scale_rule must be 'max' (its quantizer runs inside the "
+                         f"attention kernels and scales each block by its amax; q, k and v take Four "
+                         f"over Six), got {op.scale_rule!r}")
+    for flag in ("reuse", "k_smooth"):
+      if not isinstance(getattr(self, flag), bool):
+        raise ValueError(f"AttentionConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
     tile = _check_tile(self.ds_tile, "AttentionConfig.ds_tile")
     if any(n & (n - 1) for n in tile):  # the flash kernels' blocks are whole tiles
       raise ValueError(f"AttentionConfig.ds_tile must be powers of two >= 16, got {self.ds_tile!r}")
@@ -190,7 +217,8 @@ def _quantize(x, config, name, key, impl="xla", **kw) -> nvfp4.NVFP4Tensor:
   """``nvfp4.quantize`` of one operand; on the kernel paths the same bits from one Pallas quantizer
   call over the whole tensor (``fp4jax.kernels.nvfp4_quantize``)."""
   stochastic = config.stochastic(name)
-  kw.update(rounding=getattr(config, name).rounding, key=key if stochastic else None)
+  op = getattr(config, name)
+  kw.update(rounding=op.rounding, key=key if stochastic else None, scale_rule=op.scale_rule)
   if impl in ("pallas", "pallas_interpret"):
     return nvfp4_quantize.quantize(x, interpret=impl == "pallas_interpret", **kw)
   return nvfp4.quantize(x, **kw)
@@ -201,6 +229,15 @@ def _operand(x, config, name, keys, impl="xla"):
   if not config.quantizes(name):
     return x
   return _quantize(x, config, name, keys[name], impl, block=getattr(config, name).block, axis=-1)
+
+
+def _smoothed_k(k, config):
+  """``k − k̄`` in k's dtype with ``k̄`` k's float32 mean over the keys per (batch, head), held constant
+  (``AttentionConfig.k_smooth``); ``k`` itself without smoothing."""
+  if not config.k_smooth:
+    return k
+  k32 = k.astype(_F32)
+  return (k32 - lax.stop_gradient(jnp.mean(k32, axis=1, keepdims=True))).astype(k.dtype)
 
 
 def _decoded(x, dtype):
@@ -348,6 +385,7 @@ def _probs(scores, lse):
 def _forward(q, k, v, keys, causal, config):
   """The reference forward: ``(o, residuals without key, P)``; o and residual o in q's dtype."""
   dtype, n_kv = q.dtype, k.shape[2]
+  k = _smoothed_k(k, config)
   qt, kt, vt = (_operand(x, config, name, keys) for x, name in ((q, "q"), (k, "k"), (v, "v")))
   qd, kd, vd = _grouped(_decoded(qt, dtype), n_kv), _decoded(kt, dtype), _decoded(vt, dtype)
   scores = _scores(qd, kd, causal)
@@ -408,6 +446,7 @@ def _attention_fwd(q, k, v, key, causal, config, impl):
     o, res, _ = _forward(q, k, v, keys, causal, config)
     return o, res._replace(key=key)
   dtype = q.dtype
+  k = _smoothed_k(k, config)
   qt, kt, vt = (_operand(x, config, name, keys, impl=impl) for x, name in ((q, "q"), (k, "k"), (v, "v")))
   qd, kd, vd = _decoded(qt, dtype), _decoded(kt, dtype), _decoded(vt, dtype)
   sm_scale, interpret = 1.0 / math.sqrt(q.shape[-1]), impl == "pallas_interpret"
@@ -499,7 +538,8 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
   The backward recomputes P from the same packed Q(q), Q(k) and the saved log-sum-exp, and forms
   ``dQ = deq(Q(dS))·deq(Q(k))`` and ``dK = deq(Q(dS))ᵀ·deq(Q(q))`` with dS quantized per
   ``config.ds_tile`` (see the module docstring); q, k, v get those gradients
-  straight through their quantizers.
+  straight through their quantizers. With ``config.k_smooth``, k is ``k − mean_s(k)`` (per batch and
+  head) wherever it appears above: the same function, other quantization errors.
 
   Args:
     q: ``[B, T, H, D]`` queries (bf16 in a model; any float dtype shared with k and v).

@@ -7,6 +7,8 @@
 - The quantized operands are bit-equal to the CPU's: the decoded Q(q), Q(k) of the op, the dS
   rounding bits, and the in-kernel dS tile quantizer (PTX ``div.rn.f32``) against ``fake_quant_ds`` on
   the CPU.
+- K smoothing and Four over Six: the packed Q(k − k̄) and Q(q) of the kernel path on the GPU equal the
+  reference's on the CPU, bit for bit.
 - The scores of the forward's tiles and the backward's tiles are bit-identical (the same dot on the
   same decoded q, k), so the backward's P recompute is the forward's.
 """
@@ -22,6 +24,7 @@ from jax.experimental import pallas as pl
 from fp4jax import nvfp4
 from fp4jax.kernels import _common as C
 from fp4jax.kernels import attention as A
+from fp4jax.ops import attention as attn
 from fp4jax.ops.attention import AttentionConfig, nvfp4_attention
 from fp4jax.ops.attention import _fake_quant_ds as fake_quant_ds
 from fp4jax.quant import BF16, Operand
@@ -63,6 +66,14 @@ _CONFIGS = {
     "nvfp4": AttentionConfig.nvfp4(),
     # The pv_quantized ablation: V, P and dO in NVFP4 too (attention_pv, Q(P) in the dK/dV kernel).
     "pv_nvfp4": AttentionConfig.nvfp4(v=Operand(), p=Operand(), do=Operand(rounding="stochastic")),
+    # V in NVFP4 with P and dO in bf16 (Q/K/V quantized once and reused).
+    "v_nvfp4": AttentionConfig.nvfp4(v=Operand()),
+    # K smoothing, Four over Six on q, k (MSE) and v (MAE): the XLA-side mean and the 4/6 quantizers.
+    "k_smooth_4over6": AttentionConfig.nvfp4(k_smooth=True, q=Operand(scale_rule="4over6_mse"),
+                                             k=Operand(scale_rule="4over6_mse"),
+                                             v=Operand(scale_rule="4over6_mae")),
+    # The finest second-level dS scales: 16×16 tiles, so 16×16 blocks in the backward's kernels.
+    "ds_tile_16": AttentionConfig.nvfp4(ds_tile=(16, 16)),
 }
 
 
@@ -84,8 +95,8 @@ def test_kernels_match_reference(config, d, causal, hk):
   want = _on(gpu, functools.partial(run, "xla"), q, k, v, do)
   # bf16 outputs: a few bf16 ulps from summation order; NVFP4 dS also moves a few E2M1 codes where
   # dS differs in its last bits, and an NVFP4 P (from the kernels' own log-sum-exp) likewise.
-  tol = {"bf16_ds": (1e-2, 1e-2, 1e-2, 1e-2), "nvfp4": (1e-2, 5e-2, 5e-2, 1e-2),
-         "pv_nvfp4": (2e-2, 5e-2, 5e-2, 2e-2)}[config]
+  nvfp4_tol = (1e-2, 5e-2, 5e-2, 1e-2)
+  tol = {"bf16_ds": (1e-2, 1e-2, 1e-2, 1e-2), "pv_nvfp4": (2e-2, 5e-2, 5e-2, 2e-2)}.get(config, nvfp4_tol)
   for name, g, w, tl in zip(("o", "dq", "dk", "dv"), got, want, tol):
     assert np.all(np.isfinite(np.asarray(g, np.float32))), name
     assert _rel(g, w) < tl, (name, _rel(g, w))
@@ -97,6 +108,30 @@ def test_decoded_operands_equal_cpu():
   q, *_ = _inputs(2, 512, 4, 4, 128, seed=3)
   fn = lambda x: nvfp4.quantize(x, block=(1, 16)).dequantize(jnp.bfloat16)
   assert _bits_equal(_on(gpu, fn, q), _on(cpu, fn, q)) == 0
+
+
+@pytest.mark.parametrize("rule", ["max", "4over6_mse", "4over6_mae"])
+def test_smoothed_four_over_six_operands_equal_cpu(rule):
+  """The kernel path's packed Q(k − k̄) and Q(q) (the Pallas quantizer, each scale rule) on the GPU equal
+  the reference's on the CPU bit for bit, given the same k − k̄; k̄ itself (an XLA mean, whose float32
+  summation order the backends choose) agrees to float32 rounding."""
+  gpu, cpu = _devices()
+  q, k, *_ = _inputs(2, 512, 4, 2, 128, seed=4)
+  mean = jnp.asarray(3.0 * np.random.default_rng(1).standard_normal((2, 1, 2, 128)), jnp.float32)
+  k = (k.astype(jnp.float32) + mean).astype(jnp.bfloat16)
+  config = AttentionConfig.nvfp4(k_smooth=True, q=Operand(scale_rule=rule), k=Operand(scale_rule=rule))
+  keys = attn._keys(jax.random.key(0))
+  smooth = lambda k: attn._smoothed_k(k, config)
+  ks = _on(cpu, smooth, k)
+  np.testing.assert_allclose(np.float32(_on(gpu, smooth, k)), np.float32(ks), rtol=2**-7, atol=1e-2)
+
+  def packed(impl, q, ks):
+    return [attn._operand(x, config, n, keys, impl=impl).dequantize(jnp.bfloat16)
+            for x, n in ((q, "q"), (ks, "k"))]
+
+  got = _on(gpu, functools.partial(packed, "pallas"), q, ks)
+  want = _on(cpu, functools.partial(packed, "xla"), q, ks)
+  assert [_bits_equal(g, w) for g, w in zip(got, want, strict=True)] == [0, 0]
 
 
 def _tile_quantizer_kernel(w_ref, ds_ref, out_ref, *, rounding, bh):
