@@ -10,6 +10,8 @@ from experiments.studies import Arm
 
 _FWD_ONLY = {"recipe.matmul.dgrad": False, "recipe.matmul.wgrad": False,
              "recipe.matmul.hadamard": False}
+_ATTN_QK_4OVER6 = {"recipe.attention": "nvfp4", "recipe.attention_op.q.scale_rule": "4over6_mse",
+                   "recipe.attention_op.k.scale_rule": "4over6_mse"}
 _FOUR_OVER_SIX_FWD = {"recipe.matmul.x.scale_rule": "4over6_mse", "recipe.matmul.w.scale_rule": "4over6_mse"}
 
 
@@ -164,5 +166,25 @@ ARMS: tuple[Arm, ...] = (
         Arm("fourover6_all", "fp4_linear", {**_FOUR_OVER_SIX_FWD, "recipe.matmul.x_wgrad.scale_rule": "4over6_mse"},
             0, "fp4_linear", "Four-over-Six (MSE) on every nearest-rounded operand: x, W and the wgrad's H·x "
             "(stochastic rounding of dy keeps the max rule)"),
+    ),
+    # NVFP4 attention alone (the bf16 recipe otherwise) and the method's remedies, read against it at the
+    # same seed.
+    *_group(
+        "attention_alone",
+        Arm("attn_only", "bf16", {"recipe.attention": "nvfp4"}, 0, "bf16_s0",
+            "NVFP4 attention alone (QK^T and dS; V, P, dO in BF16; tensor reuse), BF16 linear layers"),
+        Arm("attn_only_s1", "bf16", {"recipe.attention": "nvfp4"}, 1, "bf16_s1",
+            "NVFP4 attention alone, seed 1"),
+        Arm("attn_k_smooth", "bf16", {"recipe.attention": "nvfp4", "recipe.attention_op.k_smooth": True}, 0,
+            "attn_only", "K smoothing: k's mean over the keys subtracted before Q(k)"),
+        Arm("attn_k_smooth_s1", "bf16", {"recipe.attention": "nvfp4", "recipe.attention_op.k_smooth": True}, 1,
+            "attn_only_s1", "K smoothing, seed 1"),
+        Arm("attn_qk_4over6", "bf16", _ATTN_QK_4OVER6, 0, "attn_only", "Four-over-Six (MSE) scales on Q(q) and Q(k)"),
+        Arm("attn_method", "bf16", {**_ATTN_QK_4OVER6, "recipe.attention_op.k_smooth": True}, 0, "attn_only",
+            "K smoothing and Four-over-Six on Q(q), Q(k)"),
+        Arm("attn_method_s1", "bf16", {**_ATTN_QK_4OVER6, "recipe.attention_op.k_smooth": True}, 1, "attn_only_s1",
+            "K smoothing and Four-over-Six on Q(q), Q(k), seed 1"),
+        Arm("attn_v_nvfp4", "bf16", {"recipe.attention": "nvfp4", "recipe.attention_op.v.format": "nvfp4"}, 0,
+            "attn_only", "V in NVFP4 too (one Q(v) in P.V and dO.V^T; P and dO in BF16)"),
     ),
 )
