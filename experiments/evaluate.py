@@ -15,6 +15,10 @@ the train loop's evaluation step. ``--text`` is:
   documents that training on that folder holds out (``fp4jax.corpus.text_dir_corpus``);
 * one ``.txt`` file: evaluated whole.
 
+The run's own corpus, where its text is not on this machine (a GPU machine given only the token
+folder), is evaluated from the validation shards of the run's data folder (``from_shards``: the
+same windows), each shard checked against its sha256 first.
+
 Prints one line (loss and its standard error, perplexity, tokens, step); ``--out`` appends it as a
 JSON line. The standard error is that of the mean over the evaluated batches (the text's own
 variation: another sample of held-out text of this size would move the loss by about that much).
@@ -119,6 +123,22 @@ def windows(tok: tokenizer_lib.Tokenizer, files: Sequence[Path], seq_len: int,
   return w
 
 
+def from_shards(text: str, split: str | None, exp: Experiment, data_dir: str | os.PathLike) -> bool:
+  """Whether the held-out windows of ``text`` come from the run's token folder: ``text`` is the
+  run's own corpus, its validation split is asked for, its text is not on this machine
+  (``fp4jax.corpus.text_is_here``) and ``data_dir`` holds that corpus. The shards hold the same
+  documents in the same order, tokenized by the same tokenizer; cut into shards of
+  ``fp4jax.data.DEFAULT_SHARD_TOKENS`` (``prepare``'s default) they give the same windows as the
+  text."""
+  if text != exp.data.corpus or split not in (None, "validation") or corpus_lib.text_is_here(text):
+    return False
+  try:
+    meta = data.read_meta(data_dir)
+  except (OSError, ValueError):
+    return False
+  return meta.corpus.get("name") == corpus_lib.corpus_name(text) and "validation" in meta.splits
+
+
 def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
              max_tokens: int | None = None, batch_size: int | None = None,
              encoding: str | None = None, exp: Experiment | None = None) -> dict:
@@ -148,10 +168,13 @@ def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
     tok = tokenizer_lib.ByteTokenizer()
   else:
     tok = data.load_tokenizer(run["data_dir"])
-  files, split = documents(text, split)
-  # Built-in corpora are stored as UTF-8; user text is in the run's (or the given) encoding.
-  enc = "utf-8" if text in corpus_lib.CORPORA else encoding or exp.data.encoding
-  w = windows(tok, files, tc.seq_len, enc)
+  if from_shards(text, split, exp, run["data_dir"]):
+    w, split = data.split_windows(run["data_dir"], "validation", tc.seq_len), "validation"
+  else:
+    files, split = documents(text, split)
+    # Built-in corpora are stored as UTF-8; user text is in the run's (or the given) encoding.
+    enc = "utf-8" if text in corpus_lib.CORPORA else encoding or exp.data.encoding
+    w = windows(tok, files, tc.seq_len, enc)
   if max_tokens is not None:
     if max_tokens < tc.seq_len:
       raise ValueError(f"--max_tokens={max_tokens} is less than one window (seq_len "

@@ -491,6 +491,27 @@ def text_dir_corpus(path: str | os.PathLike, val_every: int = _VAL_EVERY) -> Cor
                      fingerprint=h.hexdigest())
 
 
+def text_is_here(spec: str | os.PathLike | CorpusFiles,
+                 cache_dir: str | os.PathLike | None = None) -> bool:
+  """Whether the text of a corpus can be read on this machine without the network: a built-in
+  corpus cached (its manifest) or packed in the data root, an existing folder, a CorpusFiles."""
+  if isinstance(spec, CorpusFiles):
+    return True
+  if isinstance(spec, str) and spec in CORPORA:
+    root = data_root(cache_dir)
+    return ((root / "corpora" / spec / MANIFEST).is_file() or (root / f"{spec}.tar.xz").is_file()
+            or (root / "corpora" / f"{spec}.tar.xz").is_file())
+  return Path(spec).is_dir()
+
+
+def corpus_name(spec: str | os.PathLike | CorpusFiles) -> str:
+  """The name a corpus's prepared data records (``CorpusFiles.name``), without reading its text: a
+  built-in name, or a folder's name."""
+  if isinstance(spec, CorpusFiles):
+    return spec.name
+  return spec if isinstance(spec, str) and spec in CORPORA else Path(spec).name
+
+
 def resolve_corpus(spec: str | os.PathLike | CorpusFiles,
                    cache_dir: str | os.PathLike | None = None) -> CorpusFiles:
   """A built-in corpus name, a folder of text files, or a CorpusFiles as is."""

@@ -302,6 +302,61 @@ def _reusable(out: Path, fingerprint: str) -> DataMeta | None:
   return old if old.fingerprint == fingerprint and _shards_ok(out, old) else None
 
 
+def _request_fingerprint(corpus_fingerprint: str, tag: str, vocab_size: int | None,
+                         shard_tokens: int, encoding: str) -> str:
+  """The reuse key of a data folder: sha256 of everything that determines its shards."""
+  request = {"format_version": _FORMAT_VERSION, "corpus": corpus_fingerprint, "tokenizer": tag,
+             "vocab_size": vocab_size, "shard_tokens": shard_tokens}
+  if encoding != "utf-8":
+    request["encoding"] = encoding
+  return hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
+
+
+def prepared_data(corpus: str | os.PathLike, out_dir: str | os.PathLike | None = None, *,
+                  tokenizer: str = "byte", vocab_size: int | None = None,
+                  shard_tokens: int = DEFAULT_SHARD_TOKENS,
+                  cache_dir: str | os.PathLike | None = None,
+                  encoding: str = "utf-8") -> DataMeta | None:
+  """The meta of data already prepared from ``corpus`` with these settings, found without its text.
+
+  ``out_dir`` (default ``default_out_dir``) is reused when its ``meta.json`` names the corpus and
+  was made with these settings (tokenizer, vocabulary, shard size, encoding: its fingerprint,
+  recomputed from the corpus fingerprint it records) and every shard matches its size and sha256.
+  What the text itself holds cannot be checked without it: ``prepare`` calls this only where the
+  text is not on this machine.
+
+  Returns:
+    The meta, or None if ``out_dir`` holds no data of ``corpus``.
+
+  Raises:
+    ValueError: ``out_dir`` holds data of ``corpus`` made with other settings, or a damaged shard;
+      the message says that the text to prepare it again is not here.
+  """
+  name = corpus_lib.corpus_name(corpus)
+  out = (Path(out_dir) if out_dir is not None
+         else default_out_dir(name, tokenizer, vocab_size, cache_dir))
+  if not (out / _META_FILE).is_file():
+    return None
+  meta = read_meta(out)
+  if meta.corpus.get("name") != name:
+    return None
+  absent = (f"the text of corpus {name!r} is not on this machine to prepare it again (copy the "
+            f"token folder again, or the text: {corpus})")
+  want = _request_fingerprint(meta.corpus.get("fingerprint", ""), _tokenizer_tag(tokenizer, vocab_size),
+                              vocab_size, shard_tokens, encoding)
+  if want != meta.fingerprint:
+    raise ValueError(
+        f"{out} holds {name} prepared with other settings than this run's (tokenizer "
+        f"{tokenizer}, vocab_size {vocab_size}, shard_tokens {shard_tokens}, encoding {encoding}; "
+        f"the folder: {meta.tokenizer.get('kind')} tokenizer, vocab {meta.vocab_size}), and "
+        f"{absent}; set the run's data settings to the folder's")
+  for sp in meta.splits.values():
+    for shard in sp["shards"]:
+      if why := shard_damage(out, meta, shard):
+        raise ValueError(f"{why}; {absent}")
+  return meta
+
+
 def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
             out_dir: str | os.PathLike | None = None, *, tokenizer: str = "byte",
             vocab_size: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
@@ -311,6 +366,11 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
 
   A folder that holds the same data with a missing, truncated or damaged shard (its sha256) is
   prepared again. An intact folder is reused without writing anything (read-only storage works).
+
+  Where the corpus's text is not on this machine (a built-in corpus neither cached nor packed in the
+  data root, a folder that is gone), a folder that already holds it, prepared with these settings
+  and intact (every shard's sha256), is used without the text and without the network
+  (``prepared_data``); the text is needed only to prepare.
 
   Processes of one machine that prepare the same folder at once take turns (a lock file beside it):
   the first tokenizes, the others reuse its folder. Hosts that share a network disk should still
@@ -334,15 +394,16 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
   """
   if shard_tokens < 2:
     raise ValueError(f"shard_tokens must be >= 2, got {shard_tokens}")
+  if not corpus_lib.text_is_here(corpus, cache_dir):  # what is prepared serves without the text
+    meta = prepared_data(corpus, out_dir, tokenizer=tokenizer, vocab_size=vocab_size,
+                         shard_tokens=shard_tokens, cache_dir=cache_dir, encoding=encoding)
+    if meta is not None:
+      return meta
   files = corpus_lib.resolve_corpus(corpus, cache_dir)
   tag = _tokenizer_tag(tokenizer, vocab_size)
   out = (Path(out_dir) if out_dir is not None
          else default_out_dir(files.name, tokenizer, vocab_size, cache_dir))
-  request = {"format_version": _FORMAT_VERSION, "corpus": files.fingerprint, "tokenizer": tag,
-             "vocab_size": vocab_size, "shard_tokens": shard_tokens}
-  if encoding != "utf-8":
-    request["encoding"] = encoding
-  fingerprint = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
+  fingerprint = _request_fingerprint(files.fingerprint, tag, vocab_size, shard_tokens, encoding)
   other = ("use another folder (--config.data.dir for experiments.train, --out for `python -m "
            "fp4jax.data prepare`), or replace it (`python -m fp4jax.data prepare --overwrite`)")
   if (old := _reusable(out, fingerprint)) is not None:  # no lock: the folder may be read-only
@@ -448,6 +509,26 @@ class TokenWindows:
 
   def __getstate__(self):
     return {**self.__dict__, "_mmaps": None}
+
+
+def split_windows(data_dir: str | os.PathLike, split: str, seq_len: int) -> np.ndarray:
+  """Every window of one split in order, as (N, seq_len + 1) int32 (``TokenWindows``' cut), after
+  checking each of its shards (size and sha256, ``shard_damage``).
+
+  Raises:
+    ValueError: a damaged shard (named), or no window.
+  """
+  meta = read_meta(data_dir)
+  for shard in meta._split(split)["shards"]:
+    if why := shard_damage(data_dir, meta, shard):
+      raise ValueError(f"{why}; prepare the data again")
+  src = TokenWindows(data_dir, split, seq_len)  # checks the sizes; at least one window
+  out = []
+  for path, n in zip(src._paths, src._sizes, strict=True):
+    ids = np.memmap(path, meta.np_dtype, "r", shape=(n,))
+    idx = np.arange(max(n - 1, 0) // seq_len)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    out.append(np.asarray(ids[idx], np.int32))
+  return np.concatenate(out)
 
 
 def num_windows(data_dir: str | os.PathLike, split: str, seq_len: int) -> int:
@@ -579,10 +660,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.command == "info":
       meta, out = read_meta(a.dir), Path(a.dir)
     else:
-      files = corpus_lib.resolve_corpus(a.corpus, a.data_dir)
-      out = Path(a.out) if a.out else default_out_dir(files.name, a.tokenizer, a.vocab_size,
-                                                      a.data_dir)
-      meta = prepare(files, out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
+      out = Path(a.out) if a.out else default_out_dir(corpus_lib.corpus_name(a.corpus),
+                                                      a.tokenizer, a.vocab_size, a.data_dir)
+      meta = prepare(a.corpus, out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
                      shard_tokens=a.shard_tokens, cache_dir=a.data_dir, overwrite=a.overwrite,
                      encoding=a.encoding)
   except (ValueError, OSError, corpus_lib.CorpusUnavailableError) as e:
