@@ -60,8 +60,9 @@ def define_flags() -> None:
   flags.DEFINE_list("recipes", ["bf16", "fp4_linear"],
                     "recipes to compare; the first is the reference")
   flags.DEFINE_integer("eval_tokens", None, "evaluate at most this many held-out tokens "
-                       "(default: the config's study.eval_tokens, else the whole split)")
-  flags.DEFINE_integer("eval_batch_size", None, "evaluation batch (default: the run's)")
+                       "(default: the config's study.eval_tokens, else the whole split)", lower_bound=1)
+  flags.DEFINE_integer("eval_batch_size", None, "evaluation batch (default: the run's)",
+                       lower_bound=1)
   flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
   launcher.define_cache_flag()
 
@@ -282,7 +283,7 @@ def compare(cfg, recipes: list[str], workdir: str | Path, eval_tokens: int | Non
   """
   workdir = Path(workdir)
   exps = recipe_experiments(Experiment.from_config(cfg), recipes)
-  eval_tokens = evaluate_lib.eval_tokens(cfg, eval_tokens)
+  eval_tokens = evaluate_lib.eval_tokens(cfg, eval_tokens, eval_batch_size)
   results = {}
   with RunLock(workdir, "comparison") as lock, StopSignals(
       lambda t: print(t, flush=True), BETWEEN_RUNS, lambda: lock.release(force=True)):

@@ -278,12 +278,12 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
       ``parallel``.
   """
   workdir = Path(workdir)
-  eval_tokens = evaluate_lib.eval_tokens(cfg, eval_tokens)
   selected = select_arms(arms)
-  if parallel < 1:
-    raise ValueError(f"--parallel={parallel}: give 1 or more arms at a time")
+  if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+    raise ValueError(f"--parallel={parallel!r}: give 1 or more arms at a time")
   # The study's experiment is typed once; each arm's is made from it and checked before any trains.
   base = Experiment.from_config(cfg)
+  eval_tokens = evaluate_lib.eval_tokens(cfg, eval_tokens, eval_batch_size)
   exps = {arm.name: arm_experiment(base, arm, telemetry) for arm in selected}
   child = bool(os.environ.get(_pool.CHILD_ENV))  # an arm of --parallel: the parent holds the lock
   workdir.mkdir(parents=True, exist_ok=True)
@@ -351,11 +351,14 @@ def define_flags() -> None:
   flags.DEFINE_string("arms", None, f"all, or some of: {','.join(ARM_NAMES)}")
   flags.DEFINE_bool("list", False, "print the arms (name, preset, changes, seed, baseline, what) "
                     "and exit")
-  flags.DEFINE_integer("eval_tokens", None, "evaluate at most this many held-out tokens")
-  flags.DEFINE_integer("eval_batch_size", None, "evaluation batch (default: the run's)")
+  flags.DEFINE_integer("eval_tokens", None, "evaluate at most this many held-out tokens",
+                       lower_bound=1)
+  flags.DEFINE_integer("eval_batch_size", None, "evaluation batch (default: the run's)",
+                       lower_bound=1)
   flags.DEFINE_string("collect", None, "copy the small logs into this folder")
   flags.DEFINE_bool("telemetry", True, "log the per-module quantization error (--notelemetry: off)")
-  flags.DEFINE_integer("parallel", 1, "train up to this many arms at once, one process each")
+  flags.DEFINE_integer("parallel", 1, "train up to this many arms at once, one process each",
+                       lower_bound=1)
   flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
   launcher.define_cache_flag()
 

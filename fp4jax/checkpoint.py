@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 
 from fp4jax.workdir import IncompatibleCheckpointError, diff
 
-_CHECKSUMS = "fp4jax_checksums.json"
+CHECKSUMS = "fp4jax_checksums.json"  # in each step folder: its files' sizes and sha256
 # Written by orbax after the step's contents are complete (markers and step metadata).
 _UNCHECKED = ("_CHECKPOINT_METADATA", "commit_success.txt")
 _TMP = ".orbax-checkpoint-tmp"
@@ -58,7 +58,7 @@ def _is_grain(it) -> bool:
 def _files(step_dir: Path) -> list[Path]:
   if not step_dir.is_dir():
     return []
-  return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != _CHECKSUMS
+  return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS
                 and p.name not in _UNCHECKED)
 
 
@@ -75,9 +75,9 @@ def write_checksums(step_dir: str | os.PathLike) -> None:
   step_dir = Path(step_dir)
   files = {p.relative_to(step_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
            for p in _files(step_dir)}
-  tmp = step_dir / (_CHECKSUMS + ".tmp")
+  tmp = step_dir / (CHECKSUMS + ".tmp")
   tmp.write_text(json.dumps({"files": files}, indent=0))
-  os.replace(tmp, step_dir / _CHECKSUMS)
+  os.replace(tmp, step_dir / CHECKSUMS)
 
 
 def verify(step_dir: str | os.PathLike) -> str | None:
@@ -90,7 +90,7 @@ def verify(step_dir: str | os.PathLike) -> str | None:
     is empty or partial).
   """
   step_dir = Path(step_dir)
-  path = step_dir / _CHECKSUMS
+  path = step_dir / CHECKSUMS
   if not path.is_file():
     missing = [i for i in ("state", "meta") if not any(_files(step_dir / i))]
     if missing:  # a step folder left empty or half-written (a copy, a crash before orbax's rename)
@@ -183,7 +183,7 @@ class Checkpointer:
       return
     for step in self._saving:
       tmp = list(self.directory.glob(f"{step}{_TMP}*"))
-      if len(tmp) == 1 and not (tmp[0] / _CHECKSUMS).is_file():
+      if len(tmp) == 1 and not (tmp[0] / CHECKSUMS).is_file():
         write_checksums(tmp[0])
 
   def _settle(self) -> bool:
@@ -201,7 +201,7 @@ class Checkpointer:
                "training goes on and the next save tries again")
     for step in self._saving:
       step_dir = self.directory / str(step)
-      if jax.process_index() == 0 and step_dir.is_dir() and not (step_dir / _CHECKSUMS).is_file():
+      if jax.process_index() == 0 and step_dir.is_dir() and not (step_dir / CHECKSUMS).is_file():
         write_checksums(step_dir)
     self._saving = []
     return ok

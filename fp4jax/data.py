@@ -272,6 +272,10 @@ def _tokenizer_tag(tokenizer: str, vocab_size: int | None) -> str:
   if tokenizer == "bpe":
     if vocab_size is None:
       raise ValueError("tokenizer='bpe' needs vocab_size (e.g. --vocab_size=8192)")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 258 <= vocab_size <= 1 << 31:
+      raise ValueError(f"data vocab_size={vocab_size!r} (--config.data.vocab_size, or --vocab_size of "
+                       "`python -m fp4jax.data prepare`): a BPE vocabulary is an int in [258, 2**31] "
+                       "(256 bytes + EOS + merges), e.g. 8192")
     return f"bpe{vocab_size}"
   if not Path(tokenizer).is_file():
     raise ValueError(f"tokenizer must be 'byte', 'bpe' or an existing tokenizer.json file, "
@@ -392,15 +396,16 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
   Returns:
     The meta of the data directory.
   """
-  if shard_tokens < 2:
-    raise ValueError(f"shard_tokens must be >= 2, got {shard_tokens}")
+  if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 2:
+    raise ValueError(f"shard_tokens={shard_tokens!r} (--shard_tokens of `python -m fp4jax.data "
+                     "prepare`): give an int >= 2")
+  tag = _tokenizer_tag(tokenizer, vocab_size)  # checks the settings before any text is read
   if not corpus_lib.text_is_here(corpus, cache_dir):  # what is prepared serves without the text
     meta = prepared_data(corpus, out_dir, tokenizer=tokenizer, vocab_size=vocab_size,
                          shard_tokens=shard_tokens, cache_dir=cache_dir, encoding=encoding)
     if meta is not None:
       return meta
   files = corpus_lib.resolve_corpus(corpus, cache_dir)
-  tag = _tokenizer_tag(tokenizer, vocab_size)
   out = (Path(out_dir) if out_dir is not None
          else default_out_dir(files.name, tokenizer, vocab_size, cache_dir))
   fingerprint = _request_fingerprint(files.fingerprint, tag, vocab_size, shard_tokens, encoding)
