@@ -22,7 +22,7 @@ from fp4jax import sharding as shd
 from fp4jax import telemetry
 from fp4jax.checkpoint import Checkpointer, CheckpointSaveError
 from fp4jax.data import to_global_batch
-from fp4jax.metrics import MetricsWriter, peak_flops
+from fp4jax.metrics import MetricsWriter, peak_flops, set_aside
 from fp4jax.optim.factory import make_optimizer, make_schedule
 from fp4jax.preemption import StopSignals, TrainingInterrupted
 from fp4jax.step import evaluate, init_state, jit_steps, make_resplit
@@ -53,8 +53,10 @@ def train(exp: Experiment, workdir: str | Path, train_iter: Iterator,
     before the first step of this start, they end the process at once (nothing to save);
   * a resume restores the newest checkpoint whose checksums verify (corrupt newer ones are
     reported and moved aside), checks the run's identity (``fp4jax.workdir.identity``) and
-    truncates ``metrics.jsonl`` to the restored step; a failed save is reported and training goes
-    on.
+    truncates ``metrics.jsonl`` to the restored step; rows that no lost save explains (a start
+    from step 0 over logged steps, or more than one checkpoint interval dropped: checkpoints were
+    deleted) are first copied beside it (``fp4jax.metrics.set_aside``), and said;
+  * a failed save is reported and training goes on.
 
   Args:
     exp: the run (``fp4jax.experiment.Experiment``) with its vocabulary set; ``exp.data_info``
@@ -118,6 +120,10 @@ def _run(exp: Experiment, workdir: Path, train_iter, eval_batches, mesh, config,
                      f"stopped: nothing to train; set steps > {start} to continue it")
   if jax.process_index() == 0:
     record_start(workdir, start, config, changes)
+    if kept := set_aside(workdir, start, ckpt.every):
+      where = f"step {start}" if start else "step 0: no checkpoint is left in " + str(ckpt.directory)
+      _say(f"{workdir / 'metrics.jsonl'} holds steps up to {kept[1]}, but the run starts from "
+           f"{where}; its rows are kept in {kept[0]} and metrics.jsonl goes on from step {start}")
   for c in changes:
     _say(f"resuming with a changed {c} (allowed; recorded in {workdir / 'config_history.jsonl'})")
   if eval_batches is not None:

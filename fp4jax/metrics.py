@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -85,6 +87,38 @@ def _truncate(path: Path, last_step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(keep))
     os.replace(tmp, path)
+
+
+def set_aside(workdir: str | os.PathLike, start: int, every: int) -> tuple[Path, int] | None:
+  """Keeps a copy of ``<workdir>/metrics.jsonl`` before a start would drop rows that no lost
+  save explains: any row on a fresh start (step 0: the checkpoints are gone), or rows more than
+  ``every`` steps (the checkpoint cadence) past the step the run resumes from (newer checkpoints
+  were deleted). Rows after ``start`` within one cadence are steps not yet saved when the run
+  stopped, trained again as usual.
+
+  Returns:
+    ``(copy, last step it holds)``, or None when nothing is set aside. The copy is
+    ``metrics.jsonl.<time>`` beside it; ``metrics.jsonl`` itself is then truncated as usual.
+  """
+  path = Path(workdir) / "metrics.jsonl"
+  if not path.is_file():
+    return None
+  last = 0
+  with open(path) as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except ValueError:
+        continue
+      if isinstance(row, dict) and isinstance(row.get("step"), int):
+        last = max(last, row["step"])
+  if not last or (start and last <= start + every):
+    return None
+  copy = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+  while copy.exists():
+    copy = copy.with_name(copy.name + "+")
+  shutil.copy2(path, copy)
+  return copy, last
 
 
 def _clean(v):
