@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -50,7 +51,8 @@ from fp4jax.experiment import Experiment
 from fp4jax.loop import NonFiniteLossError
 from fp4jax.preemption import TrainingInterrupted
 from fp4jax.recipe import MODULES
-from fp4jax.workdir import RunChangedError, RunLock, RunLockedError, identity, identity_diffs
+from fp4jax.workdir import (CODE_KEY, RunChangedError, RunLock, RunLockedError, code_version,
+                            describe_code, identity, identity_diffs, same_code)
 
 
 class RunsFailedError(RuntimeError):
@@ -78,6 +80,11 @@ def define_flags() -> None:
 def default_cache_dir() -> str:
   """``$FP4JAX_CACHE`` if set, else ``~/.cache/fp4jax/xla``."""
   return os.environ.get("FP4JAX_CACHE") or str(Path.home() / ".cache" / "fp4jax" / "xla")
+
+
+def define_keep_flag() -> None:
+  flags.DEFINE_bool("keep_other_code", False, "reuse a finished run trained by other code (another "
+                    "fp4jax source, or one that recorded none) as it is, instead of training it again")
 
 
 def define_cache_flag() -> None:
@@ -200,16 +207,20 @@ def prepare_data(exp: Experiment) -> Experiment:
                                   "vocab_size": meta.vocab_size})
 
 
-def finished_run(exp, workdir: str | os.PathLike) -> bool:
+def finished_run(exp, workdir: str | os.PathLike, keep_other_code: bool = False) -> bool:
   """Whether ``workdir`` holds a finished run of ``exp`` that a launcher may reuse as is.
 
   True if its checkpoint of step ``exp.train.steps`` verifies and was saved by a run of the same
-  identity (``fp4jax.workdir.identity``); False if there is no such step, or it is corrupt (said;
-  training again resumes from the newest intact step).
+  identity (``fp4jax.workdir.identity``) and the same code (``fp4jax.workdir.code_version``);
+  False if there is no such step, or it is corrupt (said; training again resumes from the newest
+  intact step), or it was saved by other code or by a run that recorded none: then the message
+  names that code and the run is moved to ``<workdir>.other-code-<time>`` (kept; training again
+  starts afresh), unless ``keep_other_code`` reuses it as it is (said too).
 
   Args:
     exp: an ``Experiment`` (its data is prepared here unless it was) or an experiment config.
     workdir: the run's folder.
+    keep_other_code: reuse a finished run of the same identity whatever code trained it.
 
   Raises:
     RunChangedError: the finished run has another identity (the fields are named).
@@ -234,7 +245,19 @@ def finished_run(exp, workdir: str | os.PathLike) -> bool:
     raise RunChangedError(
         f"{workdir} holds a finished run of other settings, so it cannot stand for this one:\n  "
         + "\n  ".join(diffs) + "\nuse another --workdir, or that run's settings")
-  return True
+  code = saved.get(CODE_KEY)
+  if same_code(code):
+    return True
+  theirs, mine = describe_code(code), describe_code(code_version())
+  if keep_other_code:
+    print(f"{workdir}: reusing the run trained by {theirs}, not by this {mine} (--keep_other_code)",
+          flush=True)
+    return True
+  aside = Path(f"{Path(workdir)}.other-code-{time.strftime('%Y%m%d-%H%M%S')}")
+  os.rename(workdir, aside)
+  print(f"{workdir} was trained by {theirs}, not by this {mine}: training it again (the old run is "
+        f"kept in {aside}; --keep_other_code reuses it as it is)", flush=True)
+  return False
 
 
 def stopped_among(e: TrainingInterrupted, kind: str, name: str, done: Sequence[str],
@@ -275,7 +298,7 @@ def run(exp, workdir: str | os.PathLike, allow_changes: Sequence[str] = ()) -> d
       print(f"training {exp.name} in {workdir}: recipe {modules}", flush=True)
     config = {"config": recorded, "data_dir": data_dir, "vocab_size": exp.model.vocab_size,
               "num_params": exp.model.num_params(), "devices": jax.device_count(),
-              "platform": jax.default_backend()}
+              "platform": jax.default_backend(), "code": code_version()}
     train_iter = data.make_iterator(data_dir, "train", tc.seq_len, tc.batch_size, seed=tc.seed)
     eval_batches = lambda: data.make_iterator(
         data_dir, "validation", tc.seq_len, tc.batch_size, shuffle=False, repeat=False)

@@ -26,7 +26,8 @@ from fp4jax.metrics import MetricsWriter, peak_flops, set_aside
 from fp4jax.optim.factory import make_optimizer, make_schedule
 from fp4jax.preemption import StopSignals, TrainingInterrupted
 from fp4jax.step import evaluate, init_state, jit_steps, make_resplit
-from fp4jax.workdir import RunLock, identity, identity_changes, record_start
+from fp4jax.workdir import (CODE_KEY, RunLock, code_version, describe_code, identity, identity_changes,
+                            record_start, same_code)
 
 if TYPE_CHECKING:
   from fp4jax.experiment import Experiment
@@ -114,7 +115,8 @@ def _run(exp: Experiment, workdir: Path, train_iter, eval_batches, mesh, config,
                       keep=tc.keep_checkpoints, log=_say)
   start = ckpt.intact_step() or 0
   ident = identity(exp)
-  changes = identity_changes(ckpt.read_meta(start), ident, allow_changes) if start else []
+  saved = ckpt.read_meta(start) if start else {}
+  changes = identity_changes(saved, ident, allow_changes) if start else []
   if start >= tc.steps:
     raise ValueError(f"steps={tc.steps} is not above step {start}, where the run in {workdir} "
                      f"stopped: nothing to train; set steps > {start} to continue it")
@@ -126,9 +128,13 @@ def _run(exp: Experiment, workdir: Path, train_iter, eval_batches, mesh, config,
            f"{where}; its rows are kept in {kept[0]} and metrics.jsonl goes on from step {start}")
   for c in changes:
     _say(f"resuming with a changed {c} (allowed; recorded in {workdir / 'config_history.jsonl'})")
+  if start and not same_code(saved.get(CODE_KEY)):
+    _say(f"resuming step {start}, saved by {describe_code(saved.get(CODE_KEY))}, with "
+         f"{describe_code(code_version())} (recorded in {workdir / 'config_history.jsonl'})")
   if eval_batches is not None:
     _check_eval_data(eval_batches)
-  loop = _Loop(exp, workdir, ckpt, stop, mesh, train_iter, eval_batches, start, ident)
+  loop = _Loop(exp, workdir, ckpt, stop, mesh, train_iter, eval_batches, start,
+               {**ident, CODE_KEY: code_version()})
   try:
     for n in range(start + 1, tc.steps + 1):
       loop.begin(n)
