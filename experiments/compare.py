@@ -331,7 +331,7 @@ def main(argv):
   results = launcher.report_errors(
       lambda: compare(fl.config, fl.recipes, fl.workdir, fl.eval_tokens, fl.eval_batch_size,
                       fl.keep_other_code),
-      fl.verbose)
+      fl.verbose, fl.workdir)
   rows = list(results.values())
   floor = add_gaps(rows)
   c, size = fl.config, rows[0].get("eval_max_tokens")

@@ -319,14 +319,16 @@ def main(argv):
                               "--text=shakespeare", "workdir", "text")
   launcher.enable_compilation_cache(fl.compilation_cache)
   r = launcher.report_errors(lambda: evaluate(fl.workdir, fl.text, fl.split, fl.max_tokens,
-                                              fl.batch_size, fl.encoding), fl.verbose)
+                                              fl.batch_size, fl.encoding), fl.verbose, fl.workdir)
   se = f" ± {r['loss_se']:.4f}" if math.isfinite(r["loss_se"]) else ""  # one batch: none
   print(f"loss {r['loss']:.4f}{se} | perplexity {r['perplexity']:.3f} | {r['tokens']:,} tokens "
         f"({r['windows']} windows of {r['seq_len']}) | {r['text']} ({r['split']}) | step "
         f"{r['step']} of {r['workdir']}", flush=True)
   if fl.out:
-    with open(fl.out, "a") as f:
-      f.write(json.dumps(r) + "\n")
+    def append():
+      with open(fl.out, "a") as f:
+        f.write(json.dumps(r) + "\n")
+    launcher.report_errors(append, fl.verbose, fl.out)
 
 
 if __name__ == "__main__":

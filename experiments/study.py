@@ -384,7 +384,7 @@ def main(argv):
   _pool.watch_parent()
   launcher.report_errors(lambda: study(fl.config, fl.workdir, fl.arms, fl.eval_tokens,
                                        fl.eval_batch_size, fl.collect, fl.telemetry, fl.parallel,
-                                       sys.argv[1:], fl.keep_other_code), fl.verbose)
+                                       sys.argv[1:], fl.keep_other_code), fl.verbose, fl.workdir)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from fp4jax import data, loop
-from fp4jax.checkpoint import Checkpointer, CheckpointSaveError, CorruptCheckpointError, verify
+from fp4jax.checkpoint import (Checkpointer, CheckpointSaveError, CorruptCheckpointError, no_space,
+                               quiet_full_disk_logs, space_line, verify)
 from fp4jax.corpus import CorpusUnavailableError
 from fp4jax.experiment import Experiment
 from fp4jax.loop import NonFiniteLossError
@@ -109,21 +110,42 @@ def enable_compilation_cache(path: str | os.PathLike | None) -> None:
   jax.config.update("jax_compilation_cache_dir", str(path))
 
 
-def report_errors(fn: Callable[[], object], verbose: bool = False) -> object:
+def report_errors(fn: Callable[[], object], verbose: bool = False,
+                  where: str | os.PathLike | None = None) -> object:
   """Runs ``fn``; a user error exits with ``error: <message>`` (and the traceback if
-  ``verbose``), an interrupted run with its one line and status 128 + the signal."""
+  ``verbose``), an interrupted run with its one line and status 128 + the signal.
+
+  A full disk, from any writer (orbax/tensorstore, numpy, the tokenizer, a file), is one line
+  naming the path (the error's file, else ``where``) and the space free there; without
+  ``verbose`` the error logs with tracebacks that orbax writes for it are hidden
+  (``fp4jax.checkpoint.quiet_full_disk_logs``)."""
   verbose = verbose or os.environ.get("FP4JAX_VERBOSE", "") not in ("", "0")
+  quiet_full_disk_logs(not verbose)
   try:
     return fn()
   except TrainingInterrupted as e:
     print(str(e), file=sys.stderr, flush=True)
     raise SystemExit(e.exit_code) from None
-  except USER_ERRORS as e:
+  except Exception as e:
+    full = no_space(e)
+    if not (full or isinstance(e, USER_ERRORS)):
+      raise
     if verbose:
       traceback.print_exc()
     hint = "" if verbose else " (--verbose shows the traceback)"
-    print(f"error: {e}{hint}", file=sys.stderr, flush=True)
+    print(f"error: {full_disk_line(e, where) if full else e}{hint}", file=sys.stderr, flush=True)
     raise SystemExit(1) from None
+
+
+def full_disk_line(e: BaseException, where: str | os.PathLike | None) -> str:
+  """The one line of a full disk: the error's own when it names the path and the space
+  (``fp4jax.checkpoint.space_line``), else one made from its file (or ``where``)."""
+  text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+  if "no space left on device at" in text:
+    return text[text.index("no space left on device at"):]
+  path = next((x.filename for x in (e, e.__cause__, e.__context__)
+               if isinstance(x, OSError) and x.filename), None) or where or os.getcwd()
+  return space_line(path, None, "writing there")
 
 
 def check_command_line(argv: Sequence[str], example: str, *required: str) -> None:
@@ -314,7 +336,8 @@ def main(argv):
   if fl.distributed:
     report_errors(initialize_distributed, fl.verbose)
   enable_compilation_cache(fl.compilation_cache)
-  summary = report_errors(lambda: run(fl.config, fl.workdir, fl.allow_changes), fl.verbose)
+  summary = report_errors(lambda: run(fl.config, fl.workdir, fl.allow_changes), fl.verbose,
+                          fl.workdir)
   print(json.dumps(summary))
 
 

@@ -376,8 +376,9 @@ def _write_corpus(name: str, downloads: Path, out: Path) -> None:
 def _build(name: str, root: Path) -> None:
   """Builds ``<root>/corpora/<name>`` in a temporary folder, then renames it into place."""
   final = root / "corpora" / name
+  for stale in (root / "corpora").glob(f".{name}.tmp-*"):  # of a process that died (the lock is ours)
+    shutil.rmtree(stale, ignore_errors=True)
   tmp = root / "corpora" / f".{name}.tmp-{os.getpid()}"
-  shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
   try:
     _write_corpus(name, root / "downloads", tmp)

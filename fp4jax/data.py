@@ -32,6 +32,7 @@ same set of windows whatever the number of hosts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -414,7 +415,17 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
   if (old := _reusable(out, fingerprint)) is not None:  # no lock: the folder may be read-only
     return old
   # One process tokenizes; the others that want the same folder wait here, then reuse it.
-  with corpus_lib.file_lock(out.with_name(f".{out.name}.lock")):
+  with contextlib.ExitStack() as stack:
+    try:
+      stack.enter_context(corpus_lib.file_lock(out.with_name(f".{out.name}.lock")))
+    except OSError as e:
+      if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+        raise
+      raise ValueError(f"{out}: {_what_is_wrong(out, fingerprint)}, and it is on storage this process "
+                       f"cannot write ({e.strerror}: {e.filename}), so it cannot be prepared there: "
+                       "copy an intact folder there, or prepare the data in a writable folder "
+                       "(--config.data.dir for experiments.train, --out for `python -m fp4jax.data "
+                       "prepare`)") from e
     if (out / _META_FILE).is_file():
       old = read_meta(out)
       if old.fingerprint == fingerprint:
@@ -427,20 +438,37 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
                          f"{old.tokenizer.get('kind')} tokenizer, vocab {old.vocab_size}); {other}")
     elif out.exists() and any(out.iterdir()) and not overwrite:
       raise ValueError(f"{out} is a non-empty folder without {_META_FILE}; {other}")
+    # Temporary folders of this one left by a process that died (it holds the lock no more).
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+      shutil.rmtree(stale, ignore_errors=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
       return _write(files, tokenizer, vocab_size, tmp, out, shard_tokens, encoding, fingerprint)
-    except OSError as e:
+    except Exception as e:  # the tokenizers library raises plain Exceptions
       if not no_space(e):
         raise
+      shutil.rmtree(tmp, ignore_errors=True)  # the space free once it is gone
       text = sum(p.stat().st_size for s in SPLITS for p in files.split(s))
       raise OSError(errno.ENOSPC, space_line(
           out.parent, 4 * text, f"the token shards of {files.name} (up to 4 bytes per byte of its "
           f"{text / 1e6:,.1f} MB of text)")) from e
     finally:
       shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _what_is_wrong(out: Path, fingerprint: str) -> str:
+  """Why ``out`` cannot be reused as it is: a damaged shard, other data, or no data."""
+  if not (out / _META_FILE).is_file():
+    return "it holds no prepared data"
+  try:
+    meta = read_meta(out)
+  except ValueError as e:
+    return str(e)
+  if meta.fingerprint != fingerprint:
+    return f"it holds other data ({meta.corpus.get('name')}, {meta.tokenizer.get('kind')} tokenizer)"
+  return next((why for sp in meta.splits.values() for sh in sp["shards"]
+               if (why := shard_damage(out, meta, sh))), "a shard is damaged")
 
 
 def _write(files, tokenizer, vocab_size, tmp: Path, out: Path, shard_tokens: int, encoding: str,
@@ -673,7 +701,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   except (ValueError, OSError, corpus_lib.CorpusUnavailableError) as e:
     if getattr(a, "verbose", False) or os.environ.get("FP4JAX_VERBOSE", "") not in ("", "0"):
       traceback.print_exc()
-    raise SystemExit(f"error: {e}") from None
+    full = isinstance(e, OSError) and e.strerror and "no space left on device at" in e.strerror
+    raise SystemExit(f"error: {e.strerror if full else e}") from None
   print("\n".join(_summary(meta, out)))
 
 

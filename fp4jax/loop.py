@@ -295,9 +295,10 @@ class _Loop:
   def check_final(self) -> None:
     ckpt, steps = self.ckpt, self.tc.steps
     if not ckpt.wait() or ckpt.latest_step() != steps:
+      why = f": {ckpt.failure}" if ckpt.failure else " (see the warning above)"
       raise CheckpointSaveError(
-          f"the final checkpoint (step {steps}) could not be saved to {ckpt.directory} (see "
-          f"the warning above); the latest saved is step {ckpt.latest_step()}")
+          f"the final checkpoint (step {steps}) could not be saved to {ckpt.directory}{why}; the "
+          f"latest saved is step {ckpt.latest_step()}")
 
   def _finite(self, step: int, metrics) -> dict:
     return _finite_metrics(step, metrics, self.writer, self.ckpt)

@@ -10,6 +10,7 @@ a cluster job) or with ``progress=False`` it prints one line per logged step ins
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -19,6 +20,8 @@ import time
 from pathlib import Path
 
 import jax
+
+from fp4jax.checkpoint import no_space, space_line
 
 # bf16 dense peak of one chip, FLOP/s (for MFU); matched against jax.Device.device_kind.
 PEAK_FLOPS = {
@@ -175,8 +178,13 @@ class MetricsWriter:
     if not self.enabled:
       return
     entry = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
-    self._file.write(json.dumps(entry) + "\n")
-    self._file.flush()
+    try:
+      self._file.write(json.dumps(entry) + "\n")
+      self._file.flush()
+    except OSError as e:
+      if not no_space(e):
+        raise
+      raise OSError(errno.ENOSPC, space_line(self._file.name, None, f"the metrics of step {step}")) from e
     if self._tb is not None:
       for k, v in metrics.items():
         if isinstance(v, (int, float)):
