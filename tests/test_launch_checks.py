@@ -94,3 +94,12 @@ def test_data_sizes_are_refused_where_they_enter(tmp_path):
     data.prepare(tmp_path, tmp_path / "o", tokenizer="bpe", vocab_size=-5)
   with pytest.raises(ValueError, match=r"shard_tokens=0 \(--shard_tokens"):
     data.prepare(tmp_path, tmp_path / "o", shard_tokens=0)
+
+
+@pytest.mark.parametrize("shape", [(0, 1, 1), (1, -1, -1), (1, 1), (1, 2.0, 1), "111"])
+def test_a_mesh_shape_out_of_range_is_refused_with_the_config(shape):
+  from fp4jax.experiment import TrainConfig
+  with pytest.raises(ValueError, match=r"TrainConfig.mesh_shape=.*expected 3 sizes \(data, fsdp, "
+                     r"tensor\), each >= 1, one of them may be -1"):
+    TrainConfig(steps=1, batch_size=1, seq_len=1, mesh_shape=shape)
+  TrainConfig(steps=1, batch_size=1, seq_len=1, mesh_shape=[2, -1, 1])
