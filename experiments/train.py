@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -50,7 +51,7 @@ from fp4jax.checkpoint import (Checkpointer, CheckpointSaveError, CorruptCheckpo
 from fp4jax.corpus import CorpusUnavailableError
 from fp4jax.experiment import Experiment
 from fp4jax.loop import NonFiniteLossError
-from fp4jax.preemption import TrainingInterrupted
+from fp4jax.preemption import SIGNALS, TrainingInterrupted
 from fp4jax.recipe import MODULES
 from fp4jax.workdir import (CODE_KEY, RunChangedError, RunLock, RunLockedError, code_version,
                             describe_code, identity, identity_diffs, same_code)
@@ -124,6 +125,8 @@ def report_errors(fn: Callable[[], object], verbose: bool = False,
   try:
     return fn()
   except TrainingInterrupted as e:
+    for s in SIGNALS:  # the stop is done: another signal (a second Ctrl-C) adds nothing now
+      signal.signal(s, signal.SIG_IGN)
     print(str(e), file=sys.stderr, flush=True)
     raise SystemExit(e.exit_code) from None
   except Exception as e:

@@ -40,7 +40,7 @@ from fp4jax.workdir import IncompatibleCheckpointError, diff
 CHECKSUMS = "fp4jax_checksums.json"  # in each step folder: its files' sizes and sha256
 # Written by orbax after the step's contents are complete (markers and step metadata).
 _UNCHECKED = ("_CHECKPOINT_METADATA", "commit_success.txt")
-_TMP = ".orbax-checkpoint-tmp"
+ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's suffix of a step being saved
 # Parameters beyond this magnitude are a diverged run's, not a checkpoint to go back to.
 _PARAM_BOUND = 1e6
 
@@ -216,7 +216,7 @@ class Checkpointer:
     if jax.process_index() != 0:
       return
     for step in self._saving:
-      tmp = list(self.directory.glob(f"{step}{_TMP}*"))
+      tmp = list(self.directory.glob(f"{step}{ORBAX_TMP}*"))
       if len(tmp) == 1 and not (tmp[0] / CHECKSUMS).is_file():
         write_checksums(tmp[0])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ import jax
 
 from fp4jax import sharding as shd
 from fp4jax import telemetry
-from fp4jax.checkpoint import Checkpointer, CheckpointSaveError
+from fp4jax.checkpoint import ORBAX_TMP, Checkpointer, CheckpointSaveError
 from fp4jax.data import to_global_batch
 from fp4jax.metrics import MetricsWriter, peak_flops, set_aside
 from fp4jax.optim.factory import make_optimizer, make_schedule
@@ -113,6 +114,10 @@ def _run(exp: Experiment, workdir: Path, train_iter, eval_batches, mesh, config,
   tc = exp.train
   ckpt = Checkpointer(workdir / "checkpoints", every=tc.checkpoint_every or tc.steps,
                       keep=tc.keep_checkpoints, log=_say)
+  if jax.process_index() == 0:  # this start holds the run's lock: no save of another is under way
+    for unfinished in sorted(ckpt.directory.glob(f"*{ORBAX_TMP}*")):
+      shutil.rmtree(unfinished, ignore_errors=True)
+      _say(f"removed {unfinished}: a save that an earlier start did not finish")
   start = ckpt.intact_step() or 0
   ident = identity(exp)
   saved = ckpt.read_meta(start) if start else {}
@@ -123,7 +128,8 @@ def _run(exp: Experiment, workdir: Path, train_iter, eval_batches, mesh, config,
   if jax.process_index() == 0:
     record_start(workdir, start, config, changes)
     if kept := set_aside(workdir, start, ckpt.every):
-      where = f"step {start}" if start else "step 0: no checkpoint is left in " + str(ckpt.directory)
+      where = (f"step {start}" if start else
+               f"step 0 (no checkpoint in {ckpt.directory}: deleted, or none was saved)")
       _say(f"{workdir / 'metrics.jsonl'} holds steps up to {kept[1]}, but the run starts from "
            f"{where}; its rows are kept in {kept[0]} and metrics.jsonl goes on from step {start}")
   for c in changes:

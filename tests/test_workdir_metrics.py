@@ -52,10 +52,14 @@ def test_a_run_whose_checkpoints_were_deleted_keeps_its_old_rows(tmp_path, capsy
     return train(model, get_recipe("bf16"), opt, tc, work, it)
   run()
   shutil.rmtree(work / "checkpoints")
+  unfinished = work / "checkpoints" / "2.orbax-checkpoint-tmp-1234"  # a save cut short
+  (unfinished / "state").mkdir(parents=True)
   capsys.readouterr()
   run()
   out = capsys.readouterr().out
-  assert "holds steps up to 4, but the run starts from step 0: no checkpoint is left in" in out
+  assert f"removed {unfinished}: a save that an earlier start did not finish" in out
+  assert not unfinished.exists()
+  assert "holds steps up to 4, but the run starts from step 0 (no checkpoint in" in out
   kept = [p for p in work.iterdir() if p.name.startswith("metrics.jsonl.")]
   assert len(kept) == 1 and [r["step"] for r in read_jsonl(kept[0])] == [1, 2, 3, 4]
   assert [r["step"] for r in read_jsonl(work / "metrics.jsonl")] == [1, 2, 3, 4]
