@@ -232,6 +232,9 @@ def prepare_data(exp: Experiment) -> Experiment:
                                   "vocab_size": meta.vocab_size})
 
 
+_KEPT: set[str] = set()  # runs of other code reused (and said) in this process
+
+
 def finished_run(exp, workdir: str | os.PathLike, keep_other_code: bool = False) -> bool:
   """Whether ``workdir`` holds a finished run of ``exp`` that a launcher may reuse as is.
 
@@ -275,8 +278,10 @@ def finished_run(exp, workdir: str | os.PathLike, keep_other_code: bool = False)
     return True
   theirs, mine = describe_code(code), describe_code(code_version())
   if keep_other_code:
-    print(f"{workdir}: reusing the run trained by {theirs}, not by this {mine} (--keep_other_code)",
-          flush=True)
+    if (said := str(Path(workdir).absolute())) not in _KEPT:  # once per run in a process
+      _KEPT.add(said)
+      print(f"{workdir}: reusing the run trained by {theirs}, not by this {mine} "
+            "(--keep_other_code)", flush=True)
     return True
   aside = Path(f"{Path(workdir)}.other-code-{time.strftime('%Y%m%d-%H%M%S')}")
   os.rename(workdir, aside)

@@ -331,11 +331,11 @@ def prepared_data(corpus: str | os.PathLike, out_dir: str | os.PathLike | None =
   text is not on this machine.
 
   Returns:
-    The meta, or None if ``out_dir`` holds no data of ``corpus``.
+    The meta, or None if ``out_dir`` holds no prepared data.
 
   Raises:
-    ValueError: ``out_dir`` holds data of ``corpus`` made with other settings, or a damaged shard;
-      the message says that the text to prepare it again is not here.
+    ValueError: ``out_dir`` holds another corpus, or ``corpus`` made with other settings, or a
+      damaged shard; the message says that the text to prepare it again is not here.
   """
   name = corpus_lib.corpus_name(corpus)
   out = (Path(out_dir) if out_dir is not None
@@ -343,10 +343,12 @@ def prepared_data(corpus: str | os.PathLike, out_dir: str | os.PathLike | None =
   if not (out / _META_FILE).is_file():
     return None
   meta = read_meta(out)
-  if meta.corpus.get("name") != name:
-    return None
   absent = (f"the text of corpus {name!r} is not on this machine to prepare it again (copy the "
             f"token folder again, or the text: {corpus})")
+  if meta.corpus.get("name") != name:
+    raise ValueError(f"{out} holds corpus {meta.corpus.get('name')!r}, not {name!r}, and {absent}; "
+                     f"to train on what it holds, set the corpus to {meta.corpus.get('name')!r} "
+                     "(--config.data.corpus)")
   want = _request_fingerprint(meta.corpus.get("fingerprint", ""), _tokenizer_tag(tokenizer, vocab_size),
                               vocab_size, shard_tokens, encoding)
   if want != meta.fingerprint:

@@ -202,7 +202,7 @@ def code_version() -> dict:
 def describe_code(code: Mapping | None) -> str:
   """A recorded ``code_version`` in a few words (None: a run that recorded none)."""
   if not code:
-    return "code that was not recorded (runs record it since fp4jax recorded their code)"
+    return "code that was not recorded (a run from before runs recorded their code)"
   commit = code.get("commit")
   at = f"commit {commit[:10]}{' + local changes' if code.get('dirty') else ''}, " if commit else ""
   return f"fp4jax {code.get('version')} ({at}source {str(code.get('source'))[:12]})"

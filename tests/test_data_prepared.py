@@ -66,6 +66,9 @@ def test_the_builtin_corpus_tokens_alone_in_the_data_root(text_dir, tmp_path, of
   with pytest.raises(ValueError, match=r"train-00000.bin does not match its sha256 .*the text of "
                      r"corpus 'shakespeare' is not on this machine"):
     data.prepare("shakespeare", named, cache_dir=root)
+  with pytest.raises(ValueError, match=r"given holds corpus 'shakespeare', not 'mix', and the text "
+                     r"of corpus 'mix' is not on this machine.*--config.data.corpus"):
+    data.prepare("mix", named, cache_dir=root)
   with pytest.raises(corpus_lib.CorpusUnavailableError, match="offline"):  # nothing prepared
     data.prepare("shakespeare", tmp_path / "empty", cache_dir=root)
 
