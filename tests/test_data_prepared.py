@@ -91,14 +91,15 @@ def test_evaluation_without_the_text_reads_the_same_windows_from_the_shards(text
 
 
 @pytest.mark.slow
-def test_train_resume_and_evaluate_with_only_the_token_folder(text_dir, tmp_path, offline):
+def test_train_resume_and_evaluate_with_only_the_token_folder(text_dir, tmp_path, offline, capsys):
+  """Also: a start whose checkpoints were deleted keeps the old metrics aside and says so."""
   from experiments import train as launcher
   from experiments.configs import tiny
+  from fp4jax.metrics import read_jsonl
 
   out, work = tmp_path / "tokens", tmp_path / "run"
   data.prepare(text_dir, out)
-  moved = tmp_path / "moved"
-  text_dir.rename(moved)  # the machine gets the token folder only
+  text_dir.rename(tmp_path / "moved")  # the machine gets the token folder only
   cfg = tiny.get_config()
   cfg.update(steps=2, batch_size=4, seq_len=16, eval_batches=1, eval_every=0, log_every=1,
              checkpoint_every=1, mesh_shape=(1, 1, 1), progress=False, tensorboard=False)
@@ -106,9 +107,18 @@ def test_train_resume_and_evaluate_with_only_the_token_folder(text_dir, tmp_path
   cfg.data.update(corpus=str(text_dir), dir=str(out))
   launcher.run(cfg, work)
   cfg.steps = 3
-  assert launcher.run(cfg, work)["step"] == 3  # resumed
-  without = evaluate_lib.evaluate_cached(work, str(text_dir), 3, None)
-  (work / evaluate_lib.EVAL_FILE).unlink()
-  moved.rename(text_dir)
-  with_text = evaluate_lib.evaluate_cached(work, str(text_dir), 3, None)
-  assert without["batch_losses"] == with_text["batch_losses"] and without["tokens"] > 0
+  assert launcher.run(cfg, work)["step"] == 3
+  assert "resumed from step 2 of 3" in capsys.readouterr().out
+  r = evaluate_lib.evaluate_cached(work, str(text_dir), 3, None)
+  assert r["step"] == 3 and r["windows"] == len(data.split_windows(out, "validation", 16))
+
+  shutil.rmtree(work / "checkpoints")
+  unfinished = work / "checkpoints" / "2.orbax-checkpoint-tmp-1234"  # a save cut short
+  (unfinished / "state").mkdir(parents=True)
+  launcher.run(cfg, work)
+  said = capsys.readouterr().out
+  assert f"removed {unfinished}: a save that an earlier start did not finish" in said
+  assert "holds steps up to 3, but the run starts from step 0 (no checkpoint in" in said
+  kept = [p for p in work.iterdir() if p.name.startswith("metrics.jsonl.")]
+  assert len(kept) == 1 and [r["step"] for r in read_jsonl(kept[0])] == [1, 2, 3]
+  assert [r["step"] for r in read_jsonl(work / "metrics.jsonl")] == [1, 2, 3]
