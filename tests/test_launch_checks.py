@@ -103,3 +103,13 @@ def test_a_mesh_shape_out_of_range_is_refused_with_the_config(shape):
                      r"tensor\), each >= 1, one of them may be -1"):
     TrainConfig(steps=1, batch_size=1, seq_len=1, mesh_shape=shape)
   TrainConfig(steps=1, batch_size=1, seq_len=1, mesh_shape=[2, -1, 1])
+
+
+@pytest.mark.parametrize("field,value", [("rope_theta", 0.0), ("rope_theta", float("nan")),
+                                         ("init_std", -0.02), ("norm_eps", -1e-6),
+                                         ("norm_eps", float("inf"))])
+def test_model_floats_out_of_range_are_refused_with_the_config(field, value):
+  from fp4jax.model import ModelConfig
+  with pytest.raises(ValueError, match=rf"ModelConfig.{field}={value!r}: expected a finite number"):
+    ModelConfig(vocab_size=None, d_model=32, n_layers=1, n_heads=2, **{field: value})
+  ModelConfig(vocab_size=None, d_model=32, n_layers=1, n_heads=2, norm_eps=0.0)
