@@ -407,6 +407,10 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
     meta = prepared_data(corpus, out_dir, tokenizer=tokenizer, vocab_size=vocab_size,
                          shard_tokens=shard_tokens, cache_dir=cache_dir, encoding=encoding)
     if meta is not None:
+      where = out_dir or default_out_dir(corpus_lib.corpus_name(corpus), tokenizer, vocab_size, cache_dir)
+      print(f"{corpus}: its text is not here; using the data prepared from it in {where} (corpus "
+            f"fingerprint {meta.corpus.get('fingerprint', '?')[:12]}, every shard's sha256 checked)",
+            flush=True)
       return meta
   files = corpus_lib.resolve_corpus(corpus, cache_dir)
   out = (Path(out_dir) if out_dir is not None

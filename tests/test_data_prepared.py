@@ -44,7 +44,7 @@ def test_a_folder_corpus_whose_text_is_gone_is_served_by_its_tokens(text_dir, tm
     data.prepare(text_dir, tmp_path / "elsewhere")
 
 
-def test_the_builtin_corpus_tokens_alone_in_the_data_root(text_dir, tmp_path, offline):
+def test_the_builtin_corpus_tokens_alone_in_the_data_root(text_dir, tmp_path, offline, capsys):
   # A token folder of the built-in corpus (here made from small text) is all the data root holds.
   root = tmp_path / "root"
   files = dataclasses.replace(corpus_lib.text_dir_corpus(text_dir), name="shakespeare")
@@ -53,6 +53,8 @@ def test_the_builtin_corpus_tokens_alone_in_the_data_root(text_dir, tmp_path, of
   assert sorted(p.name for p in root.iterdir()) == ["tokens"]
   assert not corpus_lib.text_is_here("shakespeare", root)
   assert data.prepare("shakespeare", cache_dir=root) == meta  # the default folder
+  assert f"shakespeare: its text is not here; using the data prepared from it in {default}" in \
+      capsys.readouterr().out
   named = tmp_path / "given"
   shutil.copytree(default, named)  # --config.data.dir naming the folder
   assert data.prepare("shakespeare", named, cache_dir=root) == meta
