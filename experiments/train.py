@@ -129,6 +129,11 @@ def report_errors(fn: Callable[[], object], verbose: bool = False,
       signal.signal(s, signal.SIG_IGN)
     print(str(e), file=sys.stderr, flush=True)
     raise SystemExit(e.exit_code) from None
+  except KeyboardInterrupt:  # Ctrl-C outside a run (an evaluation, a check): nothing to save
+    if verbose:
+      traceback.print_exc()
+    print("stopped by SIGINT: nothing was training, nothing to save", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signal.SIGINT) from None
   except Exception as e:
     full = no_space(e)
     if not (full or isinstance(e, USER_ERRORS)):

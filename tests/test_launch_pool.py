@@ -120,3 +120,14 @@ def test_a_second_signal_ends_the_pool_at_once_without_orphans(tmp_path, started
   assert proc.returncode == 128 + signal.SIGINT, out + err
   assert "arm a: killed on the second signal" in err and "not started: c" in err
   assert not any(_alive(p) for p in pids.values())
+
+
+def test_ctrl_c_outside_a_run_is_one_line_and_status_130(capsys):
+  from experiments import train as launcher
+
+  def evaluating():
+    raise KeyboardInterrupt
+  with pytest.raises(SystemExit) as e:
+    launcher.report_errors(evaluating)
+  assert e.value.code == 128 + signal.SIGINT
+  assert capsys.readouterr().err == "stopped by SIGINT: nothing was training, nothing to save\n"
