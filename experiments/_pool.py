@@ -3,12 +3,15 @@
 ``run_parallel`` runs one command per job, up to ``parallel`` at once, each in a session of its own
 with its output in ``<workdir>/logs/<job>.log``. The parent records SIGTERM, SIGINT and SIGHUP and forwards
 each one once to every running job; each job saves its step and exits, no further job starts, and
-``TrainingInterrupted`` names where each stopped. A job's process that outlives its parent (killed
-by SIGKILL) stops itself as on SIGTERM (``watch_parent``).
+``TrainingInterrupted`` names where each stopped, finished or did not start. A second signal is
+forwarded too (a job then exits without waiting for its checkpoint) and the parent stops waiting:
+the jobs still alive ``KILL_AFTER`` seconds later are killed with their sessions. A job's process that
+outlives its parent (killed by SIGKILL) stops itself as on SIGTERM (``watch_parent``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -23,6 +26,7 @@ from fp4jax.preemption import SIGNALS, TrainingInterrupted
 # Set in the pool's processes: their jobs train beside others (the value is ``parallel``).
 CHILD_ENV = "FP4JAX_STUDY_PARALLEL"
 PARENT_ENV = "FP4JAX_STUDY_PARENT"  # the parent's pid: a job whose parent died stops itself
+KILL_AFTER = 3.0  # seconds the jobs get to exit after a second signal, before SIGKILL
 
 
 class Forward:
@@ -90,7 +94,8 @@ def run_parallel(jobs: Sequence[tuple[str, str]], parallel: int, workdir: Path,
   Raises:
     TrainingInterrupted: SIGTERM, SIGINT or SIGHUP reached the parent; it was forwarded once to
       every running job (each saves its step and exits), no further job started, and the message
-      names where each stopped once all have exited.
+      names where each stopped, finished or did not start once all have exited. A second signal
+      is forwarded too, and the jobs alive ``KILL_AFTER`` seconds later are killed.
   """
   logs = workdir / "logs"
   logs.mkdir(parents=True, exist_ok=True)
@@ -104,7 +109,19 @@ def run_parallel(jobs: Sequence[tuple[str, str]], parallel: int, workdir: Path,
   finished, stopped = [], {}
   with Forward() as fwd:
     try:
-      while pending or running:
+      # After a signal no job starts: the pool waits for the running ones only.
+      while running or (pending and not fwd.received):
+        if len(fwd.received) > 1:  # a second signal: stop waiting for the jobs' checkpoints
+          _forward(running, fwd.received)
+          _kill(running, KILL_AFTER)
+          for name, (proc, log, _, _) in running.items():
+            log.close()
+            stopped[name] = (_stop_line(logs / f"{name}.log") if proc.returncode != -signal.SIGKILL
+                             else "killed on the second signal (its newest complete checkpoint "
+                             "stays valid)")
+            print(f"=== {kind} {name}: {stopped[name]}", flush=True)
+          running.clear()
+          break
         while pending and len(running) < parallel and not fwd.received:
           name, what = pending.pop(0)
           on_start(name)
@@ -118,11 +135,7 @@ def run_parallel(jobs: Sequence[tuple[str, str]], parallel: int, workdir: Path,
           print(f"=== {kind} {name}: started ({len(running)} running, {done}/{len(jobs)} done), "
                 f"log {logs / (name + '.log')} — {what}", flush=True)
         time.sleep(0.2)
-        for entry in running.values():  # each signal reaches each running job once
-          for signum in fwd.received[entry[3]:]:
-            if entry[0].poll() is None:
-              entry[0].send_signal(signum)
-          entry[3] = len(fwd.received)
+        _forward(running, fwd.received)
         for name, (proc, log, t0, _) in list(running.items()):
           if proc.poll() is None:
             continue
@@ -162,3 +175,27 @@ def run_parallel(jobs: Sequence[tuple[str, str]], parallel: int, workdir: Path,
     raise TrainingInterrupted("; ".join(parts) + f"; the same command resumes every {kind}", signum,
                               -1, str(workdir))
   return failed
+
+
+def _forward(running: dict, received: list[int]) -> None:
+  """Sends each signal of ``received`` that a running job has not had yet to it (once each)."""
+  for entry in running.values():
+    for signum in received[entry[3]:]:
+      if entry[0].poll() is None:
+        entry[0].send_signal(signum)
+    entry[3] = len(received)
+
+
+def _kill(running: dict, grace: float) -> None:
+  """Waits up to ``grace`` seconds for the running jobs, then kills each one's session (the job
+  and anything it started: no orphan)."""
+  deadline = time.monotonic() + grace
+  for proc, _, _, _ in running.values():
+    try:
+      proc.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      pass
+  for proc, _, _, _ in running.values():
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+      os.killpg(proc.pid, signal.SIGKILL)  # its own session: the group's id is its pid
+    proc.wait()

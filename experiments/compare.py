@@ -10,7 +10,10 @@ one resumes). The config is typed once (``fp4jax.experiment.Experiment``), each 
 experiment made from it (``recipe_experiments``) and completed by one data step shared by all
 (``with_data``); every one is checked before any trains, and so is every finished run that would
 be reused: one of other settings (learning rate, seed, sequence length, ...; the run
-identity ``experiments.train`` checks on resume) is refused, naming the fields.
+identity ``experiments.train`` checks on resume) is refused, naming the fields; one trained by other
+code (another fp4jax source, ``fp4jax.workdir.code_version``, or a run that recorded none) is named
+with its code, moved to ``<workdir>/<recipe>.other-code-<time>`` and trained again, unless
+``--keep_other_code`` reuses it as it is.
 
 Each final checkpoint is evaluated on the held-out split of the corpus (``experiments.evaluate``:
 the whole split, unless ``--eval_tokens`` or the config's ``study.eval_tokens`` caps it; cached in
@@ -60,10 +63,12 @@ def define_flags() -> None:
   flags.DEFINE_list("recipes", ["bf16", "fp4_linear"],
                     "recipes to compare; the first is the reference")
   flags.DEFINE_integer("eval_tokens", None, "evaluate at most this many held-out tokens "
-                       "(default: the config's study.eval_tokens, else the whole split)")
-  flags.DEFINE_integer("eval_batch_size", None, "evaluation batch (default: the run's)")
+                       "(default: the config's study.eval_tokens, else the whole split)", lower_bound=1)
+  flags.DEFINE_integer("eval_batch_size", None, "evaluation batch (default: the run's)",
+                       lower_bound=1)
   flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
   launcher.define_cache_flag()
+  launcher.define_keep_flag()
 
 
 def run_summary(workdir: str | Path, tail: float = 0.1) -> dict:
@@ -111,7 +116,7 @@ def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping 
           "step": s.get("step", 0), "tokens": tokens, "params": run["num_params"],
           "tokens_per_s": tc.batch_size * tc.seq_len / step_time if step_time > 0 else math.nan,
           "epochs": tokens / meta.splits["train"]["num_tokens"], "step_time_s": step_time,
-          "platform": run.get("platform"), "devices": run.get("devices")}
+          "platform": run.get("platform"), "devices": run.get("devices"), "code": run.get("code")}
 
 
 def _paired_se(row: Mapping, refs: Sequence[Mapping]) -> float:
@@ -263,13 +268,15 @@ def recipe_experiments(exp: Experiment, recipes: list[str]) -> dict[str, Experim
 
 
 def compare(cfg, recipes: list[str], workdir: str | Path, eval_tokens: int | None = None,
-            eval_batch_size: int | None = None) -> dict[str, dict]:
+            eval_batch_size: int | None = None, keep_other_code: bool = False) -> dict[str, dict]:
   """Trains each recipe (same config otherwise) under ``workdir/<recipe>`` and evaluates it.
 
   Args:
     eval_tokens: held-out tokens per evaluation (``experiments.evaluate.eval_tokens``: default the
       config's ``study.eval_tokens``, else the whole held-out split).
     eval_batch_size: windows per evaluation batch (default: the run's batch size).
+    keep_other_code: reuse a finished run trained by other code as it is
+      (``experiments.train.finished_run``; else it trains again, the old run kept aside).
 
   Returns:
     The rows of the table by recipe, with their gaps (``add_gaps``; the first recipe is the
@@ -282,7 +289,7 @@ def compare(cfg, recipes: list[str], workdir: str | Path, eval_tokens: int | Non
   """
   workdir = Path(workdir)
   exps = recipe_experiments(Experiment.from_config(cfg), recipes)
-  eval_tokens = evaluate_lib.eval_tokens(cfg, eval_tokens)
+  eval_tokens = evaluate_lib.eval_tokens(cfg, eval_tokens, eval_batch_size)
   results = {}
   with RunLock(workdir, "comparison") as lock, StopSignals(
       lambda t: print(t, flush=True), BETWEEN_RUNS, lambda: lock.release(force=True)):
@@ -290,7 +297,8 @@ def compare(cfg, recipes: list[str], workdir: str | Path, eval_tokens: int | Non
       print(note, flush=True)
     exps = with_data(exps)
     # Every finished run is checked before anything trains.
-    finished = {name: launcher.finished_run(e, workdir / name) for name, e in exps.items()}
+    finished = {name: launcher.finished_run(e, workdir / name, keep_other_code)
+                for name, e in exps.items()}
     for i, (name, e) in enumerate(exps.items(), 1):
       print(f"\n=== recipe {name} ({i}/{len(recipes)}): {workdir / name}", flush=True)
       diverged = False
@@ -321,8 +329,9 @@ def main(argv):
                               "config", "workdir")
   launcher.enable_compilation_cache(fl.compilation_cache)
   results = launcher.report_errors(
-      lambda: compare(fl.config, fl.recipes, fl.workdir, fl.eval_tokens, fl.eval_batch_size),
-      fl.verbose)
+      lambda: compare(fl.config, fl.recipes, fl.workdir, fl.eval_tokens, fl.eval_batch_size,
+                      fl.keep_other_code),
+      fl.verbose, fl.workdir)
   rows = list(results.values())
   floor = add_gaps(rows)
   c, size = fl.config, rows[0].get("eval_max_tokens")

@@ -15,6 +15,10 @@ the train loop's evaluation step. ``--text`` is:
   documents that training on that folder holds out (``fp4jax.corpus.text_dir_corpus``);
 * one ``.txt`` file: evaluated whole.
 
+The run's own corpus, where its text is not on this machine (a GPU machine given only the token
+folder), is evaluated from the validation shards of the run's data folder (``from_shards``: the
+same windows), each shard checked against its sha256 first.
+
 Prints one line (loss and its standard error, perplexity, tokens, step); ``--out`` appends it as a
 JSON line. The standard error is that of the mean over the evaluated batches (the text's own
 variation: another sample of held-out text of this size would move the loss by about that much).
@@ -27,6 +31,7 @@ otherwise), and keep the result in ``<run>/eval.json`` (``evaluate_cached``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -42,7 +47,7 @@ from fp4jax import corpus as corpus_lib
 from fp4jax import data
 from fp4jax import sharding as shd
 from fp4jax import tokenizer as tokenizer_lib
-from fp4jax.checkpoint import Checkpointer
+from fp4jax.checkpoint import CHECKSUMS, Checkpointer
 from fp4jax.experiment import Experiment
 from fp4jax.train import abstract_model, jit_steps, make_optimizer, make_schedule
 
@@ -55,8 +60,9 @@ def define_flags() -> None:
   flags.DEFINE_string("text", None, "built-in corpus name, folder of .txt files, or a .txt file")
   flags.DEFINE_enum("split", None, SPLITS, "validation (default for a corpus) or all (default "
                     "for a folder or file)")
-  flags.DEFINE_integer("max_tokens", None, "evaluate at most this many tokens")
-  flags.DEFINE_integer("batch_size", None, "windows per batch (default: the run's batch size)")
+  flags.DEFINE_integer("max_tokens", None, "evaluate at most this many tokens", lower_bound=1)
+  flags.DEFINE_integer("batch_size", None, "windows per batch (default: the run's batch size)",
+                       lower_bound=1)
   flags.DEFINE_string("encoding", None, "encoding of the .txt files (default: the run's)")
   flags.DEFINE_string("out", None, "append the result as a JSON line to this file")
   flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
@@ -119,23 +125,41 @@ def windows(tok: tokenizer_lib.Tokenizer, files: Sequence[Path], seq_len: int,
   return w
 
 
-def prepared_windows(data_dir: str | os.PathLike, split: str, seq_len: int) -> np.ndarray:
-  """(N, seq_len + 1) int32 windows of a prepared split's shards, cut as ``windows`` cuts the
-  split's documents (the shards hold the same stream: each document's tokens, then EOS, in pieces
-  of ``shard_tokens``); each shard is checked against its sha256 first."""
-  meta = data.read_meta(data_dir)
-  out = []
-  for shard in meta.splits[split]["shards"]:
-    if (damage := data.shard_damage(data_dir, meta, shard)) is not None:
-      raise ValueError(f"{data_dir}: {damage}; prepare the data again (`python -m fp4jax.data prepare`)")
-    ids = np.fromfile(Path(data_dir) / shard["file"], meta.np_dtype).astype(np.int32)
-    n = max(len(ids) - 1, 0) // seq_len
-    out.append(ids[np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]])
-  w = np.concatenate(out) if out else np.zeros((0, seq_len + 1), np.int32)
-  if not len(w):
-    raise ValueError(f"the {split} split of {data_dir} has fewer tokens than one window of seq_len + 1 = "
-                     f"{seq_len + 1}")
-  return w
+def check_size(max_tokens: int | None, batch_size: int | None, seq_len: int,
+               names: tuple[str, str] = ("--max_tokens", "--batch_size")) -> None:
+  """Checks an evaluation's size before anything runs.
+
+  Args:
+    max_tokens: tokens to evaluate at most (None: all); at least one window of ``seq_len``.
+    batch_size: windows per batch (None: the run's); at least 1.
+    seq_len: the run's sequence length.
+    names: how the two settings are named in the message (flags or config fields).
+
+  Raises:
+    ValueError: a setting out of range, naming it and its range.
+  """
+  for name, value, low in ((names[0], max_tokens, seq_len), (names[1], batch_size, 1)):
+    if value is None:
+      continue
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+      what = f"at least one window (seq_len {seq_len})" if low == seq_len else "at least 1"
+      raise ValueError(f"{name}={value!r}: give an int, {what}")
+
+
+def from_shards(text: str, split: str | None, exp: Experiment, data_dir: str | os.PathLike) -> bool:
+  """Whether the held-out windows of ``text`` come from the run's token folder: ``text`` is the
+  run's own corpus, its validation split is asked for, its text is not on this machine
+  (``fp4jax.corpus.text_is_here``) and ``data_dir`` holds that corpus. The shards hold the same
+  documents in the same order, tokenized by the same tokenizer; cut into shards of
+  ``fp4jax.data.DEFAULT_SHARD_TOKENS`` (``prepare``'s default) they give the same windows as the
+  text."""
+  if text != exp.data.corpus or split not in (None, "validation") or corpus_lib.text_is_here(text):
+    return False
+  try:
+    meta = data.read_meta(data_dir)
+  except (OSError, ValueError):
+    return False
+  return meta.corpus.get("name") == corpus_lib.corpus_name(text) and "validation" in meta.splits
 
 
 def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
@@ -150,9 +174,14 @@ def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
 
   Returns:
     ``{"workdir", "step", "text", "split", "loss", "loss_se", "perplexity", "tokens", "windows",
-    "seq_len", "batch_losses", "batch_windows"}``; ``loss`` is the mean over the windows' target
-    tokens (nats), ``loss_se`` its standard error over the batches (``standard_error``), and
-    ``batch_losses`` the mean of each batch of ``batch_windows`` windows, in order.
+    "seq_len", "batch_size", "checkpoint", "batch_losses", "batch_windows"}``; ``loss`` is the mean
+    over the windows' target tokens (nats), ``loss_se`` its standard error over the batches
+    (``standard_error``), ``batch_losses`` the mean of each batch of ``batch_windows`` windows, in
+    order, and ``checkpoint`` the digest of the evaluated checkpoint (``checkpoint_digest``).
+
+  Raises:
+    ValueError: ``max_tokens`` or ``batch_size`` out of range (``check_size``), or no window.
+    FileNotFoundError: no run or no checkpoint in ``workdir``.
   """
   run = read_run(workdir)
   if exp is None:
@@ -160,6 +189,7 @@ def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
     if exp.model.vocab_size is None:
       exp = exp.with_changes({"model.vocab_size": run["vocab_size"]})
   model_cfg, recipe, opt_cfg, tc, execution = exp.model, exp.recipe, exp.optimizer, exp.train, exp.execution
+  check_size(max_tokens, batch_size, tc.seq_len)
   ckpt_dir = Path(workdir) / "checkpoints"
   if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
     raise FileNotFoundError(f"run {workdir} has no checkpoint yet (nothing in {ckpt_dir})")
@@ -167,19 +197,14 @@ def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
     tok = tokenizer_lib.ByteTokenizer()
   else:
     tok = data.load_tokenizer(run["data_dir"])
-  if text in corpus_lib.CORPORA and text == exp.data.corpus and split in (None, "validation"):
-    # The run's own held-out split: its prepared shards hold the same token stream (no raw text or
-    # network needed).
-    w, split = prepared_windows(run["data_dir"], "validation", tc.seq_len), "validation"
+  if from_shards(text, split, exp, run["data_dir"]):
+    w, split = data.split_windows(run["data_dir"], "validation", tc.seq_len), "validation"
   else:
     files, split = documents(text, split)
     # Built-in corpora are stored as UTF-8; user text is in the run's (or the given) encoding.
     enc = "utf-8" if text in corpus_lib.CORPORA else encoding or exp.data.encoding
     w = windows(tok, files, tc.seq_len, enc)
   if max_tokens is not None:
-    if max_tokens < tc.seq_len:
-      raise ValueError(f"--max_tokens={max_tokens} is less than one window (seq_len "
-                       f"{tc.seq_len})")
     w = w[:max_tokens // tc.seq_len]
 
   mesh = shd.make_mesh((1, 1, 1))
@@ -212,7 +237,15 @@ def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
   return {"workdir": str(workdir), "step": int(step), "text": str(text), "split": split,
           "loss": loss, "loss_se": standard_error(losses, sizes), "perplexity": math.exp(loss),
           "tokens": int(w.shape[0] * tc.seq_len), "windows": int(w.shape[0]),
-          "seq_len": tc.seq_len, "batch_losses": losses, "batch_windows": sizes}
+          "seq_len": tc.seq_len, "batch_size": b, "checkpoint": checkpoint_digest(ckpt_dir / str(step)),
+          "batch_losses": losses, "batch_windows": sizes}
+
+
+def checkpoint_digest(step_dir: str | os.PathLike) -> str | None:
+  """What identifies a saved checkpoint: the sha256 of its checksum file (the size and sha256 of
+  each of its files, ``fp4jax.checkpoint``); None for a step without one."""
+  path = Path(step_dir) / CHECKSUMS
+  return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def standard_error(values: Sequence[float], weights: Sequence[float]) -> float:
@@ -228,19 +261,29 @@ def standard_error(values: Sequence[float], weights: Sequence[float]) -> float:
   return math.sqrt(n / (n - 1) * ss) / total
 
 
-def eval_tokens(cfg, tokens: int | None = None) -> int | None:
+def eval_tokens(cfg, tokens: int | None = None, batch_size: int | None = None) -> int | None:
   """The held-out tokens a launcher evaluates a run on: ``tokens`` if given, else the config's
   ``eval_tokens`` (``study.eval_tokens``, for a corpus whose held-out split is large), else None:
-  the whole held-out split."""
-  if tokens is not None:
-    return tokens
-  return cfg.get("study", {}).get("eval_tokens")
+  the whole held-out split.
+
+  Raises:
+    ValueError: the tokens (``--eval_tokens`` or ``study.eval_tokens``) or ``batch_size``
+      (``--eval_batch_size``) out of range (``check_size``, against the config's ``seq_len``).
+  """
+  name = "--eval_tokens"
+  if tokens is None:
+    tokens, name = cfg.get("study", {}).get("eval_tokens"), "config study.eval_tokens"
+  check_size(tokens, batch_size, cfg.seq_len, (name, "--eval_batch_size"))
+  return tokens
 
 
 def evaluate_cached(workdir: str | os.PathLike, text: str, steps: int, max_tokens: int | None,
                     batch_size: int | None = None, exp: Experiment | None = None) -> dict:
   """``evaluate`` of a finished run on the ``validation`` split of ``text``, kept in
-  ``<workdir>/eval.json`` and reused while its step, text and ``max_tokens`` are these.
+  ``<workdir>/eval.json`` and reused while what it measured is what is asked: the step, text,
+  ``max_tokens``, batch size (``batch_size``, else the run's) and the checkpoint itself (its
+  digest: a run trained again to the same step is evaluated again). Settings out of range are
+  refused before anything is evaluated or written.
 
   ``step`` in the result is the step evaluated: the newest intact checkpoint's, which is not
   ``steps`` if the final checkpoint turned out corrupt (said; the result is still written, and a
@@ -248,9 +291,14 @@ def evaluate_cached(workdir: str | os.PathLike, text: str, steps: int, max_token
   """
   workdir = Path(workdir)
   path = workdir / EVAL_FILE
-  key = {"text": text, "max_tokens": max_tokens}
+  run_batch = exp.train.batch_size if exp is not None else read_run(workdir)["config"]["batch_size"]
+  key = {"text": text, "max_tokens": max_tokens, "batch_size": batch_size or run_batch,
+         "checkpoint": checkpoint_digest(workdir / "checkpoints" / str(steps))}
   if path.is_file():
-    cached = json.loads(path.read_text())
+    try:
+      cached = json.loads(path.read_text())
+    except ValueError:  # a damaged cache: evaluated again
+      cached = {}
     if cached.get("step") == steps and all(cached.get(k) == v for k, v in key.items()):
       return cached
   r = evaluate(workdir, text, "validation", max_tokens, batch_size, exp=exp)
@@ -271,14 +319,16 @@ def main(argv):
                               "--text=shakespeare", "workdir", "text")
   launcher.enable_compilation_cache(fl.compilation_cache)
   r = launcher.report_errors(lambda: evaluate(fl.workdir, fl.text, fl.split, fl.max_tokens,
-                                              fl.batch_size, fl.encoding), fl.verbose)
+                                              fl.batch_size, fl.encoding), fl.verbose, fl.workdir)
   se = f" ± {r['loss_se']:.4f}" if math.isfinite(r["loss_se"]) else ""  # one batch: none
   print(f"loss {r['loss']:.4f}{se} | perplexity {r['perplexity']:.3f} | {r['tokens']:,} tokens "
         f"({r['windows']} windows of {r['seq_len']}) | {r['text']} ({r['split']}) | step "
         f"{r['step']} of {r['workdir']}", flush=True)
   if fl.out:
-    with open(fl.out, "a") as f:
-      f.write(json.dumps(r) + "\n")
+    def append():
+      with open(fl.out, "a") as f:
+        f.write(json.dumps(r) + "\n")
+    launcher.report_errors(append, fl.verbose, fl.out)
 
 
 if __name__ == "__main__":

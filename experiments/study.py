@@ -38,7 +38,10 @@ study lacks (a field added since, at its default) is not compared.
 A study is a run too (``README.md``, Reliability): one study per workdir (``<workdir>/run.lock``); a
 finished arm is reused only if its final checkpoint verifies and its run identity (what
 ``experiments.train`` checks on resume) is this command's, else the command refuses, naming the
-fields (a corrupt final checkpoint trains again from the newest intact step). SIGTERM, SIGINT and
+fields (a corrupt final checkpoint trains again from the newest intact step), and only if this
+code trained it (``fp4jax.workdir.code_version``): an arm of other code, or of a run that recorded
+none, is named with its code, moved to ``<workdir>/<arm>.other-code-<time>`` and trained again,
+unless ``--keep_other_code`` reuses it as it is. SIGTERM, SIGINT and
 SIGHUP reach each arm in training once (``--parallel``, ``experiments._pool``: the arms run in
 sessions of their own, so a terminal's Ctrl-C reaches the parent only, which forwards it); each arm
 saves its step and exits, the command waits for them, says which arms stopped at which step, and
@@ -156,13 +159,13 @@ def is_finished(workdir: Path, steps: int) -> bool:
 
 
 def run_arm(exp: Experiment, arm: Arm, workdir: Path, eval_tokens: int | None = None,
-            eval_batch_size: int | None = None) -> str:
+            eval_batch_size: int | None = None, keep_other_code: bool = False) -> str:
   """Trains (or reuses, or resumes) one arm, ``exp`` being its experiment (``arm_experiment``,
   completed by ``compare.with_data``), and evaluates it; returns its status ("trained", "reused" or
   "diverged")."""
   run_dir = workdir / arm.name
   status = "reused"
-  if not launcher.finished_run(exp, run_dir):
+  if not launcher.finished_run(exp, run_dir, keep_other_code):
     status = "trained"
     (run_dir / EVAL_FILE).unlink(missing_ok=True)  # of an earlier checkpoint
     if not os.environ.get(_pool.CHILD_ENV):  # trained alone: its throughput is its own
@@ -260,7 +263,8 @@ def child_command(argv: Sequence[str], arm: str) -> list[str]:
 
 def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int | None = None,
           eval_batch_size: int | None = None, collect_to: str | Path | None = None,
-          telemetry: bool = True, parallel: int = 1, argv: Sequence[str] = ()) -> list[dict]:
+          telemetry: bool = True, parallel: int = 1, argv: Sequence[str] = (),
+          keep_other_code: bool = False) -> list[dict]:
   """Runs the selected arms, then writes (and optionally collects) the study's rows and table.
 
   Args:
@@ -269,6 +273,8 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
     parallel: with more than 1, the arms train up to that many at a time, each in a process of its
       own (``experiments._pool.run_parallel``) started with this command's flags ``argv`` (the
       program's command line without its name).
+    keep_other_code: reuse a finished arm trained by other code as it is
+      (``experiments.train.finished_run``; else it trains again, the old run kept aside).
 
   Returns:
     The rows of ``study.jsonl`` (every finished arm of the workdir).
@@ -278,12 +284,12 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
       ``parallel``.
   """
   workdir = Path(workdir)
-  eval_tokens = evaluate_lib.eval_tokens(cfg, eval_tokens)
   selected = select_arms(arms)
-  if parallel < 1:
-    raise ValueError(f"--parallel={parallel}: give 1 or more arms at a time")
+  if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+    raise ValueError(f"--parallel={parallel!r}: give 1 or more arms at a time")
   # The study's experiment is typed once; each arm's is made from it and checked before any trains.
   base = Experiment.from_config(cfg)
+  eval_tokens = evaluate_lib.eval_tokens(cfg, eval_tokens, eval_batch_size)
   exps = {arm.name: arm_experiment(base, arm, telemetry) for arm in selected}
   child = bool(os.environ.get(_pool.CHILD_ENV))  # an arm of --parallel: the parent holds the lock
   workdir.mkdir(parents=True, exist_ok=True)
@@ -300,7 +306,7 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
     # data only for those, so that it leaves the device(s) to its arms' processes).
     if not child:
       for arm in selected:
-        launcher.finished_run(exps[arm.name], workdir / arm.name)
+        launcher.finished_run(exps[arm.name], workdir / arm.name, keep_other_code)
     failed = []
     if pool:
       failed = _pool.run_parallel([(a.name, a.what) for a in selected], parallel, workdir,
@@ -313,7 +319,8 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
               flush=True)
         t0 = time.perf_counter()
         try:
-          status = run_arm(exps[arm.name], arm, workdir, eval_tokens, eval_batch_size)
+          status = run_arm(exps[arm.name], arm, workdir, eval_tokens, eval_batch_size,
+                           keep_other_code)
         except TrainingInterrupted as e:
           if child:
             raise
@@ -351,13 +358,17 @@ def define_flags() -> None:
   flags.DEFINE_string("arms", None, f"all, or some of: {','.join(ARM_NAMES)}")
   flags.DEFINE_bool("list", False, "print the arms (name, preset, changes, seed, baseline, what) "
                     "and exit")
-  flags.DEFINE_integer("eval_tokens", None, "evaluate at most this many held-out tokens")
-  flags.DEFINE_integer("eval_batch_size", None, "evaluation batch (default: the run's)")
+  flags.DEFINE_integer("eval_tokens", None, "evaluate at most this many held-out tokens",
+                       lower_bound=1)
+  flags.DEFINE_integer("eval_batch_size", None, "evaluation batch (default: the run's)",
+                       lower_bound=1)
   flags.DEFINE_string("collect", None, "copy the small logs into this folder")
   flags.DEFINE_bool("telemetry", True, "log the per-module quantization error (--notelemetry: off)")
-  flags.DEFINE_integer("parallel", 1, "train up to this many arms at once, one process each")
+  flags.DEFINE_integer("parallel", 1, "train up to this many arms at once, one process each",
+                       lower_bound=1)
   flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
   launcher.define_cache_flag()
+  launcher.define_keep_flag()
 
 
 def main(argv):
@@ -373,7 +384,7 @@ def main(argv):
   _pool.watch_parent()
   launcher.report_errors(lambda: study(fl.config, fl.workdir, fl.arms, fl.eval_tokens,
                                        fl.eval_batch_size, fl.collect, fl.telemetry, fl.parallel,
-                                       sys.argv[1:]), fl.verbose)
+                                       sys.argv[1:], fl.keep_other_code), fl.verbose, fl.workdir)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,13 +46,15 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from fp4jax import data, loop
-from fp4jax.checkpoint import Checkpointer, CheckpointSaveError, CorruptCheckpointError, verify
+from fp4jax.checkpoint import (Checkpointer, CheckpointSaveError, CorruptCheckpointError, no_space,
+                               quiet_full_disk_logs, space_line, verify)
 from fp4jax.corpus import CorpusUnavailableError
 from fp4jax.experiment import Experiment
 from fp4jax.loop import NonFiniteLossError
-from fp4jax.preemption import TrainingInterrupted
+from fp4jax.preemption import SIGNALS, TrainingInterrupted
 from fp4jax.recipe import MODULES
-from fp4jax.workdir import RunChangedError, RunLock, RunLockedError, identity, identity_diffs
+from fp4jax.workdir import (CODE_KEY, RunChangedError, RunLock, RunLockedError, code_version,
+                            describe_code, identity, identity_diffs, same_code)
 
 
 class RunsFailedError(RuntimeError):
@@ -80,6 +84,11 @@ def default_cache_dir() -> str:
   return os.environ.get("FP4JAX_CACHE") or str(Path.home() / ".cache" / "fp4jax" / "xla")
 
 
+def define_keep_flag() -> None:
+  flags.DEFINE_bool("keep_other_code", False, "reuse a finished run trained by other code (another "
+                    "fp4jax source, or one that recorded none) as it is, instead of training it again")
+
+
 def define_cache_flag() -> None:
   flags.DEFINE_string("compilation_cache", default_cache_dir(),
                       "directory of JAX's persistent compilation cache (empty: off)")
@@ -102,21 +111,49 @@ def enable_compilation_cache(path: str | os.PathLike | None) -> None:
   jax.config.update("jax_compilation_cache_dir", str(path))
 
 
-def report_errors(fn: Callable[[], object], verbose: bool = False) -> object:
+def report_errors(fn: Callable[[], object], verbose: bool = False,
+                  where: str | os.PathLike | None = None) -> object:
   """Runs ``fn``; a user error exits with ``error: <message>`` (and the traceback if
-  ``verbose``), an interrupted run with its one line and status 128 + the signal."""
+  ``verbose``), an interrupted run with its one line and status 128 + the signal.
+
+  A full disk, from any writer (orbax/tensorstore, numpy, the tokenizer, a file), is one line
+  naming the path (the error's file, else ``where``) and the space free there; without
+  ``verbose`` the error logs with tracebacks that orbax writes for it are hidden
+  (``fp4jax.checkpoint.quiet_full_disk_logs``)."""
   verbose = verbose or os.environ.get("FP4JAX_VERBOSE", "") not in ("", "0")
+  quiet_full_disk_logs(not verbose)
   try:
     return fn()
   except TrainingInterrupted as e:
+    for s in SIGNALS:  # the stop is done: another signal (a second Ctrl-C) adds nothing now
+      signal.signal(s, signal.SIG_IGN)
     print(str(e), file=sys.stderr, flush=True)
     raise SystemExit(e.exit_code) from None
-  except USER_ERRORS as e:
+  except KeyboardInterrupt:  # Ctrl-C outside a run (an evaluation, a check): nothing to save
+    if verbose:
+      traceback.print_exc()
+    print("stopped by SIGINT: nothing was training, nothing to save", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signal.SIGINT) from None
+  except Exception as e:
+    full = no_space(e)
+    if not (full or isinstance(e, USER_ERRORS)):
+      raise
     if verbose:
       traceback.print_exc()
     hint = "" if verbose else " (--verbose shows the traceback)"
-    print(f"error: {e}{hint}", file=sys.stderr, flush=True)
+    print(f"error: {full_disk_line(e, where) if full else e}{hint}", file=sys.stderr, flush=True)
     raise SystemExit(1) from None
+
+
+def full_disk_line(e: BaseException, where: str | os.PathLike | None) -> str:
+  """The one line of a full disk: the error's own when it names the path and the space
+  (``fp4jax.checkpoint.space_line``), else one made from its file (or ``where``)."""
+  text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+  if "no space left on device at" in text:
+    return text[text.index("no space left on device at"):]
+  path = next((x.filename for x in (e, e.__cause__, e.__context__)
+               if isinstance(x, OSError) and x.filename), None) or where or os.getcwd()
+  return space_line(path, None, "writing there")
 
 
 def check_command_line(argv: Sequence[str], example: str, *required: str) -> None:
@@ -200,16 +237,23 @@ def prepare_data(exp: Experiment) -> Experiment:
                                   "vocab_size": meta.vocab_size})
 
 
-def finished_run(exp, workdir: str | os.PathLike) -> bool:
+_KEPT: set[str] = set()  # runs of other code reused (and said) in this process
+
+
+def finished_run(exp, workdir: str | os.PathLike, keep_other_code: bool = False) -> bool:
   """Whether ``workdir`` holds a finished run of ``exp`` that a launcher may reuse as is.
 
   True if its checkpoint of step ``exp.train.steps`` verifies and was saved by a run of the same
-  identity (``fp4jax.workdir.identity``); False if there is no such step, or it is corrupt (said;
-  training again resumes from the newest intact step).
+  identity (``fp4jax.workdir.identity``) and the same code (``fp4jax.workdir.code_version``);
+  False if there is no such step, or it is corrupt (said; training again resumes from the newest
+  intact step), or it was saved by other code or by a run that recorded none: then the message
+  names that code and the run is moved to ``<workdir>.other-code-<time>`` (kept; training again
+  starts afresh), unless ``keep_other_code`` reuses it as it is (said too).
 
   Args:
     exp: an ``Experiment`` (its data is prepared here unless it was) or an experiment config.
     workdir: the run's folder.
+    keep_other_code: reuse a finished run of the same identity whatever code trained it.
 
   Raises:
     RunChangedError: the finished run has another identity (the fields are named).
@@ -234,7 +278,21 @@ def finished_run(exp, workdir: str | os.PathLike) -> bool:
     raise RunChangedError(
         f"{workdir} holds a finished run of other settings, so it cannot stand for this one:\n  "
         + "\n  ".join(diffs) + "\nuse another --workdir, or that run's settings")
-  return True
+  code = saved.get(CODE_KEY)
+  if same_code(code):
+    return True
+  theirs, mine = describe_code(code), describe_code(code_version())
+  if keep_other_code:
+    if (said := str(Path(workdir).absolute())) not in _KEPT:  # once per run in a process
+      _KEPT.add(said)
+      print(f"{workdir}: reusing the run trained by {theirs}, not by this {mine} "
+            "(--keep_other_code)", flush=True)
+    return True
+  aside = Path(f"{Path(workdir)}.other-code-{time.strftime('%Y%m%d-%H%M%S')}")
+  os.rename(workdir, aside)
+  print(f"{workdir} was trained by {theirs}, not by this {mine}: training it again (the old run is "
+        f"kept in {aside}; --keep_other_code reuses it as it is)", flush=True)
+  return False
 
 
 def stopped_among(e: TrainingInterrupted, kind: str, name: str, done: Sequence[str],
@@ -275,7 +333,7 @@ def run(exp, workdir: str | os.PathLike, allow_changes: Sequence[str] = ()) -> d
       print(f"training {exp.name} in {workdir}: recipe {modules}", flush=True)
     config = {"config": recorded, "data_dir": data_dir, "vocab_size": exp.model.vocab_size,
               "num_params": exp.model.num_params(), "devices": jax.device_count(),
-              "platform": jax.default_backend()}
+              "platform": jax.default_backend(), "code": code_version()}
     train_iter = data.make_iterator(data_dir, "train", tc.seq_len, tc.batch_size, seed=tc.seed)
     eval_batches = lambda: data.make_iterator(
         data_dir, "validation", tc.seq_len, tc.batch_size, shuffle=False, repeat=False)
@@ -291,7 +349,8 @@ def main(argv):
   if fl.distributed:
     report_errors(initialize_distributed, fl.verbose)
   enable_compilation_cache(fl.compilation_cache)
-  summary = report_errors(lambda: run(fl.config, fl.workdir, fl.allow_changes), fl.verbose)
+  summary = report_errors(lambda: run(fl.config, fl.workdir, fl.allow_changes), fl.verbose,
+                          fl.workdir)
   print(json.dumps(summary))
 
 

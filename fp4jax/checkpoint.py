@@ -21,8 +21,10 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -35,10 +37,10 @@ from jax.experimental import multihost_utils
 
 from fp4jax.workdir import IncompatibleCheckpointError, diff
 
-_CHECKSUMS = "fp4jax_checksums.json"
+CHECKSUMS = "fp4jax_checksums.json"  # in each step folder: its files' sizes and sha256
 # Written by orbax after the step's contents are complete (markers and step metadata).
 _UNCHECKED = ("_CHECKPOINT_METADATA", "commit_success.txt")
-_TMP = ".orbax-checkpoint-tmp"
+ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's suffix of a step being saved
 # Parameters beyond this magnitude are a diverged run's, not a checkpoint to go back to.
 _PARAM_BOUND = 1e6
 
@@ -58,7 +60,7 @@ def _is_grain(it) -> bool:
 def _files(step_dir: Path) -> list[Path]:
   if not step_dir.is_dir():
     return []
-  return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != _CHECKSUMS
+  return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS
                 and p.name not in _UNCHECKED)
 
 
@@ -75,9 +77,9 @@ def write_checksums(step_dir: str | os.PathLike) -> None:
   step_dir = Path(step_dir)
   files = {p.relative_to(step_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
            for p in _files(step_dir)}
-  tmp = step_dir / (_CHECKSUMS + ".tmp")
+  tmp = step_dir / (CHECKSUMS + ".tmp")
   tmp.write_text(json.dumps({"files": files}, indent=0))
-  os.replace(tmp, step_dir / _CHECKSUMS)
+  os.replace(tmp, step_dir / CHECKSUMS)
 
 
 def verify(step_dir: str | os.PathLike) -> str | None:
@@ -90,7 +92,7 @@ def verify(step_dir: str | os.PathLike) -> str | None:
     is empty or partial).
   """
   step_dir = Path(step_dir)
-  path = step_dir / _CHECKSUMS
+  path = step_dir / CHECKSUMS
   if not path.is_file():
     missing = [i for i in ("state", "meta") if not any(_files(step_dir / i))]
     if missing:  # a step folder left empty or half-written (a copy, a crash before orbax's rename)
@@ -112,13 +114,44 @@ def verify(step_dir: str | os.PathLike) -> str | None:
   return f"{step_dir / extra[0]} was not part of the save" if extra else None
 
 
-def no_space(e: BaseException) -> bool:
-  """Whether ``e`` (or an exception it was raised from) is a full disk (ENOSPC)."""
-  while e is not None:
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+# How a full disk reads where no errno says it: tensorstore (orbax) and HF tokenizers put the OS
+# error in their message; numpy's ``tofile`` raises ``OSError("N requested and M written")``.
+_NO_SPACE = re.compile(r"No space left on device|Disk quota exceeded|os_error_code='(28|122)'|"
+                       r"os error (28|122)\b|^\d+ requested and \d+ written$")
+
+
+def no_space(e: BaseException | None) -> bool:
+  """Whether ``e`` (or an exception it was raised from) is a full disk: ENOSPC or EDQUOT, or a
+  message that says so (tensorstore, tokenizers, a short write of numpy's ``tofile``)."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    if _NO_SPACE.search(str(e)):
       return True
     e = e.__cause__ or e.__context__
   return False
+
+
+class _QuietFullDisk(logging.Filter):
+  """Drops orbax's log records of a full disk (each with its traceback): the checkpointer reports
+  the failure in one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (record.levelno >= logging.ERROR and (no_space(exc) or _NO_SPACE.search(
+        record.getMessage())))
+
+
+_QUIET = _QuietFullDisk()
+
+
+def quiet_full_disk_logs(quiet: bool = True) -> None:
+  """Hides (or, with False, shows again) the error logs with tracebacks that orbax and tensorstore
+  write for a full disk; ``Checkpointer`` reports each failed save in one line either way."""
+  for name in ("absl", "orbax", ""):
+    (logging.getLogger(name).addFilter if quiet else logging.getLogger(name).removeFilter)(_QUIET)
 
 
 def space_line(path: str | os.PathLike, need_bytes: int | None, what: str) -> str:
@@ -155,6 +188,7 @@ class Checkpointer:
     self.directory = Path(directory).absolute()
     self.every = every
     self.log = log
+    self.failure: str | None = None  # why the last save that failed did (None: none failed)
     self._saving: list[int] = []  # steps saved by this process, checksums not yet confirmed
     self._need: int | None = None  # bytes of the last state saved (for a full disk's message)
     async_options = ocp.AsyncOptions(post_finalization_callback=self._on_saved) \
@@ -182,8 +216,8 @@ class Checkpointer:
     if jax.process_index() != 0:
       return
     for step in self._saving:
-      tmp = list(self.directory.glob(f"{step}{_TMP}*"))
-      if len(tmp) == 1 and not (tmp[0] / _CHECKSUMS).is_file():
+      tmp = list(self.directory.glob(f"{step}{ORBAX_TMP}*"))
+      if len(tmp) == 1 and not (tmp[0] / CHECKSUMS).is_file():
         write_checksums(tmp[0])
 
   def _settle(self) -> bool:
@@ -195,13 +229,13 @@ class Checkpointer:
     except Exception as e:
       ok = False
       step = self._saving[-1] if self._saving else "?"
-      why = (space_line(self.directory, self._need, f"checkpoint step {step}") if no_space(e)
-             else f"{type(e).__name__}: {e}")
+      why = self.failure = (space_line(self.directory, self._need, f"checkpoint step {step}")
+                            if no_space(e) else f"{type(e).__name__}: {e}")
       self.log(f"warning: saving checkpoint step {step} to {self.directory} failed ({why}); "
                "training goes on and the next save tries again")
     for step in self._saving:
       step_dir = self.directory / str(step)
-      if jax.process_index() == 0 and step_dir.is_dir() and not (step_dir / _CHECKSUMS).is_file():
+      if jax.process_index() == 0 and step_dir.is_dir() and not (step_dir / CHECKSUMS).is_file():
         write_checksums(step_dir)
     self._saving = []
     return ok
@@ -231,8 +265,8 @@ class Checkpointer:
       started = self._mgr.save(step, args=ocp.args.Composite(**items), force=True)
     except Exception as e:
       self._saving.pop()
-      why = (space_line(self.directory, self._need, f"checkpoint step {step}") if no_space(e)
-             else f"{type(e).__name__}: {e}")
+      why = self.failure = (space_line(self.directory, self._need, f"checkpoint step {step}")
+                            if no_space(e) else f"{type(e).__name__}: {e}")
       self.log(f"warning: could not save checkpoint step {step} to {self.directory} ({why}); "
                "training goes on and the next save tries again")
       return False

@@ -376,8 +376,9 @@ def _write_corpus(name: str, downloads: Path, out: Path) -> None:
 def _build(name: str, root: Path) -> None:
   """Builds ``<root>/corpora/<name>`` in a temporary folder, then renames it into place."""
   final = root / "corpora" / name
+  for stale in (root / "corpora").glob(f".{name}.tmp-*"):  # of a process that died (the lock is ours)
+    shutil.rmtree(stale, ignore_errors=True)
   tmp = root / "corpora" / f".{name}.tmp-{os.getpid()}"
-  shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
   try:
     _write_corpus(name, root / "downloads", tmp)
@@ -489,6 +490,27 @@ def text_dir_corpus(path: str | os.PathLike, val_every: int = _VAL_EVERY) -> Cor
       h.update(hashlib.sha256(f.read_bytes()).digest())
   return CorpusFiles(name=path.name, root=path, train=train, validation=val,
                      fingerprint=h.hexdigest())
+
+
+def text_is_here(spec: str | os.PathLike | CorpusFiles,
+                 cache_dir: str | os.PathLike | None = None) -> bool:
+  """Whether the text of a corpus can be read on this machine without the network: a built-in
+  corpus cached (its manifest) or packed in the data root, an existing folder, a CorpusFiles."""
+  if isinstance(spec, CorpusFiles):
+    return True
+  if isinstance(spec, str) and spec in CORPORA:
+    root = data_root(cache_dir)
+    return ((root / "corpora" / spec / MANIFEST).is_file() or (root / f"{spec}.tar.xz").is_file()
+            or (root / "corpora" / f"{spec}.tar.xz").is_file())
+  return Path(spec).is_dir()
+
+
+def corpus_name(spec: str | os.PathLike | CorpusFiles) -> str:
+  """The name a corpus's prepared data records (``CorpusFiles.name``), without reading its text: a
+  built-in name, or a folder's name."""
+  if isinstance(spec, CorpusFiles):
+    return spec.name
+  return spec if isinstance(spec, str) and spec in CORPORA else Path(spec).name
 
 
 def resolve_corpus(spec: str | os.PathLike | CorpusFiles,

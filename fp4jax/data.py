@@ -32,6 +32,7 @@ same set of windows whatever the number of hosts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -272,6 +273,10 @@ def _tokenizer_tag(tokenizer: str, vocab_size: int | None) -> str:
   if tokenizer == "bpe":
     if vocab_size is None:
       raise ValueError("tokenizer='bpe' needs vocab_size (e.g. --vocab_size=8192)")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 258 <= vocab_size <= 1 << 31:
+      raise ValueError(f"data vocab_size={vocab_size!r} (--config.data.vocab_size, or --vocab_size of "
+                       "`python -m fp4jax.data prepare`): a BPE vocabulary is an int in [258, 2**31] "
+                       "(256 bytes + EOS + merges), e.g. 8192")
     return f"bpe{vocab_size}"
   if not Path(tokenizer).is_file():
     raise ValueError(f"tokenizer must be 'byte', 'bpe' or an existing tokenizer.json file, "
@@ -302,6 +307,63 @@ def _reusable(out: Path, fingerprint: str) -> DataMeta | None:
   return old if old.fingerprint == fingerprint and _shards_ok(out, old) else None
 
 
+def _request_fingerprint(corpus_fingerprint: str, tag: str, vocab_size: int | None,
+                         shard_tokens: int, encoding: str) -> str:
+  """The reuse key of a data folder: sha256 of everything that determines its shards."""
+  request = {"format_version": _FORMAT_VERSION, "corpus": corpus_fingerprint, "tokenizer": tag,
+             "vocab_size": vocab_size, "shard_tokens": shard_tokens}
+  if encoding != "utf-8":
+    request["encoding"] = encoding
+  return hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
+
+
+def prepared_data(corpus: str | os.PathLike, out_dir: str | os.PathLike | None = None, *,
+                  tokenizer: str = "byte", vocab_size: int | None = None,
+                  shard_tokens: int = DEFAULT_SHARD_TOKENS,
+                  cache_dir: str | os.PathLike | None = None,
+                  encoding: str = "utf-8") -> DataMeta | None:
+  """The meta of data already prepared from ``corpus`` with these settings, found without its text.
+
+  ``out_dir`` (default ``default_out_dir``) is reused when its ``meta.json`` names the corpus and
+  was made with these settings (tokenizer, vocabulary, shard size, encoding: its fingerprint,
+  recomputed from the corpus fingerprint it records) and every shard matches its size and sha256.
+  What the text itself holds cannot be checked without it: ``prepare`` calls this only where the
+  text is not on this machine.
+
+  Returns:
+    The meta, or None if ``out_dir`` holds no prepared data.
+
+  Raises:
+    ValueError: ``out_dir`` holds another corpus, or ``corpus`` made with other settings, or a
+      damaged shard; the message says that the text to prepare it again is not here.
+  """
+  name = corpus_lib.corpus_name(corpus)
+  out = (Path(out_dir) if out_dir is not None
+         else default_out_dir(name, tokenizer, vocab_size, cache_dir))
+  if not (out / _META_FILE).is_file():
+    return None
+  meta = read_meta(out)
+  absent = (f"the text of corpus {name!r} is not on this machine to prepare it again (copy the "
+            f"token folder again, or the text: {corpus})")
+  if meta.corpus.get("name") != name:
+    raise ValueError(f"{out} holds corpus {meta.corpus.get('name')!r}, not {name!r}, and {absent}; "
+                     f"to train on what it holds, set the corpus to {meta.corpus.get('name')!r} "
+                     "(--config.data.corpus)")
+  want = _request_fingerprint(meta.corpus.get("fingerprint", ""), _tokenizer_tag(tokenizer, vocab_size),
+                              vocab_size, shard_tokens, encoding)
+  if want != meta.fingerprint:
+    raise ValueError(
+        f"{out} holds {name} prepared with other settings than this run's (tokenizer "
+        f"{tokenizer}, vocab_size {vocab_size}, shard_tokens {shard_tokens}, encoding {encoding}; "
+        f"the folder: {meta.tokenizer.get('kind')} tokenizer, vocab {meta.vocab_size}), and "
+        f"{absent}; set the run's data settings to the folder's")
+  for sp in meta.splits.values():
+    for shard in sp["shards"]:
+      if why := shard_damage(out, meta, shard):
+        raise ValueError(f"{why}; {absent}")
+  return meta
+
+
 def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
             out_dir: str | os.PathLike | None = None, *, tokenizer: str = "byte",
             vocab_size: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
@@ -311,6 +373,11 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
 
   A folder that holds the same data with a missing, truncated or damaged shard (its sha256) is
   prepared again. An intact folder is reused without writing anything (read-only storage works).
+
+  Where the corpus's text is not on this machine (a built-in corpus neither cached nor packed in the
+  data root, a folder that is gone), a folder that already holds it, prepared with these settings
+  and intact (every shard's sha256), is used without the text and without the network
+  (``prepared_data``); the text is needed only to prepare.
 
   Processes of one machine that prepare the same folder at once take turns (a lock file beside it):
   the first tokenizes, the others reuse its folder. Hosts that share a network disk should still
@@ -332,43 +399,39 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
   Returns:
     The meta of the data directory.
   """
-  if shard_tokens < 2:
-    raise ValueError(f"shard_tokens must be >= 2, got {shard_tokens}")
-  tag = _tokenizer_tag(tokenizer, vocab_size)
-
-  def fingerprint_of(corpus_fingerprint: str) -> str:
-    request = {"format_version": _FORMAT_VERSION, "corpus": corpus_fingerprint, "tokenizer": tag,
-               "vocab_size": vocab_size, "shard_tokens": shard_tokens}
-    if encoding != "utf-8":
-      request["encoding"] = encoding
-    return hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
-
-  try:
-    files = corpus_lib.resolve_corpus(corpus, cache_dir)
-  except corpus_lib.CorpusUnavailableError:
-    # A built-in corpus whose text is not here (offline): its prepared folder serves as it is when
-    # its meta records this corpus and these settings and every shard matches its checksum.
-    if not (isinstance(corpus, str) and corpus in corpus_lib.CORPORA):
-      raise
-    out = (Path(out_dir) if out_dir is not None
-           else default_out_dir(corpus, tokenizer, vocab_size, cache_dir))
-    try:
-      old = read_meta(out)
-    except (FileNotFoundError, ValueError):
-      old = None
-    if (old is not None and old.corpus.get("name") == corpus
-        and old.fingerprint == fingerprint_of(old.corpus.get("fingerprint", "")) and _shards_ok(out, old)):
-      return old
-    raise
+  if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 2:
+    raise ValueError(f"shard_tokens={shard_tokens!r} (--shard_tokens of `python -m fp4jax.data "
+                     "prepare`): give an int >= 2")
+  tag = _tokenizer_tag(tokenizer, vocab_size)  # checks the settings before any text is read
+  if not corpus_lib.text_is_here(corpus, cache_dir):  # what is prepared serves without the text
+    meta = prepared_data(corpus, out_dir, tokenizer=tokenizer, vocab_size=vocab_size,
+                         shard_tokens=shard_tokens, cache_dir=cache_dir, encoding=encoding)
+    if meta is not None:
+      where = out_dir or default_out_dir(corpus_lib.corpus_name(corpus), tokenizer, vocab_size, cache_dir)
+      print(f"{corpus}: its text is not here; using the data prepared from it in {where} (corpus "
+            f"fingerprint {meta.corpus.get('fingerprint', '?')[:12]}, every shard's sha256 checked)",
+            flush=True)
+      return meta
+  files = corpus_lib.resolve_corpus(corpus, cache_dir)
   out = (Path(out_dir) if out_dir is not None
          else default_out_dir(files.name, tokenizer, vocab_size, cache_dir))
-  fingerprint = fingerprint_of(files.fingerprint)
+  fingerprint = _request_fingerprint(files.fingerprint, tag, vocab_size, shard_tokens, encoding)
   other = ("use another folder (--config.data.dir for experiments.train, --out for `python -m "
            "fp4jax.data prepare`), or replace it (`python -m fp4jax.data prepare --overwrite`)")
   if (old := _reusable(out, fingerprint)) is not None:  # no lock: the folder may be read-only
     return old
   # One process tokenizes; the others that want the same folder wait here, then reuse it.
-  with corpus_lib.file_lock(out.with_name(f".{out.name}.lock")):
+  with contextlib.ExitStack() as stack:
+    try:
+      stack.enter_context(corpus_lib.file_lock(out.with_name(f".{out.name}.lock")))
+    except OSError as e:
+      if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+        raise
+      raise ValueError(f"{out}: {_what_is_wrong(out, fingerprint)}, and it is on storage this process "
+                       f"cannot write ({e.strerror}: {e.filename}), so it cannot be prepared there: "
+                       "copy an intact folder there, or prepare the data in a writable folder "
+                       "(--config.data.dir for experiments.train, --out for `python -m fp4jax.data "
+                       "prepare`)") from e
     if (out / _META_FILE).is_file():
       old = read_meta(out)
       if old.fingerprint == fingerprint:
@@ -381,20 +444,37 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
                          f"{old.tokenizer.get('kind')} tokenizer, vocab {old.vocab_size}); {other}")
     elif out.exists() and any(out.iterdir()) and not overwrite:
       raise ValueError(f"{out} is a non-empty folder without {_META_FILE}; {other}")
+    # Temporary folders of this one left by a process that died (it holds the lock no more).
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+      shutil.rmtree(stale, ignore_errors=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
       return _write(files, tokenizer, vocab_size, tmp, out, shard_tokens, encoding, fingerprint)
-    except OSError as e:
+    except Exception as e:  # the tokenizers library raises plain Exceptions
       if not no_space(e):
         raise
+      shutil.rmtree(tmp, ignore_errors=True)  # the space free once it is gone
       text = sum(p.stat().st_size for s in SPLITS for p in files.split(s))
       raise OSError(errno.ENOSPC, space_line(
           out.parent, 4 * text, f"the token shards of {files.name} (up to 4 bytes per byte of its "
           f"{text / 1e6:,.1f} MB of text)")) from e
     finally:
       shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _what_is_wrong(out: Path, fingerprint: str) -> str:
+  """Why ``out`` cannot be reused as it is: a damaged shard, other data, or no data."""
+  if not (out / _META_FILE).is_file():
+    return "it holds no prepared data"
+  try:
+    meta = read_meta(out)
+  except ValueError as e:
+    return str(e)
+  if meta.fingerprint != fingerprint:
+    return f"it holds other data ({meta.corpus.get('name')}, {meta.tokenizer.get('kind')} tokenizer)"
+  return next((why for sp in meta.splits.values() for sh in sp["shards"]
+               if (why := shard_damage(out, meta, sh))), "a shard is damaged")
 
 
 def _write(files, tokenizer, vocab_size, tmp: Path, out: Path, shard_tokens: int, encoding: str,
@@ -468,6 +548,26 @@ class TokenWindows:
 
   def __getstate__(self):
     return {**self.__dict__, "_mmaps": None}
+
+
+def split_windows(data_dir: str | os.PathLike, split: str, seq_len: int) -> np.ndarray:
+  """Every window of one split in order, as (N, seq_len + 1) int32 (``TokenWindows``' cut), after
+  checking each of its shards (size and sha256, ``shard_damage``).
+
+  Raises:
+    ValueError: a damaged shard (named), or no window.
+  """
+  meta = read_meta(data_dir)
+  for shard in meta._split(split)["shards"]:
+    if why := shard_damage(data_dir, meta, shard):
+      raise ValueError(f"{why}; prepare the data again")
+  src = TokenWindows(data_dir, split, seq_len)  # checks the sizes; at least one window
+  out = []
+  for path, n in zip(src._paths, src._sizes, strict=True):
+    ids = np.memmap(path, meta.np_dtype, "r", shape=(n,))
+    idx = np.arange(max(n - 1, 0) // seq_len)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    out.append(np.asarray(ids[idx], np.int32))
+  return np.concatenate(out)
 
 
 def num_windows(data_dir: str | os.PathLike, split: str, seq_len: int) -> int:
@@ -599,16 +699,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.command == "info":
       meta, out = read_meta(a.dir), Path(a.dir)
     else:
-      files = corpus_lib.resolve_corpus(a.corpus, a.data_dir)
-      out = Path(a.out) if a.out else default_out_dir(files.name, a.tokenizer, a.vocab_size,
-                                                      a.data_dir)
-      meta = prepare(files, out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
+      out = Path(a.out) if a.out else default_out_dir(corpus_lib.corpus_name(a.corpus),
+                                                      a.tokenizer, a.vocab_size, a.data_dir)
+      meta = prepare(a.corpus, out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
                      shard_tokens=a.shard_tokens, cache_dir=a.data_dir, overwrite=a.overwrite,
                      encoding=a.encoding)
   except (ValueError, OSError, corpus_lib.CorpusUnavailableError) as e:
     if getattr(a, "verbose", False) or os.environ.get("FP4JAX_VERBOSE", "") not in ("", "0"):
       traceback.print_exc()
-    raise SystemExit(f"error: {e}") from None
+    full = isinstance(e, OSError) and e.strerror and "no space left on device at" in e.strerror
+    raise SystemExit(f"error: {e.strerror if full else e}") from None
   print("\n".join(_summary(meta, out)))
 
 

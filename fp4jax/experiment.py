@@ -77,6 +77,11 @@ class TrainConfig:
     if not isinstance(self.telemetry_every, int) or self.telemetry_every < 0:
       raise ValueError(f"TrainConfig.telemetry_every={self.telemetry_every!r}: expected an int "
                        ">= 0 (0: off)")
+    shape = tuple(self.mesh_shape) if isinstance(self.mesh_shape, (tuple, list)) else ()
+    if (len(shape) != 3 or any(isinstance(d, bool) or not isinstance(d, int) or (d < 1 and d != -1)
+                               for d in shape) or shape.count(-1) > 1):
+      raise ValueError(f"TrainConfig.mesh_shape={self.mesh_shape!r}: expected 3 sizes (data, fsdp, "
+                       "tensor), each >= 1, one of them may be -1 (the remaining devices)")
 
 
 @dataclasses.dataclass(frozen=True)

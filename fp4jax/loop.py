@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -20,13 +21,14 @@ import jax
 
 from fp4jax import sharding as shd
 from fp4jax import telemetry
-from fp4jax.checkpoint import Checkpointer, CheckpointSaveError
+from fp4jax.checkpoint import ORBAX_TMP, Checkpointer, CheckpointSaveError
 from fp4jax.data import to_global_batch
-from fp4jax.metrics import MetricsWriter, peak_flops
+from fp4jax.metrics import MetricsWriter, peak_flops, set_aside
 from fp4jax.optim.factory import make_optimizer, make_schedule
 from fp4jax.preemption import StopSignals, TrainingInterrupted
 from fp4jax.step import evaluate, init_state, jit_steps, make_resplit
-from fp4jax.workdir import RunLock, identity, identity_changes, record_start
+from fp4jax.workdir import (CODE_KEY, RunLock, code_version, describe_code, identity, identity_changes,
+                            record_start, same_code)
 
 if TYPE_CHECKING:
   from fp4jax.experiment import Experiment
@@ -53,8 +55,10 @@ def train(exp: Experiment, workdir: str | Path, train_iter: Iterator,
     before the first step of this start, they end the process at once (nothing to save);
   * a resume restores the newest checkpoint whose checksums verify (corrupt newer ones are
     reported and moved aside), checks the run's identity (``fp4jax.workdir.identity``) and
-    truncates ``metrics.jsonl`` to the restored step; a failed save is reported and training goes
-    on.
+    truncates ``metrics.jsonl`` to the restored step; rows that no lost save explains (a start
+    from step 0 over logged steps, or more than one checkpoint interval dropped: checkpoints were
+    deleted) are first copied beside it (``fp4jax.metrics.set_aside``), and said;
+  * a failed save is reported and training goes on.
 
   Args:
     exp: the run (``fp4jax.experiment.Experiment``) with its vocabulary set; ``exp.data_info``
@@ -110,19 +114,33 @@ def _run(exp: Experiment, workdir: Path, train_iter, eval_batches, mesh, config,
   tc = exp.train
   ckpt = Checkpointer(workdir / "checkpoints", every=tc.checkpoint_every or tc.steps,
                       keep=tc.keep_checkpoints, log=_say)
+  if jax.process_index() == 0:  # this start holds the run's lock: no save of another is under way
+    for unfinished in sorted(ckpt.directory.glob(f"*{ORBAX_TMP}*")):
+      shutil.rmtree(unfinished, ignore_errors=True)
+      _say(f"removed {unfinished}: a save that an earlier start did not finish")
   start = ckpt.intact_step() or 0
   ident = identity(exp)
-  changes = identity_changes(ckpt.read_meta(start), ident, allow_changes) if start else []
+  saved = ckpt.read_meta(start) if start else {}
+  changes = identity_changes(saved, ident, allow_changes) if start else []
   if start >= tc.steps:
     raise ValueError(f"steps={tc.steps} is not above step {start}, where the run in {workdir} "
                      f"stopped: nothing to train; set steps > {start} to continue it")
   if jax.process_index() == 0:
     record_start(workdir, start, config, changes)
+    if kept := set_aside(workdir, start, ckpt.every):
+      where = (f"step {start}" if start else
+               f"step 0 (no checkpoint in {ckpt.directory}: deleted, or none was saved)")
+      _say(f"{workdir / 'metrics.jsonl'} holds steps up to {kept[1]}, but the run starts from "
+           f"{where}; its rows are kept in {kept[0]} and metrics.jsonl goes on from step {start}")
   for c in changes:
     _say(f"resuming with a changed {c} (allowed; recorded in {workdir / 'config_history.jsonl'})")
+  if start and not same_code(saved.get(CODE_KEY)):
+    _say(f"resuming step {start}, saved by {describe_code(saved.get(CODE_KEY))}, with "
+         f"{describe_code(code_version())} (recorded in {workdir / 'config_history.jsonl'})")
   if eval_batches is not None:
     _check_eval_data(eval_batches)
-  loop = _Loop(exp, workdir, ckpt, stop, mesh, train_iter, eval_batches, start, ident)
+  loop = _Loop(exp, workdir, ckpt, stop, mesh, train_iter, eval_batches, start,
+               {**ident, CODE_KEY: code_version()})
   try:
     for n in range(start + 1, tc.steps + 1):
       loop.begin(n)
@@ -283,9 +301,10 @@ class _Loop:
   def check_final(self) -> None:
     ckpt, steps = self.ckpt, self.tc.steps
     if not ckpt.wait() or ckpt.latest_step() != steps:
+      why = f": {ckpt.failure}" if ckpt.failure else " (see the warning above)"
       raise CheckpointSaveError(
-          f"the final checkpoint (step {steps}) could not be saved to {ckpt.directory} (see "
-          f"the warning above); the latest saved is step {ckpt.latest_step()}")
+          f"the final checkpoint (step {steps}) could not be saved to {ckpt.directory}{why}; the "
+          f"latest saved is step {ckpt.latest_step()}")
 
   def _finite(self, step: int, metrics) -> dict:
     return _finite_metrics(step, metrics, self.writer, self.ckpt)

@@ -10,13 +10,18 @@ a cluster job) or with ``progress=False`` it prints one line per logged step ins
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import shutil
 import sys
+import time
 from pathlib import Path
 
 import jax
+
+from fp4jax.checkpoint import no_space, space_line
 
 # bf16 dense peak of one chip, FLOP/s (for MFU); matched against jax.Device.device_kind.
 PEAK_FLOPS = {
@@ -87,6 +92,38 @@ def _truncate(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def set_aside(workdir: str | os.PathLike, start: int, every: int) -> tuple[Path, int] | None:
+  """Keeps a copy of ``<workdir>/metrics.jsonl`` before a start would drop rows that no lost
+  save explains: any row on a fresh start (step 0: the checkpoints are gone), or rows more than
+  ``every`` steps (the checkpoint cadence) past the step the run resumes from (newer checkpoints
+  were deleted). Rows after ``start`` within one cadence are steps not yet saved when the run
+  stopped, trained again as usual.
+
+  Returns:
+    ``(copy, last step it holds)``, or None when nothing is set aside. The copy is
+    ``metrics.jsonl.<time>`` beside it; ``metrics.jsonl`` itself is then truncated as usual.
+  """
+  path = Path(workdir) / "metrics.jsonl"
+  if not path.is_file():
+    return None
+  last = 0
+  with open(path) as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except ValueError:
+        continue
+      if isinstance(row, dict) and isinstance(row.get("step"), int):
+        last = max(last, row["step"])
+  if not last or (start and last <= start + every):
+    return None
+  copy = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+  while copy.exists():
+    copy = copy.with_name(copy.name + "+")
+  shutil.copy2(path, copy)
+  return copy, last
+
+
 def _clean(v):
   if isinstance(v, float) and not math.isfinite(v):
     return str(v)  # JSON has no NaN/inf; keep them readable
@@ -141,8 +178,13 @@ class MetricsWriter:
     if not self.enabled:
       return
     entry = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
-    self._file.write(json.dumps(entry) + "\n")
-    self._file.flush()
+    try:
+      self._file.write(json.dumps(entry) + "\n")
+      self._file.flush()
+    except OSError as e:
+      if not no_space(e):
+        raise
+      raise OSError(errno.ENOSPC, space_line(self._file.name, None, f"the metrics of step {step}")) from e
     if self._tb is not None:
       for k, v in metrics.items():
         if isinstance(v, (int, float)):

@@ -109,6 +109,12 @@ class ModelConfig:
       raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for RoPE")
     if self.dtype not in ("bfloat16", "float32"):
       raise ValueError(f"ModelConfig.dtype={self.dtype!r}: expected 'bfloat16' or 'float32'")
+    for f, low in (("rope_theta", 0.0), ("init_std", 0.0), ("norm_eps", None)):
+      v = getattr(self, f)
+      if (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+          or (v <= low if low is not None else v < 0)):
+        raise ValueError(f"ModelConfig.{f}={v!r}: expected a finite number "
+                         + (f"> {low:g}" if low is not None else ">= 0"))
 
   @property
   def compute_dtype(self):

@@ -6,14 +6,22 @@ A run's identity (``identity``: model, recipe, optimizer, data, batch size, sequ
 seed) is saved with each checkpoint and compared on resume (``diff``): a change is an error unless
 the caller allows it, and allowed changes are appended to ``<workdir>/config_history.jsonl`` with
 each start of the run. ``<workdir>/config.json`` keeps the config of the run's first start.
+
+A run also records the code it ran (``code_version``: the package version, a digest of the
+package's source and, in a git checkout, the commit) in each checkpoint's meta (key ``code``, not
+part of the identity: a resume may run other code, and its start records which) and in each line
+of the history; launchers reuse a finished run only from the same code (``same_code``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import os
 import socket
+import subprocess
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -157,6 +165,55 @@ class RunLock:
       self.path.unlink(missing_ok=True)
 
 
+CODE_KEY = "code"  # the code's record in a checkpoint's meta, beside the identity
+
+
+@functools.cache
+def code_version() -> dict:
+  """The code this process runs: ``{"version", "source", "commit"?, "dirty"?}``.
+
+  ``source`` is the sha256 over the path and bytes of every ``.py`` file of the ``fp4jax`` package
+  (its kernels included), so a copy of the same code on another machine has the same one;
+  ``commit`` is the git commit of the checkout holding the package, where there is one (``dirty``
+  True when the package differs from it).
+  """
+  import fp4jax
+
+  pkg = Path(fp4jax.__file__).resolve().parent
+  h = hashlib.sha256()
+  for root, dirs, files in os.walk(pkg, followlinks=True):
+    dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+    for name in sorted(files):
+      if name.endswith(".py"):
+        path = Path(root) / name
+        h.update(path.relative_to(pkg).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+  out = {"version": fp4jax.__version__, "source": h.hexdigest()}
+  try:
+    git = lambda *a: subprocess.run(["git", "-C", str(pkg), *a], capture_output=True, text=True,
+                                    timeout=10, check=True).stdout.strip()
+    out["commit"] = git("rev-parse", "HEAD")
+    out["dirty"] = bool(git("status", "--porcelain", "--", ".", str(pkg.parent / "kernels")))
+  except (OSError, subprocess.SubprocessError):
+    pass  # not a git checkout, or no git: the source digest alone says what ran
+  return out
+
+
+def describe_code(code: Mapping | None) -> str:
+  """A recorded ``code_version`` in a few words (None: a run that recorded none)."""
+  if not code:
+    return "code that was not recorded (a run from before runs recorded their code)"
+  commit = code.get("commit")
+  at = f"commit {commit[:10]}{' + local changes' if code.get('dirty') else ''}, " if commit else ""
+  return f"fp4jax {code.get('version')} ({at}source {str(code.get('source'))[:12]})"
+
+
+def same_code(saved: Mapping | None, current: Mapping | None = None) -> bool:
+  """Whether a recorded ``code_version`` is this process's (the same package source)."""
+  current = code_version() if current is None else current
+  return bool(saved) and saved.get("source") == current.get("source")
+
+
 def identity(exp: Experiment) -> dict:
   """What a run is: saved with each checkpoint and compared when the run resumes.
 
@@ -209,6 +266,7 @@ def _saved_diff(saved: Mapping, current: Mapping) -> list[tuple[str, object, obj
   recipe saved in an older layout is compared upgraded (``fp4jax.recipe.upgrade_dict``)."""
   from fp4jax.recipe import upgrade_dict  # the recipe imports the ops; identities stay light
 
+  saved = {k: v for k, v in saved.items() if k != CODE_KEY}  # what ran it, not what it is
   if isinstance(saved.get("recipe"), Mapping):
     saved = {**saved, "recipe": upgrade_dict(dict(saved["recipe"]))}
   return [d for d in diff(saved, current) if d[1] is not ABSENT]
@@ -265,13 +323,14 @@ def identity_changes(saved: Mapping, current: Mapping, allow: Iterable[str] = ()
 
 def record_start(workdir: str | os.PathLike, step: int, config: Mapping | None,
                  changes: list[str]) -> None:
-  """Appends this start of the run to ``config_history.jsonl``; writes ``config.json`` on a fresh
-  start (a resumed run never overwrites it)."""
+  """Appends this start of the run (with the code it runs, ``code_version``) to
+  ``config_history.jsonl``; writes ``config.json`` on a fresh start (a resumed run never
+  overwrites it)."""
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   if config is not None and (step == 0 or not (workdir / _CONFIG_FILE).is_file()):
     (workdir / _CONFIG_FILE).write_text(json.dumps(config, indent=1, default=str))
   entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "host": socket.gethostname(),
-           "pid": os.getpid(), "changes": changes, "config": config}
+           "pid": os.getpid(), "changes": changes, "code": code_version(), "config": config}
   with open(workdir / _HISTORY_FILE, "a") as f:
     f.write(json.dumps(entry, default=str) + "\n")

@@ -82,7 +82,7 @@ def test_parallel_study_stopped_by_ctrl_c_saves_every_arm_and_resumes(tmp_path, 
   settings = _settings(corpus, tmp_path / "tokens", steps=2000)
   work = tmp_path / "study"
   cmd = [sys.executable, "-m", "experiments.study", "--config=experiments/configs/tiny.py",
-         f"--workdir={work}", "--arms=bf16_s0,bf16_s1", "--parallel=2", "--notelemetry",
+         f"--workdir={work}", "--arms=bf16_s0,bf16_s1,bf16_s2", "--parallel=2", "--notelemetry",
          "--compilation_cache=", "--eval_tokens=64", *_flags(settings)]
   # Its own session, as a terminal's job: Ctrl-C is SIGINT to the whole process group.
   proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
@@ -93,6 +93,7 @@ def test_parallel_study_stopped_by_ctrl_c_saves_every_arm_and_resumes(tmp_path, 
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 128 + signal.SIGINT, out + err
   assert err.startswith("stopped by SIGINT: arm bf16_s"), err
+  assert "not started: bf16_s2" in err  # more arms than slots: the pending one never starts
   for arm in ("bf16_s0", "bf16_s1"):
     assert f"arm {arm}: stopped by SIGINT at step" in err and "resumes every arm" in err
   steps = {}
