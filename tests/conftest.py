@@ -82,3 +82,40 @@ def triton_modules(monkeypatch):
 
   monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", verified)
   return modules
+
+
+class Preempted(Exception):
+  """Raised by ``StopAfter``: the job was killed."""
+
+
+class StopAfter:
+  """A data iterator (grain's get_state/set_state) that dies after ``n`` batches: a preemption."""
+
+  def __init__(self, it, n):
+    self.it, self.n = it, n
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self.n == 0:
+      raise Preempted()
+    self.n -= 1
+    return next(self.it)
+
+  def get_state(self):
+    return self.it.get_state()
+
+  def set_state(self, state):
+    self.it.set_state(state)
+
+
+WORDS = "the king and the queen walk in the forest at night with a sword and a crown. "
+
+
+def write_docs(folder, n: int, name: str = "doc_{i:02d}.txt"):
+  """A folder corpus of ``n`` small documents of ``WORDS`` (each a little longer than the last)."""
+  folder.mkdir()
+  for i in range(n):
+    (folder / name.format(i=i)).write_text(f"document {i}: " + WORDS * (20 + i))
+  return folder

@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import write_docs
 
 from experiments import evaluate as evaluate_lib
 from fp4jax import corpus as corpus_lib
@@ -14,16 +15,9 @@ from fp4jax import data
 from fp4jax import tokenizer as tokenizer_lib
 from fp4jax.experiment import DataSpec
 
-WORDS = "the king and the queen walk in the forest at night with a sword and a crown. "
-
-
 @pytest.fixture()
 def text_dir(tmp_path):
-  d = tmp_path / "text"
-  d.mkdir()
-  for i in range(12):
-    (d / f"doc_{i:02d}.txt").write_text(f"document {i}: " + WORDS * (20 + i))
-  return d
+  return write_docs(tmp_path / "text", 12)
 
 
 @pytest.fixture()

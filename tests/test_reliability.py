@@ -15,6 +15,7 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 import pytest
+from conftest import Preempted, StopAfter
 
 from experiments import compare
 from experiments import train as launcher
@@ -270,36 +271,12 @@ def test_failed_save_is_reported_and_training_goes_on(tmp_path, data_dir, capsys
 # --------------------------------------------------------------------------- resume
 
 
-class _Preempted(Exception):
-  pass
-
-
-class _StopAfter:
-  def __init__(self, it, n):
-    self.it, self.n = it, n
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    if self.n == 0:
-      raise _Preempted()
-    self.n -= 1
-    return next(self.it)
-
-  def get_state(self):
-    return self.it.get_state()
-
-  def set_state(self, state):
-    self.it.set_state(state)
-
-
 @pytest.mark.slow
 def test_resume_is_honest(tmp_path, data_dir, capsys, caplog):
   corpus = {"corpus": {"name": "pydoc", "fingerprint": "abc"}}
   config = {"note": "first"}
-  it = _StopAfter(data.make_iterator(data_dir, "train", T, B, seed=0), 3)
-  with pytest.raises(_Preempted):  # killed after step 3; the last checkpoint is step 2
+  it = StopAfter(data.make_iterator(data_dir, "train", T, B, seed=0), 3)
+  with pytest.raises(Preempted):  # killed after step 3; the last checkpoint is step 2
     _train(tmp_path, data_dir, 6, train_iter=it, data_info=corpus, config=config)
   assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
   capsys.readouterr()

@@ -6,19 +6,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import write_docs
 
 from fp4jax import data
 
-WORDS = "the king and the queen walk in the forest at night with a sword and a crown. "
-
-
 @pytest.fixture()
 def text_dir(tmp_path):
-  d = tmp_path / "text"
-  d.mkdir()
-  for i in range(6):
-    (d / f"doc_{i}.txt").write_text(f"document {i}: " + WORDS * (20 + i))
-  return d
+  return write_docs(tmp_path / "text", 6, "doc_{i}.txt")
 
 
 def test_utf16_and_binary_text_are_rejected_or_decoded_on_request(text_dir, tmp_path):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import Preempted, StopAfter
 from jax.sharding import PartitionSpec as P
 
 from fp4jax import data, optim
@@ -115,32 +116,6 @@ def test_sharded_2x2x2_equals_single_device(data_dir):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p1, p8)
 
 
-class _Preempted(Exception):
-  pass
-
-
-class _StopAfter:
-  """Iterator wrapper that dies after ``n`` batches (a preemption)."""
-
-  def __init__(self, it, n):
-    self.it, self.n = it, n
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    if self.n == 0:
-      raise _Preempted()
-    self.n -= 1
-    return next(self.it)
-
-  def get_state(self):
-    return self.it.get_state()
-
-  def set_state(self, state):
-    self.it.set_state(state)
-
-
 @pytest.mark.slow
 def test_resume_reproduces_uninterrupted_run(data_dir, tmp_path):
   tc = TrainConfig(steps=10, batch_size=B, seq_len=T, log_every=1, checkpoint_every=4,
@@ -149,8 +124,8 @@ def test_resume_reproduces_uninterrupted_run(data_dir, tmp_path):
   it, _ = _iters(data_dir)
   full = train(MODEL, recipe, OPT, tc, tmp_path / "full", it)
   it, _ = _iters(data_dir)
-  with pytest.raises(_Preempted):  # dies after 6 steps; the last checkpoint is step 4
-    train(MODEL, recipe, OPT, tc, tmp_path / "resumed", _StopAfter(it, 6))
+  with pytest.raises(Preempted):  # dies after 6 steps; the last checkpoint is step 4
+    train(MODEL, recipe, OPT, tc, tmp_path / "resumed", StopAfter(it, 6))
   assert _losses(tmp_path / "resumed")[6] > 0  # steps 5, 6 ran, then were lost
   it, _ = _iters(data_dir)  # a fresh iterator: its position comes from the checkpoint
   resumed = train(MODEL, recipe, OPT, tc, tmp_path / "resumed", it)
