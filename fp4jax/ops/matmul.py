@@ -49,7 +49,11 @@ error:
   ``Q2 = Q(a − Q1)`` (``fp4jax.quant.quantize_terms``: each term its own scales, the residual from
   the materialized ``Q1`` so every backend gives the same bits), and its GEMM is the sum of every
   pair of terms' NVFP4 GEMMs (``fp4jax.quant.gemm_terms``: two, or four where both operands have
-  two terms), with about 1/8 of one term's error at twice the GEMM cost.
+  two terms), with about 1/8 of one term's error at twice the GEMM cost. A two-term ``w`` stays two GEMMs:
+  one GEMM on the pre-summed decoded terms is exact in neither precision (each decoded term
+  ``e2m1 × e4m3 × global scale`` needs up to 30 significant bits, so most float32 decodes round;
+  their sum fits bf16 for 1–12% of a weight's elements; a float32-operand GEMM of the sum matches the
+  two GEMMs' bits in 8–28% of the outputs: docs/DESIGN.md, "A two-term W is two GEMMs").
 - **Split** (``MatmulConfig.split``, a ``Split``): ``x`` and/or ``dy`` become ``a = U·P + R``
   before their quantized GEMMs; only the residual ``R`` is quantized, and the low-rank part is
   multiplied in float32 (skinny GEMMs of rank r, the weight unquantized), so each GEMM stays exact
