@@ -771,3 +771,22 @@ def test_w_1x16_matches_its_dequantized_reference_and_differs_from_16x16_tiles()
     np.testing.assert_allclose(a, r, rtol=2e-6, atol=2e-6 * float(jnp.abs(r).max()), err_msg=name)
   tiles = _with_refs(x, w, dy, key, NVFP4)[0]
   assert not _bits_equal(op[0], tiles[0])
+
+
+def test_a_two_term_w_pre_summed_into_one_gemm_would_change_bits():
+  """Why a two-term ``w`` stays two GEMMs (module docstring): the decoded terms' float32 sum mostly
+  does not fit bf16, and one float32-operand GEMM on it differs from the two GEMMs' bits."""
+  x, w, _ = _data()
+  config = MatmulConfig.nvfp4(w=Operand(block=(16, 16), terms=2), hadamard=False, **NEAREST_DY)
+
+  @jax.jit
+  def both(x, w):
+    keys = matmul._keys(None, config)
+    qx, qw = (matmul.quantize_operand(a, op, keys, config) for a, op in ((x, "x"), (w, "w")))
+    summed = qw[0][0].dequantize(jnp.float32) + qw[1][0].dequantize(jnp.float32)
+    one = jnp.dot(qx[0][0].scaled_elements(jnp.float32), summed, precision=jax.lax.Precision.HIGHEST)
+    return matmul._gemm_operands(qx, qw, matmul._NN), one * qx[0][0].global_scale, summed
+
+  two, one, summed = both(x.reshape(-1, K), w)
+  assert float(jnp.mean(summed.astype(jnp.bfloat16).astype(jnp.float32) == summed)) < 0.2
+  assert not _bits_equal(one, two) and _rel(one, two) < 1e-6
