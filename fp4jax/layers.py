@@ -13,7 +13,8 @@ as ``flax.nnx.Linear`` takes a ``dot_general``. The matmul is a small frozen cal
 ``rank > 0`` adds the LoRA-SVD branch ``(x·A)·B`` in bf16, unquantized: A and B start from the top-r
 SVD of the initial weight (``A = U√Σ``, ``B = √Σ Vᵀ``) and the kernel holds ``W_res = W − A·B``, so the
 effective weight starts equal to W while the quantized residual has the dominant directions taken
-out. ``resplit`` repeats the split on the current ``W_res + A·B``.
+out. ``resplit`` repeats the split on the current ``W_res + A·B`` (optionally with a randomized SVD,
+and with the new factors rotated onto the old ones' columns: ``lora_svd_split``'s ``align_to``).
 
 ``fp4_dense`` and ``lora_svd_dense`` build the two NVFP4 layers; ``lora_svd_split`` and
 ``randomized_svd`` are the pure functions behind the split.

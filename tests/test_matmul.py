@@ -455,14 +455,16 @@ def test_scaled_matmul_operand_layout(block, axis, k_axis):
         nvfp4.scaled_matmul_operand(nvfp4.quantize(x, axis=0), 1))
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("implementation,config", [("xla", NVFP4), ("pallas_interpret", NVFP4), ("xla", W_1X16)],
+                         ids=["xla", "pallas_interpret", "xla, w 1x16"])
 @pytest.mark.slow
-def test_scaled_matmul_gemms_equal_decoded_gemms(implementation):
+def test_scaled_matmul_gemms_equal_decoded_gemms(implementation, config):
   """``gemm="scaled_matmul"`` gives the decoded GEMMs' forward, dgrad and wgrad up to float32
-  summation order (on the CPU, ``jax.nn.scaled_matmul`` dequantizes and dots in float32)."""
+  summation order (on the CPU, ``jax.nn.scaled_matmul`` dequantizes and dots in float32); a 1×16
+  ``w`` feeds it blocked along K in the forward and along N in the dgrad."""
   x, w, dy = _data(jnp.float32)
   key = jax.random.key(5)
-  run = functools.partial(_jit_vjp, x, w, dy, key, config=NVFP4, implementation=implementation)
+  run = functools.partial(_jit_vjp, x, w, dy, key, config=config, implementation=implementation)
   for name, a, b in zip(("y", "dx", "dw"), run(gemm="scaled_matmul"), run(gemm="decoded")):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))), err_msg=name)
 
