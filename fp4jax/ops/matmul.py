@@ -328,14 +328,13 @@ def dgrad_weight(qw, keys, config: MatmulConfig, run: MatmulExecution | None = N
 
   With 16×16 tiles (the recipe) it is the forward's ``Q(w)`` itself. With ``config.w.block=(1, 16)``
   the forward's ``Q_K(w)`` (1×16 along K) cannot feed a GEMM that contracts N, so the dgrad's operand
-  is ``Q_N(deq(Q_K(w)))``: the forward weight's values, dequantized to float32 (the sum of its
-  terms' values for a two-term ``w``; a barrier keeps the GPU from fusing the decode into the
-  quantizer), quantized again in 1×16 blocks along N with ``config.w``'s rounding, terms and
-  scale rule, its own amax and global scale (those of ``deq(Q_K(w))``, which differ from ``w``'s
-  by at most the E4M3 rounding of the block scales) and a key of its own. The grids of the two
-  block layouts differ, so the re-quantization moves most values: on a Gaussian weight
-  ``deq(Q_N(deq(Q_K(w))))`` is about 9% (relative L2) from the forward's ``deq(Q_K(w))``, where an
-  independent ``Q_N(w)`` is about 13% from it.
+  is ``Q_N(deq(Q_K(w)))``: the forward weight's values, dequantized to float32 (for a two-term
+  ``w``, its terms' values summed in float32), quantized again in 1×16 blocks along N with
+  ``config.w``'s rounding, terms and scale rule, its own amax and global scale (those of
+  ``deq(Q_K(w))``, which differ from ``w``'s by at most the E4M3 rounding of the block scales) and
+  a key of its own. The grids of the two block layouts differ, so the re-quantization moves most
+  values: on a Gaussian weight ``deq(Q_N(deq(Q_K(w))))`` is about 9% (relative L2) from the
+  forward's ``deq(Q_K(w))``, where an independent ``Q_N(w)`` is about 13% from it.
 
   Args:
     qw: the forward's ``w`` operand (its terms, or the plain array of an unquantized ``w``).
@@ -350,7 +349,10 @@ def dgrad_weight(qw, keys, config: MatmulConfig, run: MatmulExecution | None = N
   """
   if _plain(qw) or config.w.block != (1, 16):
     return qw
-  deq = sum((t.dequantize(_F32) for t, _ in qw[1:]), qw[0][0].dequantize(_F32))
+  # Barriers: the GPU would fuse a term's decode into the sum (a fused multiply-add) or the sum into
+  # the quantizer, and round differently from the CPU.
+  terms = lax.optimization_barrier(tuple(t.dequantize(_F32) for t, _ in qw))
+  deq = functools.reduce(jnp.add, terms)
   return quantize_operand(lax.optimization_barrier(deq), "w_dgrad", keys, config, run, dtype=dtype)
 
 
