@@ -13,7 +13,8 @@ as ``flax.nnx.Linear`` takes a ``dot_general``. The matmul is a small frozen cal
 ``rank > 0`` adds the LoRA-SVD branch ``(x·A)·B`` in bf16, unquantized: A and B start from the top-r
 SVD of the initial weight (``A = U√Σ``, ``B = √Σ Vᵀ``) and the kernel holds ``W_res = W − A·B``, so the
 effective weight starts equal to W while the quantized residual has the dominant directions taken
-out. ``resplit`` repeats the split on the current ``W_res + A·B``.
+out. ``resplit`` repeats the split on the current ``W_res + A·B`` (optionally with a randomized SVD,
+and with the new factors rotated onto the old ones' columns: ``lora_svd_split``'s ``align_to``).
 
 ``fp4_dense`` and ``lora_svd_dense`` build the two NVFP4 layers; ``lora_svd_split`` and
 ``randomized_svd`` are the pure functions behind the split.
@@ -86,7 +87,7 @@ def _svd_method(method: str, shape) -> str:
 
 
 def lora_svd_split(w_KxN, rank: int, *, method: str = "exact", key=None, lora_dtype=jnp.bfloat16,
-                   oversample: int = 8, power_iters: int = 2):
+                   oversample: int = 8, power_iters: int = 2, align_to=None):
   """Splits ``W`` into a rank-r product ``A·B`` and a residual: ``W = W_res + A·B`` to fp32 rounding.
 
   Args:
@@ -98,10 +99,15 @@ def lora_svd_split(w_KxN, rank: int, *, method: str = "exact", key=None, lora_dt
     lora_dtype: A and B are rounded to this dtype (the branch's compute dtype) *before* the residual
       is formed, so the product the layer computes is exactly the one taken out of W.
     oversample, power_iters: randomized SVD settings.
+    align_to: an earlier ``A`` (K×r) to align the new factors with: ``A = U√Σ·R`` and
+      ``B = Rᵀ·√Σ Vᵀ`` with the orthogonal r×r ``R`` closest to mapping the new factor onto the old
+      (orthogonal Procrustes: ``R = P·Qᵀ`` from the SVD ``P·S·Qᵀ`` of ``(U√Σ)ᵀ·A_old``). The product
+      ``A·B`` and the balance ``AᵀA = BBᵀ`` are those of the unaligned split (up to rounding); the
+      factors' columns follow the old ones' order and signs, which an SVD leaves arbitrary.
 
   Returns:
     ``(a_KxR, b_RxN, w_res_KxN)`` in float32, with ``A = U√Σ`` and ``B = √Σ Vᵀ`` (balanced:
-    ``AᵀA ≈ BBᵀ ≈ Σ``) and ``W_res = W − A·B``.
+    ``AᵀA ≈ BBᵀ ≈ Σ``; rotated by ``R`` with ``align_to``) and ``W_res = W − A·B``.
   """
   w = jnp.asarray(w_KxN, jnp.float32)
   if w.ndim != 2:
@@ -117,8 +123,13 @@ def lora_svd_split(w_KxN, rank: int, *, method: str = "exact", key=None, lora_dt
     u, s, vt = jnp.linalg.svd(w, full_matrices=False)
     u, s, vt = u[:, :rank], s[:rank], vt[:rank]
   root_s = jnp.sqrt(s)
-  a_KxR = (u * root_s[None, :]).astype(lora_dtype).astype(jnp.float32)
-  b_RxN = (root_s[:, None] * vt).astype(lora_dtype).astype(jnp.float32)
+  a_KxR, b_RxN = u * root_s[None, :], root_s[:, None] * vt
+  if align_to is not None:
+    p, _, qt = jnp.linalg.svd(jnp.dot(a_KxR.T, jnp.asarray(align_to, jnp.float32), precision=_HIGHEST))
+    r_RxR = jnp.dot(p, qt, precision=_HIGHEST)
+    a_KxR, b_RxN = jnp.dot(a_KxR, r_RxR, precision=_HIGHEST), jnp.dot(r_RxR.T, b_RxN, precision=_HIGHEST)
+  a_KxR = a_KxR.astype(lora_dtype).astype(jnp.float32)
+  b_RxN = b_RxN.astype(lora_dtype).astype(jnp.float32)
   w_res = w - jnp.dot(a_KxR, b_RxN, precision=_HIGHEST)
   return a_KxR, b_RxN, w_res
 
@@ -273,9 +284,9 @@ class Dense(nnx.Module):
       b, meta = _init(bias_init, rngs.params(), (out_features,), param_dtype)
       self.bias = _param(b, {**meta, **bias_metadata})
 
-  def _split(self, w, key):
-    return lora_svd_split(w, self.rank, method=self.svd, key=key, lora_dtype=self.lora_dtype,
-                          oversample=self.svd_oversample, power_iters=self.svd_power_iters)
+  def _split(self, w, key, method=None, align_to=None):
+    return lora_svd_split(w, self.rank, method=method or self.svd, key=key, lora_dtype=self.lora_dtype,
+                          oversample=self.svd_oversample, power_iters=self.svd_power_iters, align_to=align_to)
 
   def _cast(self, x):
     return x if self.dtype is None else x.astype(self.dtype)
@@ -321,18 +332,24 @@ class Dense(nnx.Module):
     return w + jnp.dot(self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32),
                        precision=_HIGHEST)
 
-  def resplit(self, key=None) -> None:
+  def resplit(self, key=None, *, method: str | None = None, aligned: bool = False) -> None:
     """Re-splits the effective weight: new ``A, B`` from its top-r SVD, ``W_res = W_eff − A·B``.
 
-    ``W_eff`` is preserved to fp32 rounding (float32 params). Optimizer moments of ``kernel``,
-    ``lora_a`` and ``lora_b`` refer to the old split afterwards: reset them, or accept stale moments.
+    ``W_eff`` is preserved to fp32 rounding (float32 params). The gradient of ``kernel`` is the
+    loss's gradient in ``W_eff`` before and after, so its optimizer moments stay meaningful; those
+    of ``lora_a`` and ``lora_b`` refer to the old factors' columns, which a new SVD may reorder,
+    flip or rotate (``aligned`` keeps them; ``fp4jax.loop.make_lora_resplit`` says what a run
+    does with them).
 
     Args:
       key: random key; needed when the SVD method is (or ``"auto"`` resolves to) randomized.
+      method: the SVD (``lora_svd_split``'s ``method``); None: the layer's ``svd``.
+      aligned: rotate the new factors onto the current ``A`` (``lora_svd_split``'s ``align_to``).
     """
     if not self.rank:
       raise ValueError("Dense.resplit: the layer has no low-rank branch (rank=0)")
-    a, b, w_res = self._split(self.effective_kernel(), key)
+    align_to = self.lora_a[...].astype(jnp.float32) if aligned else None
+    a, b, w_res = self._split(self.effective_kernel(), key, method, align_to)
     self.kernel[...] = w_res.astype(self.kernel[...].dtype)
     self.lora_a[...] = a.astype(self.lora_a[...].dtype)
     self.lora_b[...] = b.astype(self.lora_b[...].dtype)

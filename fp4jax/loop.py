@@ -18,15 +18,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fp4jax import sharding as shd
 from fp4jax import telemetry
 from fp4jax.checkpoint import ORBAX_TMP, Checkpointer, CheckpointSaveError
 from fp4jax.data import to_global_batch
+from fp4jax.layers import Dense
 from fp4jax.metrics import MetricsWriter, peak_flops, set_aside
-from fp4jax.optim.factory import make_optimizer, make_schedule
+from fp4jax.optim.factory import make_optimizer, make_schedule, reset_lora_moments
 from fp4jax.preemption import StopSignals, TrainingInterrupted
-from fp4jax.step import evaluate, init_state, jit_steps, make_resplit
+from fp4jax.step import evaluate, init_state, jit_steps
 from fp4jax.workdir import (CODE_KEY, RunLock, code_version, describe_code, identity, identity_changes,
                             record_start, same_code)
 
@@ -182,7 +186,8 @@ class _Loop:
     self.tele = (telemetry.jit_telemetry(model_cfg, recipe, exp.optimizer, shardings, mesh,
                                          execution=execution) if tc.telemetry_every else None)
     self.every = recipe.lora_resplit_every if recipe.linear == "nvfp4_lorasvd" else 0
-    self.resplit_fn = make_resplit(graphdef, shardings["params"], tc.seed) if self.every else None
+    self.resplit_fn = (make_lora_resplit(graphdef, shardings, tc.seed, moments=exp.optimizer.lora_resplit_moments,
+                                         svd=exp.optimizer.lora_resplit_svd) if self.every else None)
     if start:
       abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                               state, shardings)
@@ -284,8 +289,8 @@ class _Loop:
 
   def resplit(self, n: int) -> None:
     if self.is_resplit(n) and n < self.tc.steps:
-      self.state = {**self.state, "params": self.resplit_fn(self.state["params"],
-                                                            self.state["step"])}
+      params, opt_state = self.resplit_fn(self.state["params"], self.state["opt_state"], self.state["step"])
+      self.state = {**self.state, "params": params, "opt_state": opt_state}
 
   def save(self, n: int) -> None:
     if self.ckpt.should_save(n) or n == self.tc.steps:
@@ -324,6 +329,46 @@ class _Loop:
                               f"be saved (see above); the latest saved is step "
                               f"{ckpt.latest_step()} in {ckpt.directory}", stop.signum, n,
                               str(ckpt.directory / str(ckpt.latest_step())))
+
+
+def make_lora_resplit(graphdef, shardings, seed: int = 0, *, moments: str = "keep", svd: str = "layer"):
+  """A jitted ``(params, opt_state, step) -> (params, opt_state)`` that re-splits every LoRA-SVD
+  projection (``fp4jax.layers.Dense`` with a low-rank branch) and treats its optimizer state as
+  ``moments`` says; params and optimizer state are donated.
+
+  Each projection takes a new top-r SVD of its effective weight ``W_res + A·B`` (which is kept),
+  with a key of its own from ``seed``, the step and its place in the model (the keys of
+  ``fp4jax.step.make_resplit``, whose result this is with the defaults).
+
+  Args:
+    graphdef: the model's graph definition.
+    shardings: the train state's shardings (``"params"`` and ``"opt_state"``).
+    seed: the run's seed.
+    moments: ``OptimizerConfig.lora_resplit_moments``: ``"keep"`` (the new SVD factors, every
+      moment kept), ``"aligned"`` (the new factors rotated onto the old ones' columns, every moment
+      kept) or ``"reset"`` (the new SVD factors, the moments of ``lora_a``/``lora_b`` zeroed).
+    svd: ``OptimizerConfig.lora_resplit_svd``: ``"layer"`` (each layer's SVD method),
+      ``"randomized"`` or ``"exact"``.
+
+  Returns:
+    The jitted function.
+  """
+  key = jax.random.fold_in(jax.random.key(seed), 3)
+  method = None if svd == "layer" else svd
+
+  def resplit(params, opt_state, step):
+    model = nnx.merge(graphdef, params)
+    k = jax.random.fold_in(key, step)
+    for i, (_, module) in enumerate(nnx.iter_modules(model)):
+      if isinstance(module, Dense) and module.rank:
+        module.resplit(jax.random.fold_in(k, i), method=method, aligned=moments == "aligned")
+    if moments == "reset":
+      opt_state = reset_lora_moments(opt_state)
+    return nnx.to_pure_dict(nnx.state(model)), opt_state
+
+  p_sh, o_sh = shardings["params"], shardings["opt_state"]
+  rep = NamedSharding(jax.tree.leaves(p_sh)[0].mesh, P())
+  return jax.jit(resplit, in_shardings=(p_sh, o_sh, rep), out_shardings=(p_sh, o_sh), donate_argnums=(0, 1))
 
 
 class _StepTimer:

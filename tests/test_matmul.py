@@ -98,9 +98,8 @@ def test_config_presets_validation_and_hashing():
     MatmulConfig(x="stochastic")
   with pytest.raises(ValueError, match="fwd must be a bool"):
     MatmulConfig(fwd=1)
-  # Each operand's block is the one its GEMMs contract.
-  with pytest.raises(ValueError, match=r"MatmulConfig.w.block=\(1, 16\).*use block=\(16, 16\)"):
-    MatmulConfig(w=Operand())
+  # Each operand's block is the one its GEMMs contract; w takes 16×16 tiles or 1×16 blocks.
+  assert MatmulConfig(w=Operand()).w.block == (1, 16) and NVFP4.w.block == (16, 16)
   with pytest.raises(ValueError, match=r"MatmulConfig.dy_wgrad.block=\(16, 16\)"):
     MatmulConfig(dy_wgrad=Operand(block=(16, 16)))
   MatmulConfig(w=Operand(format="bf16"))  # an unquantized operand has no blocks
@@ -286,6 +285,7 @@ TWO_TERM_AND_BF16 = MatmulConfig.nvfp4(x=Operand(terms=2), dy_dgrad=BF16,
 # Four over Six on the forward operands: x 1×16 by absolute error, w 16×16 by squared error.
 FOUR_OVER_SIX = MatmulConfig.nvfp4(x=Operand(scale_rule="4over6_mae"),
                                    w=Operand(block=(16, 16), scale_rule="4over6_mse"))
+W_1X16 = MatmulConfig.nvfp4(w=Operand())  # w 1×16 along K (forward), re-quantized along N (dgrad)
 KERNEL_CASES = [
     # Nearest x and w, stochastic dy, the Hadamard transform on the wgrad operands; x 3-D.
     ("recipe, 3-D x", NVFP4, (M0, M1, K), {}),
@@ -311,6 +311,8 @@ KERNEL_CASES = [
     ("four over six, two-term x, wgrad and dgrad",
      MatmulConfig.nvfp4(x=Operand(terms=2, scale_rule="4over6_mse"), x_wgrad=Operand(scale_rule="4over6_mae"),
                         dy_dgrad=Operand(scale_rule="4over6_mae")), (M0 * M1, K), {}),
+    # w in 1×16 blocks along K (the kernels' non-last-axis layout), re-quantized along N for the dgrad.
+    ("w 1x16 along K, re-quantized along N", W_1X16, (M0, M1, K), {}),
     # x and dy split: the residuals quantized by the kernels.
     ("mean split", MatmulConfig.nvfp4(split=Split(("x", "dy"))), (M0, M1, K), {}),
     ("subspace split", MatmulConfig.nvfp4(split=Split(("x", "dy"), method="subspace", rank=4)),
@@ -420,6 +422,15 @@ def test_kernel_implementation_lowers_for_h200_to_a_small_program(triton_modules
                                                                   len(xla.splitlines()))
 
 
+@pytest.mark.slow
+def test_w_1x16_kernels_lower_for_h200_with_the_dgrad_requantization(triton_modules):
+  """With w in 1×16 blocks the kernel implementation quantizes six operands (the dgrad's weight
+  re-quantized along N besides the five): two Triton kernels each."""
+  hlo = _lowered_vjp(W_1X16, "pallas")
+  assert hlo.count("__gpu$xla.gpu.triton") == 12 and len(triton_modules) == 12
+  assert sum("@nvfp4_quantize" in m for m in triton_modules) == 6
+
+
 # ----------------------------------------------------------------------------------------------
 # GEMMs through jax.nn.scaled_matmul (FP4 tensor cores; on the CPU, its dequantize-then-dot lowering)
 
@@ -444,14 +455,16 @@ def test_scaled_matmul_operand_layout(block, axis, k_axis):
         nvfp4.scaled_matmul_operand(nvfp4.quantize(x, axis=0), 1))
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("implementation,config", [("xla", NVFP4), ("pallas_interpret", NVFP4), ("xla", W_1X16)],
+                         ids=["xla", "pallas_interpret", "xla, w 1x16"])
 @pytest.mark.slow
-def test_scaled_matmul_gemms_equal_decoded_gemms(implementation):
+def test_scaled_matmul_gemms_equal_decoded_gemms(implementation, config):
   """``gemm="scaled_matmul"`` gives the decoded GEMMs' forward, dgrad and wgrad up to float32
-  summation order (on the CPU, ``jax.nn.scaled_matmul`` dequantizes and dots in float32)."""
+  summation order (on the CPU, ``jax.nn.scaled_matmul`` dequantizes and dots in float32); a 1×16
+  ``w`` feeds it blocked along K in the forward and along N in the dgrad."""
   x, w, dy = _data(jnp.float32)
   key = jax.random.key(5)
-  run = functools.partial(_jit_vjp, x, w, dy, key, config=NVFP4, implementation=implementation)
+  run = functools.partial(_jit_vjp, x, w, dy, key, config=config, implementation=implementation)
   for name, a, b in zip(("y", "dx", "dw"), run(gemm="scaled_matmul"), run(gemm="decoded")):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))), err_msg=name)
 
@@ -712,3 +725,70 @@ def test_scale_rule_is_validated_where_operands_are_specified():
     AdamNvfp4Options(mu=Operand(scale_rule="4over6_mae"))
   with pytest.raises(ValueError, match="ns.scale_rule must be 'max'"):
     check_operand("ns", Operand(terms=2, scale_rule="4over6_mae"))
+
+
+# ----------------------------------------------------------------------------------------------
+# w in 1×16 blocks: Q_K(w) in the forward, Q_N(deq(Q_K(w))) in the dgrad
+
+
+@pytest.mark.parametrize("scale_rule", ["max", "4over6_mse"])
+def test_w_1x16_forward_is_q_k_and_dgrad_is_q_n_of_its_dequantized_values(scale_rule):
+  """y and dx of ``w.block=(1, 16)`` are the GEMMs of operands built here from ``nvfp4.quantize``
+  alone: ``Q_K(w)`` in the forward, ``Q_N(deq(Q_K(w)))`` in the dgrad (bit for bit); the dgrad's
+  weight is neither the forward's nor an independent ``Q_N(w)``, and nearer the forward's."""
+  x, w, dy = _data()
+  x, dy = x.reshape(-1, K), dy.reshape(-1, N)
+  config = MatmulConfig.nvfp4(w=Operand(scale_rule=scale_rule), **NEAREST_DY, hadamard=False)
+
+  @jax.jit
+  def both(x, w, dy):
+    got = _vjp(x, w, dy, None, config)
+    q_k = nvfp4.quantize(w, axis=0, scale_rule=scale_rule)
+    q_n = nvfp4.quantize(q_k.dequantize(jnp.float32), axis=1, scale_rule=scale_rule)
+    y = nvfp4.gemm(nvfp4.quantize(x), q_k).astype(x.dtype)
+    dx = nvfp4.gemm(nvfp4.quantize(dy), q_n, ((1,), (1,))).astype(x.dtype)
+    keys = matmul._keys(None, config)
+    op = matmul.dgrad_weight(matmul.quantize_operand(w, "w", keys, config), keys, config)[0][0]
+    independent = nvfp4.quantize(w, axis=1, scale_rule=scale_rule).dequantize()
+    return got, (y, dx), (op, q_n), (q_k.dequantize(), q_n.dequantize(), independent)
+
+  (y, dx, _), (y_want, dx_want), (op, q_n), (fwd_w, dgrad_w, independent) = both(x, w, dy)
+  assert _bits_equal(y, y_want) and _bits_equal(dx, dx_want)
+  assert _tensors_equal(op, q_n)
+  assert op.block == (1, 16) and op.axis == 1
+  # The dgrad's weight moves from the forward's, but less than an independent Q_N(w) (about 9% and
+  # 13% relative on a Gaussian weight).
+  assert 0.02 < _rel(dgrad_w, fwd_w) < 0.85 * _rel(independent, fwd_w), (_rel(dgrad_w, fwd_w), _rel(independent, fwd_w))
+
+
+@pytest.mark.slow
+def test_w_1x16_matches_its_dequantized_reference_and_differs_from_16x16_tiles():
+  """A two-term, stochastically rounded ``w`` in 1×16 blocks: every GEMM equals the f32 reference from the same
+  operands (the reference builds the dgrad's weight the same way), and the forward differs from the
+  16×16 recipe's."""
+  x, w, dy = _data()
+  key = jax.random.key(3)
+  op, ref, _, _ = _with_refs(x, w, dy, key, MatmulConfig.nvfp4(w=Operand(rounding="stochastic", terms=2)))
+  for name, a, r in zip(("y", "dx", "dw"), op, ref):
+    np.testing.assert_allclose(a, r, rtol=2e-6, atol=2e-6 * float(jnp.abs(r).max()), err_msg=name)
+  tiles = _with_refs(x, w, dy, key, NVFP4)[0]
+  assert not _bits_equal(op[0], tiles[0])
+
+
+def test_a_two_term_w_pre_summed_into_one_gemm_would_change_bits():
+  """Why a two-term ``w`` stays two GEMMs (module docstring): the decoded terms' float32 sum mostly
+  does not fit bf16, and one float32-operand GEMM on it differs from the two GEMMs' bits."""
+  x, w, _ = _data()
+  config = MatmulConfig.nvfp4(w=Operand(block=(16, 16), terms=2), hadamard=False, **NEAREST_DY)
+
+  @jax.jit
+  def both(x, w):
+    keys = matmul._keys(None, config)
+    qx, qw = (matmul.quantize_operand(a, op, keys, config) for a, op in ((x, "x"), (w, "w")))
+    summed = qw[0][0].dequantize(jnp.float32) + qw[1][0].dequantize(jnp.float32)
+    one = jnp.dot(qx[0][0].scaled_elements(jnp.float32), summed, precision=jax.lax.Precision.HIGHEST)
+    return matmul._gemm_operands(qx, qw, matmul._NN), one * qx[0][0].global_scale, summed
+
+  two, one, summed = both(x.reshape(-1, K), w)
+  assert float(jnp.mean(summed.astype(jnp.bfloat16).astype(jnp.float32) == summed)) < 0.2
+  assert not _bits_equal(one, two) and _rel(one, two) < 1e-6

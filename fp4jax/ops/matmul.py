@@ -6,7 +6,17 @@ With ``x: [..., K]`` flattened to ``x_MxK`` (M = tokens) and ``w_KxN``:
   dgrad    dx_MxK = Q(dy; 1×16 along N, stochastic) · Q(w)ᵀ        (the *same* packed Q(w) as the forward)
   wgrad    dw_KxN = Q(H·x; 1×16 along M)ᵀ · Q(H·dy; 1×16 along M, stochastic)
 
-H is a 16-point random Hadamard transform on the token axis (it cancels in the product). Every GEMM
+H is a 16-point random Hadamard transform on the token axis (it cancels in the product). With
+``MatmulConfig.w.block=(1, 16)`` the weight is quantized in 1×16 blocks along K for the forward, and
+the dgrad's operand is that forward weight dequantized and quantized again along N, its contraction:
+
+  forward  y_MxN  = Q(x; 1×16 along K) · Q_K(w)                   Q_K: 1×16 blocks along K
+  dgrad    dx_MxK = Q(dy; 1×16 along N, stochastic) · Q_N(deq(Q_K(w)))ᵀ
+
+(``dgrad_weight``). The backward is then the straight-through estimate through two quantizers: dx
+is the gradient of ``x·W̃`` with ``W̃ = deq(Q_N(deq(Q_K(w))))``, which differs from the forward's
+weight ``deq(Q_K(w))`` by one re-quantization of already-quantized values (not by a second,
+independent quantization of ``w``), and dw, as in the recipe, treats ``Q_K`` as the identity. Every GEMM
 is ``fp4jax.nvfp4.gemm``: the packed operands decoded to bf16 (``e2m1 × e4m3`` is exact there), a
 float32-accumulated dot, then both float32 global scales one at a time: an NVFP4 tensor-core GEMM
 up to summation order. ``MatmulConfig`` says what is computed: which GEMMs are quantized and, for
@@ -39,7 +49,11 @@ error:
   ``Q2 = Q(a − Q1)`` (``fp4jax.quant.quantize_terms``: each term its own scales, the residual from
   the materialized ``Q1`` so every backend gives the same bits), and its GEMM is the sum of every
   pair of terms' NVFP4 GEMMs (``fp4jax.quant.gemm_terms``: two, or four where both operands have
-  two terms), with about 1/8 of one term's error at twice the GEMM cost.
+  two terms), with about 1/8 of one term's error at twice the GEMM cost. A two-term ``w`` stays two GEMMs:
+  one GEMM on the pre-summed decoded terms is exact in neither precision (each decoded term
+  ``e2m1 × e4m3 × global scale`` needs up to 30 significant bits, so most float32 decodes round;
+  their sum fits bf16 for 1–12% of a weight's elements; a float32-operand GEMM of the sum matches the
+  two GEMMs' bits in 8–28% of the outputs: docs/DESIGN.md, "A two-term W is two GEMMs").
 - **Split** (``MatmulConfig.split``, a ``Split``): ``x`` and/or ``dy`` become ``a = U·P + R``
   before their quantized GEMMs; only the residual ``R`` is quantized, and the low-rank part is
   multiplied in float32 (skinny GEMMs of rank r, the weight unquantized), so each GEMM stays exact
@@ -78,10 +92,10 @@ _XLA = MatmulExecution("xla", "decoded")  # the references' execution
 OPERANDS = ("x", "w", "dy_dgrad", "x_wgrad", "dy_wgrad")  # the five quantized operands
 _SPLIT_TENSORS = ("x", "dy")
 _SPLIT_METHODS = ("mean", "subspace")
-# The axis of each operand's 1×16 blocks (its contraction axis); w is in 16×16 tiles.
-_AXIS = {"x": -1, "dy_dgrad": -1, "x_wgrad": 0, "dy_wgrad": 0}
-_BLOCK_USE = {"x": "1×16 along K", "w": "16×16 tiles (one quantization serves the forward and the dgrad)",
-              "dy_dgrad": "1×16 along N", "x_wgrad": "1×16 along the tokens",
+# The axis of each operand's 1×16 blocks (its contraction axis); w's 1×16 blocks run along K in the
+# forward and, re-quantized (``dgrad_weight``: the pseudo-operand "w_dgrad"), along N in the dgrad.
+_AXIS = {"x": -1, "w": 0, "w_dgrad": -1, "dy_dgrad": -1, "x_wgrad": 0, "dy_wgrad": 0}
+_BLOCK_USE = {"x": "1×16 along K", "dy_dgrad": "1×16 along N", "x_wgrad": "1×16 along the tokens",
               "dy_wgrad": "1×16 along the tokens"}
 
 
@@ -138,14 +152,17 @@ class MatmulConfig:
   The five operands of the quantized GEMMs are named ``OPERANDS``: ``x`` and ``w`` (forward),
   ``dy_dgrad`` (and ``w``, the same ``Q(w)``: dgrad), ``x_wgrad`` and ``dy_wgrad`` (wgrad). Each is
   a ``fp4jax.quant.Operand`` whose block runs along the operand's contraction axis (1×16), except
-  ``w``'s 16×16 tiles, the one layout that serves both of its GEMMs.
+  ``w``'s 16×16 tiles, the one layout that serves both of its GEMMs (``w`` also takes 1×16 blocks:
+  along K, re-quantized along N for the dgrad).
 
   Attributes:
     fwd: quantize the forward GEMM ``x · w``.
     dgrad: quantize the dgrad GEMM ``dy · wᵀ``.
     wgrad: quantize the wgrad GEMM ``xᵀ · dy``.
     x: ``x`` in the forward (1×16 along K).
-    w: ``w`` (16×16 tiles); one quantized ``w`` serves forward and dgrad.
+    w: ``w``: ``block=(16, 16)`` (the recipe): one quantized ``w`` serves forward and dgrad;
+      ``block=(1, 16)``: 1×16 along K in the forward, and the dgrad's operand re-quantized from the
+      dequantized forward weight in 1×16 blocks along N (module docstring; ``dgrad_weight``).
     dy_dgrad: ``dy`` in the dgrad (1×16 along N; stochastic rounding in the recipe).
     x_wgrad: ``H·x`` in the wgrad (1×16 along the tokens).
     dy_wgrad: ``H·dy`` in the wgrad (1×16 along the tokens; stochastic rounding in the recipe).
@@ -180,10 +197,9 @@ class MatmulConfig:
       spec = getattr(self, op)
       if not isinstance(spec, Operand):
         raise ValueError(f"MatmulConfig.{op} must be a fp4jax.quant.Operand, got {type(spec).__name__}")
-      want = (16, 16) if op == "w" else (1, 16)
-      if spec.quantized and spec.block != want:
+      if op != "w" and spec.quantized and spec.block != (1, 16):  # w takes both of Operand's blocks
         raise ValueError(f"MatmulConfig.{op}.block={spec.block}: the GEMMs contract {op} in "
-                         f"{_BLOCK_USE[op]}; use block={want}")
+                         f"{_BLOCK_USE[op]}; use block=(1, 16)")
     if self.rounding_bits not in numerics.BIT_SOURCES:
       raise ValueError(f"MatmulConfig.rounding_bits must be one of {numerics.BIT_SOURCES}, got "
                        f"{self.rounding_bits!r}")
@@ -232,7 +248,7 @@ def _keys(key, config: MatmulConfig) -> dict:
   """One independent key per random choice; a fixed assignment so a config switch never moves bits."""
   names = ("x", "w", "dy_dgrad", "x_wgrad", "dy_wgrad", "hadamard")
   if not config.needs_key:
-    return dict.fromkeys(names + ("split_x", "split_dy"))
+    return dict.fromkeys(names + ("split_x", "split_dy", "w_dgrad"))
   if key is None:
     raise ValueError(
         "nvfp4_matmul: this MatmulConfig uses randomness (stochastic rounding, the Hadamard "
@@ -240,7 +256,7 @@ def _keys(key, config: MatmulConfig) -> dict:
         "any accepts key=None")
   ks = jax.random.split(key, 6)
   keys = dict(zip(names, ks, strict=True))
-  keys["split_x"], keys["split_dy"] = (jax.random.fold_in(key, 0x5B17 + i) for i in range(2))
+  keys["split_x"], keys["split_dy"], keys["w_dgrad"] = (jax.random.fold_in(key, 0x5B17 + i) for i in range(3))
   return keys
 
 
@@ -272,7 +288,9 @@ def quantize_operand(a, op: str, keys, config: MatmulConfig, run: MatmulExecutio
 
   Args:
     a: the tensor.
-    op: which operand (``OPERANDS``): its ``Operand`` and key.
+    op: which operand (``OPERANDS``): its ``Operand`` and key; or ``"w_dgrad"``, the dgrad's
+      re-quantization of a 1×16 ``w`` (``config.w``, 1×16 along N, a key of its own; ``a`` is then
+      the dequantized forward weight: ``dgrad_weight``).
     keys: the call's keys (``_keys``).
     config: the ``MatmulConfig``.
     run: the resolved ``MatmulExecution`` (default: XLA).
@@ -284,12 +302,12 @@ def quantize_operand(a, op: str, keys, config: MatmulConfig, run: MatmulExecutio
     an unquantized operand, the plain array in ``dtype``.
   """
   run = run or _XLA
-  spec = getattr(config, op)
+  spec = config.w if op == "w_dgrad" else getattr(config, op)
   hadamard = config.hadamard and op in ("x_wgrad", "dy_wgrad")
   if not spec.quantized:
     return (wgrad_operand(a, keys) if hadamard else a).astype(dtype or a.dtype)
   how = {"block": spec.block, "scale_rule": spec.scale_rule}
-  if op != "w":
+  if spec.block == (1, 16):
     how["axis"] = _AXIS[op]
   kernels = run.implementation != "xla"
   if hadamard and (spec.terms > 1 or not kernels):
@@ -303,6 +321,39 @@ def quantize_operand(a, op: str, keys, config: MatmulConfig, run: MatmulExecutio
     return _q(a, spec.rounding, k, config, **how), None
 
   return quantize_terms(a, spec.terms, term)
+
+
+def dgrad_weight(qw, keys, config: MatmulConfig, run: MatmulExecution | None = None, *, dtype=None):
+  """The dgrad's weight operand, from the forward's quantized ``w`` (``quantize_operand(w, "w", ...)``).
+
+  With 16×16 tiles (the recipe) it is the forward's ``Q(w)`` itself. With ``config.w.block=(1, 16)``
+  the forward's ``Q_K(w)`` (1×16 along K) cannot feed a GEMM that contracts N, so the dgrad's operand
+  is ``Q_N(deq(Q_K(w)))``: the forward weight's values, dequantized to float32 (for a two-term
+  ``w``, its terms' values summed in float32), quantized again in 1×16 blocks along N with
+  ``config.w``'s rounding, terms and scale rule, its own amax and global scale (those of
+  ``deq(Q_K(w))``, which differ from ``w``'s by at most the E4M3 rounding of the block scales) and
+  a key of its own. The grids of the two block layouts differ, so the re-quantization moves most
+  values: on a Gaussian weight ``deq(Q_N(deq(Q_K(w))))`` is about 9% (relative L2) from the
+  forward's ``deq(Q_K(w))``, where an independent ``Q_N(w)`` is about 13% from it.
+
+  Args:
+    qw: the forward's ``w`` operand (its terms, or the plain array of an unquantized ``w``).
+    keys: the call's keys (``_keys``).
+    config: the ``MatmulConfig``.
+    run: the resolved ``MatmulExecution`` (default: XLA).
+    dtype: as ``quantize_operand``'s.
+
+  Returns:
+    ``qw`` (16×16 tiles, or an unquantized ``w``), else the terms of ``Q_N(deq(Q_K(w)))`` as
+    ``quantize_operand`` returns them (packed: no decoded copy).
+  """
+  if _plain(qw) or config.w.block != (1, 16):
+    return qw
+  # Barriers: the GPU would fuse a term's decode into the sum (a fused multiply-add) or the sum into
+  # the quantizer, and round differently from the CPU.
+  terms = lax.optimization_barrier(tuple(t.dequantize(_F32) for t, _ in qw))
+  deq = functools.reduce(jnp.add, terms)
+  return quantize_operand(lax.optimization_barrier(deq), "w_dgrad", keys, config, run, dtype=dtype)
 
 
 def _plain(operand) -> bool:
@@ -449,7 +500,7 @@ def _matmul_fwd(x_MxK, w_KxN, key, config, run, x_dtype, w_dtype):
       y = y + _u_dot(sx.u, jnp.dot(sx.p, w_KxN.astype(_F32), precision=_HIGHEST), x_MxK.shape[0])
   else:
     y = _fdot(x_MxK, w_KxN.astype(x_dtype), _NN)
-  w_res = _packed(qw) if config.dgrad else w_KxN
+  w_res = _packed(dgrad_weight(qw, keys, config, run, dtype=x_dtype)) if config.dgrad else w_KxN
   x_res = x_MxK
   if config.wgrad:
     x_res = _packed(quantize_operand(x_q, "x_wgrad", keys, config, run, dtype=x_dtype))
@@ -507,7 +558,8 @@ def _check(x, w, key, config) -> None:
   m = x.size // k if k else 0
   need = []
   if config.fwd or config.dgrad:
-    need += [("K (contraction of the forward)", k), ("N (16x16 weight tiles)", n)]
+    tiles = "16x16 weight tiles" if config.w.block == (16, 16) else "the dgrad's 1x16 weight blocks"
+    need += [("K (contraction of the forward)", k), (f"N ({tiles})", n)]
   if config.wgrad or config.hadamard:
     need.append(("M = tokens (all leading dims of x; contraction of the wgrad)", m))
   for what, size in need:
@@ -641,8 +693,9 @@ def nvfp4_matmul_vjp_reference(x, w, dy, *, key=None, config: MatmulConfig):
   dy_q = dy_MxN if sd is None else sd.residual
   f32 = lambda a: a.astype(_F32)
   if config.dgrad:
+    qw = quantize_operand(w, "w", keys, config, dtype=x.dtype)
     dx = _reference_product(quantize_operand(dy_q, "dy_dgrad", keys, config, dtype=x.dtype),
-                            quantize_operand(w, "w", keys, config, dtype=x.dtype), _NT)
+                            dgrad_weight(qw, keys, config, dtype=x.dtype), _NT)
     if sd is not None:
       dx = dx + _u_dot(sd.u, jnp.dot(sd.p, f32(w).T, precision=_HIGHEST), m)
   else:

@@ -8,12 +8,13 @@ For fixed inputs and keys, on the GPU and on the CPU backend of the same process
    transform's float32 H·x included (``nvfp4.hadamard`` adds in one fixed order), from the XLA
    implementation on the GPU and, from the quantizer kernels (``implementation="pallas"``), on the
    GPU against the XLA implementation on the CPU (NVIDIA's recipe, without the Hadamard transform,
-   with counter bits, and x and w under Four over Six);
+   with counter bits, x and w under Four over Six, and w in 1×16 blocks under Four over Six: its
+   forward Q_K(w) and the dgrad's Q_N(deq(Q_K(w))));
 2. forward, dgrad and wgrad of ``nvfp4_matmul`` (float32 inputs) with either implementation on the
    GPU, against the XLA implementation on the CPU, within float32 accumulation tolerance (the same
    operands; only the GEMM's summation order may differ), and far (> 1e-2) from the unquantized
    product: the quantization was not folded away; for NVIDIA's recipe and for the two-term, BF16,
-   Four-over-Six and split operands (a subspace split within 1e-2: its QR rounds per backend);
+   Four-over-Six, 1×16-weight and split operands (a subspace split within 1e-2: its QR rounds per backend);
 3. ``fp4_dense`` and ``lora_svd_dense`` (bf16 activations, params built on the CPU, the default
    ``implementation="auto"``: the kernels on the GPU, XLA on the CPU): output and every parameter
    and input gradient within bf16 output tolerance.
@@ -41,6 +42,9 @@ NVFP4 = MatmulConfig.nvfp4()
 # Four over Six on the forward operands (x by absolute error, w by squared error).
 FOUR_OVER_SIX = MatmulConfig.nvfp4(x=Operand(scale_rule="4over6_mae"),
                                    w=Operand(block=(16, 16), scale_rule="4over6_mse"))
+# w in 1×16 blocks along K, the dgrad's weight re-quantized along N; with Four over Six on x and w.
+W_1X16 = MatmulConfig.nvfp4(w=Operand())
+W_1X16_46 = MatmulConfig.nvfp4(x=Operand(scale_rule="4over6_mse"), w=Operand(scale_rule="4over6_mse"))
 KEY_SEED = 7
 
 
@@ -59,11 +63,15 @@ def _operands(x, w, dy, key, config, implementation):
   x2, dy2 = x.reshape(-1, K), dy.reshape(-1, N)
   run = MatmulExecution(implementation, "decoded")
   q = lambda a, op: matmul.quantize_operand(a, op, keys, config, run)[0][0]
+  w_name = "w (fwd+dgrad, 16x16)" if config.w.block == (16, 16) else "w (fwd, 1x16 along K)"
   ops = {"x (fwd, 1x16 along K)": q(x2, "x"),
-         "w (fwd+dgrad, 16x16)": q(w, "w"),
+         w_name: q(w, "w"),
          "dy (dgrad, 1x16 along N, SR)": q(dy2, "dy_dgrad"),
          "H.x (wgrad, along tokens)": q(x2, "x_wgrad"),
          "H.dy (wgrad, along tokens, SR)": q(dy2, "dy_wgrad")}
+  if config.w.block == (1, 16):  # the dgrad's weight: Q_N(deq(Q_K(w)))
+    qw = matmul.quantize_operand(w, "w", keys, config, run)
+    ops["w (dgrad, 1x16 along N, from deq Q_K(w))"] = matmul.dgrad_weight(qw, keys, config, run)[0][0]
   if implementation == "xla" and config.hadamard:
     ops["H.x f32 (before quantization)"] = matmul.wgrad_operand(x2, keys)
   return ops
@@ -76,15 +84,15 @@ def operand_rows(dev, cpu):
   rows, ok = [], True
   for base, tag in ((NVFP4, ""), (MatmulConfig.nvfp4(hadamard=False), " [no Hadamard]"),
                     (MatmulConfig.nvfp4(rounding_bits="counter"), " [counter bits]"),
-                    (FOUR_OVER_SIX, " [4/6]")):
+                    (FOUR_OVER_SIX, " [4/6]"), (W_1X16_46, " [w 1x16, 4/6]")):
     want = on(cpu, lambda *a, c=base: _operands(*a, c, "xla"), x, w, dy, key)
     for impl in ("xla", "pallas"):
       got = on(dev, lambda *a, c=base, i=impl: _operands(*a, c, i), x, w, dy, key)
       for name in got:
         if tag == " [no Hadamard]" and "H." not in name:
           continue
-        if tag == " [4/6]" and name[:2] not in ("x ", "w "):
-          continue  # the rule is on x and w only
+        if tag in (" [4/6]", " [w 1x16, 4/6]") and name[:2] not in ("x ", "w "):
+          continue  # the rule (and the 1x16 w) is on x and w only
         n_bad = sum(bits_differ(u, v) for u, v in zip(jax.tree.leaves(got[name]), jax.tree.leaves(want[name])))
         n = int(np.prod(got[name].shape)) if "f32" in name else int(np.prod(got[name].codes.shape)) * 2
         rows.append((f"{name}{tag}, {impl} on the GPU", f"{n_bad} of {n} differ", "0"))
@@ -109,6 +117,8 @@ def matmul_rows(dev, cpu):
                                          dy_wgrad=Operand(rounding="stochastic", terms=2)), "two-term x, w, H.dy"),
                      (MatmulConfig.nvfp4(x=BF16, dy_dgrad=BF16), "bf16 x and dy (dgrad)"),
                      (FOUR_OVER_SIX, "4/6 x (mae) and w (mse)"),
+                     (W_1X16, "w 1x16 along K, dgrad re-quantized along N"),
+                     (W_1X16_46, "w 1x16, 4/6 (mse) x and w"),
                      (MatmulConfig.nvfp4(split=Split(("x", "dy"))), "mean split of x and dy"),
                      (MatmulConfig.nvfp4(split=Split(("x", "dy"), method="subspace")), "rank-16 subspace split")):
     config = base
