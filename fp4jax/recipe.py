@@ -99,6 +99,12 @@ class Recipe:
       ``fp4jax.quant.Operand`` it means.
     bf16_first_blocks: number of leading blocks whose projections stay BF16.
     bf16_last_blocks: number of trailing blocks whose projections stay BF16.
+    bf16_fwd_last: fraction f of the run's steps, at its end, whose forward GEMMs ``x · w`` run in
+      BF16 in every NVFP4 projection (``matmul.fwd=False`` there) while the dgrad and wgrad stay as
+      ``matmul`` says: steps ``⌈(1 − f)·steps⌉ ..`` (0-based, ``bf16_fwd_from``) run ``at_step``'s
+      recipe. The random bits of the backward are the same either way (``nvfp4_matmul`` assigns its
+      keys by operand), and the model is evaluated as it trains at the step it is evaluated after.
+      0.0 (the default): no switch; 1.0: every step.
     lora_rank: rank of the BF16 low-rank branch when ``linear == "nvfp4_lorasvd"``.
     lora_resplit_every: re-split every LoRA-SVD projection (new top-r SVD of ``W_res + A·B``) every
       this many steps; 0 splits once at init (Metis). Adam moments are kept across a re-split.
@@ -116,6 +122,11 @@ class Recipe:
       nearest), ``rounding_bits="counter"`` (a keyed hash's bits for stochastic rounding: a
       different random stream, cheaper in the kernels), ``x.format="bf16"`` (one operand left
       unquantized), ``x.terms=2`` (a two-term operand), ``split.tensors=("x",)`` (a low-rank split).
+    down_x: the forward input ``x`` of each block's MLP down-projection (its ``MatmulConfig.x``) as
+      ``matmul.x`` with these fields changed (``OperandOverride``; the default changes nothing),
+      e.g. ``down_x.terms=2`` or ``down_x.format="bf16"``: the operand the quantization-scaling
+      literature blames (activation outliers of the SwiGLU product). ``projection_matmul("down")``
+      is that projection's config.
     attention_op: the products of NVFP4 attention (``attention="nvfp4"``): the method
       (``AttentionConfig.nvfp4()``: q, k and dS in NVFP4, V, P, dO in BF16, tensor reuse) by
       default; one ``fp4jax.quant.Operand`` per operand. Ablations: ``v``/``p``/``do.format="nvfp4"``
@@ -123,17 +134,6 @@ class Recipe:
       unquantized q, k).
     moments: how NVFP4 moments are stored (``optimizer_states="nvfp4"``): ``AdamNvfp4Options()``
       (m and √v stochastically rounded; ``mu.rounding="nearest"`` is an ablation).
-    bf16_fwd_last: fraction f of the run's steps, at its end, whose forward GEMMs ``x · w`` run in
-      BF16 in every NVFP4 projection (``matmul.fwd=False`` there) while the dgrad and wgrad stay as
-      ``matmul`` says: steps ``⌈(1 − f)·steps⌉ ..`` (0-based, ``bf16_fwd_from``) run ``at_step``'s
-      recipe. The random bits of the backward are the same either way (``nvfp4_matmul`` assigns its
-      keys by operand), and the model is evaluated as it trains at the step it is evaluated after.
-      0.0 (the default): no switch; 1.0: every step.
-    down_x: the forward input ``x`` of each block's MLP down-projection (its ``MatmulConfig.x``) as
-      ``matmul.x`` with these fields changed (``OperandOverride``; the default changes nothing),
-      e.g. ``down_x.terms=2`` or ``down_x.format="bf16"``: the operand the quantization-scaling
-      literature blames (activation outliers of the SwiGLU product). ``projection_matmul("down")``
-      is that projection's config.
   """
 
   linear: str = "bf16"
@@ -142,15 +142,15 @@ class Recipe:
   newton_schulz: str = "bf16"
   bf16_first_blocks: int = 0
   bf16_last_blocks: int = 0
+  bf16_fwd_last: float = 0.0
   lora_rank: int = DEFAULT_LORA_RANK
   lora_resplit_every: int = 0
   lora_lr_scale: float = 1.0
   lora_projections: str = "all"
   matmul: MatmulConfig = MatmulConfig.nvfp4()
+  down_x: OperandOverride = OperandOverride()
   attention_op: AttentionConfig = AttentionConfig.nvfp4()
   moments: AdamNvfp4Options = AdamNvfp4Options()
-  bf16_fwd_last: float = 0.0
-  down_x: OperandOverride = OperandOverride()
 
   def __post_init__(self):
     for field, choices in (("linear", _LINEAR_CHOICES), ("attention", _ATTENTION_CHOICES),
