@@ -4,9 +4,10 @@ r"""Train several recipes on identical data, seed and schedule; print the loss-g
       --workdir=runs/compare [--eval_tokens=N] [--config.steps=N ...]
 
 Each recipe (a preset of ``fp4jax.recipe``: it sets the config's ``recipe.linear``,
-``recipe.attention``, ``recipe.optimizer_states`` and ``recipe.newton_schulz``, and keeps the other
-recipe fields) trains in ``<workdir>/<recipe>`` (an existing finished run is reused, an unfinished
-one resumes). The config is typed once (``fp4jax.experiment.Experiment``), each recipe's
+``recipe.attention``, ``recipe.optimizer_states``, ``recipe.newton_schulz`` and any field the preset
+sets apart from the default, and keeps the other recipe fields) trains in ``<workdir>/<recipe>`` (an
+existing finished run is reused, an unfinished one resumes). The config is typed once
+(``fp4jax.experiment.Experiment``), each recipe's
 experiment made from it (``recipe_experiments``) and completed by one data step shared by all
 (``with_data``); every one is checked before any trains, and so is every finished run that would
 be reused: one of other settings (learning rate, seed, sequence length, ...; the run
@@ -46,10 +47,11 @@ from ml_collections import config_flags
 from experiments import evaluate as evaluate_lib
 from experiments import train as launcher
 from fp4jax import data
+from fp4jax import price as price_lib
 from fp4jax.experiment import DataSpec, Experiment
 from fp4jax.metrics import read_jsonl
 from fp4jax.preemption import StopSignals, TrainingInterrupted
-from fp4jax.recipe import MODULES, get_recipe
+from fp4jax.recipe import preset_changes
 from fp4jax.train import NonFiniteLossError
 from fp4jax.workdir import RunLock
 
@@ -112,7 +114,8 @@ def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping 
           "eval_tokens": ev.get("tokens", 0), "eval_step": ev.get("step"),
           "eval_text": ev.get("text"), "eval_max_tokens": ev.get("max_tokens"),
           "eval_batch_losses": ev.get("batch_losses"), "eval_batch_windows": ev.get("batch_windows"),
-          "comparable": comparable, "train_loss": s.get("train_loss", math.nan),
+          "comparable": comparable, "price": price_lib.price(exp.recipe, exp.model, tc.steps),
+          "train_loss": s.get("train_loss", math.nan),
           "step": s.get("step", 0), "tokens": tokens, "params": run["num_params"],
           "tokens_per_s": tc.batch_size * tc.seq_len / step_time if step_time > 0 else math.nan,
           "epochs": tokens / meta.splits["train"]["num_tokens"], "step_time_s": step_time,
@@ -186,7 +189,8 @@ def table(rows: list[dict], floor: Mapping, title: str = "", notes: Sequence[str
 
   Columns: the run, its recipe (the preset and the changes it was given), seed, eval loss ± its
   standard error over the evaluated batches, the evaluation's step and tokens, the gap to the
-  reference ± the paired standard error, the gap to the row's baseline likewise, train loss,
+  reference ± the paired standard error, the gap to the row's baseline likewise, the recipe's
+  price (``fp4jax.price.price``: linear-GEMM time on FP4 tensor cores, BF16 = 1), train loss,
   tokens, parameters, throughput (marked † for runs that shared the device), epochs, step time.
   """
   lines = [title, ""] if title else []
@@ -210,12 +214,12 @@ def table(rows: list[dict], floor: Mapping, title: str = "", notes: Sequence[str
                  "spread of the reference seeds is the measure of noise.")
   lines += list(notes)
   lines += ["", "| arm | recipe | seed | eval loss | eval step | eval tokens | gap % | vs baseline % "
-            "| train loss | tokens | params | tokens/s | epochs | step ms |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| price | train loss | tokens | params | tokens/s | epochs | step ms |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     diverged = r["status"] == "diverged"
     if r["status"] not in ("ok", "diverged"):
-      lines.append(f"| {r['arm']} | {r['recipe']} | {r['seed']} | {r['status']} |" + " |" * 10)
+      lines.append(f"| {r['arm']} | {r['recipe']} | {r['seed']} | {r['status']} |" + " |" * 11)
       continue
     eval_loss = "diverged" if diverged else _pm(r["eval_loss"], r.get("eval_loss_se"), ".4f", ".4f")
     mark = " †" if r.get("shared_device", 1) > 1 else ""
@@ -227,7 +231,8 @@ def table(rows: list[dict], floor: Mapping, title: str = "", notes: Sequence[str
     ev_step = "–" if r.get("eval_step") is None else str(r["eval_step"])
     ev_tokens = f"{r['eval_tokens']:,}" if r.get("eval_tokens") else "–"
     lines.append(f"| {r['arm']} | {r['recipe']} | {r['seed']} | {eval_loss} | {ev_step} | "
-                 f"{ev_tokens} | {gap} | {vs} | {_fmt(r['train_loss'], '.4f')} | "
+                 f"{ev_tokens} | {gap} | {vs} | {_fmt(r.get('price', math.nan), '.3f')} | "
+                 f"{_fmt(r['train_loss'], '.4f')} | "
                  f"{_fmt(r['tokens'], ',')} | {_fmt(r['params'], ',')} | "
                  f"{_fmt(r['tokens_per_s'], ',.0f')}{mark} | {_fmt(r['epochs'], '.3g')} | "
                  f"{_fmt(1000 * r['step_time_s'], '.0f')}{mark} |")
@@ -256,14 +261,13 @@ def with_data(exps: Mapping[str, Experiment]) -> dict[str, Experiment]:
 
 
 def recipe_experiments(exp: Experiment, recipes: list[str]) -> dict[str, Experiment]:
-  """The experiment of each recipe: ``exp`` with the preset's modules (``MODULES``), every one
+  """The experiment of each recipe: ``exp`` with the preset's fields (``preset_changes``), every one
   checked (``ValueError`` on the first bad one) before anything trains."""
   if not recipes or len(set(recipes)) != len(recipes):
     raise ValueError(f"--recipes={','.join(recipes)}: give distinct recipe names")
   out = {}
   for name in recipes:
-    preset = get_recipe(name)
-    out[name] = exp.with_changes({f"recipe.{k}": getattr(preset, k) for k in MODULES})
+    out[name] = exp.with_changes({f"recipe.{k}": v for k, v in preset_changes(name).items()})
   return out
 
 

@@ -221,6 +221,8 @@ def evaluate(workdir: str | os.PathLike, text: str, split: str | None = None,
     step, state = ckpt.restore(abstract)
   finally:
     ckpt.close()
+  # The model as it trained at its last step (after a BF16-forward switch: Recipe.at_step).
+  graphdef, _ = abstract_model(model_cfg, recipe.at_step(step - 1, tc.steps), execution)
   _, eval_step = jit_steps(graphdef, tx, make_schedule(opt_cfg, tc.steps), shardings, mesh,
                            execution=execution)
   b = batch_size or tc.batch_size

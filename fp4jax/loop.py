@@ -30,7 +30,7 @@ from fp4jax.layers import Dense
 from fp4jax.metrics import MetricsWriter, peak_flops, set_aside
 from fp4jax.optim.factory import make_optimizer, make_schedule, reset_lora_moments
 from fp4jax.preemption import StopSignals, TrainingInterrupted
-from fp4jax.step import evaluate, init_state, jit_steps
+from fp4jax.step import abstract_model, evaluate, init_state, jit_steps
 from fp4jax.workdir import (CODE_KEY, RunLock, code_version, describe_code, identity, identity_changes,
                             record_start, same_code)
 
@@ -183,6 +183,15 @@ class _Loop:
     graphdef, state, shardings = init_state(model_cfg, recipe, tx, mesh, tc.seed, execution)
     self.train_step, self.eval_step = jit_steps(graphdef, tx, schedule, shardings, mesh,
                                                 tc.grad_accum, execution=execution)
+    # Steps from `switch` on (0-based) run the recipe's late phase (Recipe.at_step: the forward
+    # GEMMs in BF16): a second graphdef of the same parameters, its steps compiled at first use.
+    # The telemetry keeps measuring the recipe's own quantization.
+    self.switch, self.bf16_fwd_last = recipe.bf16_fwd_from(tc.steps), recipe.bf16_fwd_last
+    self.late_steps = None
+    if recipe.at_step(tc.steps - 1, tc.steps) != recipe:
+      late, _ = abstract_model(model_cfg, recipe.at_step(self.switch, tc.steps), execution)
+      self.late_steps = jit_steps(late, tx, schedule, shardings, mesh, tc.grad_accum,
+                                  execution=execution)
     self.tele = (telemetry.jit_telemetry(model_cfg, recipe, exp.optimizer, shardings, mesh,
                                          execution=execution) if tc.telemetry_every else None)
     self.every = recipe.lora_resplit_every if recipe.linear == "nvfp4_lorasvd" else 0
@@ -224,8 +233,17 @@ class _Loop:
   def is_resplit(self, n: int) -> bool:
     return bool(self.every) and n % self.every == 0
 
+  def late(self, n: int) -> bool:
+    """Whether step ``n`` (1-based) runs the recipe's late phase (``Recipe.at_step``)."""
+    return self.late_steps is not None and n > self.switch
+
+  def steps_of(self, n: int):
+    """``(train_step, eval_step)`` of step ``n``: the eval step evaluates the model as it trained."""
+    return self.late_steps if self.late(n) else (self.train_step, self.eval_step)
+
   def begin(self, n: int) -> None:
-    """Stops (saving step ``n - 1``) if a signal asked to; says the first step compiles."""
+    """Stops (saving step ``n - 1``) if a signal asked to; says the first step compiles, and
+    the first step of the late phase."""
     if self.stop.requested and n > self.first:  # state is that of step n - 1
       if self.pending is not None:
         self._finite(*self.pending)
@@ -233,6 +251,10 @@ class _Loop:
     if n == self.first:
       self.writer.message(f"step {n}: compiling the train step ({self.num_params / 1e6:.2f}M "
                           f"parameters, {self.mesh.devices.size} device(s))")
+    if self.late(n) and (n == self.first or not self.late(n - 1)):
+      self.writer.message(f"step {n}: the forward GEMMs run in BF16 from here to step {self.tc.steps} "
+                          f"(recipe.bf16_fwd_last={self.bf16_fwd_last})"
+                          + ("" if n == self.first else "; compiling that train step"))
 
   def telemetry(self, n: int, batch) -> dict | None:
     """The telemetry of step ``n``'s state and batch, before the step donates the state."""
@@ -246,10 +268,14 @@ class _Loop:
 
   def step(self, n: int, batch) -> None:
     """Runs step ``n``; syncs the metrics of the step before it, which ran meanwhile."""
-    self.state, self.metrics = self.train_step(self.state, batch)
+    self.state, self.metrics = self.steps_of(n)[0](self.state, batch)
     if n == self.first:
       self.stop.arm()  # compiled: from here on, a signal saves this step's state
-    self.timer.tick()
+    if n > self.first and self.late(n) and not self.late(n - 1):  # it compiled: time from here on
+      jax.block_until_ready(self.metrics)
+      self.timer.reset()
+    else:
+      self.timer.tick()
     if self.pending is not None:
       self.summary.update(step=self.pending[0], loss=self._finite(*self.pending)["loss"])
       self.pending = None
@@ -282,7 +308,7 @@ class _Loop:
     if self.is_eval(n):
       self.writer.message(f"step {n}: evaluating ({self.tc.eval_batches} batches)")
       vals["eval_loss"] = self.summary["eval_loss"] = evaluate(
-          self.eval_step, self.state["params"], self.eval_batches(), self.mesh,
+          self.steps_of(n)[1], self.state["params"], self.eval_batches(), self.mesh,
           self.tc.eval_batches)
     self.writer.write(n, {**vals, **(tele_vals or {})})
     self.ckpt.poll()  # reports a failed background save now

@@ -236,7 +236,7 @@ def _projection(in_features: int, out_features: int, precision: str, recipe: Rec
     in_features: input width.
     out_features: output width.
     precision: from ``Recipe.block_linear``.
-    recipe: the recipe (LoRA rank).
+    recipe: the recipe (the projection's matmul config, the LoRA rank).
     cfg: the model config (compute dtype).
     std: initializer standard deviation.
     rngs: parameter RNGs.
@@ -247,11 +247,13 @@ def _projection(in_features: int, out_features: int, precision: str, recipe: Rec
 
   Returns:
     A ``fp4jax.layers.Dense`` called as ``layer(x, key=k)``, whose matmul is ``MixedMatmul`` (bf16),
-    ``NVFP4Matmul(recipe.matmul)`` (nvfp4: NVIDIA's recipe unless the recipe's ``matmul`` changes
-    it), or the latter with a bf16 rank-``recipe.lora_rank`` branch split
-    from the initial weight's SVD (nvfp4_lorasvd, on the projections of ``recipe.lora_projections``).
+    ``NVFP4Matmul(recipe.projection_matmul(role))`` (nvfp4: NVIDIA's recipe unless the recipe's
+    ``matmul``, or for the down-projection its ``down_x``, changes it), or the latter with a bf16
+    rank-``recipe.lora_rank`` branch split from the initial weight's SVD (nvfp4_lorasvd, on the
+    projections of ``recipe.lora_projections``).
   """
-  matmul = MixedMatmul() if precision == "bf16" else NVFP4Matmul(recipe.matmul, execution.matmul_execution)
+  matmul = (MixedMatmul() if precision == "bf16"
+            else NVFP4Matmul(recipe.projection_matmul(role), execution.matmul_execution))
   rank = recipe.lora_rank if precision == "nvfp4_lorasvd" and recipe.lora_on(role) else 0
   return Dense(in_features, out_features, matmul=matmul, rank=rank, rngs=rngs,
                kernel_init=nnx.initializers.normal(std), dtype=cfg.compute_dtype, probe=probe)

@@ -9,7 +9,10 @@ The four modules are pluggable and cumulative (docs/DESIGN.md, "The linear recip
 
 Embeddings, the LM head, norms and softmax always stay high precision. ``bf16_first_blocks`` and
 ``bf16_last_blocks`` keep the linear layers of the first/last k Transformer blocks in BF16 (NVIDIA
-keeps ~15% of the linear layers, mostly the last blocks, in BF16).
+keeps ~15% of the linear layers, mostly the last blocks, in BF16). ``bf16_fwd_last`` runs the
+forward GEMMs of the NVFP4 projections in BF16 for the last fraction of a run's steps, the backward
+still NVFP4 (``at_step``); ``down_x`` changes the MLP down-projection's forward input alone
+(``projection_matmul``).
 
 What each NVFP4 module computes is the config of its op, nested as one field, so an ablation is one
 field in one place: ``matmul`` (``fp4jax.ops.MatmulConfig``: the NVFP4 projections' GEMMs, e.g.
@@ -27,21 +30,61 @@ Named presets: ``bf16``, ``fp4_linear``, ``fp4_linear_lorasvd``, ``fp4_full_stac
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from fp4jax.layers import DEFAULT_LORA_RANK
 from fp4jax.ops.attention import AttentionConfig
 from fp4jax.ops.matmul import MatmulConfig
 from fp4jax.optim.adam import AdamNvfp4Options
 from fp4jax.optim.ns import NS_OPERAND
-from fp4jax.quant import BF16, Operand
+from fp4jax.quant import BF16, FORMATS, SCALE_RULES, Operand
 
 _LINEAR_CHOICES = ("bf16", "nvfp4", "nvfp4_lorasvd")
 _ATTENTION_CHOICES = ("bf16", "nvfp4")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a Transformer block's projections
 _OPTIMIZER_STATE_CHOICES = ("fp32", "nvfp4")
 _NEWTON_SCHULZ_CHOICES = ("bf16", "nvfp4")
-MODULES = ("linear", "attention", "optimizer_states", "newton_schulz")  # what a preset sets
-_NESTED = {"matmul": MatmulConfig, "attention_op": AttentionConfig, "moments": AdamNvfp4Options}
+MODULES = ("linear", "attention", "optimizer_states", "newton_schulz")  # what every preset sets
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandOverride:
+  """Fields of a ``fp4jax.quant.Operand`` to change where the override applies; None keeps the
+  operand's own value, so the default changes nothing and the overridden operand follows every
+  other change of the config it overrides.
+
+  Attributes:
+    format: ``"nvfp4"`` or ``"bf16"`` (the operand enters its GEMM unquantized), or None.
+    terms: 1 or 2 (a two-term operand ``Q1 + Q(a − Q1)``), or None.
+    scale_rule: one of ``fp4jax.quant.SCALE_RULES``, or None.
+    rounding: ``"nearest"`` or ``"stochastic"``, or None.
+  """
+
+  format: str | None = None
+  terms: int | None = None
+  scale_rule: str | None = None
+  rounding: str | None = None
+
+  def __post_init__(self):
+    for field, choices in (("format", FORMATS), ("terms", (1, 2)), ("scale_rule", SCALE_RULES),
+                           ("rounding", ("nearest", "stochastic"))):
+      value = getattr(self, field)
+      if value is not None and (isinstance(value, bool) or value not in choices):
+        raise ValueError(f"OperandOverride.{field}={value!r}: expected one of {choices}, or None to keep "
+                         "the operand's")
+
+  @property
+  def changes(self) -> dict:
+    """The fields it sets (those not None)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+  def apply(self, operand: Operand) -> Operand:
+    """``operand`` with the fields this override sets (validated as an ``Operand``)."""
+    return dataclasses.replace(operand, **self.changes) if self.changes else operand
+
+
+_NESTED = {"matmul": MatmulConfig, "attention_op": AttentionConfig, "moments": AdamNvfp4Options,
+           "down_x": OperandOverride}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +99,12 @@ class Recipe:
       ``fp4jax.quant.Operand`` it means.
     bf16_first_blocks: number of leading blocks whose projections stay BF16.
     bf16_last_blocks: number of trailing blocks whose projections stay BF16.
+    bf16_fwd_last: fraction f of the run's steps, at its end, whose forward GEMMs ``x · w`` run in
+      BF16 in every NVFP4 projection (``matmul.fwd=False`` there) while the dgrad and wgrad stay as
+      ``matmul`` says: steps ``⌈(1 − f)·steps⌉ ..`` (0-based, ``bf16_fwd_from``) run ``at_step``'s
+      recipe. The random bits of the backward are the same either way (``nvfp4_matmul`` assigns its
+      keys by operand), and the model is evaluated as it trains at the step it is evaluated after.
+      0.0 (the default): no switch; 1.0: every step.
     lora_rank: rank of the BF16 low-rank branch when ``linear == "nvfp4_lorasvd"``.
     lora_resplit_every: re-split every LoRA-SVD projection (new top-r SVD of ``W_res + A·B``) every
       this many steps; 0 splits once at init (Metis). Adam moments are kept across a re-split.
@@ -73,6 +122,11 @@ class Recipe:
       nearest), ``rounding_bits="counter"`` (a keyed hash's bits for stochastic rounding: a
       different random stream, cheaper in the kernels), ``x.format="bf16"`` (one operand left
       unquantized), ``x.terms=2`` (a two-term operand), ``split.tensors=("x",)`` (a low-rank split).
+    down_x: the forward input ``x`` of each block's MLP down-projection (its ``MatmulConfig.x``) as
+      ``matmul.x`` with these fields changed (``OperandOverride``; the default changes nothing),
+      e.g. ``down_x.terms=2`` or ``down_x.format="bf16"``: the operand the quantization-scaling
+      literature blames (activation outliers of the SwiGLU product). ``projection_matmul("down")``
+      is that projection's config.
     attention_op: the products of NVFP4 attention (``attention="nvfp4"``): the method
       (``AttentionConfig.nvfp4()``: q, k and dS in NVFP4, V, P, dO in BF16, tensor reuse) by
       default; one ``fp4jax.quant.Operand`` per operand. Ablations: ``v``/``p``/``do.format="nvfp4"``
@@ -88,11 +142,13 @@ class Recipe:
   newton_schulz: str = "bf16"
   bf16_first_blocks: int = 0
   bf16_last_blocks: int = 0
+  bf16_fwd_last: float = 0.0
   lora_rank: int = DEFAULT_LORA_RANK
   lora_resplit_every: int = 0
   lora_lr_scale: float = 1.0
   lora_projections: str = "all"
   matmul: MatmulConfig = MatmulConfig.nvfp4()
+  down_x: OperandOverride = OperandOverride()
   attention_op: AttentionConfig = AttentionConfig.nvfp4()
   moments: AdamNvfp4Options = AdamNvfp4Options()
 
@@ -121,6 +177,13 @@ class Recipe:
       if not isinstance(getattr(self, field), cls):
         raise ValueError(f"Recipe.{field} must be a {cls.__name__}, got "
                          f"{type(getattr(self, field)).__name__}")
+    f = self.bf16_fwd_last
+    if isinstance(f, bool) or not isinstance(f, int | float) or not 0 <= f <= 1:
+      raise ValueError(f"Recipe.bf16_fwd_last={f!r}: expected a fraction of the run's steps in [0, 1]")
+    try:
+      self.projection_matmul("down")
+    except ValueError as e:
+      raise ValueError(f"Recipe.down_x={self.down_x}: {e}") from None
 
   @property
   def ns_operand(self) -> Operand:
@@ -134,6 +197,48 @@ class Recipe:
     if projection not in PROJECTIONS:
       raise ValueError(f"unknown projection {projection!r}: expected one of {PROJECTIONS}")
     return self.lora_projections == "all" or projection in self.lora_projections.split(",")
+
+  def projection_matmul(self, projection: str) -> MatmulConfig:
+    """The ``MatmulConfig`` of the block projection ``projection`` (one of ``PROJECTIONS``) where it
+    is NVFP4: ``matmul``, with ``down_x`` applied to the down-projection's ``x``."""
+    if projection not in PROJECTIONS:
+      raise ValueError(f"unknown projection {projection!r}: expected one of {PROJECTIONS}")
+    if projection != "down" or not self.down_x.changes:
+      return self.matmul
+    return dataclasses.replace(self.matmul, x=self.down_x.apply(self.matmul.x))
+
+  def bf16_fwd_from(self, steps: int) -> int:
+    """The first step (0-based) of a run of ``steps`` steps whose forward GEMMs run in BF16
+    (``bf16_fwd_last``): ``⌈(1 − f)·steps⌉``, i.e. the last ``⌊f·steps⌋`` steps; ``steps`` when
+    none do."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+      raise ValueError(f"steps={steps!r}: expected a positive int")
+    # f·steps rounded to 9 digits first, so that a fraction written in decimal (0.1 · 1500) counts
+    # the steps it means despite its binary rounding.
+    return steps - math.floor(round(self.bf16_fwd_last * steps, 9))
+
+  def at_step(self, step: int, steps: int) -> Recipe:
+    """The recipe that step ``step`` (0-based) of a run of ``steps`` steps computes with: this one
+    before ``bf16_fwd_from(steps)``, from there on ``bf16_forward()`` (every NVFP4 projection's
+    forward GEMM in BF16, the dgrad and wgrad unchanged). The two build models of the same
+    parameters.
+
+    Args:
+      step: the step's index (the train state's ``step`` before it runs).
+      steps: the run's length.
+
+    Returns:
+      The ``Recipe`` of that step.
+    """
+    return self if step < self.bf16_fwd_from(steps) else self.bf16_forward()
+
+  def bf16_forward(self) -> Recipe:
+    """The late phase of ``bf16_fwd_last``: this recipe with ``matmul.fwd=False`` (every NVFP4
+    projection's forward GEMM in BF16), or this one where that changes nothing (no NVFP4
+    projection, or no quantized forward)."""
+    if not self.matmul.fwd or self.linear == "bf16":
+      return self
+    return self.replace(matmul={"fwd": False})
 
   def block_linear(self, block: int, n_blocks: int) -> str:
     """The linear precision of Transformer block ``block`` (0-based) in a model of ``n_blocks``.
@@ -177,6 +282,24 @@ PRESETS: dict[str, Recipe] = {
     "fp4_full_stack": Recipe(linear="nvfp4_lorasvd", attention="nvfp4", optimizer_states="nvfp4",
                              newton_schulz="nvfp4"),
 }
+
+
+def preset_changes(name: str) -> dict[str, object]:
+  """The recipe fields that the preset ``name`` sets where it is applied to a config's recipe (a
+  study arm, a comparison's recipe): its modules (``MODULES``) and every other field in which it
+  differs from ``Recipe()`` (e.g. a preset's own ``matmul``); the config's other fields stay.
+
+  Args:
+    name: one of ``PRESETS``.
+
+  Returns:
+    ``{field: value}``; ``Recipe().replace(**preset_changes(name)) == PRESETS[name]``.
+  """
+  if name not in PRESETS:
+    raise ValueError(f"unknown recipe {name!r}: expected one of {sorted(PRESETS)}")
+  preset, default = PRESETS[name], Recipe()
+  return {f.name: getattr(preset, f.name) for f in dataclasses.fields(Recipe)
+          if f.name in MODULES or getattr(preset, f.name) != getattr(default, f.name)}
 
 
 def get_recipe(name: str, **overrides) -> Recipe:

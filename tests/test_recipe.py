@@ -150,14 +150,6 @@ def test_lora_projections():
     r.lora_on("mlp")
 
 
-def test_presets_set_exactly_the_modules():
-  for r in recipe_lib.PRESETS.values():
-    rest = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
-            if f.name not in recipe_lib.MODULES}
-    assert rest == {f.name: getattr(Recipe(), f.name) for f in dataclasses.fields(r)
-                    if f.name not in recipe_lib.MODULES}
-
-
 # A recipe as run folders saved it before the op configs held one Operand per operand.
 _OLD_LAYOUT = {
     "linear": "nvfp4_lorasvd", "attention": "nvfp4", "optimizer_states": "nvfp4", "newton_schulz": "nvfp4",
@@ -200,3 +192,93 @@ def test_a_recipe_saved_in_the_flat_layout_resumes_as_the_same_recipe():
   other = same.replace(matmul={"x": {"terms": 1}})
   with pytest.raises(workdir.IncompatibleCheckpointError, match=r"recipe\.matmul\.x\.terms: checkpoint 2"):
     workdir.identity_changes(saved, {"recipe": other.to_dict(), "seed": 0})
+
+
+def test_bf16_forward_tail_is_a_schedule_of_the_run():
+  r = get_recipe("fp4_linear", bf16_fwd_last=0.1)
+  assert get_recipe("fp4_linear").bf16_fwd_from(1500) == 1500  # no switch by default
+  assert r.bf16_fwd_from(1500) == 1350 and r.bf16_fwd_from(10) == 9 and r.bf16_fwd_from(9) == 9
+  assert Recipe(bf16_fwd_last=0.3).bf16_fwd_from(10) == 7  # 0.3·10 counts 3 steps, not 2.9999...
+  assert Recipe(bf16_fwd_last=1.0).bf16_fwd_from(5) == 0 and Recipe(bf16_fwd_last=1).bf16_fwd_from(5) == 0
+  assert r.at_step(1349, 1500) is r
+  late = r.at_step(1350, 1500)
+  assert late == r.replace(matmul={"fwd": False}) == r.bf16_forward() and r.at_step(1499, 1500) == late
+  assert (late.matmul.dgrad, late.matmul.wgrad, late.matmul.dy_dgrad) == (True, True, r.matmul.dy_dgrad)
+  for same in (get_recipe("bf16", bf16_fwd_last=0.5), get_recipe("fp4_linear", bf16_fwd_last=0.5,
+                                                                  matmul={"fwd": False})):
+    assert same.at_step(9, 10) is same  # nothing to switch
+  for bad in (-0.1, 1.5, True, "0.1", float("nan")):
+    with pytest.raises(ValueError, match="Recipe.bf16_fwd_last"):
+      Recipe(bf16_fwd_last=bad)
+  with pytest.raises(ValueError, match="steps=0"):
+    r.bf16_fwd_from(0)
+
+
+def test_down_x_overrides_the_down_projection_input_alone():
+  r = get_recipe("fp4_linear", down_x={"terms": 2})
+  assert r.down_x == recipe_lib.OperandOverride(terms=2)
+  for p in PROJECTIONS:
+    want = r.matmul if p != "down" else dataclasses.replace(r.matmul, x=Operand(terms=2))
+    assert r.projection_matmul(p) == want, p
+  # It follows the recipe's x: only the fields it sets change.
+  r = r.replace(matmul={"x": {"scale_rule": "4over6_mse"}})
+  assert r.projection_matmul("down").x == Operand(terms=2, scale_rule="4over6_mse")
+  bf = get_recipe("fp4_linear", down_x={"format": "bf16"})
+  assert bf.projection_matmul("down").x.format == "bf16" and bf.projection_matmul("qkv").x.format == "nvfp4"
+  assert Recipe().projection_matmul("down") is Recipe().matmul  # the default changes nothing
+  assert bf.bf16_forward().projection_matmul("down") == dataclasses.replace(
+      bf.projection_matmul("down"), fwd=False)
+  with pytest.raises(ValueError, match=r"OperandOverride.terms=3: expected one of \(1, 2\)"):
+    Recipe(down_x=recipe_lib.OperandOverride(terms=3))
+  with pytest.raises(ValueError, match="OperandOverride.format='fp8'"):
+    get_recipe("fp4_linear", down_x={"format": "fp8"})
+  with pytest.raises(ValueError, match=r"Recipe.down_x=.*requires Operand.rounding='nearest'"):
+    get_recipe("fp4_linear", down_x={"scale_rule": "4over6_mse", "rounding": "stochastic"})
+  with pytest.raises(ValueError, match="unknown projection 'mlp'"):
+    r.projection_matmul("mlp")
+
+
+def test_schedule_and_override_on_the_command_line():
+  """``--config.recipe.bf16_fwd_last=0.1`` and ``--config.recipe.down_x.terms=2`` (or ``.format=bf16``)
+  are fields of the experiment config; the recipe's dict passes ``upgrade_dict`` unchanged."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  from experiments.configs import tiny
+  from fp4jax.experiment import Experiment
+  from fp4jax.recipe import upgrade_dict
+  cfg = tiny.get_config("fp4_linear")
+  assert set(cfg.recipe.down_x) == {f.name for f in dataclasses.fields(recipe_lib.OperandOverride)}
+  fv, argv = flags.FlagValues(), ["prog", "--config.recipe.bf16_fwd_last=0.1", "--config.recipe.down_x.terms=2",
+                                  "--config.recipe.down_x.format=bf16"]
+  config_flags.DEFINE_config_dict("config", cfg, flag_values=fv, sys_argv=argv)
+  fv(argv)
+  recipe = Experiment.from_config(fv.config).recipe
+  assert recipe == get_recipe("fp4_linear", bf16_fwd_last=0.1, down_x={"terms": 2, "format": "bf16"})
+  assert upgrade_dict(recipe.to_dict()) == recipe.to_dict()
+  assert Experiment.from_config({**cfg.to_dict(), "recipe": recipe.to_dict()}).recipe == recipe
+  # A recipe saved before these fields existed types with their defaults.
+  old = {k: v for k, v in get_recipe("fp4_linear").to_dict().items() if k not in ("bf16_fwd_last", "down_x")}
+  assert Experiment.from_config({**cfg.to_dict(), "recipe": old}).recipe == get_recipe("fp4_linear")
+
+
+def test_a_preset_may_set_its_own_op_config(monkeypatch):
+  """A preset that sets fields beyond the modules (its own ``matmul``) reaches a study arm, a
+  comparison's recipe and the command line's ``:<preset>`` whole; the config's other fields stay."""
+  from experiments import compare
+  from experiments.configs import tiny
+  from experiments.studies import Arm
+  from fp4jax.experiment import Experiment
+  for name, preset in recipe_lib.PRESETS.items():
+    assert Recipe().replace(**recipe_lib.preset_changes(name)) == preset
+  mine = get_recipe("fp4_linear", matmul={"x": {"scale_rule": "4over6_mse"}, "w": {"scale_rule": "4over6_mse"}})
+  monkeypatch.setitem(recipe_lib.PRESETS, "fp4_linear_4over6", mine)
+  assert set(recipe_lib.preset_changes("fp4_linear_4over6")) == {*recipe_lib.MODULES, "matmul"}
+  exp = Experiment.from_config(tiny.get_config()).with_changes({"recipe.lora_rank": 8})
+  arm = Arm("a", "fp4_linear_4over6", {"recipe.matmul.hadamard": False}).apply(exp)
+  assert arm.recipe == mine.replace(lora_rank=8, matmul={"hadamard": False})
+  assert compare.recipe_experiments(exp, ["fp4_linear_4over6"])["fp4_linear_4over6"].recipe == mine.replace(
+      lora_rank=8)
+  assert Experiment.from_config(tiny.get_config("fp4_linear_4over6")).recipe == mine
+  with pytest.raises(ValueError, match="unknown recipe 'nope'"):
+    recipe_lib.preset_changes("nope")

@@ -1,6 +1,7 @@
 """experiments.study: the arm table, the gap arithmetic, a two-arm study with --collect and reuse;
 the LoRA-SVD branch's learning-rate scale (Recipe.lora_lr_scale) in the optimizer."""
 
+import dataclasses
 import json
 import math
 import statistics
@@ -17,10 +18,11 @@ from experiments import study as st
 from experiments import compare
 from experiments import evaluate as ev
 from experiments.configs import tiny
+from experiments.configs._base import dataclass_config
 from experiments.studies import Arm
 from fp4jax import data
 from fp4jax.experiment import Experiment
-from fp4jax.recipe import MODULES, PRESETS, get_recipe
+from fp4jax.recipe import MODULES, PRESETS, get_recipe, preset_changes
 from fp4jax.train import OptimizerConfig, _lora_mask, abstract_model, make_optimizer, make_schedule
 
 
@@ -50,7 +52,8 @@ def test_every_arm_builds_a_valid_experiment():
 def _config_with(cfg, arm: Arm):
   """The arm's config as ``--config.<key>`` flags would make it: the ConfigDict set field by field."""
   c = cfg.copy_and_resolve_references()
-  c.recipe.update({k: getattr(PRESETS[arm.preset], k) for k in MODULES})
+  for k, v in preset_changes(arm.preset).items():  # a preset's own op config is a section
+    c.recipe[k] = dataclass_config(v) if dataclasses.is_dataclass(v) else v
   for key, value in arm.changes.items():
     *path, leaf = key.split(".")
     node = c
@@ -72,6 +75,20 @@ def test_an_arm_of_the_experiment_equals_the_arm_typed_from_its_config():
     mine, typed = arm.apply(exp), Experiment.from_config(_config_with(cfg, arm))
     assert mine == typed, arm.name
     assert json.dumps(mine.to_config()) == json.dumps(typed.to_config()), arm.name
+
+
+def test_a_preset_of_its_own_matmul_and_the_schedule_arms_type_as_their_config(monkeypatch):
+  """A preset that sets its own ``matmul`` (not only the modules) applies whole in an arm, and the
+  arm equals its config set flag by flag; so do the BF16-forward tail and the down-input override."""
+  mine = get_recipe("fp4_linear", matmul={"x": {"scale_rule": "4over6_mse"}, "w": {"scale_rule": "4over6_mse"}})
+  monkeypatch.setitem(PRESETS, "fp4_linear_4over6", mine)
+  cfg = tiny.get_config()
+  exp = Experiment.from_config(cfg)
+  arm = Arm("m", "fp4_linear_4over6", {"recipe.matmul.x.terms": 2, "recipe.down_x.format": "bf16",
+                                       "recipe.bf16_fwd_last": 0.1})
+  assert arm.apply(exp) == Experiment.from_config(_config_with(cfg, arm))
+  assert arm.apply(exp).recipe == mine.replace(matmul={"x": {"terms": 2}}, down_x={"format": "bf16"},
+                                               bf16_fwd_last=0.1)
 
 
 def test_an_arm_is_a_function_of_the_experiment():
@@ -238,6 +255,7 @@ def test_two_arms_collect_and_reuse(tmp_path, capsys, monkeypatch):
   for r, e in zip(lines, evals, strict=True):
     assert r["eval_loss"] == e["loss"] and r["gap_pct"] == pytest.approx(100 * (e["loss"] - mean) / mean)
     assert r["tokens"] == 3 * 4 * 32 and r["seed"] == int(r["arm"][-1]) and r["params"] > 0
+    assert r["price"] == 1.0  # fp4jax.price of the bf16 recipe
     assert r["noise_floor"]["n"] == 2 and r["epochs"] > 0 and r["step_time_s"] > 0
   table = (dest / st.TABLE_FILE).read_text()
   assert f"mean eval loss {mean:.4f} over 2 seed(s)" in table

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from fp4jax.experiment import Experiment, TrainConfig
-from fp4jax.recipe import MODULES, PRESETS
+from fp4jax.recipe import PRESETS, preset_changes
 
 _TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 _SECTIONS = frozenset(("name", "model", "recipe", "optimizer", "execution", "data"))
@@ -26,7 +26,8 @@ class Arm:
   Attributes:
     name: the arm's folder under the study's workdir and its row in the table.
     preset: the recipe preset (``fp4jax.recipe.PRESETS``); it sets the recipe's modules
-      (``linear``, ``attention``, ``optimizer_states``, ``newton_schulz``) and keeps the config's
+      (``linear``, ``attention``, ``optimizer_states``, ``newton_schulz``) and any other field the
+      preset sets apart from the default (``fp4jax.recipe.preset_changes``), and keeps the config's
       other recipe fields.
     changes: config fields set after the preset, as dotted keys from the config's root, i.e. what
       the command line sets with ``--config.<key>=<value>`` (``{"recipe.matmul.hadamard": False}``,
@@ -64,8 +65,7 @@ class Arm:
     """
     if self.preset not in PRESETS:
       raise ValueError(f"arm {self.name}: preset {self.preset!r} is not one of {sorted(PRESETS)}")
-    preset = PRESETS[self.preset]
-    changes = {f"recipe.{k}": getattr(preset, k) for k in MODULES}
+    changes = {f"recipe.{k}": v for k, v in preset_changes(self.preset).items()}
     for key, value in self.changes.items():
       path = experiment_path(key)
       try:
