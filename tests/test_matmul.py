@@ -718,8 +718,9 @@ def test_scale_rule_is_validated_where_operands_are_specified():
     Operand(rounding="stochastic", scale_rule="4over6_mse")
   assert Operand(scale_rule="4over6_mae") != Operand()  # a static argument: part of the hash
   MatmulConfig.nvfp4(dy_dgrad=Operand(scale_rule="4over6_mse"), x_wgrad=Operand(scale_rule="4over6_mae"))
-  with pytest.raises(ValueError, match="AttentionConfig.q.scale_rule must be 'max'"):
-    AttentionConfig.nvfp4(q=Operand(scale_rule="4over6_mse"))
+  AttentionConfig.nvfp4(q=Operand(scale_rule="4over6_mse"))  # q, k and v take Four over Six
+  with pytest.raises(ValueError, match="AttentionConfig.p.scale_rule must be 'max'"):
+    AttentionConfig.nvfp4(p=Operand(scale_rule="4over6_mse"))
   AttentionConfig.nvfp4(v=Operand(format="bf16", scale_rule="4over6_mse"))  # unquantized: no rule
   with pytest.raises(ValueError, match="AdamNvfp4Options.mu.scale_rule must be 'max'"):
     AdamNvfp4Options(mu=Operand(scale_rule="4over6_mae"))

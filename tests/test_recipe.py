@@ -77,8 +77,8 @@ def test_op_configs_nest_in_the_recipe():
   # A dataclass nested in an op config takes a dict too: one operand's field.
   two = full.replace(matmul={"x": {"terms": 2}, "split": {"tensors": ("x",)}}).matmul
   assert two == MatmulConfig.nvfp4(x=Operand(terms=2), split=Split(("x",)))
-  with pytest.raises(ValueError, match=r"MatmulConfig.w.block=\(1, 16\)"):
-    full.replace(matmul={"w": {"block": (1, 16)}})
+  with pytest.raises(ValueError, match=r"MatmulConfig.x.block=\(16, 16\)"):
+    full.replace(matmul={"x": {"block": (16, 16)}})
   with pytest.raises(ValueError, match="AttentionConfig.ds"):
     full.replace(attention_op={"ds": "fp8"})
   with pytest.raises(ValueError, match="rounding_bits"):

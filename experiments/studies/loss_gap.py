@@ -12,6 +12,10 @@ _FWD_ONLY = {"recipe.matmul.dgrad": False, "recipe.matmul.wgrad": False,
              "recipe.matmul.hadamard": False}
 _ATTN_QK_4OVER6 = {"recipe.attention": "nvfp4", "recipe.attention_op.q.scale_rule": "4over6_mse",
                    "recipe.attention_op.k.scale_rule": "4over6_mse"}
+_W1X16 = {"recipe.matmul.w.block": (1, 16)}
+_W1X16_4OVER6 = {**_W1X16, "recipe.matmul.x.scale_rule": "4over6_mse", "recipe.matmul.w.scale_rule": "4over6_mse",
+                 "recipe.matmul.x_wgrad.scale_rule": "4over6_mse"}
+_REALIGN = {"optimizer.lora_resplit_moments": "aligned", "optimizer.lora_resplit_svd": "randomized"}
 _FOUR_OVER_SIX_FWD = {"recipe.matmul.x.scale_rule": "4over6_mse", "recipe.matmul.w.scale_rule": "4over6_mse"}
 
 
@@ -186,5 +190,53 @@ ARMS: tuple[Arm, ...] = (
             "K smoothing and Four-over-Six on Q(q), Q(k), seed 1"),
         Arm("attn_v_nvfp4", "bf16", {"recipe.attention": "nvfp4", "recipe.attention_op.v.format": "nvfp4"}, 0,
             "attn_only", "V in NVFP4 too (one Q(v) in P.V and dO.V^T; P and dO in BF16)"),
+    ),
+    # 1x16 weight blocks along K (the dgrad's W re-quantized along N from the forward's), alone and with
+    # Four-over-Six on the nearest-rounded operands: the candidates for the method's baseline.
+    *_group(
+        "baseline",
+        Arm("w1x16", "fp4_linear", _W1X16, 0, "fp4_linear",
+            "W in 1x16 blocks along K (the dgrad's W: Q_N of the dequantized forward W)"),
+        Arm("w1x16_s1", "fp4_linear", _W1X16, 1, "fp4_linear_s1",
+            "W in 1x16 blocks along K (the dgrad's W: Q_N of the dequantized forward W), seed 1"),
+        Arm("w1x16_4over6", "fp4_linear", _W1X16_4OVER6, 0, "fp4_linear",
+            "W in 1x16 blocks along K and Four-over-Six (MSE) on x, W and the wgrad's H·x"),
+        Arm("w1x16_4over6_s1", "fp4_linear", _W1X16_4OVER6, 1, "fp4_linear_s1",
+            "W in 1x16 blocks along K and Four-over-Six (MSE) on x, W and the wgrad's H·x, seed 1"),
+    ),
+    # Cheap precision where the gap is: one change of fp4_linear, read against it at the same seed.
+    *_group(
+        "remedy",
+        Arm("fwd_bf16_last10", "fp4_linear", {"recipe.bf16_fwd_last": 0.1}, 0, "fp4_linear",
+            "the forward GEMMs in BF16 for the last 10% of steps (the backward NVFP4)"),
+        Arm("fwd_bf16_last10_s1", "fp4_linear", {"recipe.bf16_fwd_last": 0.1}, 1, "fp4_linear_s1",
+            "the forward GEMMs in BF16 for the last 10% of steps (the backward NVFP4), seed 1"),
+        Arm("fwd_bf16_last20", "fp4_linear", {"recipe.bf16_fwd_last": 0.2}, 0, "fp4_linear",
+            "the forward GEMMs in BF16 for the last 20% of steps (the backward NVFP4)"),
+        Arm("fwd_bf16_last20_s1", "fp4_linear", {"recipe.bf16_fwd_last": 0.2}, 1, "fp4_linear_s1",
+            "the forward GEMMs in BF16 for the last 20% of steps (the backward NVFP4), seed 1"),
+        Arm("down_x_two_term", "fp4_linear", {"recipe.down_x.terms": 2}, 0, "fp4_linear",
+            "the MLP down-projection's input as two NVFP4 terms (the other projections as fp4_linear)"),
+        Arm("down_x_two_term_s1", "fp4_linear", {"recipe.down_x.terms": 2}, 1, "fp4_linear_s1",
+            "the MLP down-projection's input as two NVFP4 terms, seed 1"),
+        Arm("down_x_bf16", "fp4_linear", {"recipe.down_x.format": "bf16"}, 0, "fp4_linear",
+            "the MLP down-projection's input in BF16"),
+        Arm("down_x_bf16_s1", "fp4_linear", {"recipe.down_x.format": "bf16"}, 1, "fp4_linear_s1",
+            "the MLP down-projection's input in BF16, seed 1"),
+    ),
+    # LoRA-SVD re-aligned the method's way: a randomized SVD of the effective weight every k steps, the new
+    # factors rotated onto the old ones' columns so that their Adam moments stay in their basis.
+    *_group(
+        "lorasvd",
+        Arm("lorasvd_realign300", "fp4_linear_lorasvd", {**_REALIGN, "recipe.lora_resplit_every": -5}, 0,
+            "fp4_linear_lorasvd", "re-aligned every 300 steps (4 times), rank 16"),
+        Arm("lorasvd_realign750", "fp4_linear_lorasvd", {**_REALIGN, "recipe.lora_resplit_every": -2}, 0,
+            "fp4_linear_lorasvd", "re-aligned every 750 steps (once, mid-run), rank 16"),
+        Arm("lorasvd_realign300_r32", "fp4_linear_lorasvd",
+            {**_REALIGN, "recipe.lora_resplit_every": -5, "recipe.lora_rank": 32}, 0, "fp4_linear_lorasvd",
+            "re-aligned every 300 steps, rank 32"),
+        Arm("lorasvd_realign750_r32", "fp4_linear_lorasvd",
+            {**_REALIGN, "recipe.lora_resplit_every": -2, "recipe.lora_rank": 32}, 0, "fp4_linear_lorasvd",
+            "re-aligned every 750 steps, rank 32"),
     ),
 )
