@@ -184,7 +184,8 @@ def run_arm(exp: Experiment, arm: Arm, workdir: Path, eval_tokens: int | None = 
 
 def arm_row(exp: Experiment, arm: Arm, workdir: Path, eval_tokens: int | None = None) -> dict | None:
   """The study's row of one arm (None if it has not run), ``exp`` being the study's experiment
-  (its steps, batch, sequence length and corpus): ``compare.run_row`` of its run, with
+  (its steps, batch, sequence length and corpus): ``compare.run_row`` of its run (with the arm's
+  experiment, ``Arm.apply``: its recipe prices the row), with
   the arm's preset, ``changes`` (the ``recipe`` column prints exactly those), seed, group and
   baseline; the bf16 seeds (no baseline) are the reference."""
   run_dir = workdir / arm.name
@@ -194,7 +195,7 @@ def arm_row(exp: Experiment, arm: Arm, workdir: Path, eval_tokens: int | None = 
   ev = None if diverged else json.loads((run_dir / EVAL_FILE).read_text())
   shared = run_dir / SHARED_FILE
   parallel = json.loads(shared.read_text())["parallel"] if shared.is_file() else 1
-  return run_row(exp, run_dir, arm.name, arm.recipe_text(), ev, eval_tokens, seed=arm.seed,
+  return run_row(arm.apply(exp), run_dir, arm.name, arm.recipe_text(), ev, eval_tokens, seed=arm.seed,
                  reference=arm.baseline is None, baseline=arm.baseline, group=arm.group,
                  preset=arm.preset, changes=dict(arm.changes), shared_device=parallel)
 

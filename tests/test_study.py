@@ -21,6 +21,7 @@ from experiments.configs import tiny
 from experiments.configs._base import dataclass_config
 from experiments.studies import Arm
 from fp4jax import data
+from fp4jax import price
 from fp4jax.experiment import Experiment
 from fp4jax.recipe import MODULES, PRESETS, get_recipe, preset_changes
 from fp4jax.train import OptimizerConfig, _lora_mask, abstract_model, make_optimizer, make_schedule
@@ -388,3 +389,15 @@ def test_list_prints_every_arm_and_study_md_points_to_it():
   assert "python -m experiments.study --list" in md
   # The arms are not copied there: no per-arm table to drift.
   assert "`q_fwd_w`" not in md and "`lorasvd_rank32`" not in md
+
+
+def test_an_arm_row_is_priced_by_the_arms_recipe(tmp_path, monkeypatch):
+  # The row of an arm describes the arm's experiment (recipe, seed), not the study's base config.
+  arm = next(a for a in st.ARMS if a.name == "fp4_linear_s1")
+  (tmp_path / arm.name).mkdir()
+  (tmp_path / arm.name / st.EVAL_FILE).write_text("{}")
+  seen = {}
+  monkeypatch.setattr(st, "run_row", lambda exp, *a, **k: seen.update(exp=exp) or {})
+  st.arm_row(Experiment.from_config(_small_config()), arm, tmp_path)
+  assert seen["exp"].recipe.linear == "nvfp4" and seen["exp"].train.seed == 1
+  assert price.price(seen["exp"].recipe, seen["exp"].model, seen["exp"].train.steps) == 0.25
