@@ -23,8 +23,9 @@ NVFP4 attention's operands, e.g. ``--config.recipe.attention_op.ds.format=bf16``
 ``--config.recipe.moments.mu.rounding=nearest``). Each applies where its module is NVFP4. Which code
 runs an op (kernels, cuDNN, XLA) is not part of a recipe: see ``fp4jax.execution``.
 
-Named presets: ``bf16``, ``fp4_linear``, ``fp4_linear_lorasvd``, ``fp4_full_stack``
-(``get_recipe(name)``).
+Named presets: ``bf16``, ``fp4_linear`` (NVIDIA's recipe), ``fp4_linear_w1x16_4over6`` (the
+method's baseline: 1×16 weight blocks and Four-over-Six scales; docs/DESIGN.md, "The linear recipe",
+has the evidence), ``fp4_linear_lorasvd``, ``fp4_full_stack`` (``get_recipe(name)``).
 """
 
 from __future__ import annotations
@@ -278,6 +279,11 @@ def _replaced(obj, changes: dict):
 PRESETS: dict[str, Recipe] = {
     "bf16": Recipe(),
     "fp4_linear": Recipe(linear="nvfp4"),
+    # The method's baseline: W in 1x16 blocks along K (the dgrad's W re-quantized along N) and
+    # Four-over-Six scales (MSE) on every nearest-rounded operand: x, W and the wgrad's H·x.
+    "fp4_linear_w1x16_4over6": Recipe(linear="nvfp4", matmul=MatmulConfig.nvfp4(
+        x=Operand(scale_rule="4over6_mse"), w=Operand(scale_rule="4over6_mse"),
+        x_wgrad=Operand(scale_rule="4over6_mse"))),
     "fp4_linear_lorasvd": Recipe(linear="nvfp4_lorasvd"),
     "fp4_full_stack": Recipe(linear="nvfp4_lorasvd", attention="nvfp4", optimizer_states="nvfp4",
                              newton_schulz="nvfp4"),
@@ -306,8 +312,7 @@ def get_recipe(name: str, **overrides) -> Recipe:
   """A named preset, optionally with fields overridden.
 
   Args:
-    name: one of ``PRESETS`` (``bf16``, ``fp4_linear``, ``fp4_linear_lorasvd``,
-      ``fp4_full_stack``).
+    name: one of ``PRESETS``.
     **overrides: fields to change, e.g. ``bf16_last_blocks=2`` or ``matmul={"hadamard": False}``.
 
   Returns:

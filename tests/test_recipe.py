@@ -282,3 +282,15 @@ def test_a_preset_may_set_its_own_op_config(monkeypatch):
   assert Experiment.from_config(tiny.get_config("fp4_linear_4over6")).recipe == mine
   with pytest.raises(ValueError, match="unknown recipe 'nope'"):
     recipe_lib.preset_changes("nope")
+
+
+def test_the_methods_baseline_preset_is_the_studys_arm():
+  # The preset holds what its study arm (w1x16_4over6: fp4_linear with these changes) measured.
+  from experiments.studies.loss_gap import ARMS
+  arm = next(a for a in ARMS if a.name == "w1x16_4over6")
+  changes = {k.removeprefix("recipe.matmul."): v for k, v in arm.changes.items()}
+  matmul = get_recipe("fp4_linear").matmul
+  for key, value in changes.items():
+    op, field = key.split(".")
+    matmul = dataclasses.replace(matmul, **{op: dataclasses.replace(getattr(matmul, op), **{field: value})})
+  assert get_recipe("fp4_linear_w1x16_4over6") == get_recipe("fp4_linear").replace(matmul=matmul)
