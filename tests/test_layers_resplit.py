@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import Preempted, StopAfter
 from flax import nnx
 
 from fp4jax import data
@@ -107,32 +108,6 @@ def test_lora_resplit_options():
     OptimizerConfig(lora_resplit_svd="full")
 
 
-class _Preempted(Exception):
-  pass
-
-
-class _StopAfter:
-  """Iterator wrapper that dies after ``n`` batches (a preemption)."""
-
-  def __init__(self, it, n):
-    self.it, self.n = it, n
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    if self.n == 0:
-      raise _Preempted()
-    self.n -= 1
-    return next(self.it)
-
-  def get_state(self):
-    return self.it.get_state()
-
-  def set_state(self, state):
-    self.it.set_state(state)
-
-
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Sharding info not provided")
 def test_resume_across_a_resplit_is_exact(tmp_path):
@@ -153,8 +128,8 @@ def test_resume_across_a_resplit_is_exact(tmp_path):
   it = lambda: data.make_iterator(str(tokens), "train", 32, 4, seed=0)
   recipe = dataclasses.replace(RECIPE, matmul=MatmulConfig.bf16())
   full = train(model, recipe, opt, tc, tmp_path / "full", it())
-  with pytest.raises(_Preempted):
-    train(model, recipe, opt, tc, tmp_path / "resumed", _StopAfter(it(), 6))
+  with pytest.raises(Preempted):
+    train(model, recipe, opt, tc, tmp_path / "resumed", StopAfter(it(), 6))
   resumed = train(model, recipe, opt, tc, tmp_path / "resumed", it())
   losses = lambda w: {r["step"]: r["loss"] for r in read_jsonl(Path(w) / "metrics.jsonl")}
   assert losses(tmp_path / "full") == losses(tmp_path / "resumed") and full["loss"] == resumed["loss"]

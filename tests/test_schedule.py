@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from conftest import Preempted, StopAfter
 from flax import nnx
 
 from experiments import evaluate as ev
@@ -47,30 +48,6 @@ def experiment(tmp_path_factory):
   return launcher.prepare_data(Experiment.from_config(cfg)), text
 
 
-class _Preempted(Exception):
-  pass
-class _StopAfter:
-  """The batches of ``it``, dying after ``n`` of them (a preemption)."""
-
-  def __init__(self, it, n):
-    self.it, self.n = it, n
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    if self.n == 0:
-      raise _Preempted()
-    self.n -= 1
-    return next(self.it)
-
-  def get_state(self):
-    return self.it.get_state()
-
-  def set_state(self, state):
-    self.it.set_state(state)
-
-
 def _metrics(workdir):
   rows = {r["step"]: r for r in read_jsonl(workdir / "metrics.jsonl")}
   return {s: (r["loss"], r["grad_norm"], r.get("eval_loss")) for s, r in sorted(rows.items())}
@@ -101,10 +78,10 @@ def test_bf16_forward_tail_switches_at_its_step_resumes_exactly_and_evaluates_as
   launcher.run(exp, tmp_path / "straight")
   assert "step 4: the forward GEMMs run in BF16 from here to step 6" in capsys.readouterr().out
   make_iterator = data.make_iterator
-  dies = lambda d, split, *a, **k: (_StopAfter(make_iterator(d, split, *a, **k), 3) if split == "train"
+  dies = lambda d, split, *a, **k: (StopAfter(make_iterator(d, split, *a, **k), 3) if split == "train"
                                     else make_iterator(d, split, *a, **k))
   monkeypatch.setattr(data, "make_iterator", dies)
-  with pytest.raises(_Preempted):  # dies after step 3; the last checkpoint is step 2
+  with pytest.raises(Preempted):  # dies after step 3; the last checkpoint is step 2
     launcher.run(exp, tmp_path / "resumed")
   monkeypatch.setattr(data, "make_iterator", make_iterator)
   launcher.run(exp, tmp_path / "resumed")  # steps 3..6: across the switch
