@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from fp4jax import _platform, numerics, nvfp4
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
-from fp4jax.optim.state import _fit, block_axis, stores_nvfp4
+from fp4jax.kernels import adam_nvfp4 as adam_kernel
+from fp4jax.optim.state import CenteredNVFP4Tensor, _fit, block_axis, stores_nvfp4
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -153,6 +154,25 @@ def zeros_state(p, min_size: int, quantize: bool, dtype=None):
   return zeros(tuple(p.shape), moment_dtype(p.dtype) if dtype is None else dtype, p)
 
 
+def zeros_moment(p, kind: str, dtype=None):
+  """A zero moment of ``kind`` (``adam_nvfp4.KINDS``) for parameter ``p``: ``zeros_nvfp4``,
+  ``zeros_centered``, or (``"fp32"``) ``dtype`` (default ``moment_dtype(p.dtype)``), sharded like ``p``."""
+  if kind == "nvfp4":
+    return zeros_nvfp4(p.shape, p)
+  if kind == "centered":
+    return zeros_centered(p.shape, p)
+  return zeros(tuple(p.shape), moment_dtype(p.dtype) if dtype is None else dtype, p)
+
+
+def _is_param(x) -> bool:
+  return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def map_params_with_path(fn, params):
+  """``map_params`` with each leaf's key path: ``fn(path, leaf)``."""
+  return jax.tree_util.tree_map_with_path(fn, params, is_leaf=_is_param)
+
+
 def map_params(fn, params):
   """``jax.tree.map`` over parameter-like leaves (anything with ``shape`` and ``dtype``).
 
@@ -168,6 +188,29 @@ def encode(x, rounding: str, key, lane: int = 0) -> NVFP4Tensor:
   bits = numerics.counter_bits(key, x.shape, lane) if rounding == "stochastic" else None
   return nvfp4.quantize(x.astype(jnp.float32), block=(1, BLOCK), axis=block_axis(x.shape),
                         rounding=rounding, bits=bits)
+
+
+def encode_centered(x, rounding: str, key, lane: int = 1) -> CenteredNVFP4Tensor:
+  """float32 ``x`` (>= 0) -> ``CenteredNVFP4Tensor``, 1×16 blocks along ``block_axis(x.shape)``: the
+  block means removed, the rest rotated (``adam_nvfp4.center_rotate``) and quantized as ``encode``
+  quantizes (the same counter bits, by element position)."""
+  ax = block_axis(x.shape)
+  xm = jnp.moveaxis(x.astype(jnp.float32), ax, -1)
+  blocks = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)
+  mean, y = adam_kernel.center_rotate([blocks[..., i] for i in range(BLOCK)])
+  y = jnp.moveaxis(jnp.stack(y, axis=-1).reshape(xm.shape), -1, ax)
+  t = encode(y, rounding, key, lane)
+  return CenteredNVFP4Tensor(codes=t.codes, scales=t.scales, global_scale=t.global_scale,
+                             shape=t.shape, block=t.block, axis=t.axis, dtype=t.dtype,
+                             mean=jnp.moveaxis(mean, -1, ax))
+
+
+def zeros_centered(shape, like=None) -> CenteredNVFP4Tensor:
+  """``encode_centered(zeros(shape))`` without computing it: ``zeros_nvfp4`` and zero means."""
+  t = zeros_nvfp4(shape, like)
+  return CenteredNVFP4Tensor(codes=t.codes, scales=t.scales, global_scale=t.global_scale,
+                             shape=t.shape, block=t.block, axis=t.axis, dtype=t.dtype,
+                             mean=zeros(t.scales.shape, jnp.bfloat16, like))
 
 
 def decode(t: NVFP4Tensor) -> jax.Array:
