@@ -161,16 +161,9 @@ def overflow_root(v, scaled, sqrt):
 # is stored apart and subtracted, the rest rotated by ``fp4jax.nvfp4.hadamard`` (key 0) and stored in
 # NVFP4; a decoded √v is floored at ``CENTERED_FLOOR`` times its block's mean.
 CENTERED_FLOOR = 2.0**-4
-_HADAMARD_KEY = 0
-
-
-@functools.lru_cache(maxsize=1)
-def hadamard_signs() -> tuple[float, ...]:
-  """The sign vector ``s`` of ``nvfp4.hadamard_matrix(key(0)) = diag(s)·H16/4`` as Python floats
-  (constants of the kernels and of the XLA path)."""
-  with jax.ensure_compile_time_eval():
-    signs = nvfp4.hadamard_matrix(jax.random.key(_HADAMARD_KEY))[:, 0] * 4.0
-    return tuple(float(x) for x in signs)
+# The signs s of nvfp4.hadamard_matrix(jax.random.key(0)) = diag(s)·H16/4, as constants of the kernels
+# and of the XLA path (tests/test_optim_moments.py checks them against the matrix).
+HADAMARD_SIGNS = (-1.0, -1.0, 1.0, 1.0, -1.0, 1.0, 1.0, -1.0, -1.0, 1.0, -1.0, 1.0, -1.0, -1.0, -1.0, -1.0)
 
 
 def center_rotate(s: list) -> tuple[jax.Array, list]:
@@ -186,7 +179,7 @@ def center_rotate(s: list) -> tuple[jax.Array, list]:
   s = [ftz(x) for x in s]
   mean = (functools.reduce(jnp.add, s) * jnp.float32(1.0 / BLOCK)).astype(jnp.bfloat16)
   m32 = mean.astype(jnp.float32)
-  signs = hadamard_signs()
+  signs = HADAMARD_SIGNS
   y = numerics.hadamard16_butterfly([ftz(x - m32) * jnp.float32(signs[i]) for i, x in enumerate(s)])
   return mean, [ftz(x * jnp.float32(0.25)) for x in y]
 
@@ -197,7 +190,7 @@ def uncenter(y: list, mean) -> list:
   reconstruction error cannot leave an entry at 0 or negative, which Adam would divide by)."""
   ftz = numerics.flush_subnormals
   m32 = mean.astype(jnp.float32)
-  signs = hadamard_signs()
+  signs = HADAMARD_SIGNS
   d = [ftz(x * jnp.float32(signs[i]) * jnp.float32(0.25))
        for i, x in enumerate(numerics.hadamard16_butterfly(list(y)))]
   floor = m32 * jnp.float32(CENTERED_FLOOR)

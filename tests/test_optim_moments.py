@@ -193,6 +193,11 @@ def _heavy_tailed_root(key, shape):
   return 1e-3 * rows * cols * jnp.exp(0.3 * jax.random.normal(k3, shape))
 
 
+def test_hadamard_signs_are_key_zeros():
+  signs = nvfp4.hadamard_matrix(jax.random.key(0))[:, 0] * 4.0
+  np.testing.assert_array_equal(signs, np.asarray(kernel.HADAMARD_SIGNS, np.float32))
+
+
 def test_centered_codec():
   """``encode_centered``: the rotated deviations are ``nvfp4.hadamard(x - mean, key(0))``; decoding
   inverts it, is never below ``CENTERED_FLOOR`` times the block mean, and on a heavy-tailed √v has a
@@ -212,3 +217,19 @@ def test_centered_codec():
   assert t.nbytes == 64 * 128 * 11 // 16 + 4  # 5.5 bits per element, and the global scale
   zero = _common.zeros_centered((16, 32))
   assert not np.any(np.asarray(zero.dequantize()))
+
+
+@pytest.mark.parametrize("name", ["m_only", "v_only", "mean_hadamard"])
+def test_lowers_to_triton_for_h200(triton_modules, name):
+  """Each storage variant's two kernels lower to Triton (verified IR): a float32 moment's loads and
+  stores, the centered √v's column splits, butterflies and bfloat16 means."""
+  from conftest import H200
+  options = optim.AdamNvfp4Options(min_size=0, **VARIANTS[name])
+  tx = optim.scale_by_adam_nvfp4(options=options, implementation="pallas")
+  params = {"w": jax.ShapeDtypeStruct((32, 64), jnp.float32)}
+  with jax.sharding.use_abstract_mesh(H200):
+    hlo = jax.jit(tx.update).trace(params, jax.eval_shape(tx.init, params)).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert hlo.count("__gpu$xla.gpu.triton") == 2 and len(triton_modules) == 2
+  encode = [m for m in triton_modules if "@adam_nvfp4_encode" in m]
+  assert encode and "sqrt.rn.f32" in encode[0]
