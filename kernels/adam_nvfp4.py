@@ -91,7 +91,8 @@ class AdamKernelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AdamHyper:
-  """The static part of one update: Adam's constants and the rounding of each moment."""
+  """The static part of one update: Adam's constants, the rounding of each moment (``"nearest"``,
+  ``"stochastic"``, or for √v ``"preconditioner"``: ``e2m1_preconditioner_codes``) and its kind."""
 
   b1: float
   b2: float
@@ -195,6 +196,31 @@ def uncenter(y: list, mean) -> list:
        for i, x in enumerate(numerics.hadamard16_butterfly(list(y)))]
   floor = m32 * jnp.float32(CENTERED_FLOOR)
   return [jnp.maximum(ftz(m32 + x), floor) for x in d]
+
+
+def e2m1_preconditioner_codes(x32, escale, dscale, s_dec, zero_block, bits, c2, eps, mul):
+  """E2M1 codes of √v (``x32 >= 0``) by stochastic rounding in Adam's preconditioner space.
+
+  Between the grid neighbours ``lo <= a <= hi`` of ``a = min(x32 · escale, 6)``, ``hi`` is chosen with
+  probability ``P = (h(lo) - h(a)) / (h(lo) - h(hi))`` for ``h(q) = 1 / (q · k + eps)``, ``k = dscale ·
+  S_dec · c2`` (the decoded √v per E2M1 unit times the update's ``1 / sqrt(bc2)``): the expected
+  ``1 / (√v + eps)`` of the stored value is the exact one, where value-space rounding makes the
+  expected √v exact. ``P = (a - lo) / (hi - lo) · (hi · k + eps) / (a · k + eps)``, at least the
+  value-space probability; ``lo = 0`` is then chosen with probability about ``eps / (a · k)``. Decided
+  without a division: ``u · (hi - lo) · (a · k + eps) < (a - lo) · (hi · k + eps)``, ``u`` the 8-bit
+  uniform of ``numerics.lane_bits`` (``(byte + 1/2) / 256``), ``mul`` the rounded products (no FMA).
+
+  Returns:
+    int32 codes 0..7 (0 where ``zero_block``).
+  """
+  a = jnp.minimum(jnp.abs(x32 * escale), numerics.E2M1_MAX)
+  lo = numerics.e2m1_stochastic_code(a, jnp.zeros_like(bits))  # no random bits: rounded down
+  hi = jnp.minimum(lo + 1, 7)
+  lo_v, hi_v = numerics.decode_e2m1(lo), numerics.decode_e2m1(hi)
+  k = (dscale * s_dec) * c2
+  u = (bits >> 8).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)
+  up = (u * (hi_v - lo_v)) * (mul(a, k) + eps) < (a - lo_v) * (mul(hi_v, k) + eps)
+  return jnp.where(zero_block, 0, jnp.where(up, hi, lo))
 
 
 def supports(mu) -> bool:
@@ -371,10 +397,11 @@ def _slot_max(buf, n, slots):
   return jnp.max(buf[:n * slots].reshape(n, slots), axis=1)
 
 
-def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret):
+def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret, precond=None):
   """NVFP4 codes of one moment given as its two (rows, 8) halves: ``nvfp4.quantize``'s steps with the
   tensor's ``S_enc / 6`` (``mconst``) and ``S_dec`` known; ``bits``: each half's rounding bits (or
-  None for nearest rounding). Returns (packed, scale codes)."""
+  None for nearest rounding); ``precond``: ``(c2, eps, mul)`` of ``e2m1_preconditioner_codes`` for
+  ``rounding="preconditioner"``. Returns (packed, scale codes)."""
   xs = [numerics.flush_subnormals(x) for x in xs]
   # No NaN test (quantize maps NaN to inf here): a NaN makes the tensor non-finite, and then every
   # block is zeroed below whatever its max.
@@ -385,8 +412,12 @@ def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret):
   escale = jnp.minimum(div_rn(1.0, numerics.e4m3_to_f32(dcode) * s_dec, division(interpret)),
                        numerics.F32_MAX)[:, None]
   zero_block = ((dscale == 0) | ~finite)[:, None]
-  codes = [numerics.e2m1_codes(x, escale, zero_block, rounding, b, jnp.int32)
-           for x, b in zip(xs, bits or (None, None))]
+  if rounding == "preconditioner":
+    codes = [e2m1_preconditioner_codes(x, escale, dscale[:, None], s_dec, zero_block, b, *precond)
+             for x, b in zip(xs, bits)]
+  else:
+    codes = [numerics.e2m1_codes(x, escale, zero_block, rounding, b, jnp.int32)
+             for x, b in zip(xs, bits or (None, None))]
   return (codes[0] | (codes[1] << 4)).astype(jnp.uint8), dcode
 
 
@@ -432,7 +463,7 @@ def _encode_leaf(i_ref, f_ref, t_ref, ins, outs, *, hp: AdamHyper, nb: int, leaf
   for h, u in enumerate(us):
     store(u_out.at[:, :, jnp.int32(h)], u, ok[1], evict_u)
   pair_hash = None
-  if "stochastic" in (hp.mu_rounding, hp.nu_rounding):
+  if {"stochastic", "preconditioner"} & {hp.mu_rounding, hp.nu_rounding}:
     # numerics.counter_bits: one hash per (block row, column), i.e. per pair of neighbouring
     # elements, whose four bytes round m's and √v's even and odd elements.
     row0 = (pid * br).astype(jnp.uint32)
@@ -456,9 +487,10 @@ def _encode_leaf(i_ref, f_ref, t_ref, ins, outs, *, hp: AdamHyper, nb: int, leaf
     t = 4 * (2 * leaf + j)  # [S_enc / 6, S_dec, finite, pad] of this moment
     mconst, s_dec, finite = t_ref[t], t_ref[t + 1], t_ref[t + 2] > 0
     bits = None
-    if rounding == "stochastic":
+    if rounding in ("stochastic", "preconditioner"):
       bits = [numerics.lane_bits(pair_hash, 2 * j + h) for h in range(2)]
-    packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret)
+    precond = (factors[2], hp.eps, mul_rn(interpret) or (lambda a, b: numerics.rounded(a * b, zero)))
+    packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret, precond)
     store(c_out, packed, ok[1])
     store(s_out, lax.bitcast_convert_type(dcode, jnp.float8_e4m3fn), ok[0])
     g_out[...] = jnp.full((1,), s_dec, jnp.float32)  # every program writes the same value

@@ -7,6 +7,8 @@ per shape, not per leaf, each leaf with its own global scale and random bits).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
@@ -203,6 +205,25 @@ def encode_centered(x, rounding: str, key, lane: int = 1) -> CenteredNVFP4Tensor
   return CenteredNVFP4Tensor(codes=t.codes, scales=t.scales, global_scale=t.global_scale,
                              shape=t.shape, block=t.block, axis=t.axis, dtype=t.dtype,
                              mean=jnp.moveaxis(mean, -1, ax))
+
+
+def encode_preconditioned(x, key, c2, eps, zero, lane: int = 1) -> NVFP4Tensor:
+  """float32 ``x`` (>= 0, Adam's √v) -> NVFP4 as ``encode`` stores it (the same scales), its codes
+  stochastically rounded in the preconditioner space (``adam_nvfp4.e2m1_preconditioner_codes``, with
+  the counter bits of ``encode``); ``c2``: the update's ``1 / sqrt(bc2)``; ``zero``: a runtime zero."""
+  ax = block_axis(x.shape)
+  x32 = numerics.flush_subnormals(x.astype(jnp.float32))
+  t = nvfp4.quantize(x32, block=(1, BLOCK), axis=ax, rounding="nearest")  # its scales, as encode's
+  dcode = jax.lax.bitcast_convert_type(t.scales, jnp.uint8)
+  expand = lambda b: jnp.repeat(b, BLOCK, axis=ax)
+  escale = nvfp4._escale_table(t.global_scale).at[dcode.astype(jnp.int32)].get(mode="promise_in_bounds")
+  dscale = numerics.e4m3_to_f32(dcode)
+  zero_block = expand(dscale == 0) | ~jnp.isfinite(t.global_scale)
+  mul = lambda a, b: numerics.rounded(a * b, zero)
+  code = adam_kernel.e2m1_preconditioner_codes(x32, expand(escale), expand(dscale), t.global_scale,
+                                               zero_block, numerics.counter_bits(key, x.shape, lane),
+                                               c2, eps, mul)
+  return dataclasses.replace(t, codes=nvfp4._pack(code.astype(jnp.uint8), ax))
 
 
 def zeros_centered(shape, like=None) -> CenteredNVFP4Tensor:

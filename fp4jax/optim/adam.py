@@ -47,6 +47,7 @@ _STOCHASTIC = Operand(rounding="stochastic")
 
 
 NU_TRANSFORMS = ("none", "mean_hadamard")  # how √v is stored (``AdamNvfp4Options.nu_transform``)
+SR_SPACES = ("value", "preconditioner")  # where √v's stochastic rounding is unbiased (``nu_sr_space``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,11 @@ class AdamNvfp4Options:
       5.5 bits per element); decoding adds the mean back to the inverse rotation and floors each
       √v at 2^-4 of its block's mean, so no entry decodes to zero or below unless its block's
       mean is zero (and the update's clip still holds).
+    nu_sr_space: where √v's stochastic rounding is unbiased: ``"value"`` (E[stored √v] = √v) or
+      ``"preconditioner"`` (E[1 / (stored √v · c2 + eps)] = 1 / (√v · c2 + eps), ``c2 = 1 / sqrt(1 -
+      b2^t)``: the neighbour above is chosen more often, 0 almost never;
+      ``fp4jax.kernels.adam_nvfp4.e2m1_preconditioner_codes``). Needs ``nu.rounding="stochastic"``
+      and ``nu_transform="none"``.
   """
 
   min_size: int = DEFAULT_MIN_SIZE
@@ -86,6 +92,7 @@ class AdamNvfp4Options:
   clip_update: bool = True
   keep_fp32: tuple[str, ...] = ()
   nu_transform: str = "none"
+  nu_sr_space: str = "value"
 
   def __post_init__(self):
     _common.check_min_size(self.min_size)
@@ -108,6 +115,13 @@ class AdamNvfp4Options:
     if self.nu_transform not in NU_TRANSFORMS:
       raise ValueError(f"AdamNvfp4Options.nu_transform must be one of {NU_TRANSFORMS}, got "
                        f"{self.nu_transform!r}")
+    if self.nu_sr_space not in SR_SPACES:
+      raise ValueError(f"AdamNvfp4Options.nu_sr_space must be one of {SR_SPACES}, got {self.nu_sr_space!r}")
+    if self.nu_sr_space != "value" and (getattr(self.nu, "rounding", None) != "stochastic"
+                                        or self.nu_transform != "none"):
+      raise ValueError(f"AdamNvfp4Options.nu_sr_space={self.nu_sr_space!r} rounds a plain NVFP4 √v "
+                       f"stochastically: it needs nu=Operand(rounding='stochastic') and "
+                       f"nu_transform='none', got nu={self.nu!r}, nu_transform={self.nu_transform!r}")
     if self.nu_transform != "none" and self.nu is None:
       raise ValueError(f"AdamNvfp4Options.nu_transform={self.nu_transform!r} transforms the stored √v: "
                        f"it needs nu (an NVFP4 Operand), got nu=None")
@@ -245,7 +259,9 @@ def scale_by_adam_nvfp4(
   mu_kind, nu_kind = options.kinds
   # A float32 moment has no rounding; "nearest" keeps it out of the random bits' bookkeeping.
   mu_rounding, nu_rounding = (getattr(op, "rounding", "nearest") for op in (options.mu, options.nu))
-  stochastic = "stochastic" in (mu_rounding, nu_rounding)
+  if options.nu_sr_space == "preconditioner":
+    nu_rounding = "preconditioner"  # the kernels' name of this rounding
+  stochastic = {"stochastic", "preconditioner"} & {mu_rounding, nu_rounding}
   # The kernels compile Adam's constants in; traced ones (optax.inject_hyperparams under jit) take
   # the XLA path, which gives the same bits.
   constants = [_common.concrete_float(x) for x in (b1, b2, eps, eps_root)]
@@ -354,6 +370,9 @@ def scale_by_adam_nvfp4(
                                 b1, eps, eps_root_choice, nesterov, _clip_bound(count_inc))
     if nu_kind == "centered":
       nu_new = _common.encode_centered(s, nu_rounding, key, lane=1)
+    elif nu_rounding == "preconditioner":
+      c2 = numerics.bias_factors(b1, b2, eps_root, count_inc)[2]
+      nu_new = _common.encode_preconditioned(s, key, c2, eps, zero, lane=1)
     else:
       nu_new = _common.encode(s, nu_rounding, key, lane=1) if nu_nvfp4 else v
     mu_new = _common.encode(m, mu_rounding, key, lane=0) if mu_kind != "fp32" else m
