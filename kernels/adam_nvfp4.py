@@ -39,8 +39,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fp4jax import numerics, nvfp4
-from fp4jax.kernels._common import (division, div_rn, f8_bytes, key_words, load, max_all, mul_rn,
-                                    pad_pow2, ref_words, sqrt_rn, store)
+from fp4jax.kernels._common import (division, div_rn, f8_bytes, four_over_six_scales, four_over_six_terms,
+                                    key_words, load, max_all, mul_rn, pad_pow2, ref_words, sqrt_rn, store)
 from fp4jax.kernels.nvfp4_quantize import _stack_last, _unstack_last
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
 
@@ -104,6 +104,8 @@ class AdamHyper:
   nu_rounding: str
   mu_kind: str = "nvfp4"
   nu_kind: str = "nvfp4"
+  mu_scale_rule: str = "max"
+  nu_scale_rule: str = "max"
 
   def __post_init__(self):
     for name in ("mu_kind", "nu_kind"):
@@ -397,12 +399,15 @@ def _slot_max(buf, n, slots):
   return jnp.max(buf[:n * slots].reshape(n, slots), axis=1)
 
 
-def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret, precond=None):
+def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret, precond=None, four_six=None):
   """NVFP4 codes of one moment given as its two (rows, 8) halves: ``nvfp4.quantize``'s steps with the
   tensor's ``S_enc / 6`` (``mconst``) and ``S_dec`` known; ``bits``: each half's rounding bits (or
   None for nearest rounding); ``precond``: ``(c2, eps, mul)`` of ``e2m1_preconditioner_codes`` for
-  ``rounding="preconditioner"``. Returns (packed, scale codes)."""
+  ``rounding="preconditioner"``; ``four_six``: ``(scale_rule, S_enc, zero)`` for Four over Six
+  (``_four_over_six_halves``). Returns (packed, scale codes)."""
   xs = [numerics.flush_subnormals(x) for x in xs]
+  if four_six is not None:
+    return _four_over_six_halves(xs, s_dec, finite, *four_six, interpret)
   # No NaN test (quantize maps NaN to inf here): a NaN makes the tensor non-finite, and then every
   # block is zeroed below whatever its max.
   block_amax = jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=1), jnp.max(jnp.abs(xs[1]), axis=1))
@@ -419,6 +424,29 @@ def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret, precond
     codes = [numerics.e2m1_codes(x, escale, zero_block, rounding, b, jnp.int32)
              for x, b in zip(xs, bits or (None, None))]
   return (codes[0] | (codes[1] << 4)).astype(jnp.uint8), dcode
+
+
+def _four_over_six_halves(xs, s_dec, finite, scale_rule, s_enc, zero, interpret):
+  """``nvfp4.quantize(scale_rule=...)`` on a moment's two (rows, 8) halves (nearest rounding; ``S_enc``,
+  ``S_dec`` the tensor's under the E4M3 bound 256): both candidate scales per block, each one's codes
+  and error terms summed in element order (``nvfp4._block_error``), amax to 4 where its error is
+  strictly lower. Returns (packed, scale codes)."""
+  block_amax = jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=1), jnp.max(jnp.abs(xs[1]), axis=1))
+  mul = mul_rn(interpret) or (lambda a, b: numerics.rounded(a * b, zero))
+  ftz = numerics.flush_subnormals
+  scaled = [ftz(mul(x, s_enc)) for x in xs]
+  cands = []
+  for dscale, dcode, escale, zero_block in four_over_six_scales(block_amax, s_enc, s_dec, finite,
+                                                                interpret):
+    codes = [numerics.e2m1_codes(x, escale[:, None], zero_block[:, None], "nearest", None, jnp.int32)
+             for x in xs]
+    terms = [four_over_six_terms(c, dscale[:, None], sx, scale_rule, mul) for c, sx in zip(codes, scaled)]
+    err = functools.reduce(jnp.add, _columns(terms))
+    cands.append((dcode, codes, err))
+  (b4, c4, e4), (b6, c6, e6) = cands
+  map4 = e4 < e6
+  codes = [jnp.where(map4[:, None], a, b) for a, b in zip(c4, c6)]
+  return (codes[0] | (codes[1] << 4)).astype(jnp.uint8), jnp.where(map4, b4, b6)
 
 
 def _encode_kernel(i_ref, f_ref, t_ref, *refs, hp: AdamHyper, nb: int, n_prog: int,
@@ -484,13 +512,15 @@ def _encode_leaf(i_ref, f_ref, t_ref, ins, outs, *, hp: AdamHyper, nb: int, leaf
       mean, ys = center_rotate(_columns(xs))
       xs = _from_columns(ys)
       store(refs[3], mean, ok[0])
-    t = 4 * (2 * leaf + j)  # [S_enc / 6, S_dec, finite, pad] of this moment
+    t = 4 * (2 * leaf + j)  # [S_enc / 6, S_dec, finite, S_enc] of this moment
     mconst, s_dec, finite = t_ref[t], t_ref[t + 1], t_ref[t + 2] > 0
     bits = None
     if rounding in ("stochastic", "preconditioner"):
       bits = [numerics.lane_bits(pair_hash, 2 * j + h) for h in range(2)]
     precond = (factors[2], hp.eps, mul_rn(interpret) or (lambda a, b: numerics.rounded(a * b, zero)))
-    packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret, precond)
+    rule = (hp.mu_scale_rule, hp.nu_scale_rule)[j]
+    four_six = None if rule == "max" else (rule, t_ref[t + 3], zero)
+    packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret, precond, four_six)
     store(c_out, packed, ok[1])
     store(s_out, lax.bitcast_convert_type(dcode, jnp.float8_e4m3fn), ok[0])
     g_out[...] = jnp.full((1,), s_dec, jnp.float32)  # every program writes the same value
@@ -553,10 +583,14 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
   amax = _amaxes(grads, mus, nus, hp, ints, floats, config, interpret)
   # S_enc and S_dec of all leaves at once, as nvfp4.quantize computes them.
   finite = amax <= numerics.F32_MAX
-  s_enc, s_dec = nvfp4.global_decode_scale(jnp.where(finite, amax, 0.0))
+  bounds = [numerics.E4M3_MAX if r == "max" else nvfp4.E4M3_MAX_4OVER6
+            for r in (hp.mu_scale_rule, hp.nu_scale_rule)]
+  s_enc, s_dec = (jnp.stack(x, axis=-1) for x in zip(*(
+      nvfp4.global_decode_scale(jnp.where(finite[:, j], amax[:, j], 0.0), bounds[j]) for j in range(2))))
   s_dec = jnp.where(finite, s_dec, jnp.nan)
-  table = jnp.stack([s_enc * jnp.float32(numerics.INV6), s_dec, finite.astype(jnp.float32),
-                     jnp.zeros_like(s_enc)], axis=-1)  # (L, 2, 4)
+  # [S_enc / 6, S_dec, finite, S_enc] per leaf and moment (S_enc itself for Four over Six)
+  table = jnp.stack([s_enc * jnp.float32(numerics.INV6), s_dec, finite.astype(jnp.float32), s_enc],
+                    axis=-1)  # (L, 2, 4)
   table = pad_pow2(table)
 
   us, mus_new, nus_new = [None] * len(grads), [None] * len(grads), [None] * len(grads)

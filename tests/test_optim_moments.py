@@ -28,6 +28,7 @@ VARIANTS = {
     "mean_hadamard": dict(nu_transform="mean_hadamard"),
     "mean_hadamard_nearest": dict(nu=Operand(), nu_transform="mean_hadamard"),
     "preconditioner_sr": dict(nu_sr_space="preconditioner"),
+    "four_over_six": dict(mu=Operand(scale_rule="4over6_mse"), nu=Operand(scale_rule="4over6_mae")),
 }
 
 
@@ -91,6 +92,10 @@ def test_kernels_equal_the_xla_path(name):
   _same_bits(s_k, s_x)
   for a, b in zip(u_k, u_x):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-12), a, b)
+  if name == "four_over_six":  # the E4M3 bound 256: S_dec = amax / (256 · 6)
+    for t in (s_x.mu["w"], s_x.nu["w"]):
+      amax = float(jnp.max(jnp.abs(t.dequantize())))
+      assert 0.66 * amax / 1536 < float(t.global_scale) <= 1.01 * amax / 1536 * 1.5
   mu_kind, nu_kind = options.kinds
   assert kernel.moment_kind(s_k.mu["w"]) == mu_kind and kernel.moment_kind(s_k.nu["w"]) == nu_kind
 
@@ -223,10 +228,11 @@ def test_centered_codec():
   assert not np.any(np.asarray(zero.dequantize()))
 
 
-@pytest.mark.parametrize("name", ["m_only", "v_only", "mean_hadamard", "preconditioner_sr"])
+@pytest.mark.parametrize("name", ["m_only", "v_only", "mean_hadamard", "preconditioner_sr", "four_over_six"])
 def test_lowers_to_triton_for_h200(triton_modules, name):
   """Each storage variant's two kernels lower to Triton (verified IR): a float32 moment's loads and
-  stores, the centered √v's column splits, butterflies and bfloat16 means."""
+  stores, the centered √v's column splits, butterflies and bfloat16 means, the preconditioner-space
+  rounding, Four over Six's two candidates."""
   from conftest import H200
   options = optim.AdamNvfp4Options(min_size=0, **VARIANTS[name])
   tx = optim.scale_by_adam_nvfp4(options=options, implementation="pallas")

@@ -184,15 +184,16 @@ def map_params(fn, params):
   return jax.tree.map(fn, params, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
-def encode(x, rounding: str, key, lane: int = 0) -> NVFP4Tensor:
+def encode(x, rounding: str, key, lane: int = 0, scale_rule: str = "max") -> NVFP4Tensor:
   """float32 ``x`` -> NVFP4, 1×16 blocks along ``block_axis(x.shape)``; stochastic rounding takes its
-  bits from ``numerics.counter_bits(key, x.shape, lane)``."""
+  bits from ``numerics.counter_bits(key, x.shape, lane)``; ``scale_rule``: ``nvfp4.quantize``'s (Four
+  over Six with nearest rounding)."""
   bits = numerics.counter_bits(key, x.shape, lane) if rounding == "stochastic" else None
   return nvfp4.quantize(x.astype(jnp.float32), block=(1, BLOCK), axis=block_axis(x.shape),
-                        rounding=rounding, bits=bits)
+                        rounding=rounding, bits=bits, scale_rule=scale_rule)
 
 
-def encode_centered(x, rounding: str, key, lane: int = 1) -> CenteredNVFP4Tensor:
+def encode_centered(x, rounding: str, key, lane: int = 1, scale_rule: str = "max") -> CenteredNVFP4Tensor:
   """float32 ``x`` (>= 0) -> ``CenteredNVFP4Tensor``, 1×16 blocks along ``block_axis(x.shape)``: the
   block means removed, the rest rotated (``adam_nvfp4.center_rotate``) and quantized as ``encode``
   quantizes (the same counter bits, by element position)."""
@@ -201,7 +202,7 @@ def encode_centered(x, rounding: str, key, lane: int = 1) -> CenteredNVFP4Tensor
   blocks = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)
   mean, y = adam_kernel.center_rotate([blocks[..., i] for i in range(BLOCK)])
   y = jnp.moveaxis(jnp.stack(y, axis=-1).reshape(xm.shape), -1, ax)
-  t = encode(y, rounding, key, lane)
+  t = encode(y, rounding, key, lane, scale_rule)
   return CenteredNVFP4Tensor(codes=t.codes, scales=t.scales, global_scale=t.global_scale,
                              shape=t.shape, block=t.block, axis=t.axis, dtype=t.dtype,
                              mean=jnp.moveaxis(mean, -1, ax))

@@ -64,7 +64,9 @@ class AdamNvfp4Options:
     min_size: leaves with fewer elements keep float32 moments (the storage rule of
       ``fp4jax.optim.state``).
     mu: the stored first moment m: ``Operand(rounding="stochastic")`` (the default) or
-      ``Operand(rounding="nearest")``; None keeps m float32 on every leaf (only √v in NVFP4:
+      ``Operand(rounding="nearest")``, which may take Four over Six (``scale_rule="4over6_mse"`` or
+      ``"4over6_mae"``: each block's amax maps to 6 or to 4, whichever decodes closer; the global
+      scale from the E4M3 bound 256; ``nvfp4.quantize``); None keeps m float32 on every leaf (only √v in NVFP4:
       4.5 + 32 bits per parameter).
     nu: the stored √v, as ``mu``; None keeps v float32 on every leaf, as optax does (only m in NVFP4).
     clip_update: clip the updates of NVFP4 leaves to ``adam_update_bound``, the guard against
@@ -146,9 +148,6 @@ def _check_moment(name: str, op) -> None:
     raise ValueError(f"{where}.block must be (1, 16) (the storage rule's blocks), got {op.block}")
   if op.terms != 1:
     raise ValueError(f"{where}.terms must be 1 (a moment is stored as one NVFP4 term), got {op.terms}")
-  if op.scale_rule != "max":
-    raise ValueError(f"{where}.scale_rule must be 'max' (the moments' codec scales each block by its "
-                     f"amax), got {op.scale_rule!r}")
 
 
 class ScaleByAdamNvfp4State(NamedTuple):
@@ -261,13 +260,15 @@ def scale_by_adam_nvfp4(
   mu_rounding, nu_rounding = (getattr(op, "rounding", "nearest") for op in (options.mu, options.nu))
   if options.nu_sr_space == "preconditioner":
     nu_rounding = "preconditioner"  # the kernels' name of this rounding
+  mu_rule, nu_rule = (getattr(op, "scale_rule", "max") for op in (options.mu, options.nu))
   stochastic = {"stochastic", "preconditioner"} & {mu_rounding, nu_rounding}
   # The kernels compile Adam's constants in; traced ones (optax.inject_hyperparams under jit) take
   # the XLA path, which gives the same bits.
   constants = [_common.concrete_float(x) for x in (b1, b2, eps, eps_root)]
   hyper = None if None in constants else adam_kernel.AdamHyper(
       *constants, nesterov=nesterov, clip_update=clip_update, mu_rounding=mu_rounding,
-      nu_rounding=nu_rounding, mu_kind=mu_kind, nu_kind=nu_kind)
+      nu_rounding=nu_rounding, mu_kind=mu_kind, nu_kind=nu_kind, mu_scale_rule=mu_rule,
+      nu_scale_rule=nu_rule)
   # numerics.adam_direction reads eps_root only to choose its square root (the stored √v when
   # eps_root is 0); a traced eps_root takes the general one, sqrt(v + eps_root * bc2).
   eps_root_choice = 1.0 if constants[3] is None else constants[3]
@@ -369,13 +370,13 @@ def scale_by_adam_nvfp4(
     u = numerics.adam_direction(m, v, s, g32, numerics.bias_factors(b1, b2, eps_root, count_inc),
                                 b1, eps, eps_root_choice, nesterov, _clip_bound(count_inc))
     if nu_kind == "centered":
-      nu_new = _common.encode_centered(s, nu_rounding, key, lane=1)
+      nu_new = _common.encode_centered(s, nu_rounding, key, lane=1, scale_rule=nu_rule)
     elif nu_rounding == "preconditioner":
       c2 = numerics.bias_factors(b1, b2, eps_root, count_inc)[2]
       nu_new = _common.encode_preconditioned(s, key, c2, eps, zero, lane=1)
     else:
-      nu_new = _common.encode(s, nu_rounding, key, lane=1) if nu_nvfp4 else v
-    mu_new = _common.encode(m, mu_rounding, key, lane=0) if mu_kind != "fp32" else m
+      nu_new = _common.encode(s, nu_rounding, key, lane=1, scale_rule=nu_rule) if nu_nvfp4 else v
+    mu_new = _common.encode(m, mu_rounding, key, lane=0, scale_rule=mu_rule) if mu_kind != "fp32" else m
     return u.astype(g.dtype), mu_new, nu_new
 
   def _clip_bound(count_inc):
