@@ -82,7 +82,9 @@ class Recipe:
       (m and √v stochastically rounded; ``mu.rounding="nearest"`` is an ablation). Storage variants:
       ``nu=None`` (m alone in NVFP4, v float32) or ``mu=None`` (√v alone); ``keep_fp32=("embed",
       "lm_head")`` (those leaves' moments float32); ``nu_transform="mean_hadamard"`` (√v minus its
-      block means, Hadamard-rotated, then NVFP4).
+      block means, Hadamard-rotated, then NVFP4); ``nu_sr_space="preconditioner"`` (√v's stochastic
+      rounding unbiased in 1 / (√v + eps)); ``mu.scale_rule="4over6_mse"`` with ``mu.rounding="nearest"``
+      (Four over Six; the same for ``nu``).
   """
 
   linear: str = "bf16"
