@@ -63,6 +63,7 @@ def _same_bits(a, b):
     np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
 
 
+@pytest.mark.slow
 def test_default_bits_are_unchanged():
   """Two AdamW steps of the default options (and of every new field spelled at its default) give the
   state of the optimizer before these fields existed: its digest, computed then."""
@@ -100,6 +101,7 @@ def test_kernels_equal_the_xla_path(name):
   assert kernel.moment_kind(s_k.mu["w"]) == mu_kind and kernel.moment_kind(s_k.nu["w"]) == nu_kind
 
 
+@pytest.mark.slow
 def test_one_moment_in_float32_is_exact_adams():
   """``nu=None``: the float32 v is optax's (v does not depend on m); ``mu=None``: the float32 m is."""
   g = _grads(0)
@@ -129,6 +131,7 @@ def _model_like():
           "norm": {"scale": jnp.ones((32,))}}
 
 
+@pytest.mark.slow
 def test_keep_fp32_by_path_and_the_optax_wrappers():
   """``keep_fp32=("embed", "lm_head")``: those leaves' moments are float32 with optax.adamw's arithmetic
   (the same up to XLA's fusion of the whole tree); the block's stay NVFP4; optax.masked, MultiSteps
@@ -207,6 +210,7 @@ def test_hadamard_signs_are_key_zeros():
   np.testing.assert_array_equal(signs, np.asarray(kernel.HADAMARD_SIGNS, np.float32))
 
 
+@pytest.mark.slow
 def test_centered_codec():
   """``encode_centered``: the rotated deviations are ``nvfp4.hadamard(x - mean, key(0))``; decoding
   inverts it, is never below ``CENTERED_FLOOR`` times the block mean, and on a heavy-tailed √v has a
