@@ -134,7 +134,12 @@ class Recipe:
       (the P·V branch quantized too), ``ds.format="bf16"``, ``reuse=False`` (the backward on the
       unquantized q, k).
     moments: how NVFP4 moments are stored (``optimizer_states="nvfp4"``): ``AdamNvfp4Options()``
-      (m and √v stochastically rounded; ``mu.rounding="nearest"`` is an ablation).
+      (m and √v stochastically rounded; ``mu.rounding="nearest"`` is an ablation). Storage variants:
+      ``nu=None`` (m alone in NVFP4, v float32) or ``mu=None`` (√v alone); ``keep_fp32=("embed",
+      "lm_head")`` (those leaves' moments float32); ``nu_transform="mean_hadamard"`` (√v minus its
+      block means, Hadamard-rotated, then NVFP4); ``nu_sr_space="preconditioner"`` (√v's stochastic
+      rounding unbiased in 1 / (√v + eps)); ``mu.scale_rule="4over6_mse"`` with ``mu.rounding="nearest"``
+      (Four over Six; the same for ``nu``).
   """
 
   linear: str = "bf16"

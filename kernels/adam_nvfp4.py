@@ -39,8 +39,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fp4jax import numerics, nvfp4
-from fp4jax.kernels._common import (division, div_rn, f8_bytes, key_words, load, max_all, mul_rn,
-                                    pad_pow2, ref_words, sqrt_rn, store)
+from fp4jax.kernels._common import (division, div_rn, f8_bytes, four_over_six_scales, four_over_six_terms,
+                                    key_words, load, max_all, mul_rn, pad_pow2, ref_words, sqrt_rn, store)
+from fp4jax.kernels.nvfp4_quantize import _stack_last, _unstack_last
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
 
 _HALF = BLOCK // 2
@@ -90,7 +91,8 @@ class AdamKernelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AdamHyper:
-  """The static part of one update: Adam's constants and the rounding of each moment."""
+  """The static part of one update: Adam's constants, the rounding of each moment (``"nearest"``,
+  ``"stochastic"``, or for √v ``"preconditioner"``: ``e2m1_preconditioner_codes``) and its kind."""
 
   b1: float
   b2: float
@@ -100,6 +102,31 @@ class AdamHyper:
   clip_update: bool
   mu_rounding: str
   nu_rounding: str
+  mu_kind: str = "nvfp4"
+  nu_kind: str = "nvfp4"
+  mu_scale_rule: str = "max"
+  nu_scale_rule: str = "max"
+
+  def __post_init__(self):
+    for name in ("mu_kind", "nu_kind"):
+      if getattr(self, name) not in KINDS or (name == "mu_kind" and self.mu_kind == "centered"):
+        raise ValueError(f"AdamHyper.{name} must be one of {KINDS} ('centered' for nu only), got "
+                         f"{getattr(self, name)!r}")
+
+
+# How a stored moment is held (``AdamHyper.mu_kind``, ``nu_kind``): NVFP4; float32 (m, or v as optax
+# keeps it); NVFP4 of √v with its block means removed and a Hadamard rotation
+# (``fp4jax.optim.state.CenteredNVFP4Tensor``; √v only).
+KINDS = ("nvfp4", "fp32", "centered")
+# Arrays per stored moment that ``encode`` reads and writes: codes, scales, global scale (, means).
+_N_REFS = {"nvfp4": 3, "fp32": 1, "centered": 4}
+
+
+def moment_kind(t) -> str:
+  """The ``KINDS`` entry of a stored moment."""
+  if not isinstance(t, NVFP4Tensor):
+    return "fp32"
+  return "centered" if hasattr(t, "mean") else "nvfp4"
 
 
 # The scale of ``scaled_second_moment``: v of a gradient up to float32's largest, times 2^-160, is a
@@ -133,10 +160,87 @@ def overflow_root(v, scaled, sqrt):
   return root, overflowed
 
 
+# The centered √v (``nu_kind="centered"``): per 16-element block, the mean of √v rounded to bfloat16
+# is stored apart and subtracted, the rest rotated by ``fp4jax.nvfp4.hadamard`` (key 0) and stored in
+# NVFP4; a decoded √v is floored at ``CENTERED_FLOOR`` times its block's mean.
+CENTERED_FLOOR = 2.0**-4
+# The signs s of nvfp4.hadamard_matrix(jax.random.key(0)) = diag(s)·H16/4, as constants of the kernels
+# and of the XLA path (tests/test_optim_moments.py checks them against the matrix).
+HADAMARD_SIGNS = (-1.0, -1.0, 1.0, 1.0, -1.0, 1.0, 1.0, -1.0, -1.0, 1.0, -1.0, 1.0, -1.0, -1.0, -1.0, -1.0)
+
+
+def center_rotate(s: list) -> tuple[jax.Array, list]:
+  """One block's √v (16 equally shaped float32 arrays, element i of each block in ``s[i]``) ->
+  (the block mean in bfloat16, the 16 rotated deviations ``nvfp4.hadamard(s - mean)``).
+
+  The sum runs in element order and is multiplied by the exact 1/16; the bfloat16 mean is what is
+  subtracted, so its rounding costs nothing on decoding. The rotation is ``nvfp4.hadamard``'s butterfly
+  (products by the signs, additions in its fixed order, the exact ×1/4), each result's subnormals
+  flushed (as the quantizer flushes its input): the same bits in the kernels and the XLA path.
+  """
+  ftz = numerics.flush_subnormals
+  s = [ftz(x) for x in s]
+  mean = (functools.reduce(jnp.add, s) * jnp.float32(1.0 / BLOCK)).astype(jnp.bfloat16)
+  m32 = mean.astype(jnp.float32)
+  signs = HADAMARD_SIGNS
+  y = numerics.hadamard16_butterfly([ftz(x - m32) * jnp.float32(signs[i]) for i, x in enumerate(s)])
+  return mean, [ftz(x * jnp.float32(0.25)) for x in y]
+
+
+def uncenter(y: list, mean) -> list:
+  """The inverse of ``center_rotate``: 16 decoded rotated deviations and the bfloat16 block mean ->
+  √v, floored at ``CENTERED_FLOOR · mean`` (never below 0, never far below the block's level: a
+  reconstruction error cannot leave an entry at 0 or negative, which Adam would divide by)."""
+  ftz = numerics.flush_subnormals
+  m32 = mean.astype(jnp.float32)
+  signs = HADAMARD_SIGNS
+  d = [ftz(x * jnp.float32(signs[i]) * jnp.float32(0.25))
+       for i, x in enumerate(numerics.hadamard16_butterfly(list(y)))]
+  floor = m32 * jnp.float32(CENTERED_FLOOR)
+  return [jnp.maximum(ftz(m32 + x), floor) for x in d]
+
+
+def e2m1_preconditioner_codes(x32, escale, dscale, s_dec, zero_block, bits, c2, eps, mul):
+  """E2M1 codes of √v (``x32 >= 0``) by stochastic rounding in Adam's preconditioner space.
+
+  Between the grid neighbours ``lo <= a <= hi`` of ``a = min(x32 · escale, 6)``, ``hi`` is chosen with
+  probability ``P = (h(lo) - h(a)) / (h(lo) - h(hi))`` for ``h(q) = 1 / (q · k + eps)``, ``k = dscale ·
+  S_dec · c2`` (the decoded √v per E2M1 unit times the update's ``1 / sqrt(bc2)``): the expected
+  ``1 / (√v + eps)`` of the stored value is the exact one, where value-space rounding makes the
+  expected √v exact. ``P = (a - lo) / (hi - lo) · (hi · k + eps) / (a · k + eps)``, at least the
+  value-space probability; ``lo = 0`` is then chosen with probability about ``eps / (a · k)``. Decided
+  without a division: ``u · (hi - lo) · (a · k + eps) < (a - lo) · (hi · k + eps)``, ``u`` the 8-bit
+  uniform of ``numerics.lane_bits`` (``(byte + 1/2) / 256``), ``mul`` the rounded products (no FMA).
+
+  Returns:
+    int32 codes 0..7 (0 where ``zero_block``).
+  """
+  a = jnp.minimum(jnp.abs(x32 * escale), numerics.E2M1_MAX)
+  lo = numerics.e2m1_stochastic_code(a, jnp.zeros_like(bits))  # no random bits: rounded down
+  hi = jnp.minimum(lo + 1, 7)
+  lo_v, hi_v = numerics.decode_e2m1(lo), numerics.decode_e2m1(hi)
+  k = (dscale * s_dec) * c2
+  u = (bits >> 8).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)
+  up = (u * (hi_v - lo_v)) * (mul(a, k) + eps) < (a - lo_v) * (mul(hi_v, k) + eps)
+  return jnp.where(zero_block, 0, jnp.where(up, hi, lo))
+
+
 def supports(mu) -> bool:
   """Whether a stored moment can take the kernels: NVFP4, 1×16 blocks along the last axis."""
   return (isinstance(mu, NVFP4Tensor) and mu.block == (1, BLOCK) and mu.axis == len(mu.shape) - 1
           and mu.size < 2**31)
+
+
+def supports_leaf(mu, nu) -> bool:
+  """Whether a leaf's two stored moments can take the kernels: each ``supports``, or one of them a
+  float32 array of the other's shape."""
+  ok = [supports(t) for t in (mu, nu)]
+  if all(ok):
+    return True
+  if not any(ok):
+    return False
+  q, f = (mu, nu) if ok[0] else (nu, mu)
+  return not isinstance(f, NVFP4Tensor) and f.dtype == jnp.float32 and tuple(f.shape) == q.shape
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,64 +276,112 @@ def _halves(ref, ok2, ok3, split, evict=None):
   return [load(ref.at[:, :, jnp.int32(h)], ok2, evict) for h in range(2)]
 
 
-def _moments(hp, zero, f_ref, leaf, gs, mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret,
-             evict=None):
-  """Per half h of the gradient's halves ``gs``: (g, m, v, the scaled v) in float32, (rows, 8) each
-  (``numerics.adam_moments``, ``scaled_second_moment``)."""
+def _columns(halves) -> list:
+  """The 16 elements of each block row as 16 (rows,) arrays, from its two (rows, 8) halves."""
+  even, odd = (_unstack_last(h) for h in halves)
+  return [x for pair in zip(even, odd) for x in pair]
+
+
+def _from_columns(cols) -> list:
+  """The inverse of ``_columns``."""
+  return [_stack_last(cols[h::2]) for h in range(2)]
+
+
+def _decoded(kind, refs, gscale, ok, split, evict):
+  """A stored moment as two (rows, 8) float32 halves (``refs``: its codes, scales (, means), or its
+  float32 array); NVFP4 decoded with ``NVFP4Tensor.dequantize``'s products, in its order."""
+  ok1, ok2, ok3 = ok
+  if kind == "fp32":
+    return _halves(refs[0], ok2, ok3, split, evict)
   # Codes widened once: 32-bit integer arithmetic from here (bytes cost the GPU byte permutes).
-  mcode, vcode = (load(r, ok2, evict).astype(jnp.int32) for r in (mc_ref, vc_ref))
-  mscale = numerics.e4m3_to_f32(f8_bytes(load(ms_ref, ok1, evict)))[:, None]
-  vscale = numerics.e4m3_to_f32(f8_bytes(load(vs_ref, ok1, evict)))[:, None]
-  mg, vg = f_ref[_F32_HEAD + 2 * leaf], f_ref[_F32_HEAD + 2 * leaf + 1]
-  out = []
-  for h, g in enumerate(gs):
-    shift = 4 * h
-    g = g.astype(jnp.float32)
-    # NVFP4Tensor.dequantize's products, in its order.
-    m_old = (numerics.decode_e2m1((mcode >> shift) & 0xF) * mscale) * mg
-    s_old = (numerics.decode_e2m1((vcode >> shift) & 0xF) * vscale) * vg
-    v_old = s_old * s_old  # v from the stored √v
-    m, v = numerics.adam_moments(m_old, v_old, g, hp.b1, hp.b2, zero, mul_rn(interpret))
-    out.append((g, m, v, scaled_second_moment(s_old, g, hp.b2, zero, mul_rn(interpret))))
+  code = load(refs[0], ok2, evict).astype(jnp.int32)
+  scale = numerics.e4m3_to_f32(f8_bytes(load(refs[1], ok1, evict)))[:, None]
+  out = [(numerics.decode_e2m1((code >> 4 * h) & 0xF) * scale) * gscale for h in range(2)]
+  if kind == "centered":
+    out = _from_columns(uncenter(_columns(out), load(refs[2], ok1, evict)))
   return out
+
+
+def _moments(hp, zero, f_ref, leaf, gs, m_refs, v_refs, ok, interpret, evict=None, split=False):
+  """Per half h of the gradient's halves ``gs``: (g, m, v, the scaled v) in float32, (rows, 8) each
+  (``numerics.adam_moments``, ``scaled_second_moment``; the scaled v None for a float32 v)."""
+  mg, vg = f_ref[_F32_HEAD + 2 * leaf], f_ref[_F32_HEAD + 2 * leaf + 1]
+  m_olds = _decoded(hp.mu_kind, m_refs, mg, ok, split, evict)
+  v_stored = _decoded(hp.nu_kind, v_refs, vg, ok, split, evict)
+  out = []
+  for g, m_old, stored in zip(gs, m_olds, v_stored):
+    g = g.astype(jnp.float32)
+    v_old = stored if hp.nu_kind == "fp32" else stored * stored  # v from the stored √v
+    m, v = numerics.adam_moments(m_old, v_old, g, hp.b1, hp.b2, zero, mul_rn(interpret))
+    scaled = None if hp.nu_kind == "fp32" else scaled_second_moment(stored, g, hp.b2, zero,
+                                                                     mul_rn(interpret))
+    out.append((g, m, v, scaled))
+  return out
+
+
+def _split_refs(refs, kinds, per_kind):
+  """A leaf's moment refs, in order, cut into one list per moment of ``kinds``."""
+  out, k = [], 0
+  for kind in kinds:
+    out.append(refs[k:k + per_kind[kind]])
+    k += per_kind[kind]
+  return out
+
+
+_STATS_REFS = {"nvfp4": 2, "fp32": 1, "centered": 3}  # a moment's refs in ``stats``: no global scale
 
 
 def _stats_kernel(i_ref, f_ref, a_in, *refs, hp: AdamHyper, nb: int, n_prog: int,
                   leaves: tuple[int, ...], slots: int, interpret: bool):
   del a_in  # the same buffer as a_ref (aliased)
   *per_leaf, a_ref = refs
+  n = 1 + _STATS_REFS[hp.mu_kind] + _STATS_REFS[hp.nu_kind]
   _each_leaf(n_prog, len(leaves), lambda j, pid: _stats_leaf(
-      i_ref, f_ref, *per_leaf[5 * j:5 * j + 5], a_ref, hp=hp, nb=nb, leaf=leaves[j], pid=pid,
-      slots=slots, interpret=interpret))
+      i_ref, f_ref, per_leaf[n * j], per_leaf[n * j + 1:n * j + n], a_ref, hp=hp, nb=nb,
+      leaf=leaves[j], pid=pid, slots=slots, interpret=interpret))
 
 
-def _stats_leaf(i_ref, f_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, a_ref, *, hp: AdamHyper,
-                nb: int, leaf: int, pid, slots: int, interpret: bool):
+def _inf_nan(x):
+  """``|x|`` with NaN counted as inf (the encoder's amax: XLA's CPU max does not propagate NaN)."""
+  return jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x))
+
+
+def _stats_leaf(i_ref, f_ref, g_ref, moment_refs, a_ref, *, hp: AdamHyper, nb: int, leaf: int, pid,
+                slots: int, interpret: bool):
   br = g_ref.shape[0]
-  ok1, ok2, ok3 = (_rows_ok(nb, br, s, pid) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
-  abs_m, abs_v, abs_scaled = [], [], []
-  for _, m, v, scaled in _moments(hp, i_ref[0], f_ref, leaf, _halves(g_ref, ok2, ok3, split=True),
-                                  mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret):
+  ok = tuple(_rows_ok(nb, br, s, pid) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
+  m_refs, v_refs = _split_refs(moment_refs, (hp.mu_kind, hp.nu_kind), _STATS_REFS)
+  halves = _moments(hp, i_ref[0], f_ref, leaf, _halves(g_ref, ok[1], ok[2], split=True), m_refs,
+                    v_refs, ok, interpret, split=True)
+  amaxes = {}
+  if hp.mu_kind != "fp32":
     # The encoder's amax (nvfp4.quantize): subnormals flushed, NaN counted as inf. Rows past the end
-    # loaded as zeros, which leave the max alone.
-    am = numerics.flush_subnormals(m)
-    abs_m.append(jnp.where(jnp.isnan(am), jnp.inf, jnp.abs(am)))
-    overflowed = (v == jnp.inf) & (scaled < jnp.inf)  # overflow_root's root: from `scaled`
-    abs_v.append(jnp.where(jnp.isnan(v), jnp.inf, jnp.where(overflowed, 0.0, jnp.abs(v))))
-    abs_scaled.append(jnp.where(overflowed, scaled, 0.0))
-  # The halves maxed elementwise first: one cross-warp reduction (shared memory and barriers) per
-  # moment and program.
-  amax_m = max_all(jnp.maximum(*abs_m))  # one axis at a time: a full reduction fails to lower
-  amax_v = max_all(jnp.maximum(*abs_v))
-  amax_scaled = max_all(jnp.maximum(*abs_scaled))
-  # max(sqrt_rn(v)) = sqrt_rn(max(v)): sqrt_rn is monotone, and its results are never subnormal;
-  # the same for the overflowed entries' roots, sqrt_rn(scaled) * 2^80.
-  root = lambda x: sqrt_rn(jnp.full((1,), x, jnp.float32), interpret)
-  amax_s = jnp.maximum(root(amax_v), root(amax_scaled) * jnp.float32(2.0**_V_SCALE_LOG2))
+    # loaded as zeros, which leave the max alone. The halves maxed elementwise first: one cross-warp
+    # reduction (shared memory and barriers) per moment and program.
+    abs_m = [_inf_nan(numerics.flush_subnormals(m)) for _, m, _, _ in halves]
+    amaxes[0] = max_all(jnp.maximum(*abs_m))  # one axis at a time: a full reduction fails to lower
+  if hp.nu_kind == "nvfp4":
+    abs_v, abs_scaled = [], []
+    for _, _, v, scaled in halves:
+      overflowed = (v == jnp.inf) & (scaled < jnp.inf)  # overflow_root's root: from `scaled`
+      abs_v.append(jnp.where(jnp.isnan(v), jnp.inf, jnp.where(overflowed, 0.0, jnp.abs(v))))
+      abs_scaled.append(jnp.where(overflowed, scaled, 0.0))
+    amax_v = max_all(jnp.maximum(*abs_v))
+    amax_scaled = max_all(jnp.maximum(*abs_scaled))
+    # max(sqrt_rn(v)) = sqrt_rn(max(v)): sqrt_rn is monotone, and its results are never subnormal;
+    # the same for the overflowed entries' roots, sqrt_rn(scaled) * 2^80.
+    root = lambda x: sqrt_rn(jnp.full((1,), x, jnp.float32), interpret)
+    amaxes[1] = jnp.max(jnp.maximum(root(amax_v),
+                                    root(amax_scaled) * jnp.float32(2.0**_V_SCALE_LOG2)))
+  elif hp.nu_kind == "centered":
+    # The stored values are the rotated deviations: each element's root, then center_rotate.
+    roots = [overflow_root(v, scaled, lambda x: sqrt_rn(x, interpret))[0] for _, _, v, scaled in halves]
+    ys = _from_columns(center_rotate(_columns(roots))[1])
+    amaxes[1] = max_all(jnp.maximum(*(_inf_nan(y) for y in ys)))
   # Into the leaf's two entries of the amax buffer: the int32 max of the bit patterns is the
   # float max for values >= 0 (+inf included), and the buffer starts at 0.
   # Scalar values: for a (1,)-shaped int32 value the atomic's Triton lowering takes its float path.
-  for j, amax in enumerate((amax_m, jnp.max(amax_s))):
+  for j, amax in amaxes.items():
     plgpu.atomic_max(a_ref, _slot(2 * leaf + j, pid, slots), lax.bitcast_convert_type(amax, jnp.int32))
 
 
@@ -247,11 +399,15 @@ def _slot_max(buf, n, slots):
   return jnp.max(buf[:n * slots].reshape(n, slots), axis=1)
 
 
-def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret):
+def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret, precond=None, four_six=None):
   """NVFP4 codes of one moment given as its two (rows, 8) halves: ``nvfp4.quantize``'s steps with the
   tensor's ``S_enc / 6`` (``mconst``) and ``S_dec`` known; ``bits``: each half's rounding bits (or
-  None for nearest rounding). Returns (packed, scale codes)."""
+  None for nearest rounding); ``precond``: ``(c2, eps, mul)`` of ``e2m1_preconditioner_codes`` for
+  ``rounding="preconditioner"``; ``four_six``: ``(scale_rule, S_enc, zero)`` for Four over Six
+  (``_four_over_six_halves``). Returns (packed, scale codes)."""
   xs = [numerics.flush_subnormals(x) for x in xs]
+  if four_six is not None:
+    return _four_over_six_halves(xs, s_dec, finite, *four_six, interpret)
   # No NaN test (quantize maps NaN to inf here): a NaN makes the tensor non-finite, and then every
   # block is zeroed below whatever its max.
   block_amax = jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=1), jnp.max(jnp.abs(xs[1]), axis=1))
@@ -261,42 +417,81 @@ def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret):
   escale = jnp.minimum(div_rn(1.0, numerics.e4m3_to_f32(dcode) * s_dec, division(interpret)),
                        numerics.F32_MAX)[:, None]
   zero_block = ((dscale == 0) | ~finite)[:, None]
-  codes = [numerics.e2m1_codes(x, escale, zero_block, rounding, b, jnp.int32)
-           for x, b in zip(xs, bits or (None, None))]
+  if rounding == "preconditioner":
+    codes = [e2m1_preconditioner_codes(x, escale, dscale[:, None], s_dec, zero_block, b, *precond)
+             for x, b in zip(xs, bits)]
+  else:
+    codes = [numerics.e2m1_codes(x, escale, zero_block, rounding, b, jnp.int32)
+             for x, b in zip(xs, bits or (None, None))]
   return (codes[0] | (codes[1] << 4)).astype(jnp.uint8), dcode
+
+
+def _four_over_six_halves(xs, s_dec, finite, scale_rule, s_enc, zero, interpret):
+  """``nvfp4.quantize(scale_rule=...)`` on a moment's two (rows, 8) halves (nearest rounding; ``S_enc``,
+  ``S_dec`` the tensor's under the E4M3 bound 256): both candidate scales per block, each one's codes
+  and error terms summed in element order (``nvfp4._block_error``), amax to 4 where its error is
+  strictly lower. Returns (packed, scale codes)."""
+  block_amax = jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=1), jnp.max(jnp.abs(xs[1]), axis=1))
+  mul = mul_rn(interpret) or (lambda a, b: numerics.rounded(a * b, zero))
+  ftz = numerics.flush_subnormals
+  scaled = [ftz(mul(x, s_enc)) for x in xs]
+  cands = []
+  for dscale, dcode, escale, zero_block in four_over_six_scales(block_amax, s_enc, s_dec, finite,
+                                                                interpret):
+    codes = [numerics.e2m1_codes(x, escale[:, None], zero_block[:, None], "nearest", None, jnp.int32)
+             for x in xs]
+    terms = [four_over_six_terms(c, dscale[:, None], sx, scale_rule, mul) for c, sx in zip(codes, scaled)]
+    err = functools.reduce(jnp.add, _columns(terms))
+    cands.append((dcode, codes, err))
+  (b4, c4, e4), (b6, c6, e6) = cands
+  map4 = e4 < e6
+  codes = [jnp.where(map4[:, None], a, b) for a, b in zip(c4, c6)]
+  return (codes[0] | (codes[1] << 4)).astype(jnp.uint8), jnp.where(map4, b4, b6)
 
 
 def _encode_kernel(i_ref, f_ref, t_ref, *refs, hp: AdamHyper, nb: int, n_prog: int,
                    leaves: tuple[int, ...], evict_hints: bool, interpret: bool):
-  n = len(leaves)
-  ins, outs = refs[:7 * n], refs[7 * n:]
+  n, k = len(leaves), 1 + _N_REFS[hp.mu_kind] + _N_REFS[hp.nu_kind]
+  ins, outs = refs[:k * n], refs[k * n:]
   _each_leaf(n_prog, n, lambda j, pid: _encode_leaf(
-      i_ref, f_ref, t_ref, *ins[7 * j:7 * j + 7], *outs[7 * j:7 * j + 7], hp=hp, nb=nb,
+      i_ref, f_ref, t_ref, ins[k * j:k * j + k], outs[k * j:k * j + k], hp=hp, nb=nb,
       leaf=leaves[j], pid=pid, evict_hints=evict_hints, interpret=interpret))
 
 
-def _encode_leaf(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, vs_ref, vg_ref,
-                 u_out, mc_out, ms_out, mg_out, vc_out, vs_out, vg_out, *, hp: AdamHyper, nb: int,
-                 leaf: int, pid, evict_hints: bool, interpret: bool):
+def _read_refs(kind, refs):
+  """A moment's ``encode`` refs without its global scale (read from the float table instead)."""
+  return refs if kind == "fp32" else refs[:2] + refs[3:]
+
+
+def _encode_leaf(i_ref, f_ref, t_ref, ins, outs, *, hp: AdamHyper, nb: int, leaf: int, pid,
+                 evict_hints: bool, interpret: bool):
+  g_ref, u_out = ins[0], outs[0]
+  kinds = (hp.mu_kind, hp.nu_kind)
+  in_refs = _split_refs(ins[1:], kinds, _N_REFS)
+  out_refs = _split_refs(outs[1:], kinds, _N_REFS)
   br = g_ref.shape[0]
-  ok1, ok2 = (_rows_ok(nb, br, s, pid) for s in ((br,), (br, _HALF)))
+  ok = tuple(_rows_ok(nb, br, s, pid) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
   zero = i_ref[0]
   factors, bound = tuple(f_ref[k] for k in range(4)), f_ref[4]
-  del mg_ref, vg_ref  # the old global scales' buffers, aliased to mg_out and vg_out; read from f_ref
+  # The old global scales' buffers are aliased to the outputs; their values come from f_ref.
   # The inputs are read for the last time, the update is read next (by XLA's apply).
   evict_in, evict_u = ("evict_first", "evict_last") if evict_hints else (None, None)
-  halves = _moments(hp, zero, f_ref, leaf, _halves(g_ref, ok2, None, split=False, evict=evict_in),
-                    mc_ref, ms_ref, vc_ref, vs_ref, ok1, ok2, interpret, evict_in)
+  halves = _moments(hp, zero, f_ref, leaf, _halves(g_ref, ok[1], None, split=False, evict=evict_in),
+                    *(_read_refs(kind, r) for kind, r in zip(kinds, in_refs)), ok, interpret,
+                    evict_in)
   # √v: stored, and the update's root
-  roots = [overflow_root(v, scaled, lambda x: sqrt_rn(x, interpret))[0]
-           for _, _, v, scaled in halves]
+  if hp.nu_kind == "fp32":
+    roots = [sqrt_rn(v, interpret) for _, _, v, _ in halves]
+  else:
+    roots = [overflow_root(v, scaled, lambda x: sqrt_rn(x, interpret))[0]
+             for _, _, v, scaled in halves]
   us = [numerics.adam_direction(m, v, s, g, factors, hp.b1, hp.eps, hp.eps_root, hp.nesterov,
                                bound if hp.clip_update else None).astype(u_out.dtype)
         for (g, m, v, _), s in zip(halves, roots)]
   for h, u in enumerate(us):
-    store(u_out.at[:, :, jnp.int32(h)], u, ok2, evict_u)
+    store(u_out.at[:, :, jnp.int32(h)], u, ok[1], evict_u)
   pair_hash = None
-  if "stochastic" in (hp.mu_rounding, hp.nu_rounding):
+  if {"stochastic", "preconditioner"} & {hp.mu_rounding, hp.nu_rounding}:
     # numerics.counter_bits: one hash per (block row, column), i.e. per pair of neighbouring
     # elements, whose four bytes round m's and √v's even and odd elements.
     row0 = (pid * br).astype(jnp.uint32)
@@ -304,18 +499,30 @@ def _encode_leaf(i_ref, f_ref, t_ref, g_ref, mc_ref, ms_ref, mg_ref, vc_ref, vs_
              + lax.broadcasted_iota(jnp.uint32, (br, _HALF), 1))
     k = _INT_HEAD + 2 * leaf
     pair_hash = numerics.counter_hash(pairs, *ref_words(i_ref, k))
-  outs = ((mc_out, ms_out, mg_out), (vc_out, vs_out, vg_out))
-  for j, (rounding, (c_out, s_out, g_out)) in enumerate(
-      zip((hp.mu_rounding, hp.nu_rounding), outs)):
-    t = 4 * (2 * leaf + j)  # [S_enc / 6, S_dec, finite, pad] of this moment
+  values = ([m for _, m, _, _ in halves],
+            [v for _, _, v, _ in halves] if hp.nu_kind == "fp32" else roots)
+  for j, (kind, rounding, xs, refs) in enumerate(
+      zip(kinds, (hp.mu_rounding, hp.nu_rounding), values, out_refs)):
+    if kind == "fp32":
+      for h, x in enumerate(xs):
+        store(refs[0].at[:, :, jnp.int32(h)], x, ok[1])
+      continue
+    c_out, s_out, g_out = refs[:3]
+    if kind == "centered":
+      mean, ys = center_rotate(_columns(xs))
+      xs = _from_columns(ys)
+      store(refs[3], mean, ok[0])
+    t = 4 * (2 * leaf + j)  # [S_enc / 6, S_dec, finite, S_enc] of this moment
     mconst, s_dec, finite = t_ref[t], t_ref[t + 1], t_ref[t + 2] > 0
     bits = None
-    if rounding == "stochastic":
+    if rounding in ("stochastic", "preconditioner"):
       bits = [numerics.lane_bits(pair_hash, 2 * j + h) for h in range(2)]
-    xs = [m for _, m, _, _ in halves] if j == 0 else roots
-    packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret)
-    store(c_out, packed, ok2)
-    store(s_out, lax.bitcast_convert_type(dcode, jnp.float8_e4m3fn), ok1)
+    precond = (factors[2], hp.eps, mul_rn(interpret) or (lambda a, b: numerics.rounded(a * b, zero)))
+    rule = (hp.mu_scale_rule, hp.nu_scale_rule)[j]
+    four_six = None if rule == "max" else (rule, t_ref[t + 3], zero)
+    packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret, precond, four_six)
+    store(c_out, packed, ok[1])
+    store(s_out, lax.bitcast_convert_type(dcode, jnp.float8_e4m3fn), ok[0])
     g_out[...] = jnp.full((1,), s_dec, jnp.float32)  # every program writes the same value
 
 
@@ -331,17 +538,19 @@ def _leaf_key_words(key, leaf_ids):
 
 def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, bound, zero,
                   *, block_sizes: AdamKernelConfig = AdamKernelConfig(), interpret: bool = False):
-  """The kernels' AdamW update of NVFP4 leaves (``supports(mu)`` true for each).
+  """The kernels' AdamW update of NVFP4 leaves (``supports_leaf`` true for each, its moments of the
+  kinds ``hp.mu_kind`` and ``hp.nu_kind``).
 
   Reference: the XLA path of ``fp4jax.optim.scale_by_adam_nvfp4`` (``implementation="xla"``), built on
   ``numerics.adam_moments`` and ``numerics.adam_direction``: the same state bits.
 
   Args:
     grads: gradient leaves (float32 or bfloat16).
-    mus, nus: their stored m and √v (``NVFP4Tensor``, 1×16 blocks along the last axis).
+    mus, nus: their stored m and √v (``NVFP4Tensor``, 1×16 blocks along the last axis; a float32 m,
+      a float32 v, or a ``CenteredNVFP4Tensor`` √v where ``hp`` says so).
     leaf_ids: each leaf's index in the tree, which keys its rounding bits as in the XLA path.
     key: the step's key, or None for nearest rounding of both moments.
-    hp: constants and roundings.
+    hp: constants, roundings and kinds.
     bias_factors: ``numerics.bias_factors`` of the step (``numerics.adam_direction``).
     bound: the update clip bound (float32 scalar), or None (``hp.clip_update`` False).
     zero: ``numerics.runtime_zero`` of the step count (``numerics.adam_moments``).
@@ -353,6 +562,10 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
   """
   if not isinstance(block_sizes, AdamKernelConfig):
     raise ValueError(f"block_sizes must be an AdamKernelConfig, got {type(block_sizes).__name__}")
+  for t, kind in [(t, hp.mu_kind) for t in mus] + [(t, hp.nu_kind) for t in nus]:
+    if moment_kind(t) != kind:
+      raise ValueError(f"update_leaves: a stored moment of kind {moment_kind(t)!r} where AdamHyper "
+                       f"says {kind!r}")
   config = block_sizes
   if not grads:
     return [], [], []
@@ -362,32 +575,35 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
   ints = pad_pow2(jnp.concatenate(ints))
   floats = jnp.stack([*bias_factors, jnp.float32(0) if bound is None else bound]
                      ).astype(jnp.float32)
-  old_scales = jnp.stack([t.global_scale.astype(jnp.float32) for pair in zip(mus, nus)
-                          for t in pair])
+  old_scales = jnp.stack([t.global_scale.astype(jnp.float32) if isinstance(t, NVFP4Tensor)
+                          else jnp.float32(1.0) for pair in zip(mus, nus) for t in pair])
   floats = pad_pow2(jnp.concatenate([floats, jnp.zeros((_F32_HEAD - 5,), jnp.float32),
                                       old_scales]))
 
   amax = _amaxes(grads, mus, nus, hp, ints, floats, config, interpret)
   # S_enc and S_dec of all leaves at once, as nvfp4.quantize computes them.
   finite = amax <= numerics.F32_MAX
-  s_enc, s_dec = nvfp4.global_decode_scale(jnp.where(finite, amax, 0.0))
+  bounds = [numerics.E4M3_MAX if r == "max" else nvfp4.E4M3_MAX_4OVER6
+            for r in (hp.mu_scale_rule, hp.nu_scale_rule)]
+  s_enc, s_dec = (jnp.stack(x, axis=-1) for x in zip(*(
+      nvfp4.global_decode_scale(jnp.where(finite[:, j], amax[:, j], 0.0), bounds[j]) for j in range(2))))
   s_dec = jnp.where(finite, s_dec, jnp.nan)
-  table = jnp.stack([s_enc * jnp.float32(numerics.INV6), s_dec, finite.astype(jnp.float32),
-                     jnp.zeros_like(s_enc)], axis=-1)  # (L, 2, 4)
+  # [S_enc / 6, S_dec, finite, S_enc] per leaf and moment (S_enc itself for Four over Six)
+  table = jnp.stack([s_enc * jnp.float32(numerics.INV6), s_dec, finite.astype(jnp.float32), s_enc],
+                    axis=-1)  # (L, 2, 4)
   table = pad_pow2(table)
 
   us, mus_new, nus_new = [None] * len(grads), [None] * len(grads), [None] * len(grads)
+  k = 1 + _N_REFS[hp.mu_kind] + _N_REFS[hp.nu_kind]
   for group, nb, br, n_prog, shared in _launches(grads, config.block_rows, config.launch_group):
-    codes, scales = (jax.ShapeDtypeStruct((nb, _HALF), jnp.uint8),
-                     jax.ShapeDtypeStruct((nb,), jnp.float8_e4m3fn))
-    one = jax.ShapeDtypeStruct((1,), jnp.float32)
     operands, in_specs, out_specs, out_shape = [], [], [], []
     for j, i in enumerate(group):
       _, g2, state = _views(grads[i], mus[i], nus[i])
       operands += [g2, *state]
       in_specs += [_spec_of(x, br, j, shared) for x in (g2, *state)]
-      out_specs += [_spec_of(x, br, j, shared) for x in (g2, *(codes, scales, one) * 2)]
-      out_shape += [jax.ShapeDtypeStruct(g2.shape, grads[i].dtype)] + [codes, scales, one] * 2
+      out_specs += [_spec_of(x, br, j, shared) for x in (g2, *state)]
+      out_shape += [jax.ShapeDtypeStruct(g2.shape, grads[i].dtype)]
+      out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
     outs = pl.pallas_call(
         functools.partial(_encode_kernel, hp=hp, nb=nb, n_prog=n_prog, leaves=tuple(group),
                           evict_hints=config.evict_hints, interpret=interpret),
@@ -397,16 +613,17 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
         # The new state overwrites the old in place (each program reads its own blocks before
         # writing them; the old global scales come from `floats`), so a jit that donates the state
         # copies nothing.
-        input_output_aliases={3 + 7 * j + 1 + k: 7 * j + 1 + k
-                              for j in range(len(group)) for k in range(6)},
+        input_output_aliases={3 + k * j + 1 + r: k * j + 1 + r
+                              for j in range(len(group)) for r in range(k - 1)},
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps), interpret=interpret,
         name="adam_nvfp4_encode",
     )(ints, floats, table, *operands)
     for j, i in enumerate(group):
-      u2, mc, ms, mg, vc, vs, vg = outs[7 * j:7 * j + 7]
-      us[i] = u2.reshape(grads[i].shape)
-      mus_new[i] = _rebuild(mus[i], mc, ms, mg)
-      nus_new[i] = _rebuild(nus[i], vc, vs, vg)
+      leaf_outs = outs[k * j:k * j + k]
+      us[i] = leaf_outs[0].reshape(grads[i].shape)
+      m_outs, v_outs = _split_refs(leaf_outs[1:], (hp.mu_kind, hp.nu_kind), _N_REFS)
+      mus_new[i] = _rebuild(mus[i], m_outs)
+      nus_new[i] = _rebuild(nus[i], v_outs)
   return us, mus_new, nus_new
 
 
@@ -428,23 +645,27 @@ def _launches(grads, max_rows, launch_group):
 
 
 def _amaxes(grads, mus, nus, hp, ints, floats, config, interpret):
-  """(L, 2) float32: each leaf's amax of the new m and √v, from the ``stats`` kernels."""
+  """(L, 2) float32: each leaf's amax of the new stored m and √v (0 for a float32 moment), from the
+  ``stats`` kernels."""
   # As float32 bit patterns, maxed in by the stats programs. One buffer for all leaves: the stats
   # kernels run one after the other.
   slots = config.atomic_slots
   amax_bits = jnp.zeros((pl.next_power_of_2(2 * len(grads) * slots),), jnp.int32)
+  kinds = (hp.mu_kind, hp.nu_kind)
+  n = 1 + _STATS_REFS[hp.mu_kind] + _STATS_REFS[hp.nu_kind]
   for group, nb, br, n_prog, shared in _launches(grads, config.stats_block_rows,
                                                  config.launch_group):
     operands = []
     for i in group:
       _, g2, state = _views(grads[i], mus[i], nus[i])
-      operands += [g2, *(x for k, x in enumerate(state) if k % 3 != 2)]
+      operands += [g2, *(x for kind, refs in zip(kinds, _split_refs(state, kinds, _N_REFS))
+                         for x in _read_refs(kind, refs))]
     amax_bits = pl.pallas_call(
         functools.partial(_stats_kernel, hp=hp, nb=nb, n_prog=n_prog, leaves=tuple(group),
                           slots=slots, interpret=interpret),
         grid=(n_prog * len(group),),
         in_specs=[_whole(ints), _whole(floats), _whole(amax_bits)]
-        + [_spec_of(x, br, k // 5, shared) for k, x in enumerate(operands)],
+        + [_spec_of(x, br, k // n, shared) for k, x in enumerate(operands)],
         out_specs=_whole(amax_bits),
         out_shape=jax.ShapeDtypeStruct(amax_bits.shape, jnp.int32),
         input_output_aliases={2: 0},
@@ -478,17 +699,26 @@ def _spec_of(x, br, j=0, n_prog=None):
 
 def _views(g, mu, nu):
   """A leaf as the kernels see it: blocks ``nb``, the gradient (nb, 8, 2), and per moment its codes
-  (nb, 8), scales (nb,) and global scale (1,)."""
+  (nb, 8), scales (nb,), global scale (1,) and, centered, means (nb,); or its float32 array
+  (nb, 8, 2)."""
   nb = g.size // BLOCK
   state = []
   for t in (mu, nu):
+    if not isinstance(t, NVFP4Tensor):
+      state.append(t.reshape(nb, _HALF, 2))
+      continue
     state += [t.codes.reshape(nb, _HALF), t.scales.reshape(nb), t.global_scale.reshape(1)]
+    if moment_kind(t) == "centered":
+      state.append(t.mean.reshape(nb))
   return nb, g.reshape(nb, _HALF, 2), state
 
 
-def _rebuild(t: NVFP4Tensor, codes, scales, global_scale) -> NVFP4Tensor:
-  return NVFP4Tensor(codes=codes.reshape(t.codes.shape),
-                     scales=scales.reshape(t.scales.shape),
-                     global_scale=global_scale.reshape(()), shape=t.shape, block=t.block,
-                     axis=t.axis, dtype=t.dtype)
-
+def _rebuild(t, outs):
+  """The new stored moment of the same kind as ``t`` from the kernel's outputs."""
+  if not isinstance(t, NVFP4Tensor):
+    return outs[0].reshape(t.shape)
+  codes, scales, global_scale = outs[:3]
+  extra = {"mean": outs[3].reshape(t.mean.shape)} if moment_kind(t) == "centered" else {}
+  return dataclasses.replace(t, codes=codes.reshape(t.codes.shape),
+                             scales=scales.reshape(t.scales.shape),
+                             global_scale=global_scale.reshape(()), **extra)

@@ -722,8 +722,7 @@ def test_scale_rule_is_validated_where_operands_are_specified():
   with pytest.raises(ValueError, match="AttentionConfig.p.scale_rule must be 'max'"):
     AttentionConfig.nvfp4(p=Operand(scale_rule="4over6_mse"))
   AttentionConfig.nvfp4(v=Operand(format="bf16", scale_rule="4over6_mse"))  # unquantized: no rule
-  with pytest.raises(ValueError, match="AdamNvfp4Options.mu.scale_rule must be 'max'"):
-    AdamNvfp4Options(mu=Operand(scale_rule="4over6_mae"))
+  AdamNvfp4Options(mu=Operand(scale_rule="4over6_mae"))  # a nearest-rounded moment takes Four over Six
   with pytest.raises(ValueError, match="ns.scale_rule must be 'max'"):
     check_operand("ns", Operand(terms=2, scale_rule="4over6_mae"))
 

@@ -7,6 +7,8 @@ per shape, not per leaf, each leaf with its own global scale and random bits).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
@@ -14,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from fp4jax import _platform, numerics, nvfp4
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
-from fp4jax.optim.state import _fit, block_axis, stores_nvfp4
+from fp4jax.kernels import adam_nvfp4 as adam_kernel
+from fp4jax.optim.state import CenteredNVFP4Tensor, _fit, block_axis, stores_nvfp4
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -153,6 +156,25 @@ def zeros_state(p, min_size: int, quantize: bool, dtype=None):
   return zeros(tuple(p.shape), moment_dtype(p.dtype) if dtype is None else dtype, p)
 
 
+def zeros_moment(p, kind: str, dtype=None):
+  """A zero moment of ``kind`` (``adam_nvfp4.KINDS``) for parameter ``p``: ``zeros_nvfp4``,
+  ``zeros_centered``, or (``"fp32"``) ``dtype`` (default ``moment_dtype(p.dtype)``), sharded like ``p``."""
+  if kind == "nvfp4":
+    return zeros_nvfp4(p.shape, p)
+  if kind == "centered":
+    return zeros_centered(p.shape, p)
+  return zeros(tuple(p.shape), moment_dtype(p.dtype) if dtype is None else dtype, p)
+
+
+def _is_param(x) -> bool:
+  return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def map_params_with_path(fn, params):
+  """``map_params`` with each leaf's key path: ``fn(path, leaf)``."""
+  return jax.tree_util.tree_map_with_path(fn, params, is_leaf=_is_param)
+
+
 def map_params(fn, params):
   """``jax.tree.map`` over parameter-like leaves (anything with ``shape`` and ``dtype``).
 
@@ -162,12 +184,55 @@ def map_params(fn, params):
   return jax.tree.map(fn, params, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
-def encode(x, rounding: str, key, lane: int = 0) -> NVFP4Tensor:
+def encode(x, rounding: str, key, lane: int = 0, scale_rule: str = "max") -> NVFP4Tensor:
   """float32 ``x`` -> NVFP4, 1×16 blocks along ``block_axis(x.shape)``; stochastic rounding takes its
-  bits from ``numerics.counter_bits(key, x.shape, lane)``."""
+  bits from ``numerics.counter_bits(key, x.shape, lane)``; ``scale_rule``: ``nvfp4.quantize``'s (Four
+  over Six with nearest rounding)."""
   bits = numerics.counter_bits(key, x.shape, lane) if rounding == "stochastic" else None
   return nvfp4.quantize(x.astype(jnp.float32), block=(1, BLOCK), axis=block_axis(x.shape),
-                        rounding=rounding, bits=bits)
+                        rounding=rounding, bits=bits, scale_rule=scale_rule)
+
+
+def encode_centered(x, rounding: str, key, lane: int = 1, scale_rule: str = "max") -> CenteredNVFP4Tensor:
+  """float32 ``x`` (>= 0) -> ``CenteredNVFP4Tensor``, 1×16 blocks along ``block_axis(x.shape)``: the
+  block means removed, the rest rotated (``adam_nvfp4.center_rotate``) and quantized as ``encode``
+  quantizes (the same counter bits, by element position)."""
+  ax = block_axis(x.shape)
+  xm = jnp.moveaxis(x.astype(jnp.float32), ax, -1)
+  blocks = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)
+  mean, y = adam_kernel.center_rotate([blocks[..., i] for i in range(BLOCK)])
+  y = jnp.moveaxis(jnp.stack(y, axis=-1).reshape(xm.shape), -1, ax)
+  t = encode(y, rounding, key, lane, scale_rule)
+  return CenteredNVFP4Tensor(codes=t.codes, scales=t.scales, global_scale=t.global_scale,
+                             shape=t.shape, block=t.block, axis=t.axis, dtype=t.dtype,
+                             mean=jnp.moveaxis(mean, -1, ax))
+
+
+def encode_preconditioned(x, key, c2, eps, zero, lane: int = 1) -> NVFP4Tensor:
+  """float32 ``x`` (>= 0, Adam's √v) -> NVFP4 as ``encode`` stores it (the same scales), its codes
+  stochastically rounded in the preconditioner space (``adam_nvfp4.e2m1_preconditioner_codes``, with
+  the counter bits of ``encode``); ``c2``: the update's ``1 / sqrt(bc2)``; ``zero``: a runtime zero."""
+  ax = block_axis(x.shape)
+  x32 = numerics.flush_subnormals(x.astype(jnp.float32))
+  t = nvfp4.quantize(x32, block=(1, BLOCK), axis=ax, rounding="nearest")  # its scales, as encode's
+  dcode = jax.lax.bitcast_convert_type(t.scales, jnp.uint8)
+  expand = lambda b: jnp.repeat(b, BLOCK, axis=ax)
+  escale = nvfp4._escale_table(t.global_scale).at[dcode.astype(jnp.int32)].get(mode="promise_in_bounds")
+  dscale = numerics.e4m3_to_f32(dcode)
+  zero_block = expand(dscale == 0) | ~jnp.isfinite(t.global_scale)
+  mul = lambda a, b: numerics.rounded(a * b, zero)
+  code = adam_kernel.e2m1_preconditioner_codes(x32, expand(escale), expand(dscale), t.global_scale,
+                                               zero_block, numerics.counter_bits(key, x.shape, lane),
+                                               c2, eps, mul)
+  return dataclasses.replace(t, codes=nvfp4._pack(code.astype(jnp.uint8), ax))
+
+
+def zeros_centered(shape, like=None) -> CenteredNVFP4Tensor:
+  """``encode_centered(zeros(shape))`` without computing it: ``zeros_nvfp4`` and zero means."""
+  t = zeros_nvfp4(shape, like)
+  return CenteredNVFP4Tensor(codes=t.codes, scales=t.scales, global_scale=t.global_scale,
+                             shape=t.shape, block=t.block, axis=t.axis, dtype=t.dtype,
+                             mean=zeros(t.scales.shape, jnp.bfloat16, like))
 
 
 def decode(t: NVFP4Tensor) -> jax.Array:

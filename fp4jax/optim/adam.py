@@ -39,10 +39,15 @@ from fp4jax import _platform, execution, numerics
 from fp4jax.kernels import adam_nvfp4 as adam_kernel
 from fp4jax.kernels.adam_nvfp4 import AdamKernelConfig
 from fp4jax.optim import _common
+from fp4jax.optim import state as state_lib
 from fp4jax.optim.state import DEFAULT_MIN_SIZE
 from fp4jax.quant import Operand
 
 _STOCHASTIC = Operand(rounding="stochastic")
+
+
+NU_TRANSFORMS = ("none", "mean_hadamard")  # how √v is stored (``AdamNvfp4Options.nu_transform``)
+SR_SPACES = ("value", "preconditioner")  # where √v's stochastic rounding is unbiased (``nu_sr_space``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,52 +57,102 @@ class AdamNvfp4Options:
   The defaults are the tested choice; each field switches one part of it off or to its alternative.
   Each moment is one ``fp4jax.quant.Operand``: NVFP4 in 1×16 blocks along the storage rule's axis
   (the leaf's last axis that is a multiple of 16), one term; only its ``rounding`` is free. Moments
-  kept in float32 are ``quantize=False`` (the recipe's ``optimizer_states="fp32"``), not a
+  kept in float32 everywhere are ``quantize=False`` (the recipe's ``optimizer_states="fp32"``), not a
   ``"bf16"`` operand.
 
   Attributes:
     min_size: leaves with fewer elements keep float32 moments (the storage rule of
       ``fp4jax.optim.state``).
     mu: the stored first moment m: ``Operand(rounding="stochastic")`` (the default) or
-      ``Operand(rounding="nearest")``.
-    nu: the stored √v, as ``mu``.
+      ``Operand(rounding="nearest")``, which may take Four over Six (``scale_rule="4over6_mse"`` or
+      ``"4over6_mae"``: each block's amax maps to 6 or to 4, whichever decodes closer; the global
+      scale from the E4M3 bound 256; ``nvfp4.quantize``); None keeps m float32 on every leaf (only √v in NVFP4:
+      4.5 + 32 bits per parameter).
+    nu: the stored √v, as ``mu``; None keeps v float32 on every leaf, as optax does (only m in NVFP4).
     clip_update: clip the updates of NVFP4 leaves to ``adam_update_bound``, the guard against
       moments quantized to zero (keep it on).
+    keep_fp32: leaves whose moments stay float32 with optax's arithmetic, like the storage rule's
+      small leaves, by name: each entry a key of the parameter's path (``"lm_head"``) or keys joined
+      by ``/`` that follow each other in it (``"embed/embedding"``; ``state.path_matches``). E.g.
+      ``("embed", "lm_head")``: the embedding and the LM head of ``fp4jax.model``.
+    nu_transform: ``"none"`` (√v quantized as it is) or ``"mean_hadamard"``: per 16-element block,
+      √v's mean (bfloat16) stored apart and subtracted, the deviations rotated by the 16-point
+      Hadamard transform (``nvfp4.hadamard``, key 0), then NVFP4 (``state.CenteredNVFP4Tensor``:
+      5.5 bits per element); decoding adds the mean back to the inverse rotation and floors each
+      √v at 2^-4 of its block's mean, so no entry decodes to zero or below unless its block's
+      mean is zero (and the update's clip still holds).
+    nu_sr_space: where √v's stochastic rounding is unbiased: ``"value"`` (E[stored √v] = √v) or
+      ``"preconditioner"`` (E[1 / (stored √v · c2 + eps)] = 1 / (√v · c2 + eps), ``c2 = 1 / sqrt(1 -
+      b2^t)``: the neighbour above is chosen more often, 0 almost never;
+      ``fp4jax.kernels.adam_nvfp4.e2m1_preconditioner_codes``). Needs ``nu.rounding="stochastic"``
+      and ``nu_transform="none"``.
   """
 
   min_size: int = DEFAULT_MIN_SIZE
-  mu: Operand = _STOCHASTIC
-  nu: Operand = _STOCHASTIC
+  mu: Operand | None = _STOCHASTIC
+  nu: Operand | None = _STOCHASTIC
   clip_update: bool = True
+  keep_fp32: tuple[str, ...] = ()
+  nu_transform: str = "none"
+  nu_sr_space: str = "value"
 
   def __post_init__(self):
     _common.check_min_size(self.min_size)
     for name in ("mu", "nu"):
-      _check_moment(name, getattr(self, name))
+      if getattr(self, name) is not None:
+        _check_moment(name, getattr(self, name))
+    if self.mu is None and self.nu is None:
+      raise ValueError("AdamNvfp4Options: mu and nu are both None (no NVFP4 moment); for float32 "
+                       "moments use quantize=False (the recipe's optimizer_states='fp32')")
     if not isinstance(self.clip_update, bool):
       raise ValueError(f"clip_update must be a bool, got {self.clip_update!r}")
+    keep = self.keep_fp32
+    if isinstance(keep, list):
+      keep = tuple(keep)
+      object.__setattr__(self, "keep_fp32", keep)
+    if not isinstance(keep, tuple) or not all(
+        isinstance(k, str) and k and all(k.split("/")) for k in keep):
+      raise ValueError(f"AdamNvfp4Options.keep_fp32 must be a tuple of key names (non-empty, keys of a "
+                       f"path joined by '/'), e.g. ('embed', 'lm_head'); got {keep!r}")
+    if self.nu_transform not in NU_TRANSFORMS:
+      raise ValueError(f"AdamNvfp4Options.nu_transform must be one of {NU_TRANSFORMS}, got "
+                       f"{self.nu_transform!r}")
+    if self.nu_sr_space not in SR_SPACES:
+      raise ValueError(f"AdamNvfp4Options.nu_sr_space must be one of {SR_SPACES}, got {self.nu_sr_space!r}")
+    if self.nu_sr_space != "value" and (getattr(self.nu, "rounding", None) != "stochastic"
+                                        or self.nu_transform != "none"):
+      raise ValueError(f"AdamNvfp4Options.nu_sr_space={self.nu_sr_space!r} rounds a plain NVFP4 √v "
+                       f"stochastically: it needs nu=Operand(rounding='stochastic') and "
+                       f"nu_transform='none', got nu={self.nu!r}, nu_transform={self.nu_transform!r}")
+    if self.nu_transform != "none" and self.nu is None:
+      raise ValueError(f"AdamNvfp4Options.nu_transform={self.nu_transform!r} transforms the stored √v: "
+                       f"it needs nu (an NVFP4 Operand), got nu=None")
+
+  @property
+  def kinds(self) -> tuple[str, str]:
+    """How an NVFP4 leaf holds m and √v (``fp4jax.kernels.adam_nvfp4.KINDS``)."""
+    nu = "fp32" if self.nu is None else "centered" if self.nu_transform == "mean_hadamard" else "nvfp4"
+    return ("fp32" if self.mu is None else "nvfp4"), nu
 
 
 def _check_moment(name: str, op) -> None:
   """Raises unless ``op`` is a moment's spec that the codec and the kernels store."""
   where = f"AdamNvfp4Options.{name}"
   if not isinstance(op, Operand):
-    raise ValueError(f"{where} must be an fp4jax.quant.Operand, got {op!r}; e.g. "
+    raise ValueError(f"{where} must be an fp4jax.quant.Operand or None (float32), got {op!r}; e.g. "
                      f"Operand(rounding='nearest')")
   if not op.quantized:
     raise ValueError(f"{where}.format must be 'nvfp4', got {op.format!r}; for float32 moments use "
-                     f"quantize=False (the recipe's optimizer_states='fp32')")
+                     f"{name}=None, or quantize=False for both (the recipe's optimizer_states='fp32')")
   if op.block != (1, 16):
     raise ValueError(f"{where}.block must be (1, 16) (the storage rule's blocks), got {op.block}")
   if op.terms != 1:
     raise ValueError(f"{where}.terms must be 1 (a moment is stored as one NVFP4 term), got {op.terms}")
-  if op.scale_rule != "max":
-    raise ValueError(f"{where}.scale_rule must be 'max' (the moments' codec scales each block by its "
-                     f"amax), got {op.scale_rule!r}")
 
 
 class ScaleByAdamNvfp4State(NamedTuple):
-  """State of ``scale_by_adam_nvfp4``: per parameter leaf an ``NVFP4Tensor`` or a float32 array."""
+  """State of ``scale_by_adam_nvfp4``: per parameter leaf an ``NVFP4Tensor`` (a
+  ``CenteredNVFP4Tensor`` for √v under ``nu_transform="mean_hadamard"``) or a float32 array."""
 
   count: jax.Array  # int32 scalar: number of updates so far
   mu: optax.Updates  # first moment m
@@ -200,31 +255,42 @@ def scale_by_adam_nvfp4(
   if not isinstance(block_sizes, AdamKernelConfig):
     raise ValueError(f"block_sizes must be an AdamKernelConfig, got {type(block_sizes).__name__}")
   min_size, clip_update = options.min_size, options.clip_update
-  mu_rounding, nu_rounding = options.mu.rounding, options.nu.rounding
-  stochastic = "stochastic" in (mu_rounding, nu_rounding)
+  mu_kind, nu_kind = options.kinds
+  # A float32 moment has no rounding; "nearest" keeps it out of the random bits' bookkeeping.
+  mu_rounding, nu_rounding = (getattr(op, "rounding", "nearest") for op in (options.mu, options.nu))
+  if options.nu_sr_space == "preconditioner":
+    nu_rounding = "preconditioner"  # the kernels' name of this rounding
+  mu_rule, nu_rule = (getattr(op, "scale_rule", "max") for op in (options.mu, options.nu))
+  stochastic = {"stochastic", "preconditioner"} & {mu_rounding, nu_rounding}
   # The kernels compile Adam's constants in; traced ones (optax.inject_hyperparams under jit) take
   # the XLA path, which gives the same bits.
   constants = [_common.concrete_float(x) for x in (b1, b2, eps, eps_root)]
   hyper = None if None in constants else adam_kernel.AdamHyper(
       *constants, nesterov=nesterov, clip_update=clip_update, mu_rounding=mu_rounding,
-      nu_rounding=nu_rounding)
+      nu_rounding=nu_rounding, mu_kind=mu_kind, nu_kind=nu_kind, mu_scale_rule=mu_rule,
+      nu_scale_rule=nu_rule)
   # numerics.adam_direction reads eps_root only to choose its square root (the stored √v when
   # eps_root is 0); a traced eps_root takes the general one, sqrt(v + eps_root * bc2).
   eps_root_choice = 1.0 if constants[3] is None else constants[3]
 
   def init_fn(params):
-    mu = lambda p: _common.zeros_state(p, min_size, quantize)
+    def kind(path, p, nvfp4_kind):
+      keep = not _common.stores_nvfp4_param(p, min_size, quantize) or state_lib.path_matches(
+          path, options.keep_fp32)
+      return "fp32" if keep else nvfp4_kind
+    mu = lambda path, p: _common.zeros_moment(p, kind(path, p, mu_kind))
     # v is real: float32 for complex parameters too (optax keeps it complex with a zero imaginary part).
-    nu = lambda p: _common.zeros_state(p, min_size, quantize, jnp.float32)
-    return ScaleByAdamNvfp4State(count=jnp.zeros([], jnp.int32), mu=_common.map_params(mu, params),
-                                 nu=_common.map_params(nu, params))
+    nu = lambda path, p: _common.zeros_moment(p, kind(path, p, nu_kind), jnp.float32)
+    return ScaleByAdamNvfp4State(count=jnp.zeros([], jnp.int32),
+                                 mu=_common.map_params_with_path(mu, params),
+                                 nu=_common.map_params_with_path(nu, params))
 
   def update_fn(updates, state, params=None):
     del params
     g_leaves, treedef = jax.tree.flatten(updates)
     mu_leaves = treedef.flatten_up_to(state.mu)
     nu_leaves = treedef.flatten_up_to(state.nu)
-    quantized = [_common.is_nvfp4(m) for m in mu_leaves]
+    quantized = [_common.is_nvfp4(m) or _common.is_nvfp4(v) for m, v in zip(mu_leaves, nu_leaves)]
     count_inc = optax.safe_increment(state.count)
 
     # Float32 leaves: optax.scale_by_adam's code on the same tree (None where NVFP4), so that with
@@ -249,8 +315,8 @@ def scale_by_adam_nvfp4(
         (g_leaves[i], mu_leaves[i], nu_leaves[i]))}
     fused = []
     if impl != "xla" and hyper is not None:
-      fused = [i for i in q_idx if adam_kernel.supports(mu_leaves[i])
-               and adam_kernel.supports(nu_leaves[i]) and i not in sharded]
+      fused = [i for i in q_idx if adam_kernel.supports_leaf(mu_leaves[i], nu_leaves[i])
+               and i not in sharded]
       q_idx = [i for i in q_idx if i not in fused]
     if fused:
       outs = adam_kernel.update_leaves(
@@ -288,19 +354,29 @@ def scale_by_adam_nvfp4(
   def _leaf_update(g, mu_q, nu_q, key, count_inc):
     # The kernels compute the same steps (kernels/adam_nvfp4.py); keep the two in step.
     g32 = g.astype(jnp.float32)
-    s_old = _common.decode(nu_q)
-    m_old = _common.decode(mu_q)
+    nu_nvfp4 = nu_kind != "fp32"
+    s_old = _common.decode(nu_q) if nu_nvfp4 else None
+    m_old = _common.decode(mu_q) if mu_kind != "fp32" else mu_q
     zero = numerics.runtime_zero(count_inc)
-    m, v = numerics.adam_moments(m_old, s_old * s_old, g32, b1, b2, zero)
+    m, v = numerics.adam_moments(m_old, s_old * s_old if nu_nvfp4 else nu_q, g32, b1, b2, zero)
     # The correctly rounded square root: the backend's differs from the CPU's in the last bit on
     # the GPU, which would move the stored state's global scales. Where v overflows float32 from a
     # finite gradient, its root is computed at a smaller scale (the kernels do the same).
-    s, _ = adam_kernel.overflow_root(v, adam_kernel.scaled_second_moment(s_old, g32, b2, zero),
-                                     numerics.sqrt_rn)
+    if nu_nvfp4:
+      s, _ = adam_kernel.overflow_root(v, adam_kernel.scaled_second_moment(s_old, g32, b2, zero),
+                                       numerics.sqrt_rn)
+    else:
+      s = numerics.sqrt_rn(v)
     u = numerics.adam_direction(m, v, s, g32, numerics.bias_factors(b1, b2, eps_root, count_inc),
                                 b1, eps, eps_root_choice, nesterov, _clip_bound(count_inc))
-    nu_new = _common.encode(s, nu_rounding, key, lane=1)
-    mu_new = _common.encode(m, mu_rounding, key, lane=0)
+    if nu_kind == "centered":
+      nu_new = _common.encode_centered(s, nu_rounding, key, lane=1, scale_rule=nu_rule)
+    elif nu_rounding == "preconditioner":
+      c2 = numerics.bias_factors(b1, b2, eps_root, count_inc)[2]
+      nu_new = _common.encode_preconditioned(s, key, c2, eps, zero, lane=1)
+    else:
+      nu_new = _common.encode(s, nu_rounding, key, lane=1, scale_rule=nu_rule) if nu_nvfp4 else v
+    mu_new = _common.encode(m, mu_rounding, key, lane=0, scale_rule=mu_rule) if mu_kind != "fp32" else m
     return u.astype(g.dtype), mu_new, nu_new
 
   def _clip_bound(count_inc):

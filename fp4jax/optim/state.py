@@ -9,13 +9,18 @@ scales, odd shapes, scalars) stays float32 and follows optax's arithmetic exactl
 a negligible share of a model's bytes, and a 16-element block with one global scale is a poor fit
 for a 64-element vector.
 
-- ``block_axis``, ``stores_nvfp4``: the rule.
+Leaves can also be kept float32 by name (``AdamNvfp4Options.keep_fp32``: e.g. the embedding and the
+LM head, ``("embed", "lm_head")``; ``path_matches``).
+
+- ``block_axis``, ``stores_nvfp4``: the rule; ``path_matches``: the rule's exceptions by name.
+- ``CenteredNVFP4Tensor``: Adam's √v stored with its block means removed and rotated, then NVFP4.
 - ``state_nbytes``: the bytes an optimizer state holds.
 - ``state_sharding``: shardings of a state that follow the parameters' (ZeRO-style).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -24,9 +29,64 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from fp4jax.kernels import adam_nvfp4 as _kernel
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
 
 DEFAULT_MIN_SIZE = 4096
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CenteredNVFP4Tensor(NVFP4Tensor):
+  """A non-negative tensor (Adam's √v) stored as NVFP4 after removing each block's mean and rotating.
+
+  Per 16-element block along ``axis``: ``mean`` = the block's mean (summed in element order, times
+  1/16, rounded to bfloat16); the codes, scales and global scale are the NVFP4 encoding of
+  ``nvfp4.hadamard(x - mean, key(0))`` (the matmul's 16-point random Hadamard transform), whose block
+  scales then follow the spread of the block around its mean, not its largest value. ``dequantize``
+  inverts both steps and floors each element at ``2^-4`` times its block's mean (never negative, and 0 only
+  where the block's mean is). ``elements``, ``block_scales`` and ``scaled_elements`` describe
+  the rotated deviations.
+
+  Bits per element: 4 (codes) + 0.5 (E4M3 scales) + 1 (bfloat16 means), and a float32 global scale.
+
+  Attributes:
+    mean: bfloat16, one per block, shaped like ``scales``.
+  """
+
+  mean: jax.Array
+
+  @property
+  def nbytes(self) -> int:
+    return super().nbytes + 2 * (self.size // BLOCK)
+
+  def dequantize(self, dtype=None) -> jax.Array:
+    """The stored tensor: means added back to the inverse rotation of the decoded deviations."""
+    y = jnp.moveaxis(NVFP4Tensor.dequantize(self, jnp.float32), self.axis, -1)
+    blocks = y.reshape(*y.shape[:-1], y.shape[-1] // BLOCK, BLOCK)
+    mean = jnp.moveaxis(self.mean, self.axis, -1)
+    x = jnp.stack(_kernel.uncenter([blocks[..., i] for i in range(BLOCK)], mean), axis=-1)
+    x = jnp.moveaxis(x.reshape(y.shape), -1, self.axis)
+    return x.astype(self.dtype if dtype is None else dtype)
+
+
+def _key_name(k) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def path_matches(path, patterns) -> bool:
+  """Whether a leaf's key path (``jax.tree_util`` keys) matches one of ``patterns``: a pattern is one
+  key name (``"lm_head"``) or several joined by ``/`` (``"embed/embedding"``) that appear in the path
+  one after the other."""
+  names = [_key_name(k) for k in path]
+  for pattern in patterns:
+    want = pattern.split("/")
+    if any(names[i:i + len(want)] == want for i in range(len(names) - len(want) + 1)):
+      return True
+  return False
 
 
 def is_state_leaf(x) -> bool:
@@ -68,7 +128,8 @@ def stores_nvfp4(shape, min_size: int) -> bool:
 
 def state_nbytes(state) -> int:
   """Bytes held by an optimizer state: packed codes, E4M3 scales and global scales of NVFP4 leaves
-  plus every other array leaf, counted from shapes (works on ``jax.eval_shape`` output).
+  (and the means of centered ones) plus every other array leaf, counted from shapes (works on
+  ``jax.eval_shape`` output).
 
   Args:
     state: any pytree of arrays, ``jax.ShapeDtypeStruct`` and ``NVFP4Tensor``.
@@ -80,6 +141,8 @@ def state_nbytes(state) -> int:
   for leaf in jax.tree.leaves(state, is_leaf=_is_nvfp4):
     if _is_nvfp4(leaf):
       total += sum(_leaf_nbytes(x) for x in (leaf.codes, leaf.scales, leaf.global_scale))
+      if isinstance(leaf, CenteredNVFP4Tensor):
+        total += _leaf_nbytes(leaf.mean)
     else:
       total += _leaf_nbytes(leaf)
   return total
@@ -133,9 +196,11 @@ def state_sharding(state, params_sharding, replicated=None):
     if isinstance(x, masked):
       return x
     if _is_nvfp4(x):
-      return NVFP4Tensor(codes=_fit(param_sharding, x.codes.shape),
-                         scales=_fit(param_sharding, x.scales.shape), global_scale=replicated,
-                         shape=x.shape, block=x.block, axis=x.axis, dtype=x.dtype)
+      extra = ({"mean": _fit(param_sharding, x.mean.shape)}
+               if isinstance(x, CenteredNVFP4Tensor) else {})
+      return dataclasses.replace(x, codes=_fit(param_sharding, x.codes.shape),
+                                 scales=_fit(param_sharding, x.scales.shape),
+                                 global_scale=replicated, **extra)
     spec = getattr(param_sharding, "spec", ())
     shape = tuple(getattr(x, "shape", ()))
     return _fit(param_sharding, shape) if len(shape) >= max(len(spec), 1) else replicated
