@@ -16,6 +16,7 @@ _W1X16 = {"recipe.matmul.w.block": (1, 16)}
 _W1X16_4OVER6 = {**_W1X16, "recipe.matmul.x.scale_rule": "4over6_mse", "recipe.matmul.w.scale_rule": "4over6_mse",
                  "recipe.matmul.x_wgrad.scale_rule": "4over6_mse"}
 _REALIGN = {"optimizer.lora_resplit_moments": "aligned", "optimizer.lora_resplit_svd": "randomized"}
+_STATES = {"recipe.optimizer_states": "nvfp4"}
 _FOUR_OVER_SIX_FWD = {"recipe.matmul.x.scale_rule": "4over6_mse", "recipe.matmul.w.scale_rule": "4over6_mse"}
 
 
@@ -238,5 +239,32 @@ ARMS: tuple[Arm, ...] = (
         Arm("lorasvd_realign750_r32", "fp4_linear_lorasvd",
             {**_REALIGN, "recipe.lora_resplit_every": -2, "recipe.lora_rank": 32}, 0, "fp4_linear_lorasvd",
             "re-aligned every 750 steps, rank 32"),
+    ),
+    # NVFP4 AdamW moments on fp4_linear: where their cost lies (m or √v alone; the embedding and LM head kept
+    # float32) and the method's encodings, each read against linear_states at the same seed.
+    *_group(
+        "states",
+        Arm("linear_states", "fp4_linear", _STATES, 0, "fp4_linear", "fp4_linear + NVFP4 AdamW moments (m and √v)"),
+        Arm("linear_states_s1", "fp4_linear", _STATES, 1, "fp4_linear_s1", "fp4_linear + NVFP4 AdamW moments, seed 1"),
+        Arm("states_m_only", "fp4_linear", {**_STATES, "recipe.moments.nu": None}, 0, "fp4_linear",
+            "only m in NVFP4 (v float32)"),
+        Arm("states_v_only", "fp4_linear", {**_STATES, "recipe.moments.mu": None}, 0, "fp4_linear",
+            "only √v in NVFP4 (m float32)"),
+        Arm("states_keep_embed_head", "fp4_linear", {**_STATES, "recipe.moments.keep_fp32": ("embed", "lm_head")}, 0,
+            "linear_states", "NVFP4 moments except the embedding's and the LM head's (float32)"),
+        Arm("states_mean_hadamard", "fp4_linear", {**_STATES, "recipe.moments.nu_transform": "mean_hadamard"}, 0,
+            "linear_states", "√v stored as its 16-block mean (bf16) and the Hadamard-rotated rest in NVFP4"),
+        Arm("states_mean_hadamard_s1", "fp4_linear", {**_STATES, "recipe.moments.nu_transform": "mean_hadamard"}, 1,
+            "linear_states_s1", "√v mean-removed and Hadamard-rotated, seed 1"),
+        Arm("states_precond_sr", "fp4_linear", {**_STATES, "recipe.moments.nu_sr_space": "preconditioner"}, 0,
+            "linear_states", "√v rounded stochastically in 1/(√v + ε), the preconditioner's space"),
+        Arm("states_nearest", "fp4_linear", {**_STATES, "recipe.moments.mu.rounding": "nearest",
+                                             "recipe.moments.nu.rounding": "nearest"}, 0, "linear_states",
+            "m and √v rounded to nearest"),
+        Arm("states_nearest_4over6", "fp4_linear", {**_STATES, "recipe.moments.mu.rounding": "nearest",
+                                                    "recipe.moments.nu.rounding": "nearest",
+                                                    "recipe.moments.mu.scale_rule": "4over6_mse",
+                                                    "recipe.moments.nu.scale_rule": "4over6_mse"}, 0,
+            "states_nearest", "m and √v rounded to nearest with Four-over-Six scales"),
     ),
 )
