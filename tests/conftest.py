@@ -119,3 +119,26 @@ def write_docs(folder, n: int, name: str = "doc_{i:02d}.txt"):
   for i in range(n):
     (folder / name.format(i=i)).write_text(f"document {i}: " + WORDS * (20 + i))
   return folder
+
+
+def state_type(tree):
+  """An optimizer state's type as jit sees it: tree structure, and each array's shape and dtype."""
+  import jax.numpy as jnp
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+
+
+def run_updates(tx, params, grads, n: int, update=None):
+  """``n`` steps of the optax transform ``tx`` from ``params`` with the gradients ``grads(params, step)``;
+  ``update`` defaults to the jitted ``tx.update``. Returns the updates of each step, the last state and
+  the state's type (``state_type``) at init and after each step."""
+  import optax
+  update = update or jax.jit(tx.update)
+  state = tx.init(params)
+  types, all_updates = [state_type(state)], []
+  for step in range(n):
+    updates, state = update(grads(params, step), state, params)
+    types.append(state_type(state))
+    all_updates.append(updates)
+    params = optax.apply_updates(params, updates)
+  return all_updates, state, types

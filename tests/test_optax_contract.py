@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import run_updates, state_type
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -72,22 +73,8 @@ def _grads(params, step):
   return jax.tree.map(lambda p: (jnp.sin(p * 7.0 + step) + 0.01).astype(p.dtype), params)
 
 
-def _type(tree):
-  """The state's type as jit sees it: tree structure, and each array's shape and dtype."""
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef, [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
-
-
 def _steps(tx, params, n, update=None):
-  update = update or jax.jit(tx.update)
-  state = tx.init(params)
-  types, all_updates = [_type(state)], []
-  for step in range(n):
-    updates, state = update(_grads(params, step), state, params)
-    types.append(_type(state))
-    all_updates.append(updates)
-    params = optax.apply_updates(params, updates)
-  return all_updates, state, types
+  return run_updates(tx, params, _grads, n, update)
 
 
 def _close(a, b, rtol=1e-5, atol=1e-7):
@@ -119,16 +106,16 @@ def test_float64_params_keep_their_dtype(name):
 
 
 @pytest.mark.parametrize("name", CODE_PATHS)
-def test_jit_equals_eager_and_eval_shape_init_is_the_state_type(name):
+def test_jit_equals_eager_and_eval_shape_init_is_the_statestate_type(name):
   tx, params = CONFIGS[name](), _params()
-  assert _type(jax.eval_shape(tx.init, params)) == _type(tx.init(params))
+  assert state_type(jax.eval_shape(tx.init, params)) == state_type(tx.init(params))
   shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
-  assert _type(tx.init(shapes)) == _type(tx.init(params))
+  assert state_type(tx.init(shapes)) == state_type(tx.init(params))
   u_jit, s_jit, _ = _steps(tx, params, 2)
   u_eager, s_eager, _ = _steps(tx, params, 2, update=tx.update)
   # NVFP4 codes may differ by one code where XLA fuses a division differently from eager.
   _close(u_jit, u_eager, rtol=2e-2, atol=1e-4)
-  assert _type(s_jit) == _type(s_eager)
+  assert state_type(s_jit) == state_type(s_eager)
 
 
 @pytest.mark.parametrize("name", CODE_PATHS)
@@ -149,14 +136,14 @@ def test_scan_and_cond_over_steps(name):
   for g in grads:
     (p_loop, s_loop), _ = step((p_loop, s_loop), g)
   _close(p_scan, p_loop, rtol=1e-4, atol=1e-5)
-  assert _type(s_scan) == _type(s_loop)
+  assert state_type(s_scan) == state_type(s_loop)
 
   @jax.jit
   def maybe_step(take, p, state, g):  # both branches must return the same type
     return jax.lax.cond(take, lambda: tx.update(g, state, p), lambda: (jax.tree.map(
         jnp.zeros_like, g), state))
   u, state = maybe_step(True, params, tx.init(params), grads[0])
-  assert _type(state) == _type(tx.init(params))
+  assert state_type(state) == state_type(tx.init(params))
   assert np.any(np.asarray(u["w"]))
 
 
@@ -218,7 +205,7 @@ def test_init_builds_the_shardings_update_returns(name, axis_type):
     step, sharded = jax.jit(tx.update), []
     for s in range(2):
       updates, new_state = step(_grads(params, s), state, params)
-      assert _type(new_state) == _type(state)
+      assert state_type(new_state) == state_type(state)
       assert [sh.spec for sh in _shardings(new_state)] == [sh.spec for sh in _shardings(state)]
       state, params = new_state, optax.apply_updates(params, updates)
       sharded.append(jax.device_get(updates))

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import run_updates, state_type
 from optax.contrib import MuonDimensionNumbers
 
 from fp4jax import nvfp4, optim
@@ -58,22 +59,8 @@ def _make(name, wrapper, params):
   return tx
 
 
-def _spec(tree):
-  is_leaf = lambda x: isinstance(x, nvfp4.NVFP4Tensor)
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
-  return treedef, [jax.tree.map(lambda a: (a.shape, a.dtype), x) for x in leaves]
-
-
 def _run(tx, params, steps, jit=True):
-  state = tx.init(params)
-  update = jax.jit(tx.update) if jit else tx.update
-  specs, out = [_spec(state)], []
-  for step in range(steps):
-    updates, state = update(_grads(params, step), state, params)
-    specs.append(_spec(state))
-    out.append(updates)
-    params = optax.apply_updates(params, updates)
-  return out, state, specs
+  return run_updates(tx, params, _grads, steps, None if jit else tx.update)
 
 
 @pytest.mark.parametrize("wrapper", ["none", "inject_hyperparams", "MultiSteps", "chain", "masked"])
@@ -114,7 +101,7 @@ def test_jit_equals_no_jit():
   (u_jit,), s_jit, _ = _run(tx, params, steps=1)
   (u_eager,), s_eager, _ = _run(tx, params, steps=1, jit=False)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), u_jit, u_eager)
-  assert _spec(s_jit) == _spec(s_eager)
+  assert state_type(s_jit) == state_type(s_eager)
 
 
 @pytest.mark.parametrize("name", ["adamw_nvfp4", "muon_nvfp4", "root"])
