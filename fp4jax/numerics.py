@@ -15,9 +15,10 @@ on the GPU").
 - Products rounded before every addition, so no compiler contracts them into an FMA: ``runtime_zero``,
   ``rounded``, ``rounded_ema``, and Adam's moments and direction built on them (``adam_moments``,
   ``bias_factors``, ``adam_direction``).
-- Stochastic-rounding bits from a keyed counter hash: ``counter_bits`` (``counter_words``,
-  ``counter_hash``, ``lane_bits``: the pieces the kernels use); ``BIT_SOURCES`` names the two
-  sources of rounding bits, ``stochastic_bits`` draws from either.
+- Stochastic-rounding bits from a keyed counter hash of 64-bit element indices: ``counter_bits``
+  (``counter_words``, ``counter_hash``, ``lane_bits``: the pieces the kernels use;
+  ``counter_hash_wide`` and ``flat_index_words`` for indices past 2^32); ``BIT_SOURCES`` names the
+  two sources of rounding bits, ``stochastic_bits`` draws from either.
 """
 
 from __future__ import annotations

@@ -223,7 +223,7 @@ def test_mean_of_k_roundings_error_falls_as_1_over_k_to_1024(source):
 @pytest.mark.parametrize("source", SOURCES)
 def test_mean_misalignment_is_zero(source):
   """Over the elements whose rounding is random (``_check_mean_of_k``)."""
-  x = _gaussian((64, 256), 2)
+  x = _gaussian((32, 256), 2)
   lo, hi, _, mean, _ = _moments(x, source)
   ok = lo != hi
   xf, mean = np.asarray(x, np.float64).reshape(-1)[ok], mean[ok]
