@@ -421,7 +421,7 @@ def counter_bits(key, shape, lane: int = 0, offset: int = 0) -> jax.Array:
     raise ValueError(f"counter_bits: offset must be an int in [0, 2^64 - {size}], got {offset!r}")
   k1, k2 = counter_words(key)
   offset = int(offset)
-  if offset + size <= 2**32:  # 32-bit indices: the high word is 0
+  if offset + size < 2**32:  # 32-bit indices: the high word is 0
     idx = jnp.arange(size, dtype=jnp.uint32).reshape(shape)
     if offset:
       idx = idx + jnp.uint32(offset)
