@@ -99,6 +99,14 @@ def test_64_bit_indices_leave_32_bit_bits_unchanged():
   np.testing.assert_array_equal(straddle[16:], np.asarray(numerics.counter_bits(key, (16,), offset=2**32)))
 
 
+def test_counter_bits_trace_past_2_32_elements():
+  """A tensor of more than 2^32 elements (traced, not allocated) takes counter bits and quantizes."""
+  x = jax.ShapeDtypeStruct((2**16 + 16, 2**16), jnp.bfloat16)
+  t = jax.eval_shape(lambda x, k: nvfp4.quantize(x, rounding="stochastic", bits=numerics.counter_bits(k, x.shape, 1)),
+                     x, KEY)
+  assert t.codes.shape == (2**16 + 16, 2**15)
+
+
 @pytest.mark.parametrize("size,first,row", [(37, 2**32 - 8, 4), (9, 3, 1), (100, 0, 8), (5, 2**64 - 5, None),
                                             (70000, 2**32 - 65536, None), (0, 7, None)])
 def test_flat_index_words(size, first, row):
