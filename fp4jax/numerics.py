@@ -15,9 +15,10 @@ on the GPU").
 - Products rounded before every addition, so no compiler contracts them into an FMA: ``runtime_zero``,
   ``rounded``, ``rounded_ema``, and Adam's moments and direction built on them (``adam_moments``,
   ``bias_factors``, ``adam_direction``).
-- Stochastic-rounding bits from a keyed counter hash: ``counter_bits`` (``counter_words``,
-  ``counter_hash``, ``lane_bits``: the pieces the kernels use); ``BIT_SOURCES`` names the two
-  sources of rounding bits, ``stochastic_bits`` draws from either.
+- Stochastic-rounding bits from a keyed counter hash of 64-bit element indices: ``counter_bits``
+  (``counter_words``, ``counter_hash``, ``lane_bits``: the pieces the kernels use;
+  ``counter_hash_wide`` and ``flat_index_words`` for indices past 2^32); ``BIT_SOURCES`` names the
+  two sources of rounding bits, ``stochastic_bits`` draws from either.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ from fp4jax._fp32 import F32_MAX, div_rn, flush_subnormals, sqrt_rn
 
 __all__ = [
     "BIT_SOURCES", "E2M1_MAX", "E4M3_MAX", "F32_MAX", "INV6", "_LANES", "adam_direction",
-    "adam_moments", "bias_factors", "counter_bits", "counter_hash", "counter_words", "decode_e2m1", "div_rn",
-    "e2m1_codes", "e2m1_rne_code", "e2m1_stochastic_code", "e4m3_block_scales", "e4m3_to_f32",
-    "flush_subnormals", "lane_bits", "round_to_e4m3", "rounded", "rounded_ema", "runtime_zero",
-    "sqrt_rn", "stochastic_bits",
+    "adam_moments", "bias_factors", "counter_bits", "counter_hash", "counter_hash_wide", "counter_words",
+    "decode_e2m1", "div_rn", "e2m1_codes", "e2m1_rne_code", "e2m1_stochastic_code", "e4m3_block_scales",
+    "e4m3_to_f32", "flat_index_words", "flush_subnormals", "lane_bits", "round_to_e4m3", "rounded",
+    "rounded_ema", "runtime_zero", "sqrt_rn", "stochastic_bits",
 ]
 
 E2M1_MAX = 6.0
@@ -329,6 +330,16 @@ def counter_hash(idx, k1, k2):
   return _mix32(_mix32(idx ^ k1) + k2)
 
 
+def counter_hash_wide(hi, lo, k1, k2):
+  """``counter_hash`` of 64-bit pair indices ``hi * 2^32 + lo`` (uint32 words).
+
+  The high word is folded into the second key word, ``k2 ^ _mix32(hi)``: ``_mix32`` is a bijection
+  with ``_mix32(0) = 0``, so at ``hi = 0`` this is ``counter_hash(lo, k1, k2)`` (the indices of
+  every tensor of fewer than 2^33 elements), and each high word keys its own stream of 2^32 pairs.
+  """
+  return counter_hash(lo, k1, k2 ^ _mix32(hi))
+
+
 def lane_bits(h, byte):
   """Byte ``byte`` (0..3, array or int) of hashes ``h`` as uint32 rounding bits for ``e2m1_stochastic_code``.
 
@@ -341,7 +352,44 @@ def lane_bits(h, byte):
   return ((h << shift) & jnp.uint32(0xFF000000)) | jnp.uint32(1 << 23)
 
 
-def counter_bits(key, shape, lane: int = 0) -> jax.Array:
+_INDEX_ROW = 2**16  # the row of the (rows, 2^16) iota that numbers a tensor of 2^32 elements or more
+
+
+def flat_index_words(size: int, offset: int = 0, row: int | None = None):
+  """The 64-bit flat indices ``offset + [0, size)`` as two uint32 arrays ``(hi, lo)`` of shape (size,).
+
+  Built from a (rows, ``row``) iota, ``row`` a power of two: element ``(r, c)`` is ``r * row + c``,
+  whose words are shifts of ``r`` and ``c``, then the offset is added with its carry. No uint64 (off by
+  default in JAX) and no iota longer than 2^32.
+
+  Args:
+    size: the number of indices (>= 0).
+    offset: the first index (>= 0; ``offset + size <= 2^64``).
+    row: the iota's row length (a power of two, at most 2^16); None: ``size`` rounded up to a power
+      of two, at most 2^16.
+
+  Returns:
+    ``(hi, lo)``, uint32 arrays of shape (size,).
+  """
+  if row is None:
+    row = min(_INDEX_ROW, 1 << max(0, size - 1).bit_length())
+  if row <= 0 or row & (row - 1) or row > _INDEX_ROW:
+    raise ValueError(f"flat_index_words: row must be a power of two <= 2^16, got {row!r}")
+  rows = -(-size // row)
+  if rows > 2**32:
+    raise ValueError(f"flat_index_words: {size} indices in rows of {row} are more than 2^32 rows")
+  u32 = jnp.uint32
+  s = row.bit_length() - 1
+  r = lax.broadcasted_iota(u32, (rows, row), 0)
+  c = lax.broadcasted_iota(u32, (rows, row), 1)
+  hi, lo = (r >> u32(32 - s), c | (r << u32(s))) if s else (jnp.zeros_like(r), r)
+  off_hi, off_lo = u32(offset >> 32), u32(offset & 0xFFFFFFFF)
+  total = lo + off_lo
+  hi = hi + off_hi + (total < lo).astype(u32)
+  return hi.reshape(-1)[:size], total.reshape(-1)[:size]
+
+
+def counter_bits(key, shape, lane: int = 0, offset: int = 0) -> jax.Array:
   """uint32 stochastic-rounding bits: 8 random bits per element from a keyed hash of element pairs.
 
   One 32-bit hash of each pair of neighbouring elements (flat indices ``2i`` and ``2i + 1``) gives
@@ -350,24 +398,38 @@ def counter_bits(key, shape, lane: int = 0) -> jax.Array:
   32-bit random operand per four FP4 values: a probability is rounded to a multiple of 1/256, far
   below the format's own step. The hash is integer arithmetic on the global index, so the same key
   gives the same bits on every backend and sharding; distinct keys (``fold_in``) give unrelated
-  streams.
+  streams. Indices are 64-bit: pairs past 2^32 fold their high word into the key
+  (``counter_hash_wide``), which leaves the bits of pairs below 2^32 as they are.
 
   Args:
     key: a ``jax.random`` key.
-    shape: the tensor's shape (fewer than 2^32 elements).
+    shape: the tensor's shape.
     lane: 0 or 1.
+    offset: the flat index of the tensor's first element in a larger tensor (>= 0): the bits are
+      those of elements ``offset + [0, size)`` of it.
 
   Returns:
     uint32 bits of ``shape``, for ``nvfp4.quantize(bits=...)``.
+
+  Raises:
+    ValueError: a lane other than 0 or 1, or an offset that is not an int in [0, 2^64 - size].
   """
   if lane not in range(_LANES):
     raise ValueError(f"counter_bits: lane must be 0 or 1, got {lane!r}")
-  k1, k2 = counter_words(key)
   size = math.prod(shape)
-  if size >= 2**32:
-    raise ValueError(f"counter_bits: {size} elements, more than 2^32 counters")
-  idx = jnp.arange(size, dtype=jnp.uint32).reshape(shape)
-  return lane_bits(counter_hash(idx >> 1, k1, k2), 2 * lane + (idx & 1))
+  if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or not 0 <= offset <= 2**64 - size:
+    raise ValueError(f"counter_bits: offset must be an int in [0, 2^64 - {size}], got {offset!r}")
+  k1, k2 = counter_words(key)
+  offset = int(offset)
+  if offset + size < 2**32:  # 32-bit indices: the high word is 0
+    idx = jnp.arange(size, dtype=jnp.uint32).reshape(shape)
+    if offset:
+      idx = idx + jnp.uint32(offset)
+    return lane_bits(counter_hash(idx >> 1, k1, k2), 2 * lane + (idx & 1))
+  hi, lo = flat_index_words(size, offset)
+  pair_hi, pair_lo = hi >> 1, (lo >> 1) | (hi << 31)
+  h = counter_hash_wide(pair_hi, pair_lo, k1, k2)
+  return lane_bits(h, 2 * lane + (lo & 1)).reshape(shape)
 
 
 BIT_SOURCES = ("random", "counter")  # the sources of stochastic-rounding bits (``stochastic_bits``)

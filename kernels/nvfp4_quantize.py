@@ -313,7 +313,8 @@ def _store_global_scale(g_ref, s_dec, pid_a, pid_b):
 
 def _pair_bits(idx, i_ref, bit_source):
   """The uint32 rounding bits of the elements at flat indices ``idx`` (even) and ``idx + 1``; with the
-  counter hash, one hash of the pair ``idx >> 1`` serves both (``numerics.counter_bits``)."""
+  counter hash, one hash of the pair ``idx >> 1`` serves both (``numerics.counter_bits``, whose 64-bit
+  pair index has the high word 0 below the kernels' 2^31 elements: ``counter_hash`` of the low word)."""
   if bit_source != "counter":
     return _element_bits(idx, i_ref, bit_source), _element_bits(idx + jnp.uint32(1), i_ref, bit_source)
   k1, k2 = ref_words(i_ref, 1)
@@ -580,8 +581,6 @@ def _check(x, block, axis, rounding, key, bit_source, hadamard_key, scale_rule):
   if rounding == "stochastic":
     if key is None:
       raise ValueError("rounding='stochastic' needs a `key` (a jax.random key)")
-    if x.size >= 2**32:
-      raise ValueError(f"stochastic rounding counts elements in uint32: {x.size} elements is too many")
     if bit_source == "random" and not threefry_key(key):
       raise ValueError(
           "bit_source='random' reproduces jax.random.bits of threefry2x32 keys with "
