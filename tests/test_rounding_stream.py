@@ -213,11 +213,6 @@ def _check_mean_of_k(source, ks, shape):
   return mse
 
 
-@pytest.mark.parametrize("source", SOURCES)
-def test_mean_of_k_roundings_error_falls_as_1_over_k(source):
-  _check_mean_of_k(source, [1, 2, 4, 8, 16, 32, 64], (16, 256))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES)
 def test_mean_of_k_roundings_error_falls_as_1_over_k_to_1024(source):
@@ -228,6 +223,7 @@ def test_mean_of_k_roundings_error_falls_as_1_over_k_to_1024(source):
 # Misalignment <x, q> / <x, x> - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES)
 def test_mean_misalignment_is_zero(source):
   """Over the elements whose rounding is random (``_check_mean_of_k``)."""
@@ -282,6 +278,7 @@ def _ups(q, lo, hi):
   return (q == hi) & (lo != hi)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES)
 def test_round_up_frequency_chi2(source):
   x, cell = _grid_data(30, 3)
@@ -320,6 +317,7 @@ def _residuals(q, lo, hi, p, ok):
   return np.where(ok, (u - p) / np.sqrt(np.where(ok, p * (1 - p), 1)), 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES)
 def test_no_correlation(source):
   """Standardized round-up residuals of element pairs: neighbours in a row (the two elements of one
