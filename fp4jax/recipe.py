@@ -374,8 +374,8 @@ def upgrade_dict(recipe: dict, optimizer: Mapping | None = None) -> dict:
     blocks were fixed (16×16 for the matmul's ``w`` and attention's ``ds``, 1×16 elsewhere) and
     their only scale rule ``"max"``: the upgraded specs state them.
   - ``lora_resplit_moments`` and ``lora_resplit_svd`` (``FROM_OPTIMIZER``) saved in the optimizer's
-    section: given ``optimizer``, those it holds become the recipe's (the caller drops them from
-    the optimizer's section).
+    section: given ``optimizer``, those it holds become the recipe's (``upgrade_config`` also drops
+    them from the optimizer's section).
 
   Args:
     recipe: the saved recipe (nested plain dicts).
@@ -425,3 +425,30 @@ def upgrade_dict(recipe: dict, optimizer: Mapping | None = None) -> dict:
                   "scale_rule": "max"}
     out["moments"] = mo
   return out
+
+
+def upgrade_config(config: Mapping) -> dict:
+  """A saved run's config, or its identity, with its ``recipe`` in today's layout (``upgrade_dict``):
+  the fields of ``FROM_OPTIMIZER`` that its ``optimizer`` section holds move into the recipe.
+
+  Args:
+    config: a mapping with ``recipe`` and ``optimizer`` sections (either may be absent).
+
+  Returns:
+    A new dict; the other sections are those of ``config``.
+
+  Raises:
+    ValueError: as ``upgrade_dict``.
+  """
+  out = dict(config)
+  opt = out.get("optimizer")
+  opt = dict(opt) if isinstance(opt, Mapping) else None
+  if isinstance(out.get("recipe"), Mapping):
+    out["recipe"] = upgrade_dict(dict(out["recipe"]), opt)
+  elif opt is not None and any(f in opt for f in FROM_OPTIMIZER):
+    raise ValueError(f"optimizer.{'/'.join(f for f in FROM_OPTIMIZER if f in opt)}: Recipe fields now, and "
+                     "the config has no recipe section to take them: move them to recipe")
+  if opt is not None:
+    out["optimizer"] = {k: v for k, v in opt.items() if k not in FROM_OPTIMIZER}
+  return out
+
