@@ -73,8 +73,8 @@ from experiments.evaluate import EVAL_FILE
 from experiments.studies import Arm
 from experiments.studies.loss_gap import ARMS
 from fp4jax.experiment import Experiment, TrainConfig
-from fp4jax.recipe import upgrade_config
 from fp4jax.preemption import StopSignals, TrainingInterrupted
+from fp4jax.recipe import upgrade_config
 from fp4jax.train import NonFiniteLossError
 from fp4jax.workdir import ABSENT, RunLock, diff
 
