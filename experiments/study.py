@@ -74,6 +74,7 @@ from experiments.studies import Arm
 from experiments.studies.loss_gap import ARMS
 from fp4jax.experiment import Experiment, TrainConfig
 from fp4jax.preemption import StopSignals, TrainingInterrupted
+from fp4jax.recipe import upgrade_config
 from fp4jax.train import NonFiniteLossError
 from fp4jax.workdir import ABSENT, RunLock, diff
 
@@ -146,7 +147,7 @@ def check_workdir(cfg, workdir: Path) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"config": mine}, indent=1) + "\n")
     return
-  theirs = json.loads(path.read_text())["config"]
+  theirs = upgrade_config(json.loads(path.read_text())["config"])  # a study recorded in an older layout
   diffs = [d for d in diff(theirs, mine) if d[1] is not ABSENT]
   if diffs:
     shown = "; ".join(f"{k}: study {a!r}, this command {b!r}" for k, a, b in diffs[:6])

@@ -20,7 +20,7 @@ from typing import Any
 from fp4jax.execution import Execution
 from fp4jax.model import ModelConfig
 from fp4jax.optim.factory import OptimizerConfig
-from fp4jax.recipe import Recipe, upgrade_dict
+from fp4jax.recipe import Recipe, upgrade_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,13 +141,13 @@ class Experiment:
     Raises:
       ValueError: a key that no dataclass has, or an invalid value (the field is named).
 
-    A recipe saved with the op configs' earlier flat fields is read through
-    ``fp4jax.recipe.upgrade_dict``.
+    A recipe saved in an earlier layout (the op configs' flat fields; ``lora_resplit_moments`` and
+    ``lora_resplit_svd`` in the ``optimizer`` section) is read through ``fp4jax.recipe.upgrade_config``.
     """
-    c = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+    c = upgrade_config(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)  # an old config.json too
     name = c.pop("name", "experiment")
     c.pop("study", None)
-    recipe = _typed(Recipe, upgrade_dict(dict(c.pop("recipe"))), "config.recipe")  # old config.json too
+    recipe = _typed(Recipe, c.pop("recipe"), "config.recipe")
     optimizer = _typed(OptimizerConfig, c.pop("optimizer"), "config.optimizer")
     execution = _typed(Execution, c.pop("execution", None) or {}, "config.execution")
     data = _typed(DataSpec, c.pop("data", None) or {}, "config.data")

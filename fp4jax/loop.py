@@ -30,6 +30,7 @@ from fp4jax.layers import Dense
 from fp4jax.metrics import MetricsWriter, peak_flops, set_aside
 from fp4jax.optim.factory import make_optimizer, make_schedule, reset_lora_moments
 from fp4jax.preemption import StopSignals, TrainingInterrupted
+from fp4jax.recipe import LORA_RESPLIT_MOMENTS, LORA_RESPLIT_SVDS
 from fp4jax.step import abstract_model, evaluate, init_state, jit_steps
 from fp4jax.workdir import (CODE_KEY, RunLock, code_version, describe_code, identity, identity_changes,
                             record_start, same_code)
@@ -195,8 +196,8 @@ class _Loop:
     self.tele = (telemetry.jit_telemetry(model_cfg, recipe, exp.optimizer, shardings, mesh,
                                          execution=execution) if tc.telemetry_every else None)
     self.every = recipe.lora_resplit_every if recipe.linear == "nvfp4_lorasvd" else 0
-    self.resplit_fn = (make_lora_resplit(graphdef, shardings, tc.seed, moments=exp.optimizer.lora_resplit_moments,
-                                         svd=exp.optimizer.lora_resplit_svd) if self.every else None)
+    self.resplit_fn = (make_lora_resplit(graphdef, shardings, tc.seed, moments=recipe.lora_resplit_moments,
+                                         svd=recipe.lora_resplit_svd) if self.every else None)
     if start:
       abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                               state, shardings)
@@ -363,22 +364,28 @@ def make_lora_resplit(graphdef, shardings, seed: int = 0, *, moments: str = "kee
   ``moments`` says; params and optimizer state are donated.
 
   Each projection takes a new top-r SVD of its effective weight ``W_res + A·B`` (which is kept),
-  with a key of its own from ``seed``, the step and its place in the model (the keys of
-  ``fp4jax.step.make_resplit``, whose result this is with the defaults).
+  with a key of its own from ``seed``, the step and its place in the model: ``fold_in(fold_in(
+  fold_in(key(seed), 3), step), i)`` for the i-th module of ``nnx.iter_modules``.
 
   Args:
     graphdef: the model's graph definition.
     shardings: the train state's shardings (``"params"`` and ``"opt_state"``).
     seed: the run's seed.
-    moments: ``OptimizerConfig.lora_resplit_moments``: ``"keep"`` (the new SVD factors, every
+    moments: ``Recipe.lora_resplit_moments``: ``"keep"`` (the new SVD factors, every
       moment kept), ``"aligned"`` (the new factors rotated onto the old ones' columns, every moment
       kept) or ``"reset"`` (the new SVD factors, the moments of ``lora_a``/``lora_b`` zeroed).
-    svd: ``OptimizerConfig.lora_resplit_svd``: ``"layer"`` (each layer's SVD method),
+    svd: ``Recipe.lora_resplit_svd``: ``"layer"`` (each layer's SVD method),
       ``"randomized"`` or ``"exact"``.
 
   Returns:
     The jitted function.
+
+  Raises:
+    ValueError: ``moments`` or ``svd`` is not one of its choices.
   """
+  for name, value, choices in (("moments", moments, LORA_RESPLIT_MOMENTS), ("svd", svd, LORA_RESPLIT_SVDS)):
+    if value not in choices:
+      raise ValueError(f"make_lora_resplit: {name}={value!r}: expected one of {choices}")
   key = jax.random.fold_in(jax.random.key(seed), 3)
   method = None if svd == "layer" else svd
 

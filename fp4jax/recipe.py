@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 from fp4jax.layers import DEFAULT_LORA_RANK
 from fp4jax.ops.attention import AttentionConfig
@@ -46,6 +47,8 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a Transformer block's projectio
 _OPTIMIZER_STATE_CHOICES = ("fp32", "nvfp4")
 _NEWTON_SCHULZ_CHOICES = ("bf16", "nvfp4")
 MODULES = ("linear", "attention", "optimizer_states", "newton_schulz")  # what every preset sets
+LORA_RESPLIT_MOMENTS = ("keep", "aligned", "reset")
+LORA_RESPLIT_SVDS = ("layer", "randomized", "exact")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +111,22 @@ class Recipe:
       0.0 (the default): no switch; 1.0: every step.
     lora_rank: rank of the BF16 low-rank branch when ``linear == "nvfp4_lorasvd"``.
     lora_resplit_every: re-split every LoRA-SVD projection (new top-r SVD of ``W_res + A·B``) every
-      this many steps; 0 splits once at init (Metis). Adam moments are kept across a re-split.
-      A schedule of the run: a resumed run may change it.
+      this many steps; 0 splits once at init (Metis). What happens to the optimizer state of the
+      branch at a re-split is ``lora_resplit_moments``. A schedule of the run: a resumed run may
+      change it.
+    lora_resplit_moments: what a re-split (``lora_resplit_every``) does about the optimizer state
+      of the branch's new factors ``lora_a``, ``lora_b`` (``W_res``'s moments are kept: its
+      gradient is the loss's gradient in the unchanged effective weight):
+      ``"keep"``: the new SVD factors, moments kept as they are (a new SVD may reorder, flip or
+      rotate the factors' columns, so the kept moments can point the wrong way);
+      ``"aligned"``: the new factors rotated onto the old ones' columns (orthogonal Procrustes,
+      ``fp4jax.layers.lora_svd_split``'s ``align_to``: the same product ``A·B`` and balance), moments
+      kept, now in the basis they were accumulated in; ``"reset"``: the moments of ``lora_a`` and
+      ``lora_b`` set to zero (Adam restarts them without bias correction, the step count being
+      global). docs/DESIGN.md, "LoRA-SVD", compares the three.
+    lora_resplit_svd: the SVD of a re-split: ``"layer"`` (each layer's ``svd``: exact up to
+      ``min(K, N) = 2048``, randomized above), ``"randomized"`` (``fp4jax.layers.randomized_svd``
+      at every size) or ``"exact"``.
     lora_lr_scale: the low-rank branch's learning rate (``lora_a``, ``lora_b``) as a multiple of
       the run's: their updates are scaled by it after the optimizer (weight decay included, as a
       learning rate scales it). 1.0 leaves the optimizer as it is; 0.0 freezes the branch.
@@ -151,6 +168,8 @@ class Recipe:
   bf16_fwd_last: float = 0.0
   lora_rank: int = DEFAULT_LORA_RANK
   lora_resplit_every: int = 0
+  lora_resplit_moments: str = "keep"
+  lora_resplit_svd: str = "layer"
   lora_lr_scale: float = 1.0
   lora_projections: str = "all"
   matmul: MatmulConfig = MatmulConfig.nvfp4()
@@ -161,7 +180,8 @@ class Recipe:
   def __post_init__(self):
     for field, choices in (("linear", _LINEAR_CHOICES), ("attention", _ATTENTION_CHOICES),
                            ("optimizer_states", _OPTIMIZER_STATE_CHOICES),
-                           ("newton_schulz", _NEWTON_SCHULZ_CHOICES)):
+                           ("newton_schulz", _NEWTON_SCHULZ_CHOICES),
+                           ("lora_resplit_moments", LORA_RESPLIT_MOMENTS), ("lora_resplit_svd", LORA_RESPLIT_SVDS)):
       value = getattr(self, field)
       if value not in choices:
         raise ValueError(f"Recipe.{field}={value!r}: expected one of {choices}")
@@ -336,19 +356,46 @@ def _names(value) -> list[str]:
   return [n for n in value.split(",") if n] if isinstance(value, str) else list(value or ())
 
 
-def upgrade_dict(recipe: dict) -> dict:
-  """A recipe's ``to_dict()`` as saved before the op configs held one ``fp4jax.quant.Operand`` per
-  operand, in today's layout; today's layout passes through unchanged.
+FROM_OPTIMIZER = ("lora_resplit_moments", "lora_resplit_svd")  # recipe fields once saved under "optimizer"
 
-  Run folders and checkpoints record the recipe they ran; resuming one written with the flat fields
-  (``matmul.x_rounding``, ``matmul.bf16_operands="x"``, ``matmul.two_term="x,w"``, ``matmul.split="x"``
-  with ``split_method``/``split_rank``/``split_power_iters``; ``attention_op.v="nvfp4"`` with
-  ``attention_op.v_rounding``; ``moments.mu_rounding``) compares it, upgraded, with this run's, and
-  ``fp4jax.experiment.Experiment.from_config`` types an old ``config.json`` through it. The old
-  layout's blocks were fixed (16×16 for the matmul's ``w`` and attention's ``ds``, 1×16 elsewhere)
-  and its only scale rule ``"max"``: the upgraded specs state them.
+
+def upgrade_dict(recipe: dict, optimizer: Mapping | None = None) -> dict:
+  """A recipe's ``to_dict()`` as saved by an earlier layout, in today's layout; today's layout
+  passes through unchanged.
+
+  Run folders and checkpoints record the recipe they ran; resuming one written in an earlier layout
+  compares it, upgraded, with this run's, and ``fp4jax.experiment.Experiment.from_config`` types an
+  old ``config.json`` through it. Two earlier layouts are read:
+
+  - the op configs' flat fields (``matmul.x_rounding``, ``matmul.bf16_operands="x"``,
+    ``matmul.two_term="x,w"``, ``matmul.split="x"`` with ``split_method``/``split_rank``/
+    ``split_power_iters``; ``attention_op.v="nvfp4"`` with ``attention_op.v_rounding``;
+    ``moments.mu_rounding``), before they held one ``fp4jax.quant.Operand`` per operand. Their
+    blocks were fixed (16×16 for the matmul's ``w`` and attention's ``ds``, 1×16 elsewhere) and
+    their only scale rule ``"max"``: the upgraded specs state them.
+  - ``lora_resplit_moments`` and ``lora_resplit_svd`` (``FROM_OPTIMIZER``) saved in the optimizer's
+    section: given ``optimizer``, those it holds become the recipe's (``upgrade_config`` also drops
+    them from the optimizer's section).
+
+  Args:
+    recipe: the saved recipe (nested plain dicts).
+    optimizer: the saved optimizer section of the same run or config, or None.
+
+  Returns:
+    The recipe's dict in today's layout (a new dict; the inputs are not changed).
+
+  Raises:
+    ValueError: the recipe and the optimizer section both hold one of ``FROM_OPTIMIZER`` with
+      different values.
   """
   out = dict(recipe)
+  for field in FROM_OPTIMIZER:
+    if optimizer is None or field not in optimizer:
+      continue
+    if field in out and out[field] != optimizer[field]:
+      raise ValueError(f"recipe.{field}={out[field]!r} and optimizer.{field}={optimizer[field]!r}: "
+                       f"{field} is Recipe.{field} now; give it once, in the recipe")
+    out[field] = optimizer[field]
   m = out.get("matmul")
   if isinstance(m, dict) and not isinstance(m.get("x"), dict) and "x_rounding" in m:
     m = dict(m)
@@ -378,3 +425,30 @@ def upgrade_dict(recipe: dict) -> dict:
                   "scale_rule": "max"}
     out["moments"] = mo
   return out
+
+
+def upgrade_config(config: Mapping) -> dict:
+  """A saved run's config, or its identity, with its ``recipe`` in today's layout (``upgrade_dict``):
+  the fields of ``FROM_OPTIMIZER`` that its ``optimizer`` section holds move into the recipe.
+
+  Args:
+    config: a mapping with ``recipe`` and ``optimizer`` sections (either may be absent).
+
+  Returns:
+    A new dict; the other sections are those of ``config``.
+
+  Raises:
+    ValueError: as ``upgrade_dict``.
+  """
+  out = dict(config)
+  opt = out.get("optimizer")
+  opt = dict(opt) if isinstance(opt, Mapping) else None
+  if isinstance(out.get("recipe"), Mapping):
+    out["recipe"] = upgrade_dict(dict(out["recipe"]), opt)
+  elif opt is not None and any(f in opt for f in FROM_OPTIMIZER):
+    raise ValueError(f"optimizer.{'/'.join(f for f in FROM_OPTIMIZER if f in opt)}: Recipe fields now, and "
+                     "the config has no recipe section to take them: move them to recipe")
+  if opt is not None:
+    out["optimizer"] = {k: v for k, v in opt.items() if k not in FROM_OPTIMIZER}
+  return out
+

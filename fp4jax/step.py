@@ -28,7 +28,6 @@ from fp4jax import optim
 from fp4jax import sharding as shd
 from fp4jax.data import to_global_batch
 from fp4jax.execution import Execution
-from fp4jax.layers import Dense
 from fp4jax.loss import chunked_cross_entropy
 from fp4jax.model import ModelConfig, Transformer, projection_dims
 from fp4jax.recipe import Recipe
@@ -150,28 +149,6 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
     return new_state, metrics
 
   return step_fn
-
-
-def make_resplit(graphdef, params_shardings, seed: int = 0):
-  """A jitted ``(params, step) -> params`` that re-splits every LoRA-SVD projection.
-
-  Each ``fp4jax.layers.Dense`` with a low-rank branch takes a new top-r SVD of its effective
-  weight ``W_res + A·B`` (which is preserved); other parameters pass through. Params are donated.
-  """
-  key = jax.random.fold_in(jax.random.key(seed), 3)
-
-  def resplit(params, step):
-    model = nnx.merge(graphdef, params)
-    k = jax.random.fold_in(key, step)
-    for i, (_, module) in enumerate(nnx.iter_modules(model)):
-      if isinstance(module, Dense) and module.rank:
-        module.resplit(jax.random.fold_in(k, i))
-    return nnx.to_pure_dict(nnx.state(model))
-
-  rep = jax.tree.leaves(params_shardings)[0]
-  rep = NamedSharding(rep.mesh, P())
-  return jax.jit(resplit, in_shardings=(params_shardings, rep), out_shardings=params_shardings,
-                 donate_argnums=0)
 
 
 def make_eval_step(graphdef, execution: Execution):

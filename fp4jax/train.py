@@ -21,8 +21,7 @@ from fp4jax.model import ModelConfig
 from fp4jax.optim.factory import LORA_PARAMS, OPTIMIZERS, SCHEDULES, OptimizerConfig, make_optimizer, make_schedule
 from fp4jax.optim.factory import _lora_mask as _lora_mask  # imported from here by tests
 from fp4jax.recipe import Recipe
-from fp4jax.step import (abstract_model, evaluate, init_state, jit_steps, loss_fn, make_eval_step,
-                         make_resplit, make_train_step)
+from fp4jax.step import abstract_model, evaluate, init_state, jit_steps, loss_fn, make_eval_step, make_train_step
 
 __all__ = [
     "LORA_PARAMS",
@@ -38,7 +37,6 @@ __all__ = [
     "loss_fn",
     "make_eval_step",
     "make_optimizer",
-    "make_resplit",
     "make_schedule",
     "make_train_step",
     "train",

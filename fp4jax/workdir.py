@@ -263,12 +263,11 @@ def diff(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
 
 def _saved_diff(saved: Mapping, current: Mapping) -> list[tuple[str, object, object]]:
   """``diff`` over the fields ``saved`` records (a checkpoint written before a field existed); a
-  recipe saved in an older layout is compared upgraded (``fp4jax.recipe.upgrade_dict``)."""
-  from fp4jax.recipe import upgrade_dict  # the recipe imports the ops; identities stay light
+  recipe saved in an older layout is compared upgraded (``fp4jax.recipe.upgrade_config``: the
+  re-split's fields of an identity that held them under ``optimizer`` are the recipe's)."""
+  from fp4jax.recipe import upgrade_config  # the recipe imports the ops; identities stay light
 
-  saved = {k: v for k, v in saved.items() if k != CODE_KEY}  # what ran it, not what it is
-  if isinstance(saved.get("recipe"), Mapping):
-    saved = {**saved, "recipe": upgrade_dict(dict(saved["recipe"]))}
+  saved = upgrade_config({k: v for k, v in saved.items() if k != CODE_KEY})  # CODE_KEY: what ran it, not what it is
   return [d for d in diff(saved, current) if d[1] is not ABSENT]
 
 

@@ -1,6 +1,8 @@
 """fp4jax.recipe: presets, validation, BF16-exempt blocks, the nested op configs."""
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,8 @@ from fp4jax.ops.matmul import MatmulConfig, Split
 from fp4jax.optim import AdamNvfp4Options
 from fp4jax.recipe import PROJECTIONS, Recipe, get_recipe
 from fp4jax.quant import Operand
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_presets_are_cumulative():
@@ -33,7 +37,8 @@ def test_recipe_is_frozen_and_hashable():
 
 
 @pytest.mark.parametrize("field,value", [("linear", "int4"), ("attention", "fp8"),
-                                         ("optimizer_states", "bf16"), ("newton_schulz", "fp32")])
+                                         ("optimizer_states", "bf16"), ("newton_schulz", "fp32"),
+                                         ("lora_resplit_moments", "rotate"), ("lora_resplit_svd", "full")])
 def test_bad_choice_names_the_field(field, value):
   with pytest.raises(ValueError, match=f"Recipe.{field}="):
     Recipe(**{field: value})
@@ -192,6 +197,37 @@ def test_a_recipe_saved_in_the_flat_layout_resumes_as_the_same_recipe():
   other = same.replace(matmul={"x": {"terms": 1}})
   with pytest.raises(workdir.IncompatibleCheckpointError, match=r"recipe\.matmul\.x\.terms: checkpoint 2"):
     workdir.identity_changes(saved, {"recipe": other.to_dict(), "seed": 0})
+
+
+def test_resplit_fields_saved_under_the_optimizer_are_the_recipes():
+  """``lora_resplit_moments``/``_svd`` were ``OptimizerConfig`` fields: a config.json or an identity
+  that holds them under ``optimizer`` reads them into the recipe, one that holds neither resumes as
+  the defaults, and a real difference is refused as a change of the recipe."""
+  from fp4jax import workdir
+  from fp4jax.experiment import Experiment
+  from fp4jax.recipe import upgrade_dict
+
+  run = json.loads((ROOT / "experiments/results/20m_h100/w1x16_4over6/config.json").read_text())["config"]
+  assert run["optimizer"]["lora_resplit_moments"] == "keep" and "lora_resplit_moments" not in run["recipe"]
+  exp = Experiment.from_config(run)
+  assert (exp.recipe.lora_resplit_moments, exp.recipe.lora_resplit_svd) == ("keep", "layer")
+  moved = {"lora_resplit_moments": "aligned", "lora_resplit_svd": "randomized"}
+  old_run = {**run, "optimizer": {**run["optimizer"], **moved}}
+  mine = Experiment.from_config(old_run)
+  assert mine.recipe == exp.recipe.replace(**moved) and mine.optimizer == exp.optimizer
+  assert upgrade_dict(mine.recipe.to_dict(), old_run["optimizer"]) == mine.recipe.to_dict()
+  assert Experiment.from_config({**old_run, "recipe": mine.recipe.to_dict()}) == mine  # given twice, the same
+  with pytest.raises(ValueError, match="recipe.lora_resplit_svd='exact' and optimizer.lora_resplit_svd"):
+    upgrade_dict({**mine.recipe.to_dict(), "lora_resplit_svd": "exact"}, old_run["optimizer"])
+
+  current = workdir.identity(mine)
+  saved = {**current, "recipe": {k: v for k, v in current["recipe"].items() if k not in moved},
+           "optimizer": {**current["optimizer"], **moved}}  # as the identity was saved with optimizer fields
+  assert workdir.identity_changes(saved, current) == []
+  before = {**saved, "optimizer": current["optimizer"]}  # saved before either field existed
+  assert workdir.identity_changes(before, workdir.identity(exp)) == []
+  with pytest.raises(workdir.IncompatibleCheckpointError, match="recipe.lora_resplit_moments: checkpoint 'aligned'"):
+    workdir.identity_changes(saved, workdir.identity(exp), allow=("optimizer",))
 
 
 def test_bf16_forward_tail_is_a_schedule_of_the_run():

@@ -232,6 +232,23 @@ def _small_config(steps=3):
   return cfg
 
 
+def test_a_study_recorded_with_the_resplit_choices_under_the_optimizer(tmp_path):
+  """A study.json recorded when ``lora_resplit_moments``/``_svd`` were optimizer fields is the same
+  study; a different choice there is refused, named as the recipe's field."""
+  cfg = _small_config()
+  st.check_workdir(cfg, tmp_path)
+  path = tmp_path / st.STUDY_FILE
+  recorded = json.loads(path.read_text())
+  for field in ("lora_resplit_moments", "lora_resplit_svd"):
+    recorded["config"]["optimizer"][field] = recorded["config"]["recipe"].pop(field)
+  path.write_text(json.dumps(recorded))
+  st.check_workdir(cfg, tmp_path)
+  recorded["config"]["optimizer"]["lora_resplit_moments"] = "aligned"
+  path.write_text(json.dumps(recorded))
+  with pytest.raises(ValueError, match="recipe.lora_resplit_moments: study 'aligned', this command 'keep'"):
+    st.check_workdir(cfg, tmp_path)
+
+
 @pytest.mark.slow
 def test_two_arms_collect_and_reuse(tmp_path, capsys, monkeypatch):
   # The study types its config once and prepares the (shared) data once, however many arms.

@@ -15,7 +15,7 @@ _ATTN_QK_4OVER6 = {"recipe.attention": "nvfp4", "recipe.attention_op.q.scale_rul
 _W1X16 = {"recipe.matmul.w.block": (1, 16)}
 _W1X16_4OVER6 = {**_W1X16, "recipe.matmul.x.scale_rule": "4over6_mse", "recipe.matmul.w.scale_rule": "4over6_mse",
                  "recipe.matmul.x_wgrad.scale_rule": "4over6_mse"}
-_REALIGN = {"optimizer.lora_resplit_moments": "aligned", "optimizer.lora_resplit_svd": "randomized"}
+_REALIGN = {"recipe.lora_resplit_moments": "aligned", "recipe.lora_resplit_svd": "randomized"}
 _STATES = {"recipe.optimizer_states": "nvfp4"}
 _FOUR_OVER_SIX_FWD = {"recipe.matmul.x.scale_rule": "4over6_mse", "recipe.matmul.w.scale_rule": "4over6_mse"}
 

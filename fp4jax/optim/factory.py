@@ -25,8 +25,6 @@ if TYPE_CHECKING:
 
 SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
-LORA_RESPLIT_MOMENTS = ("keep", "aligned", "reset")
-LORA_RESPLIT_SVDS = ("layer", "randomized", "exact")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,19 +44,6 @@ class OptimizerConfig:
     warmup_steps: linear warmup from 0.
     decay_fraction: WSD only.
     min_lr_ratio: final learning rate as a fraction of the peak.
-    lora_resplit_moments: what a LoRA-SVD re-split (``Recipe.lora_resplit_every``) does about the
-      optimizer state of the branch's new factors ``lora_a``, ``lora_b`` (``W_res``'s moments are
-      kept: its gradient is the loss's gradient in the unchanged effective weight):
-      ``"keep"``: the new SVD factors, moments kept as they are (a new SVD may reorder, flip or
-      rotate the factors' columns, so the kept moments can point the wrong way);
-      ``"aligned"``: the new factors rotated onto the old ones' columns (orthogonal Procrustes,
-      ``fp4jax.layers.lora_svd_split``'s ``align_to``: the same product ``A·B`` and balance), moments
-      kept, now in the basis they were accumulated in; ``"reset"``: the moments of ``lora_a`` and
-      ``lora_b`` set to zero (Adam restarts them without bias correction, the step count being
-      global). docs/DESIGN.md, "LoRA-SVD", compares the three.
-    lora_resplit_svd: the SVD of a re-split: ``"layer"`` (each layer's ``svd``: exact up to
-      ``min(K, N) = 2048``, randomized above), ``"randomized"`` (``fp4jax.layers.randomized_svd``
-      at every size) or ``"exact"``.
   """
 
   name: str = "adamw"
@@ -72,8 +57,6 @@ class OptimizerConfig:
   warmup_steps: int = 100
   decay_fraction: float = 0.2
   min_lr_ratio: float = 0.1
-  lora_resplit_moments: str = "keep"
-  lora_resplit_svd: str = "layer"
 
   def __post_init__(self):
     if self.name not in OPTIMIZERS:
@@ -89,9 +72,6 @@ class OptimizerConfig:
     for f in ("eps", "weight_decay", "grad_clip"):
       if not 0 <= getattr(self, f) < math.inf:
         raise ValueError(f"OptimizerConfig.{f}={getattr(self, f)}: must be a finite number >= 0")
-    for f, choices in (("lora_resplit_moments", LORA_RESPLIT_MOMENTS), ("lora_resplit_svd", LORA_RESPLIT_SVDS)):
-      if getattr(self, f) not in choices:
-        raise ValueError(f"OptimizerConfig.{f}={getattr(self, f)!r}: expected one of {choices}")
     if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
       raise ValueError(f"OptimizerConfig.warmup_steps={self.warmup_steps!r}: must be an int >= 0")
 
