@@ -52,6 +52,16 @@ NVFP4_NEWTON_SCHULZ = ("muon_nvfp4", "root")
 CODE_PATHS = ["adamw_nvfp4", "adamw_nvfp4_xla", "adamw_unquantized", "muon_nvfp4", "muon_fp32",
               "muon_unquantized"]
 
+# The fast tier runs the AdamW paths and unquantized Muon; the Newton–Schulz configurations (NVFP4 and
+# float32 operands, a second compilation of each product) and AdamW's XLA twin of the kernel path run in
+# the slow tier (``pytest -m slow``).
+_SLOW = ("muon_nvfp4", "muon_fp32", "root", "adamw_nvfp4_xla")
+
+
+def _tiered(names):
+  return [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW else n for n in names]
+
+
 REAL = [jnp.float32, jnp.bfloat16, jnp.float16]
 COMPLEX = [jnp.complex64]
 
@@ -83,7 +93,7 @@ def _close(a, b, rtol=1e-5, atol=1e-7):
 
 
 @pytest.mark.parametrize("dtype", REAL + COMPLEX, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", _tiered(CONFIGS))
 def test_state_type_is_stable_and_updates_take_the_params_dtype(name, dtype):
   params = _params(dtype)
   updates, _, types = _steps(CONFIGS[name](), params, 2)
@@ -96,7 +106,7 @@ def test_state_type_is_stable_and_updates_take_the_params_dtype(name, dtype):
     assert all(np.any(np.imag(np.asarray(u[k])) != 0) for u in updates[1:] for k in params)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", _tiered(CONFIGS))
 def test_float64_params_keep_their_dtype(name):
   with jax.enable_x64(True):
     params = _params(jnp.float64)
@@ -105,8 +115,8 @@ def test_float64_params_keep_their_dtype(name):
     assert all(u[k].dtype == jnp.float64 for u in updates for k in params)
 
 
-@pytest.mark.parametrize("name", CODE_PATHS)
-def test_jit_equals_eager_and_eval_shape_init_is_the_statestate_type(name):
+@pytest.mark.parametrize("name", _tiered(CODE_PATHS))
+def test_jit_equals_eager_and_eval_shape_init_is_the_state_type(name):
   tx, params = CONFIGS[name](), _params()
   assert state_type(jax.eval_shape(tx.init, params)) == state_type(tx.init(params))
   shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
@@ -118,7 +128,7 @@ def test_jit_equals_eager_and_eval_shape_init_is_the_statestate_type(name):
   assert state_type(s_jit) == state_type(s_eager)
 
 
-@pytest.mark.parametrize("name", CODE_PATHS)
+@pytest.mark.parametrize("name", _tiered(CODE_PATHS))
 def test_scan_and_cond_over_steps(name):
   tx, params = CONFIGS[name](), _params()
   grads = [_grads(params, s) for s in range(3)]
@@ -147,7 +157,7 @@ def test_scan_and_cond_over_steps(name):
   assert np.any(np.asarray(u["w"]))
 
 
-@pytest.mark.parametrize("name", CODE_PATHS)
+@pytest.mark.parametrize("name", _tiered(CODE_PATHS))
 def test_optax_wrappers_compose(name):
   params = _params()
   for tx in (optax.chain(optax.clip_by_global_norm(1.0), CONFIGS[name]()),
@@ -159,7 +169,7 @@ def test_optax_wrappers_compose(name):
     assert np.any(np.asarray(updates[-1]["w"]))
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", _tiered(CONFIGS))
 def test_tree_map_params_maps_a_params_shaped_tree(name):
   """optax's documented use: partition specs of the state from the parameters' specs."""
   tx, params = CONFIGS[name](), _params()
@@ -192,7 +202,7 @@ def _shardings(tree):
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
-@pytest.mark.parametrize("name", CODE_PATHS)
+@pytest.mark.parametrize("name", _tiered(CODE_PATHS))
 @pytest.mark.slow
 def test_init_builds_the_shardings_update_returns(name, axis_type):
   tx, mesh = CONFIGS[name](), _mesh(axis_type)
@@ -229,7 +239,7 @@ def test_init_builds_the_shardings_update_returns(name, axis_type):
       _close(sharded[s], unsharded[s], rtol=2e-2, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", _tiered(CONFIGS))
 @pytest.mark.slow
 def test_converges_on_a_least_squares_problem(name):
   key = jax.random.key(1)
