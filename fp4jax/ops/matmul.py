@@ -51,9 +51,8 @@ error:
   pair of terms' NVFP4 GEMMs (``fp4jax.quant.gemm_terms``: two, or four where both operands have
   two terms), with about 1/8 of one term's error at twice the GEMM cost. A two-term ``w`` stays two GEMMs:
   one GEMM on the pre-summed decoded terms is exact in neither precision (each decoded term
-  ``e2m1 × e4m3 × global scale`` needs up to 30 significant bits, so most float32 decodes round;
-  their sum fits bf16 for 1–12% of a weight's elements; a float32-operand GEMM of the sum matches the
-  two GEMMs' bits in 8–28% of the outputs: docs/DESIGN.md, "A two-term W is two GEMMs").
+  ``e2m1 × e4m3 × global scale`` needs up to 30 significant bits; docs/DESIGN.md, "A two-term W is
+  two GEMMs").
 - **Split** (``MatmulConfig.split``, a ``Split``): ``x`` and/or ``dy`` become ``a = U·P + R``
   before their quantized GEMMs; only the residual ``R`` is quantized, and the low-rank part is
   multiplied in float32 (skinny GEMMs of rank r, the weight unquantized), so each GEMM stays exact
@@ -333,8 +332,7 @@ def dgrad_weight(qw, keys, config: MatmulConfig, run: MatmulExecution | None = N
   ``config.w``'s rounding, terms and scale rule, its own amax and global scale (those of
   ``deq(Q_K(w))``, which differ from ``w``'s by at most the E4M3 rounding of the block scales) and
   a key of its own. The grids of the two block layouts differ, so the re-quantization moves most
-  values: on a Gaussian weight ``deq(Q_N(deq(Q_K(w))))`` is about 9% (relative L2) from the
-  forward's ``deq(Q_K(w))``, where an independent ``Q_N(w)`` is about 13% from it.
+  values (docs/DESIGN.md, "The linear recipe", has the sizes).
 
   Args:
     qw: the forward's ``w`` operand (its terms, or the plain array of an unquantized ``w``).

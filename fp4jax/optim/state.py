@@ -70,18 +70,11 @@ class CenteredNVFP4Tensor(NVFP4Tensor):
     return x.astype(self.dtype if dtype is None else dtype)
 
 
-def _key_name(k) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
 def path_matches(path, patterns) -> bool:
   """Whether a leaf's key path (``jax.tree_util`` keys) matches one of ``patterns``: a pattern is one
   key name (``"lm_head"``) or several joined by ``/`` (``"embed/embedding"``) that appear in the path
   one after the other."""
-  names = [_key_name(k) for k in path]
+  names = [jax.tree_util.keystr((k,), simple=True) for k in path]
   for pattern in patterns:
     want = pattern.split("/")
     if any(names[i:i + len(want)] == want for i in range(len(names) - len(want) + 1)):
