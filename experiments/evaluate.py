@@ -112,12 +112,7 @@ def windows(tok: tokenizer_lib.Tokenizer, files: Sequence[Path], seq_len: int,
   ids = [np.append(tok.encode_batch([corpus_lib.read_text(f, encoding)])[0], tok.eos_id)
          for f in files]
   stream = np.concatenate(ids).astype(np.int32)
-  out = []
-  for s in range(0, len(stream), shard_tokens):
-    shard = stream[s:s + shard_tokens]
-    n = max(len(shard) - 1, 0) // seq_len
-    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
-    out.append(shard[idx])
+  out = [data.cut_windows(stream[s:s + shard_tokens], seq_len) for s in range(0, len(stream), shard_tokens)]
   w = np.concatenate(out) if out else np.zeros((0, seq_len + 1), np.int32)
   if not len(w):
     raise ValueError(f"the text has {len(stream)} tokens, fewer than one window of seq_len + 1 = "

@@ -562,12 +562,15 @@ def split_windows(data_dir: str | os.PathLike, split: str, seq_len: int) -> np.n
     if why := shard_damage(data_dir, meta, shard):
       raise ValueError(f"{why}; prepare the data again")
   src = TokenWindows(data_dir, split, seq_len)  # checks the sizes; at least one window
-  out = []
-  for path, n in zip(src._paths, src._sizes, strict=True):
-    ids = np.memmap(path, meta.np_dtype, "r", shape=(n,))
-    idx = np.arange(max(n - 1, 0) // seq_len)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
-    out.append(np.asarray(ids[idx], np.int32))
-  return np.concatenate(out)
+  return np.concatenate([cut_windows(np.memmap(path, meta.np_dtype, "r", shape=(n,)), seq_len)
+                         for path, n in zip(src._paths, src._sizes, strict=True)])
+
+
+def cut_windows(ids, seq_len: int) -> np.ndarray:
+  """The windows of one shard's token stream ``ids``, as ``TokenWindows`` reads them: consecutive
+  (N, seq_len + 1) int32 rows, each overlapping the next by one token, N = (len − 1) // seq_len."""
+  n = max(len(ids) - 1, 0) // seq_len
+  return np.asarray(ids[np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]], np.int32)
 
 
 def num_windows(data_dir: str | os.PathLike, split: str, seq_len: int) -> int:
