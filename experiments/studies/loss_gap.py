@@ -192,17 +192,18 @@ ARMS: tuple[Arm, ...] = (
         Arm("attn_v_nvfp4", "bf16", {"recipe.attention": "nvfp4", "recipe.attention_op.v.format": "nvfp4"}, 0,
             "attn_only", "V in NVFP4 too (one Q(v) in P.V and dO.V^T; P and dO in BF16)"),
     ),
-    # 1x16 weight blocks along K (the dgrad's W re-quantized along N from the forward's), alone and with
-    # Four-over-Six on the nearest-rounded operands: the candidates for the method's baseline.
+    # 1x16 weight blocks along K (the dgrad's W re-quantized along N from the forward's), alone (against
+    # fp4_linear) and on top of Four-over-Six on the nearest-rounded operands (against fourover6_all):
+    # the candidates for the method's baseline.
     *_group(
         "baseline",
         Arm("w1x16", "fp4_linear", _W1X16, 0, "fp4_linear",
             "W in 1x16 blocks along K (the dgrad's W: Q_N of the dequantized forward W)"),
         Arm("w1x16_s1", "fp4_linear", _W1X16, 1, "fp4_linear_s1",
             "W in 1x16 blocks along K (the dgrad's W: Q_N of the dequantized forward W), seed 1"),
-        Arm("w1x16_4over6", "fp4_linear", _W1X16_4OVER6, 0, "fp4_linear",
+        Arm("w1x16_4over6", "fp4_linear", _W1X16_4OVER6, 0, "fourover6_all",
             "W in 1x16 blocks along K and Four-over-Six (MSE) on x, W and the wgrad's H·x"),
-        Arm("w1x16_4over6_s1", "fp4_linear", _W1X16_4OVER6, 1, "fp4_linear_s1",
+        Arm("w1x16_4over6_s1", "fp4_linear", _W1X16_4OVER6, 1, "fourover6_all_s1",
             "W in 1x16 blocks along K and Four-over-Six (MSE) on x, W and the wgrad's H·x, seed 1"),
     ),
     # Cheap precision where the gap is: one change of fp4_linear, read against it at the same seed.
