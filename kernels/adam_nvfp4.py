@@ -426,7 +426,7 @@ def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret, precond
   return (codes[0] | (codes[1] << 4)).astype(jnp.uint8), dcode
 
 
-def _rounded_mul(interpret: bool, zero):
+def _unfused_mul(interpret: bool, zero):
   """Products rounded on their own, never fused into an addition: PTX ``mul.rn.f32`` in the GPU
   kernels (``mul_rn``), ``numerics.rounded`` with the runtime ``zero`` in interpret mode."""
   return mul_rn(interpret) or (lambda a, b: numerics.rounded(a * b, zero))
@@ -438,7 +438,7 @@ def _four_over_six_halves(xs, s_dec, finite, scale_rule, s_enc, zero, interpret)
   and error terms summed in element order (``nvfp4._block_error``), amax to 4 where its error is
   strictly lower. Returns (packed, scale codes)."""
   block_amax = jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=1), jnp.max(jnp.abs(xs[1]), axis=1))
-  mul = _rounded_mul(interpret, zero)
+  mul = _unfused_mul(interpret, zero)
   ftz = numerics.flush_subnormals
   scaled = [ftz(mul(x, s_enc)) for x in xs]
   cands = []
@@ -523,7 +523,7 @@ def _encode_leaf(i_ref, f_ref, t_ref, ins, outs, *, hp: AdamHyper, nb: int, leaf
     bits = None
     if rounding in ("stochastic", "preconditioner"):
       bits = [numerics.lane_bits(pair_hash, 2 * j + h) for h in range(2)]
-    precond = (factors[2], hp.eps, _rounded_mul(interpret, zero))
+    precond = (factors[2], hp.eps, _unfused_mul(interpret, zero))
     rule = (hp.mu_scale_rule, hp.nu_scale_rule)[j]
     four_six = None if rule == "max" else (rule, t_ref[t + 3], zero)
     packed, dcode = _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret, precond, four_six)
