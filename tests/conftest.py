@@ -12,8 +12,8 @@ import os
 if os.environ.get("FP4JAX_GPU_TESTS") != "1":
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The launchers' persistent compilation cache: one fresh folder per test session (shared by the
-# launcher subprocesses of the tests), never the user's ~/.cache.
+# JAX's persistent compilation cache: one fresh folder per test session (shared by the test
+# processes and the launcher subprocesses they start), never the user's ~/.cache.
 if "FP4JAX_CACHE" not in os.environ:
   import atexit
   import shutil
@@ -23,6 +23,11 @@ if "FP4JAX_CACHE" not in os.environ:
 
 import jax
 
+# In-process tests share that cache too: a test that trains, is stopped and resumes (or evaluates
+# what it trained) builds the same programs again, and loads them instead of recompiling.
+if os.environ.get("FP4JAX_GPU_TESTS") != "1":
+  jax.config.update("jax_compilation_cache_dir", os.environ["FP4JAX_CACHE"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
