@@ -148,13 +148,16 @@ def fit_law(points: Sequence[Point], fixed: Mapping[str, float] | None = None,
     The fitted ``Law``.
 
   Raises:
-    ValueError: an unknown name in ``fixed``, or fewer distinct (N, D) points than free constants
-      plus one (the points are named, and what to add).
+    ValueError: an unknown name or a value that is not positive in ``fixed``, or fewer distinct
+      (N, D) points than free constants plus one (the points are named, and what to add).
   """
   fixed = dict(fixed or {})
   unknown = sorted(set(fixed) - set(LAW_PARAMS))
   if unknown:
     raise ValueError(f"fixed: unknown constant(s) {unknown}; the law's are {', '.join(LAW_PARAMS)}")
+  bad = [f"{k}={v!r}" for k, v in fixed.items() if not (isinstance(v, int | float) and math.isfinite(v) and v > 0)]
+  if bad:
+    raise ValueError(f"fixed: {', '.join(bad)}: every constant of the law is a positive finite number")
   free = [k for k in LAW_PARAMS if k not in fixed]
   nd = _distinct(points)
   ns, ds = {n for n, _ in nd}, {d for _, d in nd}

@@ -92,6 +92,8 @@ def test_too_few_points_are_named():
     scaling.fit([p for p in synthetic() if not p.reference])
   with pytest.raises(ValueError, match="unknown constant"):
     scaling.fit_law(bf16, fixed={"delta": 1.0})
+  with pytest.raises(ValueError, match="positive finite"):
+    scaling.fit_law(bf16, fixed={"E": 0.0})
   # Constants held fixed leave fewer to fit: five points fit three.
   f = scaling.fit(bf16, fixed={"alpha": TRUE.alpha, "beta": TRUE.beta, "gamma": TRUE.gamma}, bootstrap=0)
   assert f.law.gamma == TRUE.gamma and f.fixed == ("alpha", "beta", "gamma")
