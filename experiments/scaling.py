@@ -476,6 +476,56 @@ def run_fit(results: str | Path, fixed: str | Mapping[str, float] | None = None,
   return fit_table(f, points, title)
 
 
+def plot_fit(f: Fit, points: Sequence[Point], ratio: int | None = None, size: float | None = None):
+  """Loss against N at ``ratio`` tokens per parameter, and against D at ``size`` parameters: each
+  recipe's arms (seeds averaged) and its fitted curve.
+
+  Args:
+    ratio: default the ratio with the most (recipe, N) pairs, the nearest to 25 of a tie.
+    size: default the N with the most (recipe, D) pairs, the middle one of a tie.
+
+  Returns:
+    The matplotlib figure (two axes).
+  """
+  import matplotlib.pyplot as plt
+
+  def pairs(key):
+    out: dict[float, set] = {}
+    for p in points:
+      k, other = key(p)
+      out.setdefault(k, set()).add((p.reference, p.recipe, other))
+    top = max(map(len, out.values()))
+    return sorted(k for k, v in out.items() if len(v) == top)
+
+  if ratio is None:
+    ratio = min(pairs(lambda p: (round(p.d / p.n), p.n)), key=lambda r: abs(math.log(r / 25)))
+  if size is None:
+    tied = pairs(lambda p: (p.n, p.d))
+    size = tied[len(tied) // 2]
+  effs = {r.recipe: (r.eff_n, r.eff_d) for r in f.recipes if r.error is None}
+  recipes = [("bf16", True, (1.0, 1.0))] + [(k, False, e) for k, e in effs.items()]
+  fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5))
+  for i, (name, reference, (en, ed)) in enumerate(recipes):
+    color = "0.3" if reference else f"C{i}"
+    mine = [p for p in points if p.reference == reference and (reference or p.recipe == name)]
+    for axis, on, x_of, curve in (
+        (ax, [p for p in mine if round(p.d / p.n) == ratio], lambda p: p.n,
+         lambda x: f.law.loss(x, ratio * x, en, ed)),
+        (bx, [p for p in mine if p.n == size], lambda p: p.d, lambda x: f.law.loss(size, x, en, ed))):
+      if not on:
+        continue
+      xs = sorted({x_of(p) for p in on})
+      means = [np.mean([p.loss for p in on if x_of(p) == x]) for x in xs]
+      grid = np.geomspace(xs[0] / 1.2, xs[-1] * 1.2, 50)
+      axis.plot(xs, means, "o", color=color)
+      label = "bf16" if reference else f"{name}: eff_N {en:.2f}, eff_D {ed:.2f}"
+      axis.plot(grid, curve(grid), "-" if reference else "--", color=color, label=label)
+  ax.set(xscale="log", xlabel="parameters N", ylabel="held-out loss", title=f"D = {ratio} · N")
+  bx.set(xscale="log", xlabel="tokens D", title=f"N = {size / 1e6:.2f}M")
+  ax.legend(fontsize=7)
+  return fig
+
+
 # The grid's predicted time per arm -----------------------------------------------------------------
 
 # Step times of the 20m model (64 × 512 tokens) on one H100, alone on the device: the first logged steps

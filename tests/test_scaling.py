@@ -176,3 +176,17 @@ def test_grid_configs():
     with pytest.raises(ValueError, match="name a grid point"):
       grid.get_config(bad)
   assert "| l25 | 16,914,048 | 423M | 25.0 | 12,904 |" in scaling.plan_table()
+
+
+def test_plot_fit_draws_each_recipe():
+  matplotlib = pytest.importorskip("matplotlib")
+  matplotlib.use("Agg")
+  points = synthetic()
+  fig = scaling.plot_fit(scaling.fit(points, bootstrap=0), points)
+  ax, bx = fig.axes
+  # Per recipe (bf16 and two): its points and its curve, on both axes.
+  assert len(ax.lines) == len(bx.lines) == 6
+  assert ax.get_title() == "D = 25 · N" and bx.get_title() == "N = 11.37M"
+  assert [len(line.get_xdata()) for line in ax.lines[::2]] == [3, 3, 3]
+  assert [len(line.get_xdata()) for line in bx.lines[::2]] == [3, 3, 3]
+  matplotlib.pyplot.close(fig)
