@@ -4,6 +4,10 @@ import dataclasses
 import importlib
 import json
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -190,3 +194,16 @@ def test_plot_fit_draws_each_recipe():
   assert [len(line.get_xdata()) for line in ax.lines[::2]] == [3, 3, 3]
   assert [len(line.get_xdata()) for line in bx.lines[::2]] == [3, 3, 3]
   matplotlib.pyplot.close(fig)
+
+
+def test_study_fit_command(tmp_path):
+  _write_grid(tmp_path, synthetic())
+  env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parent.parent), "JAX_PLATFORMS": "cpu"}
+  cmd = [sys.executable, "-m", "experiments.study", "--fit", f"--results={tmp_path}", "--fit_bootstrap=0"]
+  out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+  assert out.returncode == 0, out.stderr
+  assert "| fp4_linear | 8 | 8 | 0.800 |" in out.stdout
+  assert "fitted to 11 bf16 arm(s) at 9 (N, D) point(s)" in out.stdout
+  out = subprocess.run(cmd[:4] + [f"--results={tmp_path / 'm25'}"], capture_output=True, text=True, env=env,
+                       timeout=300)
+  assert out.returncode != 0 and "error: the bf16 law needs 7 distinct (N, D) points" in out.stderr
