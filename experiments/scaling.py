@@ -421,6 +421,9 @@ def fit_table(f: Fit, points: Sequence[Point], title: str = "") -> str:
             f"Intervals: {pct} percentile, {f.replicates} bootstrap replicates (seeds resampled; a single "
             "seed's noise drawn from the seeds' deviations and the fits' residuals)." if f.replicates
             else "No bootstrap (intervals not computed).", ""]
+  repeated = sorted({p.arm for p in points if p.epochs > 4})
+  if repeated:
+    lines += [f"More than 4 epochs of the training split: {', '.join(repeated)}.", ""]
   lines += ["| N | D | tokens/param | epochs | recipe | seeds | mean eval loss | law's loss | gap to bf16 law % |",
             "|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
   fits = {r.recipe: r for r in f.recipes}

@@ -146,7 +146,10 @@ def test_results_folders_are_read_and_fitted(tmp_path):
   assert len(notes) == 2 and all("m25/fp4_linear_s" in n for n in notes)
   text = scaling.run_fit(tmp_path, "gamma=0.2764", bootstrap=0)
   assert "gamma 0.2764 (fixed)" in text and "| fp4_full_stack | 8 | 8 | 0.65" in text
-  assert "left out (diverged" in text
+  assert "left out (diverged" in text and "More than 4 epochs" not in text
+  over = [dataclasses.replace(p, epochs=5.0, arm="l50/bf16_s0") if p.d == _nd("l50")[1] else p for p in points]
+  assert "More than 4 epochs of the training split: l50/bf16_s0." in scaling.fit_table(
+      scaling.fit(over, bootstrap=0), over)
   # One collected study (no subfolders) is read too; two evaluated texts are refused.
   assert len(scaling.load_points(tmp_path / "m25")[0]) == 3 + 2
   with open(tmp_path / "s10" / "study.jsonl", "a") as f:

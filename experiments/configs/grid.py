@@ -13,8 +13,8 @@ at 10, 25 and 50 tokens per parameter: ``s10 s25 s50 m10 m25 m50 l10 l25 l50``. 
 ``round(tokens_per_param · N / (64 · 512))``; every other setting is the ``20m`` config's (AdamW, learning
 rate 2e-3, 200 warmup steps, cosine to 10%, 64 × 512 tokens per step) on the corpus ``data.corpus``
 (default ``pycode``, BPE 8k: a name like any ``--config.data.corpus``), evaluated on the first
-1,048,576 held-out tokens of that corpus (``study.eval_tokens``). ``study.tokens_per_param`` records
-the point's ratio (read by the study only). Each point is a study of its own (its own workdir), e.g.::
+1,048,576 held-out tokens of that corpus (``study.eval_tokens``). Each point is a study of its own
+(its own workdir), e.g.::
 
   python -m experiments.study --config=experiments/configs/grid.py:m25 --workdir=runs/grid/m25 \
       --notelemetry --config.data.dir=DATA --arms=bf16_s0,bf16_s1,bf16_s2,fp4_linear
@@ -81,5 +81,5 @@ def get_config(arg: str | None = None):
   c.eval_every = 2000
   c.checkpoint_every = 2000
   # Read by experiments.study only (not TrainConfig fields).
-  c.study = ml_collections.ConfigDict({"eval_tokens": 1_048_576, "tokens_per_param": ratio})
+  c.study = ml_collections.ConfigDict({"eval_tokens": 1_048_576})
   return c
