@@ -173,8 +173,8 @@ def test_grid_configs():
     assert exp.optimizer == ref.optimizer and exp.recipe == ref.recipe
     assert (c.batch_size, c.seq_len) == (ref.train.batch_size, ref.train.seq_len)
     # Every recipe fits one 10-minute command at every point but l50, where bf16 does.
-    for recipe in scaling.STEP_MS_20M_H100 if point != "l50" else ("bf16",):
-      assert 1.5 < scaling.predicted_minutes(c, recipe) <= scaling.CALL_LIMIT_MIN, (point, recipe)
+    for recipe in grid.STEP_MS_20M_H100 if point != "l50" else ("bf16",):
+      assert 1.5 < grid.predicted_minutes(c, recipe) <= grid.CALL_LIMIT_MIN, (point, recipe)
   # The largest size is the 20m model's shape.
   l_model = dataclasses.replace(Experiment.from_config(grid.get_config("l25")).model, vocab_size=8192)
   assert l_model.num_params() == dataclasses.replace(ref.model, vocab_size=8192).num_params() == 16_914_048
@@ -182,7 +182,7 @@ def test_grid_configs():
   for bad in (None, "", "x25", "m30"):
     with pytest.raises(ValueError, match="name a grid point"):
       grid.get_config(bad)
-  assert "| l25 | 16,914,048 | 423M | 25.0 | 12,904 |" in scaling.plan_table()
+  assert "| l25 | 16,914,048 | 423M | 25.0 | 12,904 |" in grid.plan_table()
 
 
 def test_plot_fit_draws_each_recipe():
