@@ -3,6 +3,7 @@ r"""The loss-gap study: BF16 against each NVFP4 module and the full stack, on on
   python -m experiments.study --config=experiments/configs/20m.py --workdir=runs/study \
       --arms=all|NAME,NAME [--config.steps=N ...] [--eval_tokens=N] [--collect=experiments/results/NAME]
   python -m experiments.study --list
+  python -m experiments.study --fit --results=experiments/results/NAME [--fit_fixed=gamma=0.276]
 
 The study is data: ``experiments.studies.loss_gap.ARMS``, each arm a recipe preset, its changes to
 the config (dotted keys, as ``--config.<key>`` sets them), a seed, the arm it is read against and
@@ -48,6 +49,10 @@ saves its step and exits, the command waits for them, says which arms stopped at
 exits with status 128 + the signal; the same command resumes every arm. Each row states the step, corpus and size of its
 evaluation (``eval_step``, ``eval_text``, ``eval_tokens``, ``eval_max_tokens``); a row evaluated
 otherwise than this command asks (``comparable`` false) gets no gap and is not in the noise floor.
+
+``--fit`` fits the scaling law to the finished arms of a results folder, or of a folder of them (one
+per grid point of ``experiments/configs/grid.py``), and prints the BF16 law L(N, D) and each recipe's
+efficiencies with their bootstrap intervals (``experiments.scaling``); it trains nothing.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from ml_collections import config_flags
 
 from experiments import _pool
 from experiments import evaluate as evaluate_lib
+from experiments import scaling
 from experiments import train as launcher
 from experiments.compare import BETWEEN_RUNS, add_gaps, run_row, table, with_data
 from experiments.evaluate import EVAL_FILE
@@ -368,6 +374,12 @@ def define_flags() -> None:
   flags.DEFINE_bool("telemetry", True, "log the per-module quantization error (--notelemetry: off)")
   flags.DEFINE_integer("parallel", 1, "train up to this many arms at once, one process each",
                        lower_bound=1)
+  flags.DEFINE_bool("fit", False, "fit the scaling law of the arms in --results and print it "
+                    "(experiments.scaling)")
+  flags.DEFINE_string("results", None, "with --fit: a collected study's folder, or a folder of them")
+  flags.DEFINE_string("fit_fixed", None, "with --fit: law constants held fixed, e.g. gamma=0.276,alpha=0.58")
+  flags.DEFINE_integer("fit_bootstrap", 200, "with --fit: bootstrap replicates of the intervals (0: none)",
+                       lower_bound=0)
   flags.DEFINE_bool("verbose", False, "print the traceback of errors (also FP4JAX_VERBOSE=1)")
   launcher.define_cache_flag()
   launcher.define_keep_flag()
@@ -378,6 +390,12 @@ def main(argv):
   fl = flags.FLAGS
   if fl.list:
     print(list_arms())
+    return
+  if fl.fit:
+    if not fl.results:
+      raise app.UsageError("--fit needs --results=FOLDER (e.g. --results=experiments/results/grid_h100)")
+    launcher.report_errors(lambda: print(scaling.run_fit(fl.results, fl.fit_fixed, fl.fit_bootstrap)),
+                           fl.verbose)
     return
   launcher.check_command_line(argv, "python -m experiments.study --config=experiments/configs/"
                               "tiny.py --workdir=runs/study --arms=all", "config", "workdir",
