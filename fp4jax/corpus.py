@@ -620,11 +620,9 @@ def main(argv: Sequence[str] | None = None) -> None:
       print("\n".join(pycorpus.survey_lines(pycorpus.survey(a.site_packages))))
       return
     if a.corpus == "pycode" and a.command == "fetch" and (a.write_manifest or a.manifest or a.site_packages):
-      from fp4jax import pycorpus
-
       root = data_root(a.data_dir)
       with file_lock(root / "corpora" / ".pycode.lock"):
-        _build_pycode(root, root / "corpora" / "pycode", manifest=a.manifest or pycorpus.MANIFEST_PATH,
+        _build_pycode(root, root / "corpora" / "pycode", manifest=a.manifest,
                       write=a.write_manifest, dirs=a.site_packages, workers=a.workers,
                       distributions=a.distributions.split(",") if a.distributions else None)
     if a.command == "pack":

@@ -134,12 +134,13 @@ def installed(dirs: Sequence[str | os.PathLike] | None = None) -> dict[str, md.D
 
 # --------------------------------------------------------------------------- licences
 
-_PROPRIETARY = ("proprietary", "eula", "end user license", "nvidia software license")
-_COPYLEFT = ("gpl", "general public license", "mpl", "mozilla public", "epl", "eclipse public", "cddl")
-_PERMISSIVE = ("mit", "bsd", "apache", "psf", "python software foundation", "isc", "zlib", "unlicense",
-               "cc0", "public domain", "hpnd", "historical permission", "boost", "bsl-1.0", "0bsd",
-               "permission is hereby granted", "redistribution and use in source and binary forms",
-               "wtfpl", "x11", "ncsa", "artistic")
+_PROPRIETARY = re.compile(r"proprietary|\beula\b|end user license|nvidia software license")
+_COPYLEFT = re.compile(r"\b[al]?gpl(?:v?\d[\d.]*)?\b|general public license|\bmpl\b|mozilla public|\bepl\b"
+                       r"|eclipse public|\bcddl\b")
+_PERMISSIVE = re.compile(
+    r"\bmit\b|\b0?bsd\b|apache|\bpsf\b|python software foundation|\bisc\b|\bzlib\b|unlicense|\bcc0\b"
+    r"|public domain|\bhpnd\b|historical permission|\bboost\b|\bbsl\b|permission is hereby granted"
+    r"|redistribution and use in source and binary forms|\bwtfpl\b|\bx11\b|\bncsa\b|\bartistic\b")
 
 
 def license_of(dist: md.Distribution) -> tuple[str, str]:
@@ -157,18 +158,12 @@ def license_of(dist: md.Distribution) -> tuple[str, str]:
 
 def license_class(text: str) -> str:
   """``"proprietary"``, ``"copyleft"``, ``"permissive"`` or ``"unknown"`` for licence text: any
-  proprietary marker wins; then any copyleft licence (GPL, LGPL, MPL, EPL); then a permissive one."""
-  t = " " + re.sub(r"[^a-z0-9.+ -]+", " ", text.lower()) + " "
-
-  def has(words):
-    return any(re.search(r"(?<![a-z])" + re.escape(w) + r"(?![a-z])", t) for w in words)
-
-  if has(_PROPRIETARY):
-    return "proprietary"
-  if has(_COPYLEFT):
-    return "copyleft"
-  if has(_PERMISSIVE):
-    return "permissive"
+  proprietary marker wins; then any copyleft licence (GPL, LGPL, AGPL, MPL, EPL, CDDL); then a
+  permissive one (MIT, BSD, Apache, PSF, ISC, zlib, ...)."""
+  t = text.lower()
+  for cls, pattern in (("proprietary", _PROPRIETARY), ("copyleft", _COPYLEFT), ("permissive", _PERMISSIVE)):
+    if pattern.search(t):
+      return cls
   return "unknown"
 
 
@@ -332,13 +327,13 @@ def near_duplicates(signatures: Sequence[np.ndarray], settings: Settings,
 # --------------------------------------------------------------------------- manifest
 
 
-def read_manifest(path: str | os.PathLike = MANIFEST_PATH) -> dict:
+def read_manifest(path: str | os.PathLike | None = None) -> dict:
   """The corpus manifest (xz-compressed JSON).
 
   Raises:
     FileNotFoundError: there is none, with how to write one.
   """
-  path = Path(path)
+  path = Path(MANIFEST_PATH if path is None else path)
   if not path.is_file():
     raise FileNotFoundError(
         f"no {NAME} manifest at {path}: write it on the reference machine with `python -m "
@@ -350,9 +345,9 @@ def read_manifest(path: str | os.PathLike = MANIFEST_PATH) -> dict:
   return man
 
 
-def write_manifest(man: dict, path: str | os.PathLike = MANIFEST_PATH) -> Path:
+def write_manifest(man: dict, path: str | os.PathLike | None = None) -> Path:
   """Writes ``man`` as xz-compressed JSON (compact, keys sorted) and returns the path."""
-  path = Path(path)
+  path = Path(MANIFEST_PATH if path is None else path)
   path.parent.mkdir(parents=True, exist_ok=True)
   raw = json.dumps(man, sort_keys=True, separators=(",", ":")).encode()
   tmp = path.with_name(path.name + ".tmp")
@@ -361,7 +356,7 @@ def write_manifest(man: dict, path: str | os.PathLike = MANIFEST_PATH) -> Path:
   return path
 
 
-def installed_here(path: str | os.PathLike = MANIFEST_PATH,
+def installed_here(path: str | os.PathLike | None = None,
                    dirs: Sequence[str | os.PathLike] | None = None) -> bool:
   """Whether a manifest exists and every distribution it names is installed at its version (the
   files themselves are checked by the build)."""
@@ -411,7 +406,7 @@ def _doc_rel(name: str, path: str) -> str:
   return f"text/{name}/{path}.txt"
 
 
-def build(out: str | os.PathLike, *, manifest: str | os.PathLike = MANIFEST_PATH,
+def build(out: str | os.PathLike, *, manifest: str | os.PathLike | None = None,
           write: bool = False, dirs: Sequence[str | os.PathLike] | None = None,
           settings: Settings = Settings(), distributions: Iterable[str] | None = None,
           workers: int | None = None, log: Callable[[str], None] = print) -> dict:
@@ -437,6 +432,7 @@ def build(out: str | os.PathLike, *, manifest: str | os.PathLike = MANIFEST_PATH
     FileNotFoundError: (without ``write``) no manifest.
   """
   out = Path(out)
+  manifest = Path(MANIFEST_PATH if manifest is None else manifest)
   have = installed(dirs)
   if write:
     sources, refused = _select(have, settings, distributions)
