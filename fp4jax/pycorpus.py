@@ -43,6 +43,7 @@ import lzma
 import multiprocessing
 import os
 import re
+import site
 import sys
 import sysconfig
 import zlib
@@ -120,9 +121,12 @@ def canonical(name: str) -> str:
 
 
 def site_dirs() -> list[str]:
-  """This interpreter's own site-packages folders (purelib, platlib): where the sources are read."""
+  """This interpreter's site-packages folders (``site.getsitepackages()``, which holds the system's
+  where a virtual environment includes them, then purelib and platlib): where the sources are read.
+  ``PYTHONPATH`` folders are not among them."""
   paths = sysconfig.get_paths()
-  return list(dict.fromkeys(p for p in (paths["purelib"], paths["platlib"]) if os.path.isdir(p)))
+  return list(dict.fromkeys(p for p in (*site.getsitepackages(), paths["purelib"], paths["platlib"])
+                            if os.path.isdir(p)))
 
 
 def installed(dirs: Sequence[str | os.PathLike] | None = None) -> dict[str, md.Distribution]:
@@ -292,7 +296,8 @@ def _work(task: tuple) -> tuple:
 
 def _map(fn: Callable, tasks: list, workers: int | None) -> list:
   """``fn`` over ``tasks`` in order, on ``workers`` processes (default: one per CPU; 1: here)."""
-  workers = os.cpu_count() or 1 if workers is None else workers
+  if workers is None:  # the CPUs this process may use (a container's share, not the host's count)
+    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
   if workers <= 1 or len(tasks) < 2:
     return [fn(t) for t in tasks]
   # fork is quick, but not safe once JAX's threads run: then spawn.
