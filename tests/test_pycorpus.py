@@ -201,3 +201,9 @@ def test_builtin_pycode_through_the_corpus_cli(site, tmp_path, monkeypatch):
   assert c.licenses[0]["package"] == "alpha" and c.licenses[0]["license"] == "MIT"
   shutil.rmtree(root)  # a fresh machine: built from the installed files, checked against the manifest
   assert corpus.builtin_corpus("pycode", root).fingerprint == c.fingerprint
+  from fp4jax import data  # imports JAX: last
+
+  meta = data.prepare("pycode", tmp_path / "tokens", cache_dir=root)
+  assert meta.corpus == {"name": "pycode", "fingerprint": c.fingerprint}
+  assert meta.splits["validation"]["num_tokens"] == len(_code(3)) + 1  # m03 and its EOS, byte tokens
+  assert [s["package"] for s in meta.licenses] == ["alpha", "beta"]
