@@ -398,7 +398,8 @@ def _select(have: dict[str, md.Distribution], settings: Settings, only: Iterable
   sources, refused = [], []
   for name in names:
     if name not in have:
-      raise ValueError(f"distribution {name!r} (--distributions) is not installed in {site_dirs()}")
+      raise ValueError(f"distribution {name!r} (--distributions) is not installed here; installed: "
+                       f"{', '.join(have) or 'none'}")
     dist = have[name]
     label, cls = license_of(dist)
     entry = {"name": name, "version": dist.version, "license": label, "license_class": cls}

@@ -167,6 +167,13 @@ def test_minhash_and_near_duplicates():
   assert pycorpus.near_duplicates([x, y], s) == {}
 
 
+def test_write_with_named_distributions(site, tmp_path):
+  man = _build(site, tmp_path, write=True, distributions=["Beta"])
+  assert [s["name"] for s in man["sources"]] == ["beta"] and man["refused"] == []
+  with pytest.raises(ValueError, match="'delta' .* not installed here; installed: alpha, beta, fp4jax, gamma"):
+    _build(site, tmp_path, out="x", write=True, distributions=["delta"])
+
+
 def test_settings_reject_bad_values():
   with pytest.raises(ValueError, match="num_perm=100 must be a positive multiple of Settings.bands=16"):
     pycorpus.Settings(num_perm=100)
