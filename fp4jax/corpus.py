@@ -9,8 +9,8 @@ Corpora (``builtin_corpus(name)``):
   Shakespeare plays are dropped as duplicates) + Debian ``dict-gcide`` (GPL-3+, cut into ~1 MB
   documents) + ``linux-doc-6.1`` (GPL-2, reST docs without translations) + ``python3.11-doc``
   (PSF-2.0, reST sources). Needs ``npm`` and ``apt-get`` (Debian/Ubuntu) or pre-downloaded files.
-* ``pycode`` (opt-in): the source code and documentation (.py, .pyi, .md, .rst, .txt, C/C++/CUDA
-  sources) of the Python distributions installed in this interpreter's site-packages, read where
+* ``pycode`` (opt-in): the source code and documentation (.py, .pyi, Cython, .md, .rst, .txt,
+  C/C++/CUDA sources) of the Python distributions installed in this interpreter's site-packages, read where
   they are installed (``fp4jax.pycorpus``): distributions of permissive or open licences only,
   generated and minified files left out, exact and near-duplicates (MinHash) removed, each file one
   document. Its manifest (``fp4jax/corpora/pycode.json.xz``: distribution versions, every document's
@@ -619,7 +619,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
       print("\n".join(pycorpus.survey_lines(pycorpus.survey(a.site_packages))))
       return
-    if a.corpus == "pycode" and a.command == "fetch" and (a.write_manifest or a.manifest or a.site_packages):
+    if a.corpus == "pycode" and a.command == "fetch" and (a.write_manifest or a.manifest or a.site_packages
+                                                         or a.workers is not None):
       root = data_root(a.data_dir)
       with file_lock(root / "corpora" / ".pycode.lock"):
         _build_pycode(root, root / "corpora" / "pycode", manifest=a.manifest,
