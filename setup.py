@@ -11,6 +11,7 @@ setup(
     # fp4jax/kernels is a symbolic link to the top-level kernels/ folder (the Pallas GPU kernels), so
     # fp4jax.kernels is found, and packaged, like any subpackage.
     packages=find_packages(include=["fp4jax", "fp4jax.*", "experiments", "experiments.*"]),
+    package_data={"fp4jax": ["corpora/*.json.xz"]},  # the pycode corpus's manifest
     install_requires=[
         "jax>=0.11.2,<0.12",
         "jaxlib>=0.11.2,<0.12",

