@@ -93,7 +93,7 @@ class AdamKernelConfig:
 @dataclasses.dataclass(frozen=True)
 class AdamHyper:
   """The static part of one update: Adam's constants, the rounding of each moment (``"nearest"``,
-  ``"stochastic"``, ``"dither"`` (``dithered_codes``, decoded by subtracting ``dither_offset``),
+  ``"stochastic"``, ``"dither"`` (``dithered_codes``, decoded by ``dithered_values``),
   ``"eden"`` (nearest codes, ``eden_scale_codes``), or for √v ``"preconditioner"``:
   ``e2m1_preconditioner_codes``) and its kind."""
 
@@ -238,28 +238,51 @@ def e2m1_preconditioner_codes(x32, escale, dscale, s_dec, zero_block, bits, c2, 
   return jnp.where(zero_block, 0, jnp.where(up, hi, lo))
 
 
-# Subtractive dither (rounding ``"dither"``): the E2M1 value of each element is rounded to nearest after
-# an offset ``u · DITHER_WIDTH`` (in E2M1 units, i.e. times the block's decoded scale ``dscale · S_dec``)
-# is added, ``u = (byte + 1/2) / 256 - 1/2`` from the element's counter-hash byte of the step that wrote
-# it; decoding subtracts the same offset, regenerated from that step's key. Two units: the widest E2M1
-# step (between 4 and 6), so the offset spans a whole cell everywhere on the grid.
-DITHER_WIDTH = 2.0
+# Subtractive dither (rounding ``"dither"``) in the E2M1 index domain, where the grid is uniform: the
+# odd, piecewise linear map ``e2m1_index`` sends the E2M1 values ±{0, 0.5, 1, 1.5, 2, 3, 4, 6} to the
+# integers ±{0, ..., 7} (slope 2 below 2, 1 up to 4, 1/2 up to 6). An element's index ``e2m1_index(x ·
+# escale)`` plus ``u`` (``dither_uniform``: from the element's counter-hash byte of the step that writes
+# it) is rounded to the nearest integer, clipped to ±7: that integer is the element's code. Decoding
+# subtracts the same ``u``, regenerated from that step's key, and maps back (``dithered_values``):
+# the error in index units is uniform on (-1/2, 1/2) whatever the value, so in value units it is
+# half the local grid step either way and has mean 0 except within half a step of 2 and 4, where
+# the slope changes (bias at most 1/8 of an E2M1 unit, at 4).
 
 
-def dither_offset(bits) -> jax.Array:
-  """``u · DITHER_WIDTH`` (float32, exact) from rounding bits in ``numerics.lane_bits``' layout: ``bits
-  >> 23`` is ``2 · byte + 1``, so ``u = (2 · byte + 1 - 256) / 512``, in ``(-1/2, 1/2)`` with mean 0."""
-  k = (bits >> 23).astype(jnp.int32) - 256
-  return k.astype(jnp.float32) * jnp.float32(DITHER_WIDTH / 512)
+def dither_uniform(bits) -> jax.Array:
+  """``u`` in (-1/2, 1/2) (float32, a multiple of 1/256 plus 1/512, mean 0 over the byte) from
+  rounding bits in ``numerics.lane_bits``' layout: ``bits >> 23`` is ``2 · byte + 1``, ``u = (2 · byte + 1 -
+  256) / 512``."""
+  return ((bits >> 23).astype(jnp.int32) - 256).astype(jnp.float32) * jnp.float32(1.0 / 512)
+
+
+def e2m1_index(a) -> jax.Array:
+  """E2M1 units -> index units: ``2|a|`` below 2, ``|a| + 2`` below 4, ``|a| / 2 + 4`` above, with
+  ``a``'s sign (the codes' magnitudes 0..7 at the grid values)."""
+  m = jnp.abs(a)
+  f = jnp.where(m < 2.0, m * 2.0, jnp.where(m < 4.0, m + 2.0, m * 0.5 + 4.0))
+  return jnp.where(a < 0, -f, f)
 
 
 def dithered_codes(x32, escale, zero_block, bits, mul):
-  """E2M1 codes of ``x32 · escale + dither_offset(bits)``, rounded to nearest (ties to even) and
-  clipped to ±6; the sign bit set where the dithered value is negative; 0 where ``zero_block``.
-  ``mul``: the rounded product (no FMA with the offset's addition). Returns int32 codes 0..15."""
-  a = mul(x32, escale) + dither_offset(bits)
-  code = numerics.e2m1_rne_code(jnp.minimum(jnp.abs(a), numerics.E2M1_MAX)) | jnp.where(a < 0, 8, 0)
-  return jnp.where(zero_block, 0, code)
+  """E2M1 codes of subtractive dither: ``t = e2m1_index(x32 · escale) + dither_uniform(bits)``, the
+  code's magnitude ``min(round(|t|), 7)`` (halves up), its sign bit where ``t < 0``; 0 where
+  ``zero_block``. ``mul``: the rounded product. Returns int32 codes 0..15."""
+  t = e2m1_index(mul(x32, escale)) + dither_uniform(bits)
+  k = jnp.minimum((jnp.abs(t) + 0.5).astype(jnp.int32), 7)
+  return jnp.where(zero_block, 0, k | jnp.where(t < 0, 8, 0))
+
+
+def dithered_values(code, bits) -> jax.Array:
+  """The E2M1-unit values of dithered codes (int32 0..15) with the writing step's ``bits``: ``y = ±k -
+  dither_uniform(bits)`` (exact), mapped back by the inverse of ``e2m1_index`` (exact: ``y / 2``,
+  ``|y| - 2``, ``2 (|y| - 4)``)."""
+  c = code.astype(jnp.int32)
+  k = (c & 7).astype(jnp.float32)
+  y = jnp.where((c & 8) != 0, -k, k) - dither_uniform(bits)
+  m = jnp.abs(y)
+  v = jnp.where(m < 4.0, m * 0.5, jnp.where(m < 6.0, m - 2.0, (m - 4.0) * 2.0))
+  return jnp.where(y < 0, -v, v)
 
 
 def e4m3_stochastic_code(y, bits16):
@@ -358,17 +381,18 @@ def _from_columns(cols) -> list:
 def _decoded(kind, refs, gscale, ok, split, evict, dither_bits=None):
   """A stored moment as two (rows, 8) float32 halves (``refs``: its codes, scales (, means), or its
   float32 array); NVFP4 decoded with ``NVFP4Tensor.dequantize``'s products, in its order;
-  ``dither_bits``: each half's bits of the step that wrote a dithered moment, whose offset is
-  subtracted from the E2M1 values first (``optim._common.decode_dithered``)."""
+  ``dither_bits``: each half's bits of the step that wrote a dithered moment, whose codes decode by
+  ``dithered_values`` (``optim._common.decode_dithered``)."""
   ok1, ok2, ok3 = ok
   if kind == "fp32":
     return _halves(refs[0], ok2, ok3, split, evict)
   # Codes widened once: 32-bit integer arithmetic from here (bytes cost the GPU byte permutes).
   code = load(refs[0], ok2, evict).astype(jnp.int32)
   scale = numerics.e4m3_to_f32(f8_bytes(load(refs[1], ok1, evict)))[:, None]
-  q = [numerics.decode_e2m1((code >> 4 * h) & 0xF) for h in range(2)]
-  if dither_bits is not None:
-    q = [x - dither_offset(b) for x, b in zip(q, dither_bits)]
+  if dither_bits is None:
+    q = [numerics.decode_e2m1((code >> 4 * h) & 0xF) for h in range(2)]
+  else:
+    q = [dithered_values((code >> 4 * h) & 0xF, b) for h, b in enumerate(dither_bits)]
   out = [(x * scale) * gscale for x in q]
   if kind == "centered":
     out = _from_columns(uncenter(_columns(out), load(refs[2], ok1, evict)))
@@ -522,7 +546,7 @@ def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret, precond
     total = lambda ys: functools.reduce(jnp.add, _columns(ys))  # element order
     n2 = total([mul(y, y) for y in a])
     ip = total([mul(y, numerics.decode_e2m1(c)) for y, c in zip(a, codes)])
-    bits16 = eden_bits16(bits[0][:, 0], bits[1][:, 0])
+    bits16 = eden_bits16(*_columns(bits)[:2])  # the block's elements 0 and 1
     dcode = eden_scale_codes(n2, ip, dscale, dcode, zero_block[:, 0], bits16, mul,
                              lambda a, b: div_rn(a, b, division(interpret))).astype(dcode.dtype)
   else:

@@ -240,9 +240,9 @@ def _nearest_blocks(x32, ax):
 
 
 def encode_dithered(x, key, zero, lane: int = 0) -> NVFP4Tensor:
-  """float32 ``x`` -> NVFP4 with subtractive dither: ``encode``'s scales (nearest rounding), each
-  element's code the nearest of ``x · escale + adam_nvfp4.dither_offset(bits)``, ``bits`` the counter
-  bits of ``encode``; ``decode_dithered`` with the same key and lane inverts the offset."""
+  """float32 ``x`` -> NVFP4 with subtractive dither: ``encode``'s scales (nearest rounding), the codes
+  ``adam_nvfp4.dithered_codes`` with the counter bits of ``encode``; ``decode_dithered`` with the same
+  key and lane decodes them."""
   ax = block_axis(x.shape)
   x32 = numerics.flush_subnormals(x.astype(jnp.float32))
   t, escale, _, _, zero_block = _nearest_blocks(x32, ax)
@@ -255,9 +255,9 @@ def encode_dithered(x, key, zero, lane: int = 0) -> NVFP4Tensor:
 
 def decode_dithered(t: NVFP4Tensor, key, lane: int = 0) -> jax.Array:
   """The moment stored by ``encode_dithered`` with ``key`` (the step that wrote it) and ``lane``:
-  ``((q - dither_offset(bits)) · dscale) · S_dec`` in float32 (the offset subtracted exactly in E2M1
-  units, then ``NVFP4Tensor.dequantize``'s products)."""
-  q = t.elements() - adam_kernel.dither_offset(numerics.counter_bits(key, t.shape, lane))
+  ``(dithered_values(code, bits) · dscale) · S_dec`` in float32 (``NVFP4Tensor.dequantize``'s
+  products on the dithered E2M1-unit values)."""
+  q = adam_kernel.dithered_values(nvfp4._unpack(t.codes, t.axis), numerics.counter_bits(key, t.shape, lane))
   return (q * jnp.repeat(t.block_scales(), BLOCK, axis=t.axis)) * t.global_scale
 
 

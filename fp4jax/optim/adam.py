@@ -87,17 +87,19 @@ class AdamNvfp4Options:
       b2^t)``: the neighbour above is chosen more often, 0 almost never;
       ``fp4jax.kernels.adam_nvfp4.e2m1_preconditioner_codes``). Needs ``nu.rounding="stochastic"``
       and ``nu_transform="none"``.
-    dither: the moments (``"mu"``, ``"nu"``) stored with subtractive dither: per element, the offset
-      ``u · 2`` E2M1 units (``u = (byte + 1/2) / 256 - 1/2`` from the element's counter-hash byte of
-      the step that writes it, ``adam_nvfp4.dither_offset``) is added before rounding to nearest and
-      subtracted after decoding, the byte regenerated from that step's key (``seed`` and the count):
-      nothing is stored, 4.5 bits per element as plain NVFP4. Block and global scales are those of
-      the undithered moment. Two units are E2M1's widest step (4 to 6), so the decoded error has
-      mean 0 wherever the offset's span stays on one uniform stretch of the grid (near 2 and 4 a
-      small bias remains). The stored codes decode to the moment only with the writing step's key
-      (``scale_by_adam_nvfp4`` does; ``NVFP4Tensor.dequantize`` alone gives the dithered values).
-      Needs the moment's ``Operand(rounding="nearest")`` with ``scale_rule="max"``; for ``"nu"``,
-      ``nu_transform="none"``.
+    dither: the moments (``"mu"``, ``"nu"``) stored with subtractive dither in the E2M1 index
+      domain (``adam_nvfp4.dithered_codes``): each element's value in E2M1 units is mapped onto the
+      uniform index grid of the codes (0, 0.5, 1, 1.5, 2, 3, 4, 6 -> 0..7, piecewise linear), ``u`` in
+      (-1/2, 1/2) from the element's counter-hash byte of the writing step is added, the sum rounded
+      to the nearest index; decoding subtracts the same ``u`` and maps back (``dithered_values``),
+      ``u`` regenerated from that step's key (``seed`` and the count): nothing is stored, 4.5 bits per
+      element as plain NVFP4, scales those of the undithered moment rounded to nearest. The error is
+      half the local grid step either way, mean 0 except near 2 and 4 E2M1 units (at most 1/8 unit):
+      about half the variance of stochastic rounding. The codes decode to the moment only with the
+      writing step's key (``scale_by_adam_nvfp4`` does; ``NVFP4Tensor.dequantize`` alone gives grid
+      values). Needs the moment's ``Operand(rounding="nearest")`` with ``scale_rule="max"``; for
+      ``"nu"``, ``nu_transform="none"`` (a decoded √v may then be slightly negative; Adam reads its
+      square).
     eden: the moments whose block scales are EDEN-calibrated: codes rounded to nearest, then per
       block ``c = ‖a‖² / ⟨a, q⟩`` (``a`` the block in E2M1 units, ``q`` its nearest E2M1 values; sums
       in element order) and the E4M3 scale ``c · dscale`` (at most 448) rounded stochastically with
