@@ -277,7 +277,9 @@ def scale_by_adam_nvfp4(
     quantize: store moments as NVFP4 where the storage rule allows; ``False`` gives
       ``optax.scale_by_adam`` bit for bit with float32 moments (module docstring).
     options: the storage knobs (``AdamNvfp4Options``).
-    seed: stochastic rounding uses ``fold_in(key(seed), count)``: deterministic, nothing to store.
+    seed: stochastic rounding (and dither, EDEN's scale rounding) uses ``fold_in(key(seed), count)``:
+      deterministic, nothing to store; a dithered moment is decoded with the key of the count that
+      wrote it.
     implementation: which code updates NVFP4 leaves (``fp4jax.execution``): ``"pallas"`` (two Pallas Triton kernels,
       ``fp4jax.kernels.adam_nvfp4``; CUDA GPUs), ``"xla"`` (plain jnp), ``"pallas_interpret"`` (the
       kernels in interpret mode, for CPU tests) or ``"auto"``: ``"pallas"`` when computations go to
