@@ -95,7 +95,8 @@ class AdamNvfp4Options:
       ``u`` regenerated from that step's key (``seed`` and the count): nothing is stored, 4.5 bits per
       element as plain NVFP4, scales those of the undithered moment rounded to nearest. The error is
       half the local grid step either way, mean 0 except near 2 and 4 E2M1 units (at most 1/8 unit):
-      about half the variance of stochastic rounding. The codes decode to the moment only with the
+      about half the variance of stochastic rounding over a uniform spread of values (docs/DESIGN.md,
+      "Optimizer states", has the measurements). The codes decode to the moment only with the
       writing step's key (``scale_by_adam_nvfp4`` does; ``NVFP4Tensor.dequantize`` alone gives grid
       values). Needs the moment's ``Operand(rounding="nearest")`` with ``scale_rule="max"``; for
       ``"nu"``, ``nu_transform="none"`` (a decoded √v may then be slightly negative; Adam reads its
