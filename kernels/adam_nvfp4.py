@@ -45,7 +45,8 @@ from fp4jax.kernels.nvfp4_quantize import _stack_last, _unstack_last
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
 
 _HALF = BLOCK // 2
-_INT_HEAD = 8  # the int table: [runtime zero, pad...], then 2 key words per leaf
+_INT_HEAD = 8  # the int table: [runtime zero, pad...], then per leaf 2 key words (4 with dither: the
+# step's, then those of the step that wrote the dithered state)
 _F32_HEAD = 8  # the float table: [the 4 `numerics.bias_factors`, bound, pad...], then per leaf the
 # old global scales of m and √v
 
@@ -92,7 +93,9 @@ class AdamKernelConfig:
 @dataclasses.dataclass(frozen=True)
 class AdamHyper:
   """The static part of one update: Adam's constants, the rounding of each moment (``"nearest"``,
-  ``"stochastic"``, or for √v ``"preconditioner"``: ``e2m1_preconditioner_codes``) and its kind."""
+  ``"stochastic"``, ``"dither"`` (``dithered_codes``, decoded by ``dithered_values``),
+  ``"eden"`` (nearest codes, ``eden_scale_codes``), or for √v ``"preconditioner"``:
+  ``e2m1_preconditioner_codes``) and its kind."""
 
   b1: float
   b2: float
@@ -106,6 +109,16 @@ class AdamHyper:
   nu_kind: str = "nvfp4"
   mu_scale_rule: str = "max"
   nu_scale_rule: str = "max"
+
+  @property
+  def dither(self) -> bool:
+    """Whether a moment is dithered (the kernels then read the writing step's key words too)."""
+    return "dither" in (self.mu_rounding, self.nu_rounding)
+
+  @property
+  def random(self) -> bool:
+    """Whether a moment's encoding draws counter-hash bits."""
+    return bool({"stochastic", "preconditioner", "dither", "eden"} & {self.mu_rounding, self.nu_rounding})
 
   def __post_init__(self):
     for name in ("mu_kind", "nu_kind"):
@@ -225,6 +238,84 @@ def e2m1_preconditioner_codes(x32, escale, dscale, s_dec, zero_block, bits, c2, 
   return jnp.where(zero_block, 0, jnp.where(up, hi, lo))
 
 
+# Subtractive dither (rounding ``"dither"``) in the E2M1 index domain, where the grid is uniform: the
+# odd, piecewise linear map ``e2m1_index`` sends the E2M1 values ±{0, 0.5, 1, 1.5, 2, 3, 4, 6} to the
+# integers ±{0, ..., 7} (slope 2 below 2, 1 up to 4, 1/2 up to 6). An element's index ``e2m1_index(x ·
+# escale)`` plus ``u`` (``dither_uniform``: from the element's counter-hash byte of the step that writes
+# it) is rounded to the nearest integer, clipped to ±7: that integer is the element's code. Decoding
+# subtracts the same ``u``, regenerated from that step's key, and maps back (``dithered_values``):
+# the error in index units is uniform on (-1/2, 1/2) whatever the value, so in value units it is
+# half the local grid step either way and has mean 0 except within half a step of 2 and 4, where
+# the slope changes (bias at most 1/8 of an E2M1 unit, at 4).
+
+
+def dither_uniform(bits) -> jax.Array:
+  """``u`` in (-1/2, 1/2) (float32, a multiple of 1/256 plus 1/512, mean 0 over the byte) from
+  rounding bits in ``numerics.lane_bits``' layout: ``bits >> 23`` is ``2 · byte + 1``, ``u = (2 · byte + 1 -
+  256) / 512``."""
+  return ((bits >> 23).astype(jnp.int32) - 256).astype(jnp.float32) * jnp.float32(1.0 / 512)
+
+
+def e2m1_index(a) -> jax.Array:
+  """E2M1 units -> index units: ``2|a|`` below 2, ``|a| + 2`` below 4, ``|a| / 2 + 4`` above, with
+  ``a``'s sign (the codes' magnitudes 0..7 at the grid values)."""
+  m = jnp.abs(a)
+  f = jnp.where(m < 2.0, m * 2.0, jnp.where(m < 4.0, m + 2.0, m * 0.5 + 4.0))
+  return jnp.where(a < 0, -f, f)
+
+
+def dithered_codes(x32, escale, zero_block, bits, mul):
+  """E2M1 codes of subtractive dither: ``t = e2m1_index(x32 · escale) + dither_uniform(bits)``, the
+  code's magnitude ``min(round(|t|), 7)`` (halves up), its sign bit where ``t < 0``; 0 where
+  ``zero_block``. ``mul``: the rounded product. Returns int32 codes 0..15."""
+  t = e2m1_index(mul(x32, escale)) + dither_uniform(bits)
+  k = jnp.minimum((jnp.abs(t) + 0.5).astype(jnp.int32), 7)
+  return jnp.where(zero_block, 0, k | jnp.where(t < 0, 8, 0))
+
+
+def dithered_values(code, bits) -> jax.Array:
+  """The E2M1-unit values of dithered codes (int32 0..15) with the writing step's ``bits``: ``y = ±k -
+  dither_uniform(bits)`` (exact), mapped back by the inverse of ``e2m1_index`` (exact: ``y / 2``,
+  ``|y| - 2``, ``2 (|y| - 4)``)."""
+  c = code.astype(jnp.int32)
+  k = (c & 7).astype(jnp.float32)
+  y = jnp.where((c & 8) != 0, -k, k) - dither_uniform(bits)
+  m = jnp.abs(y)
+  v = jnp.where(m < 4.0, m * 0.5, jnp.where(m < 6.0, m - 2.0, (m - 4.0) * 2.0))
+  return jnp.where(y < 0, -v, v)
+
+
+def e4m3_stochastic_code(y, bits16):
+  """E4M3 byte (int32) of ``y`` in [0, 448], stochastically rounded: the neighbour above with
+  probability ``(y - lo) / (hi - lo)``, decided by ``(bits16 + 1/2) · 2^-16 · (hi - lo) < y - lo``
+  (``bits16`` uint32 in [0, 2^16)). Every operand is exact (a power-of-two step, a Sterbenz
+  difference), so the choice is the same on every backend."""
+  value, code = numerics.round_to_e4m3(y)
+  code = code.astype(jnp.int32)
+  lo = jnp.where(value > y, code - 1, code)
+  hi = jnp.minimum(lo + 1, 126)  # 126: 448, the largest finite E4M3
+  lo_v, hi_v = numerics.e4m3_to_f32(lo), numerics.e4m3_to_f32(hi)
+  u = (bits16.astype(jnp.int32).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-16)
+  return jnp.where(u * (hi_v - lo_v) < y - lo_v, hi, lo)
+
+
+def eden_bits16(bits_even, bits_odd) -> jax.Array:
+  """A block's 16 scale-rounding bits: the counter-hash bytes of its elements 0 and 1 (``lane_bits``
+  layout), which EDEN's nearest-rounded codes leave unused."""
+  return (bits_even >> 24) | ((bits_odd >> 24) << 8)
+
+
+def eden_scale_codes(n2, ip, dscale, dcode, zero_block, bits16, mul, division):
+  """EDEN's calibrated block scales: ``c = ‖a‖² / ⟨a, q⟩`` per block (``n2``, ``ip``: its sums in
+  E2M1 units, ``a = x · escale`` and ``q`` the nearest E2M1 values; 1 where ``ip`` is not positive),
+  ``y = min(c · dscale, 448)`` stochastically rounded to E4M3 (``e4m3_stochastic_code``) so that
+  the expected decoded scale is ``c · dscale``; ``dcode`` kept where ``zero_block``. ``division``: the
+  correctly rounded quotient ``(a, b) -> a / b``. Returns int32 E4M3 bytes."""
+  c = jnp.where(ip > 0, division(n2, jnp.where(ip > 0, ip, 1.0)), 1.0)
+  y = jnp.minimum(mul(c, dscale), numerics.E4M3_MAX)
+  return jnp.where(zero_block, dcode.astype(jnp.int32), e4m3_stochastic_code(y, bits16))
+
+
 def supports(mu) -> bool:
   """Whether a stored moment can take the kernels: NVFP4, 1×16 blocks along the last axis."""
   return (isinstance(mu, NVFP4Tensor) and mu.block == (1, BLOCK) and mu.axis == len(mu.shape) - 1
@@ -287,27 +378,52 @@ def _from_columns(cols) -> list:
   return [_stack_last(cols[h::2]) for h in range(2)]
 
 
-def _decoded(kind, refs, gscale, ok, split, evict):
+def _decoded(kind, refs, gscale, ok, split, evict, dither_bits=None):
   """A stored moment as two (rows, 8) float32 halves (``refs``: its codes, scales (, means), or its
-  float32 array); NVFP4 decoded with ``NVFP4Tensor.dequantize``'s products, in its order."""
+  float32 array); NVFP4 decoded with ``NVFP4Tensor.dequantize``'s products, in its order;
+  ``dither_bits``: each half's bits of the step that wrote a dithered moment, whose codes decode by
+  ``dithered_values`` (``optim._common.decode_dithered``)."""
   ok1, ok2, ok3 = ok
   if kind == "fp32":
     return _halves(refs[0], ok2, ok3, split, evict)
   # Codes widened once: 32-bit integer arithmetic from here (bytes cost the GPU byte permutes).
   code = load(refs[0], ok2, evict).astype(jnp.int32)
   scale = numerics.e4m3_to_f32(f8_bytes(load(refs[1], ok1, evict)))[:, None]
-  out = [(numerics.decode_e2m1((code >> 4 * h) & 0xF) * scale) * gscale for h in range(2)]
+  if dither_bits is None:
+    q = [numerics.decode_e2m1((code >> 4 * h) & 0xF) for h in range(2)]
+  else:
+    q = [dithered_values((code >> 4 * h) & 0xF, b) for h, b in enumerate(dither_bits)]
+  out = [(x * scale) * gscale for x in q]
   if kind == "centered":
     out = _from_columns(uncenter(_columns(out), load(refs[2], ok1, evict)))
   return out
 
 
-def _moments(hp, zero, f_ref, leaf, gs, m_refs, v_refs, ok, interpret, evict=None, split=False):
+def _pair_hash(i_ref, at, pid, br):
+  """``numerics.counter_bits``' hash of each (block row, column) of program ``pid``, i.e. of each pair of
+  neighbouring elements, keyed by the words at ``i_ref[at:at + 2]``: (br, 8) uint32."""
+  row0 = (pid * br).astype(jnp.uint32)
+  pairs = ((lax.broadcasted_iota(jnp.uint32, (br, _HALF), 0) + row0) * _HALF
+           + lax.broadcasted_iota(jnp.uint32, (br, _HALF), 1))
+  return numerics.counter_hash(pairs, *ref_words(i_ref, at))
+
+
+def _key_at(hp, leaf, previous=False):
+  """Where a leaf's key words sit in the int table (``_INT_HEAD``): the step's, or (``previous``) those
+  of the step that wrote its dithered moments."""
+  return _INT_HEAD + (4 if hp.dither else 2) * leaf + (2 if previous else 0)
+
+
+def _moments(hp, zero, f_ref, leaf, gs, m_refs, v_refs, ok, interpret, evict=None, split=False,
+             prev_hash=None):
   """Per half h of the gradient's halves ``gs``: (g, m, v, the scaled v) in float32, (rows, 8) each
-  (``numerics.adam_moments``, ``scaled_second_moment``; the scaled v None for a float32 v)."""
+  (``numerics.adam_moments``, ``scaled_second_moment``; the scaled v None for a float32 v);
+  ``prev_hash``: the writing step's ``_pair_hash``, for dithered moments (m lane 0, √v lane 1)."""
   mg, vg = f_ref[_F32_HEAD + 2 * leaf], f_ref[_F32_HEAD + 2 * leaf + 1]
-  m_olds = _decoded(hp.mu_kind, m_refs, mg, ok, split, evict)
-  v_stored = _decoded(hp.nu_kind, v_refs, vg, ok, split, evict)
+  dbits = lambda j: ([numerics.lane_bits(prev_hash, 2 * j + h) for h in range(2)]
+                     if (hp.mu_rounding, hp.nu_rounding)[j] == "dither" else None)
+  m_olds = _decoded(hp.mu_kind, m_refs, mg, ok, split, evict, dbits(0))
+  v_stored = _decoded(hp.nu_kind, v_refs, vg, ok, split, evict, dbits(1))
   out = []
   for g, m_old, stored in zip(gs, m_olds, v_stored):
     g = g.astype(jnp.float32)
@@ -351,8 +467,9 @@ def _stats_leaf(i_ref, f_ref, g_ref, moment_refs, a_ref, *, hp: AdamHyper, nb: i
   br = g_ref.shape[0]
   ok = tuple(_rows_ok(nb, br, s, pid) for s in ((br,), (br, _HALF), (br, _HALF, 2)))
   m_refs, v_refs = _split_refs(moment_refs, (hp.mu_kind, hp.nu_kind), _STATS_REFS)
+  prev_hash = _pair_hash(i_ref, _key_at(hp, leaf, True), pid, br) if hp.dither else None
   halves = _moments(hp, i_ref[0], f_ref, leaf, _halves(g_ref, ok[1], ok[2], split=True), m_refs,
-                    v_refs, ok, interpret, split=True)
+                    v_refs, ok, interpret, split=True, prev_hash=prev_hash)
   amaxes = {}
   if hp.mu_kind != "fp32":
     # The encoder's amax (nvfp4.quantize): subnormals flushed, NaN counted as inf. Rows past the end
@@ -420,6 +537,18 @@ def _encode_halves(xs, mconst, s_dec, finite, rounding, bits, interpret, precond
   if rounding == "preconditioner":
     codes = [e2m1_preconditioner_codes(x, escale, dscale[:, None], s_dec, zero_block, b, *precond)
              for x, b in zip(xs, bits)]
+  elif rounding == "dither":
+    codes = [dithered_codes(x, escale, zero_block, b, precond[2]) for x, b in zip(xs, bits)]
+  elif rounding == "eden":
+    mul = precond[2]
+    codes = [numerics.e2m1_codes(x, escale, zero_block, "nearest", None, jnp.int32) for x in xs]
+    a = [mul(x, escale) for x in xs]
+    total = lambda ys: functools.reduce(jnp.add, _columns(ys))  # element order
+    n2 = total([mul(y, y) for y in a])
+    ip = total([mul(y, numerics.decode_e2m1(c)) for y, c in zip(a, codes)])
+    bits16 = eden_bits16(*_columns(bits)[:2])  # the block's elements 0 and 1
+    dcode = eden_scale_codes(n2, ip, dscale, dcode, zero_block[:, 0], bits16, mul,
+                             lambda a, b: div_rn(a, b, division(interpret))).astype(dcode.dtype)
   else:
     codes = [numerics.e2m1_codes(x, escale, zero_block, rounding, b, jnp.int32)
              for x, b in zip(xs, bits or (None, None))]
@@ -482,9 +611,10 @@ def _encode_leaf(i_ref, f_ref, t_ref, ins, outs, *, hp: AdamHyper, nb: int, leaf
   # The old global scales' buffers are aliased to the outputs; their values come from f_ref.
   # The inputs are read for the last time, the update is read next (by XLA's apply).
   evict_in, evict_u = ("evict_first", "evict_last") if evict_hints else (None, None)
+  prev_hash = _pair_hash(i_ref, _key_at(hp, leaf, True), pid, br) if hp.dither else None
   halves = _moments(hp, zero, f_ref, leaf, _halves(g_ref, ok[1], None, split=False, evict=evict_in),
                     *(_read_refs(kind, r) for kind, r in zip(kinds, in_refs)), ok, interpret,
-                    evict_in)
+                    evict_in, prev_hash=prev_hash)
   # √v: stored, and the update's root
   if hp.nu_kind == "fp32":
     roots = [sqrt_rn(v, interpret) for _, _, v, _ in halves]
@@ -497,14 +627,10 @@ def _encode_leaf(i_ref, f_ref, t_ref, ins, outs, *, hp: AdamHyper, nb: int, leaf
   for h, u in enumerate(us):
     store(u_out.at[:, :, jnp.int32(h)], u, ok[1], evict_u)
   pair_hash = None
-  if {"stochastic", "preconditioner"} & {hp.mu_rounding, hp.nu_rounding}:
+  if hp.random:
     # numerics.counter_bits: one hash per (block row, column), i.e. per pair of neighbouring
     # elements, whose four bytes round m's and √v's even and odd elements.
-    row0 = (pid * br).astype(jnp.uint32)
-    pairs = ((lax.broadcasted_iota(jnp.uint32, (br, _HALF), 0) + row0) * _HALF
-             + lax.broadcasted_iota(jnp.uint32, (br, _HALF), 1))
-    k = _INT_HEAD + 2 * leaf
-    pair_hash = numerics.counter_hash(pairs, *ref_words(i_ref, k))
+    pair_hash = _pair_hash(i_ref, _key_at(hp, leaf), pid, br)
   values = ([m for _, m, _, _ in halves],
             [v for _, _, v, _ in halves] if hp.nu_kind == "fp32" else roots)
   for j, (kind, rounding, xs, refs) in enumerate(
@@ -521,7 +647,7 @@ def _encode_leaf(i_ref, f_ref, t_ref, ins, outs, *, hp: AdamHyper, nb: int, leaf
     t = 4 * (2 * leaf + j)  # [S_enc / 6, S_dec, finite, S_enc] of this moment
     mconst, s_dec, finite = t_ref[t], t_ref[t + 1], t_ref[t + 2] > 0
     bits = None
-    if rounding in ("stochastic", "preconditioner"):
+    if rounding in ("stochastic", "preconditioner", "dither", "eden"):
       bits = [numerics.lane_bits(pair_hash, 2 * j + h) for h in range(2)]
     precond = (factors[2], hp.eps, _unfused_mul(interpret, zero))
     rule = (hp.mu_scale_rule, hp.nu_scale_rule)[j]
@@ -543,7 +669,8 @@ def _leaf_key_words(key, leaf_ids):
 
 
 def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, bound, zero,
-                  *, block_sizes: AdamKernelConfig = AdamKernelConfig(), interpret: bool = False):
+                  *, prev_key=None, block_sizes: AdamKernelConfig = AdamKernelConfig(),
+                  interpret: bool = False):
   """The kernels' AdamW update of NVFP4 leaves (``supports_leaf`` true for each, its moments of the
   kinds ``hp.mu_kind`` and ``hp.nu_kind``).
 
@@ -556,6 +683,8 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
       a float32 v, or a ``CenteredNVFP4Tensor`` √v where ``hp`` says so).
     leaf_ids: each leaf's index in the tree, which keys its rounding bits as in the XLA path.
     key: the step's key, or None for nearest rounding of both moments.
+    prev_key: the key of the step that wrote dithered moments (``AdamHyper`` rounding ``"dither"``),
+      whose offsets decoding subtracts; else unused.
     hp: constants, roundings and kinds.
     bias_factors: ``numerics.bias_factors`` of the step (``numerics.adam_direction``).
     bound: the update clip bound (float32 scalar), or None (``hp.clip_update`` False).
@@ -576,8 +705,14 @@ def update_leaves(grads, mus, nus, leaf_ids, key, hp: AdamHyper, bias_factors, b
   if not grads:
     return [], [], []
   ints = [jnp.broadcast_to(zero, (1,)), jnp.zeros((_INT_HEAD - 1,), jnp.int32)]
+  if hp.dither and (key is None or prev_key is None):
+    raise ValueError("update_leaves: dithered moments need the step's key and prev_key (the key of the "
+                     "step that wrote them)")
   if key is not None:
-    ints.append(_leaf_key_words(key, leaf_ids).reshape(-1))
+    words = _leaf_key_words(key, leaf_ids)
+    if hp.dither:
+      words = jnp.concatenate([words, _leaf_key_words(prev_key, leaf_ids)], axis=1)
+    ints.append(words.reshape(-1))
   ints = pad_pow2(jnp.concatenate(ints))
   floats = jnp.stack([*bias_factors, jnp.float32(0) if bound is None else bound]
                      ).astype(jnp.float32)

@@ -1,7 +1,8 @@
 """AdamNvfp4Options' storage variants: one moment in float32 (``mu=None``, ``nu=None``), leaves kept
-float32 by name (``keep_fp32``) and the centered, rotated √v (``nu_transform="mean_hadamard"``). Each
-gives the same state bits in the XLA path and the kernels (interpret mode), keeps the optax contract,
-and leaves the default's bits alone."""
+float32 by name (``keep_fp32``), the centered, rotated √v (``nu_transform="mean_hadamard"``) and the
+roundings (preconditioner space, Four over Six, subtractive dither, EDEN scales). Each gives the same
+state bits in the XLA path and the kernels (interpret mode), keeps the optax contract, and leaves the
+default's bits alone."""
 
 import hashlib
 
@@ -11,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from fp4jax import nvfp4, optim
+from fp4jax import numerics, nvfp4, optim
 from fp4jax.kernels import adam_nvfp4 as kernel
 from fp4jax.nvfp4 import NVFP4Tensor
 from fp4jax.optim import _common
@@ -29,6 +30,8 @@ VARIANTS = {
     "mean_hadamard_nearest": dict(nu=Operand(), nu_transform="mean_hadamard"),
     "preconditioner_sr": dict(nu_sr_space="preconditioner"),
     "four_over_six": dict(mu=Operand(scale_rule="4over6_mse"), nu=Operand(scale_rule="4over6_mae")),
+    "dither": dict(mu=Operand(), nu=Operand(), dither=("mu", "nu")),
+    "eden": dict(mu=Operand(), nu=Operand(), eden=("mu", "nu")),
 }
 
 
@@ -70,7 +73,7 @@ def test_default_bits_are_unchanged():
   before = "a91ef8c98a44be39"
   options = optim.AdamNvfp4Options(min_size=0)
   assert options == optim.AdamNvfp4Options(min_size=0, mu=Operand(rounding="stochastic"), keep_fp32=(),
-                                           nu_transform="none")
+                                           nu_transform="none", dither=(), eden=[])
   tx = optim.adamw_nvfp4(1e-2, options=options, implementation="xla")
   params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
   state, f = tx.init(params), jax.jit(tx.update)
@@ -187,6 +190,14 @@ def test_path_matches():
     (dict(nu_sr_space="update"), "nu_sr_space must be one of"),
     (dict(nu=Operand(), nu_sr_space="preconditioner"), "needs nu=Operand"),
     (dict(nu_transform="mean_hadamard", nu_sr_space="preconditioner"), "needs nu=Operand"),
+    (dict(mu=Operand(), dither="mu"), "dither must be a tuple"),
+    (dict(mu=Operand(), dither=("m",)), "dither must be a tuple"),
+    (dict(mu=Operand(), dither=("mu", "mu")), "dither must be a tuple"),
+    (dict(dither=("mu",)), "needs mu=Operand"),
+    (dict(mu=Operand(scale_rule="4over6_mse"), eden=("mu",)), "needs mu=Operand"),
+    (dict(nu=None, eden=("nu",)), "needs nu=Operand"),
+    (dict(nu=Operand(), nu_transform="mean_hadamard", dither=("nu",)), "needs nu_transform='none'"),
+    (dict(mu=Operand(), dither=("mu",), eden=("mu",)), "both in dither and eden"),
 ])
 def test_options_are_validated(kw, match):
   with pytest.raises(ValueError, match=match):
@@ -232,11 +243,13 @@ def test_centered_codec():
   assert not np.any(np.asarray(zero.dequantize()))
 
 
-@pytest.mark.parametrize("name", ["m_only", "v_only", "mean_hadamard", "preconditioner_sr", "four_over_six"])
+@pytest.mark.parametrize("name", ["m_only", "v_only", "mean_hadamard", "preconditioner_sr", "four_over_six",
+                                  "dither", "eden"])
 def test_lowers_to_triton_for_h200(triton_modules, name):
   """Each storage variant's two kernels lower to Triton (verified IR): a float32 moment's loads and
   stores, the centered √v's column splits, butterflies and bfloat16 means, the preconditioner-space
-  rounding, Four over Six's two candidates."""
+  rounding, Four over Six's two candidates, the dither's two keys, EDEN's block sums and scale
+  rounding."""
   from conftest import H200
   options = optim.AdamNvfp4Options(min_size=0, **VARIANTS[name])
   tx = optim.scale_by_adam_nvfp4(options=options, implementation="pallas")
@@ -270,3 +283,56 @@ def test_preconditioner_space_rounding():
   assert bias(precond) < 0.02 < bias(value), (bias(precond), bias(value))
   zeros = lambda d: float(jnp.mean(d == 0))
   assert zeros(precond) < 0.1 * zeros(value) and zeros(value) > 0.002, (zeros(precond), zeros(value))
+
+
+def _draws(fn, x, n=128):
+  """``n`` decoded draws of ``fn(x, key)`` (a fresh key each), stacked."""
+  return jax.jit(jax.vmap(lambda k: fn(x, k)))(jax.random.split(jax.random.key(5), n))
+
+
+def test_dither_codec():
+  """Subtractive dither: the nearest encoding's scales; decoding with the writing key inverts the
+  index map around the codes less ``u``; over draws the decoded moment is far less biased than
+  rounding to nearest, and its error smaller than stochastic rounding's."""
+  x = jax.random.normal(jax.random.key(4), (32, 64)) * jnp.exp(jax.random.normal(jax.random.key(6), (32, 1)))
+  zero, key = jnp.int32(0), jax.random.key(7)
+  t = _common.encode_dithered(x, key, zero, lane=0)
+  near = _common.encode(x, "nearest", None)
+  _same_bits((t.scales, t.global_scale), (near.scales, near.global_scale))
+  u = kernel.dither_uniform(numerics.counter_bits(key, x.shape, 0))
+  assert float(jnp.min(u)) > -0.5 and float(jnp.max(u)) < 0.5 and abs(float(jnp.mean(u))) < 0.02
+  grid = jnp.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+  np.testing.assert_array_equal(kernel.e2m1_index(grid), np.arange(8.0))
+  np.testing.assert_array_equal(kernel.e2m1_index(-grid[1:]), -np.arange(1.0, 8.0))
+  y = t.elements()  # grid values; the dithered values are the index map's inverse at index - u
+  v = kernel.dithered_values(nvfp4._unpack(t.codes, 1), numerics.counter_bits(key, x.shape, 0))
+  np.testing.assert_allclose(kernel.e2m1_index(v), kernel.e2m1_index(y) - u, atol=1e-6)
+  scale = jnp.repeat(t.block_scales(), 16, axis=-1)
+  np.testing.assert_array_equal(_common.decode_dithered(t, key, 0), (v * scale) * t.global_scale)
+  dith = _draws(lambda x, k: _common.decode_dithered(_common.encode_dithered(x, k, zero, 1), k, 1), x)
+  sr = _draws(lambda x, k: _common.encode(x, "stochastic", k, lane=1).dequantize(), x)
+  rel = lambda d: float(jnp.linalg.norm(d) / jnp.linalg.norm(x))
+  bias_near, bias_dith = rel(near.dequantize() - x), rel(dith.mean(0) - x)
+  assert bias_dith < 0.3 * bias_near, (bias_dith, bias_near)
+  rmse = lambda d: float(jnp.sqrt(jnp.mean(jnp.sum((d - x[None]) ** 2, axis=(1, 2)))) / jnp.linalg.norm(x))
+  assert rmse(dith) < rmse(sr), (rmse(dith), rmse(sr))
+
+
+def test_eden_codec():
+  """EDEN: the codes are the nearest encoding's, the scales move by at most one E4M3 step from
+  ``c · dscale``, and over draws the decoded moment's magnitude misalignment ⟨x, x̂⟩/‖x‖² − 1 is far
+  below rounding to nearest's."""
+  x = _heavy_tailed_root(jax.random.key(8), (32, 64))
+  zero = jnp.int32(0)
+  near = _common.encode(x, "nearest", None)
+  t = _common.encode_eden(x, jax.random.key(9), zero, lane=1)
+  _same_bits((t.codes, t.global_scale), (near.codes, near.global_scale))
+  q, d = near.elements(), near.block_scales()
+  a = x * jnp.repeat(_common.nvfp4._escale_table(near.global_scale)[
+      jax.lax.bitcast_convert_type(near.scales, jnp.uint8).astype(jnp.int32)], 16, axis=-1)
+  c = jnp.sum((a * a).reshape(32, 4, 16), -1) / jnp.sum((a * q).reshape(32, 4, 16), -1)
+  ratio = t.block_scales() / (c * d)
+  assert float(jnp.max(jnp.abs(ratio - 1.0))) <= 0.126, float(jnp.max(jnp.abs(ratio - 1.0)))
+  draws = _draws(lambda x, k: _common.encode_eden(x, k, zero, 1).dequantize(), x)
+  align = lambda d: abs(float(jnp.mean(jnp.sum(d * x[None], axis=(-2, -1))) / jnp.sum(x * x)) - 1.0)
+  assert align(draws) < 0.2 * align(near.dequantize()[None]), (align(draws), align(near.dequantize()[None]))

@@ -8,6 +8,7 @@ per shape, not per leaf, each leaf with its own global scale and random bits).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -225,6 +226,61 @@ def encode_preconditioned(x, key, c2, eps, zero, lane: int = 1) -> NVFP4Tensor:
                                                zero_block, numerics.counter_bits(key, x.shape, lane),
                                                c2, eps, mul)
   return dataclasses.replace(t, codes=nvfp4._pack(code.astype(jnp.uint8), ax))
+
+
+def _nearest_blocks(x32, ax):
+  """``nvfp4.quantize(x32)`` to nearest (flushed input) and its per-element encode scale, decoded
+  block scale and zero-block mask, expanded along ``ax``."""
+  t = nvfp4.quantize(x32, block=(1, BLOCK), axis=ax, rounding="nearest")
+  dcode = jax.lax.bitcast_convert_type(t.scales, jnp.uint8)
+  escale = nvfp4._escale_table(t.global_scale).at[dcode.astype(jnp.int32)].get(mode="promise_in_bounds")
+  dscale = numerics.e4m3_to_f32(dcode)
+  zero_block = (dscale == 0) | ~jnp.isfinite(t.global_scale)
+  return t, escale, dscale, dcode, zero_block
+
+
+def encode_dithered(x, key, zero, lane: int = 0) -> NVFP4Tensor:
+  """float32 ``x`` -> NVFP4 with subtractive dither: ``encode``'s scales (nearest rounding), the codes
+  ``adam_nvfp4.dithered_codes`` with the counter bits of ``encode``; ``decode_dithered`` with the same
+  key and lane decodes them."""
+  ax = block_axis(x.shape)
+  x32 = numerics.flush_subnormals(x.astype(jnp.float32))
+  t, escale, _, _, zero_block = _nearest_blocks(x32, ax)
+  expand = lambda b: jnp.repeat(b, BLOCK, axis=ax)
+  mul = lambda a, b: numerics.rounded(a * b, zero)
+  code = adam_kernel.dithered_codes(x32, expand(escale), expand(zero_block),
+                                    numerics.counter_bits(key, x.shape, lane), mul)
+  return dataclasses.replace(t, codes=nvfp4._pack(code.astype(jnp.uint8), ax))
+
+
+def decode_dithered(t: NVFP4Tensor, key, lane: int = 0) -> jax.Array:
+  """The moment stored by ``encode_dithered`` with ``key`` (the step that wrote it) and ``lane``:
+  ``(dithered_values(code, bits) · dscale) · S_dec`` in float32 (``NVFP4Tensor.dequantize``'s
+  products on the dithered E2M1-unit values)."""
+  q = adam_kernel.dithered_values(nvfp4._unpack(t.codes, t.axis), numerics.counter_bits(key, t.shape, lane))
+  return (q * jnp.repeat(t.block_scales(), BLOCK, axis=t.axis)) * t.global_scale
+
+
+def encode_eden(x, key, zero, lane: int = 0) -> NVFP4Tensor:
+  """float32 ``x`` -> NVFP4 with EDEN-calibrated block scales: ``encode``'s codes to nearest, each
+  block's E4M3 scale replaced by ``adam_nvfp4.eden_scale_codes`` (sums in element order, products
+  rounded; the 16 scale bits from the counter bits of the block's elements 0 and 1 in ``lane``)."""
+  ax = block_axis(x.shape)
+  x32 = numerics.flush_subnormals(x.astype(jnp.float32))
+  t, escale, dscale, dcode, zero_block = _nearest_blocks(x32, ax)
+  mul = lambda a, b: numerics.rounded(a * b, zero)
+  a = mul(x32, jnp.repeat(escale, BLOCK, axis=ax))
+  q = t.elements()
+  blocks = lambda y: jnp.moveaxis(y, ax, -1).reshape(*dscale.shape[:ax], *dscale.shape[ax + 1:],
+                                                    dscale.shape[ax], BLOCK)
+  back = lambda y: jnp.moveaxis(y, -1, ax)
+  total = lambda y: back(functools.reduce(jnp.add, [blocks(y)[..., i] for i in range(BLOCK)]))
+  n2, ip = total(mul(a, a)), total(mul(a, q))
+  bits = blocks(numerics.counter_bits(key, x.shape, lane))
+  bits16 = back(adam_kernel.eden_bits16(bits[..., 0], bits[..., 1]))
+  code = adam_kernel.eden_scale_codes(n2, ip, dscale, dcode, zero_block, bits16, mul, numerics.div_rn)
+  return dataclasses.replace(t, scales=jax.lax.bitcast_convert_type(code.astype(jnp.uint8),
+                                                                     jnp.float8_e4m3fn))
 
 
 def zeros_centered(shape, like=None) -> CenteredNVFP4Tensor:

@@ -48,6 +48,7 @@ _STOCHASTIC = Operand(rounding="stochastic")
 
 NU_TRANSFORMS = ("none", "mean_hadamard")  # how √v is stored (``AdamNvfp4Options.nu_transform``)
 SR_SPACES = ("value", "preconditioner")  # where √v's stochastic rounding is unbiased (``nu_sr_space``)
+MOMENTS = ("mu", "nu")  # the moments that ``dither`` and ``eden`` name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,29 @@ class AdamNvfp4Options:
       b2^t)``: the neighbour above is chosen more often, 0 almost never;
       ``fp4jax.kernels.adam_nvfp4.e2m1_preconditioner_codes``). Needs ``nu.rounding="stochastic"``
       and ``nu_transform="none"``.
+    dither: the moments (``"mu"``, ``"nu"``) stored with subtractive dither in the E2M1 index
+      domain (``adam_nvfp4.dithered_codes``): each element's value in E2M1 units is mapped onto the
+      uniform index grid of the codes (0, 0.5, 1, 1.5, 2, 3, 4, 6 -> 0..7, piecewise linear), ``u`` in
+      (-1/2, 1/2) from the element's counter-hash byte of the writing step is added, the sum rounded
+      to the nearest index; decoding subtracts the same ``u`` and maps back (``dithered_values``),
+      ``u`` regenerated from that step's key (``seed`` and the count): nothing is stored, 4.5 bits per
+      element as plain NVFP4, scales those of the undithered moment rounded to nearest. The error is
+      half the local grid step either way, mean 0 except near 2 and 4 E2M1 units (at most 1/8 unit):
+      about half the variance of stochastic rounding over a uniform spread of values (docs/DESIGN.md,
+      "Optimizer states", has the measurements). The codes decode to the moment only with the
+      writing step's key (``scale_by_adam_nvfp4`` does; ``NVFP4Tensor.dequantize`` alone gives grid
+      values). Needs the moment's ``Operand(rounding="nearest")`` with ``scale_rule="max"``; for
+      ``"nu"``, ``nu_transform="none"`` (a decoded √v may then be slightly negative; Adam reads its
+      square).
+    eden: the moments whose block scales are EDEN-calibrated: codes rounded to nearest, then per
+      block ``c = ‖a‖² / ⟨a, q⟩`` (``a`` the block in E2M1 units, ``q`` its nearest E2M1 values; sums
+      in element order) and the E4M3 scale ``c · dscale`` (at most 448) rounded stochastically with
+      16 counter-hash bits, so that the expected decoded block is ``c · q``
+      (``adam_nvfp4.eden_scale_codes``): ``c`` is folded into the stored scale, 4.5 bits per element
+      as plain NVFP4, decoded by ``NVFP4Tensor.dequantize``. No random rotation: the calibration
+      removes the block's magnitude bias of rounding to nearest, not each element's. Needs the
+      moment's ``Operand(rounding="nearest")`` with ``scale_rule="max"``, not also in ``dither``;
+      for ``"nu"``, ``nu_transform="none"``.
   """
 
   min_size: int = DEFAULT_MIN_SIZE
@@ -95,6 +119,8 @@ class AdamNvfp4Options:
   keep_fp32: tuple[str, ...] = ()
   nu_transform: str = "none"
   nu_sr_space: str = "value"
+  dither: tuple[str, ...] = ()
+  eden: tuple[str, ...] = ()
 
   def __post_init__(self):
     _common.check_min_size(self.min_size)
@@ -124,9 +150,41 @@ class AdamNvfp4Options:
       raise ValueError(f"AdamNvfp4Options.nu_sr_space={self.nu_sr_space!r} rounds a plain NVFP4 √v "
                        f"stochastically: it needs nu=Operand(rounding='stochastic') and "
                        f"nu_transform='none', got nu={self.nu!r}, nu_transform={self.nu_transform!r}")
+    for field in ("dither", "eden"):
+      names = getattr(self, field)
+      if isinstance(names, list):
+        names = tuple(names)
+        object.__setattr__(self, field, names)
+      if not isinstance(names, tuple) or not all(n in MOMENTS for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"AdamNvfp4Options.{field} must be a tuple of distinct names of {MOMENTS}, e.g. "
+                         f"('mu', 'nu'); got {names!r}")
+      for name in names:
+        op = getattr(self, name)
+        if getattr(op, "rounding", None) != "nearest" or op.scale_rule != "max":
+          raise ValueError(f"AdamNvfp4Options.{field} names {name!r}: it needs {name}=Operand("
+                           f"rounding='nearest') with scale_rule='max', got {name}={op!r}")
+        if name == "nu" and self.nu_transform != "none":
+          raise ValueError(f"AdamNvfp4Options.{field} names 'nu': it needs nu_transform='none', got "
+                           f"{self.nu_transform!r}")
+    both = set(self.dither) & set(self.eden)
+    if both:
+      raise ValueError(f"AdamNvfp4Options: {sorted(both)} both in dither and eden; choose one per moment")
     if self.nu_transform != "none" and self.nu is None:
       raise ValueError(f"AdamNvfp4Options.nu_transform={self.nu_transform!r} transforms the stored √v: "
                        f"it needs nu (an NVFP4 Operand), got nu=None")
+
+  @property
+  def roundings(self) -> tuple[str, str]:
+    """How each moment's codes are rounded, by the kernels' names (``adam_nvfp4.AdamHyper``):
+    ``"nearest"`` (also for a float32 moment), ``"stochastic"``, ``"preconditioner"`` (√v),
+    ``"dither"`` or ``"eden"``."""
+    out = []
+    for name in MOMENTS:
+      rounding = getattr(getattr(self, name), "rounding", "nearest")
+      if name == "nu" and self.nu_sr_space == "preconditioner":
+        rounding = "preconditioner"
+      out.append("dither" if name in self.dither else "eden" if name in self.eden else rounding)
+    return out[0], out[1]
 
   @property
   def kinds(self) -> tuple[str, str]:
@@ -220,7 +278,9 @@ def scale_by_adam_nvfp4(
     quantize: store moments as NVFP4 where the storage rule allows; ``False`` gives
       ``optax.scale_by_adam`` bit for bit with float32 moments (module docstring).
     options: the storage knobs (``AdamNvfp4Options``).
-    seed: stochastic rounding uses ``fold_in(key(seed), count)``: deterministic, nothing to store.
+    seed: stochastic rounding (and dither, EDEN's scale rounding) uses ``fold_in(key(seed), count)``:
+      deterministic, nothing to store; a dithered moment is decoded with the key of the count that
+      wrote it.
     implementation: which code updates NVFP4 leaves (``fp4jax.execution``): ``"pallas"`` (two Pallas Triton kernels,
       ``fp4jax.kernels.adam_nvfp4``; CUDA GPUs), ``"xla"`` (plain jnp), ``"pallas_interpret"`` (the
       kernels in interpret mode, for CPU tests) or ``"auto"``: ``"pallas"`` when computations go to
@@ -257,11 +317,11 @@ def scale_by_adam_nvfp4(
   min_size, clip_update = options.min_size, options.clip_update
   mu_kind, nu_kind = options.kinds
   # A float32 moment has no rounding; "nearest" keeps it out of the random bits' bookkeeping.
-  mu_rounding, nu_rounding = (getattr(op, "rounding", "nearest") for op in (options.mu, options.nu))
-  if options.nu_sr_space == "preconditioner":
-    nu_rounding = "preconditioner"  # the kernels' name of this rounding
+  mu_rounding, nu_rounding = options.roundings
   mu_rule, nu_rule = (getattr(op, "scale_rule", "max") for op in (options.mu, options.nu))
-  stochastic = {"stochastic", "preconditioner"} & {mu_rounding, nu_rounding}
+  stochastic = {"stochastic", "preconditioner", "dither", "eden"} & {mu_rounding, nu_rounding}
+  # A dithered moment is decoded with the key of the step that wrote it.
+  dithered = "dither" in {mu_rounding, nu_rounding}
   # The kernels compile Adam's constants in; traced ones (optax.inject_hyperparams under jit) take
   # the XLA path, which gives the same bits.
   constants = [_common.concrete_float(x) for x in (b1, b2, eps, eps_root)]
@@ -309,6 +369,8 @@ def scale_by_adam_nvfp4(
     key = _common.step_key(seed, count_inc) if stochastic else None
     q_idx = [i for i, q in enumerate(quantized) if q]
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(quantized))]
+    prev_key = _common.step_key(seed, state.count) if dithered else None
+    prev_keys = [None if prev_key is None else jax.random.fold_in(prev_key, i) for i in range(len(quantized))]
     impl = _platform.resolve(implementation, "pallas", "xla")
     # Leaves split over explicit mesh axes take the XLA path (the kernels see whole leaves).
     sharded = {i for i in q_idx if _common.sharded_explicitly(
@@ -323,16 +385,16 @@ def scale_by_adam_nvfp4(
           [g_leaves[i] for i in fused], [mu_leaves[i] for i in fused],
           [nu_leaves[i] for i in fused], fused, key, hyper,
           numerics.bias_factors(b1, b2, eps_root, count_inc),
-          _clip_bound(count_inc), numerics.runtime_zero(count_inc),
+          _clip_bound(count_inc), numerics.runtime_zero(count_inc), prev_key=prev_key,
           block_sizes=block_sizes, interpret=impl == "pallas_interpret")
       for j, i in enumerate(fused):
         u_leaves[i], mu_new[i], nu_new[i] = (o[j] for o in outs)
     # Under explicit sharding each leaf is computed alone, with its mesh axes automatic inside
     # (the codec's block reshapes) and its outputs sharded like the gradient and the stored state.
-    leaf_fn = lambda g, m, v, k: _common.auto(
-        _leaf_update, (g, m, v), g, m, v, k, count_inc)
+    leaf_fn = lambda g, m, v, k, pk: _common.auto(
+        _leaf_update, (g, m, v), g, m, v, k, pk, count_inc)
     group = _common.group_by_default() and not sharded
-    for i, out in _common.grouped_map(leaf_fn, q_idx, g_leaves, mu_leaves, nu_leaves, keys,
+    for i, out in _common.grouped_map(leaf_fn, q_idx, g_leaves, mu_leaves, nu_leaves, keys, prev_keys,
                                       group=group).items():
       u_leaves[i], mu_new[i], nu_new[i] = out
     mu, nu = treedef.unflatten(mu_new), treedef.unflatten(nu_new)
@@ -351,12 +413,22 @@ def scale_by_adam_nvfp4(
                      mu_hat, nu_hat, is_leaf=lambda x: x is None)
     return u, mu, nu
 
-  def _leaf_update(g, mu_q, nu_q, key, count_inc):
+  def _decode(t, rounding, prev_key, lane):
+    return _common.decode_dithered(t, prev_key, lane) if rounding == "dither" else _common.decode(t)
+
+  def _encode(x, rounding, key, zero, lane, rule):
+    if rounding == "dither":
+      return _common.encode_dithered(x, key, zero, lane)
+    if rounding == "eden":
+      return _common.encode_eden(x, key, zero, lane)
+    return _common.encode(x, rounding, key, lane=lane, scale_rule=rule)
+
+  def _leaf_update(g, mu_q, nu_q, key, prev_key, count_inc):
     # The kernels compute the same steps (kernels/adam_nvfp4.py); keep the two in step.
     g32 = g.astype(jnp.float32)
     nu_nvfp4 = nu_kind != "fp32"
-    s_old = _common.decode(nu_q) if nu_nvfp4 else None
-    m_old = _common.decode(mu_q) if mu_kind != "fp32" else mu_q
+    s_old = _decode(nu_q, nu_rounding, prev_key, 1) if nu_nvfp4 else None
+    m_old = _decode(mu_q, mu_rounding, prev_key, 0) if mu_kind != "fp32" else mu_q
     zero = numerics.runtime_zero(count_inc)
     m, v = numerics.adam_moments(m_old, s_old * s_old if nu_nvfp4 else nu_q, g32, b1, b2, zero)
     # The correctly rounded square root: the backend's differs from the CPU's in the last bit on
@@ -375,8 +447,8 @@ def scale_by_adam_nvfp4(
       c2 = numerics.bias_factors(b1, b2, eps_root, count_inc)[2]
       nu_new = _common.encode_preconditioned(s, key, c2, eps, zero, lane=1)
     else:
-      nu_new = _common.encode(s, nu_rounding, key, lane=1, scale_rule=nu_rule) if nu_nvfp4 else v
-    mu_new = _common.encode(m, mu_rounding, key, lane=0, scale_rule=mu_rule) if mu_kind != "fp32" else m
+      nu_new = _encode(s, nu_rounding, key, zero, 1, nu_rule) if nu_nvfp4 else v
+    mu_new = _encode(m, mu_rounding, key, zero, 0, mu_rule) if mu_kind != "fp32" else m
     return u.astype(g.dtype), mu_new, nu_new
 
   def _clip_bound(count_inc):

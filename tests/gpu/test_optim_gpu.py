@@ -17,7 +17,8 @@ For fixed inputs and seeds, on the GPU and on the CPU backend of the same proces
    against the CPU's XLA path: packed codes, E4M3 scales and global scales bit for bit (at most 1e-5
    of the codes may flip), updates to 1e-5 of their max; the same for ``AdamNvfp4Options``' storage
    variants (m or √v alone in NVFP4, the mean-removed Hadamard-rotated √v with its bfloat16 means,
-   leaves kept float32 by name, √v rounded in the preconditioner space, Four over Six);
+   leaves kept float32 by name, √v rounded in the preconditioner space, Four over Six, subtractive
+   dither, EDEN-calibrated block scales);
 4. ``muon_nvfp4`` after 2 updates: the AdamW side's codes as in 3, updates within 0.3 of their max
    (Newton–Schulz, as in 2).
 """
@@ -65,6 +66,11 @@ OPTIMIZERS = {
         nu_sr_space="preconditioner")), 1e-5, 3),
     "adamw_nvfp4 four over six (mse m, mae v)": (lambda: optim.adamw_nvfp4(1e-3, options=optim.AdamNvfp4Options(
         mu=Operand(scale_rule="4over6_mse"), nu=Operand(scale_rule="4over6_mae"))), 1e-5, 3),
+    # Subtractive dither (the writing step's key decodes the state) and EDEN's calibrated scales.
+    "adamw_nvfp4 dither (m and v)": (lambda: optim.adamw_nvfp4(1e-3, options=optim.AdamNvfp4Options(
+        mu=Operand(), nu=Operand(), dither=("mu", "nu"))), 1e-5, 3),
+    "adamw_nvfp4 eden (m and v)": (lambda: optim.adamw_nvfp4(1e-3, options=optim.AdamNvfp4Options(
+        mu=Operand(), nu=Operand(), eden=("mu", "nu"))), 1e-5, 3),
 }
 
 
