@@ -17,6 +17,7 @@ _W1X16_4OVER6 = {**_W1X16, "recipe.matmul.x.scale_rule": "4over6_mse", "recipe.m
                  "recipe.matmul.x_wgrad.scale_rule": "4over6_mse"}
 _REALIGN = {"recipe.lora_resplit_moments": "aligned", "recipe.lora_resplit_svd": "randomized"}
 _STATES = {"recipe.optimizer_states": "nvfp4"}
+_STATES_NEAREST = {**_STATES, "recipe.moments.mu.rounding": "nearest", "recipe.moments.nu.rounding": "nearest"}
 _FOUR_OVER_SIX_FWD = {"recipe.matmul.x.scale_rule": "4over6_mse", "recipe.matmul.w.scale_rule": "4over6_mse"}
 
 
@@ -42,6 +43,8 @@ ARMS: tuple[Arm, ...] = (
             "fp4_linear_lorasvd", "LoRA-SVD linear layers + AdamW moments in NVFP4"),
         Arm("fp4_full_stack", "fp4_full_stack", {}, 0, "lorasvd_states",
             "LoRA-SVD linear + NVFP4 AdamW states + NVFP4 attention (QK^T and dS, tensor reuse)"),
+        Arm("full_stack_w1x16_4over6", "fp4_full_stack", _W1X16_4OVER6, 0, "fp4_full_stack",
+            "the full stack on the method's linear baseline: W in 1x16 blocks along K, Four-over-Six on x, W, H.x"),
     ),
     *_group(
         "muon",
@@ -49,6 +52,11 @@ ARMS: tuple[Arm, ...] = (
             "Muon (AdamW on embedding, head, vectors) with BF16 Newton-Schulz operands"),
         Arm("muon_nvfp4", "bf16", {"recipe.newton_schulz": "nvfp4", "optimizer.name": "muon"}, 0,
             "muon_bf16", "Muon with NVFP4 Newton-Schulz operands (fp32 accumulation)"),
+        Arm("muon_bf16_s1", "bf16", {"optimizer.name": "muon"}, 1, "bf16_s1", "Muon with BF16 operands, seed 1"),
+        Arm("full_stack_muon", "fp4_full_stack", {"optimizer.name": "muon"}, 0, "muon_bf16",
+            "the full stack with Muon: NVFP4 Newton-Schulz on the blocks' matrices, NVFP4 AdamW moments on the rest"),
+        Arm("full_stack_muon_s1", "fp4_full_stack", {"optimizer.name": "muon"}, 1, "muon_bf16_s1",
+            "the full stack with Muon, seed 1"),
     ),
     *_group(
         "attention",
@@ -267,5 +275,15 @@ ARMS: tuple[Arm, ...] = (
                                                     "recipe.moments.mu.scale_rule": "4over6_mse",
                                                     "recipe.moments.nu.scale_rule": "4over6_mse"}, 0,
             "states_nearest", "m and √v rounded to nearest with Four-over-Six scales"),
+        Arm("states_dither", "fp4_linear", {**_STATES_NEAREST, "recipe.moments.dither": ("mu", "nu")}, 0,
+            "linear_states", "m and √v with subtractive dither (nearest codes, the hash's offsets removed on load)"),
+        Arm("states_dither_s1", "fp4_linear", {**_STATES_NEAREST, "recipe.moments.dither": ("mu", "nu")}, 1,
+            "linear_states_s1", "m and √v with subtractive dither, seed 1"),
+        Arm("states_eden", "fp4_linear", {**_STATES_NEAREST, "recipe.moments.eden": ("mu", "nu")}, 0,
+            "states_nearest", "m and √v rounded to nearest, block scales EDEN-calibrated"),
+        Arm("states_eden_m_precond_v", "fp4_linear", {**_STATES, "recipe.moments.mu.rounding": "nearest",
+                                                      "recipe.moments.eden": ("mu",),
+                                                      "recipe.moments.nu_sr_space": "preconditioner"}, 0,
+            "linear_states", "EDEN-calibrated nearest m, √v rounded stochastically in the preconditioner's space"),
     ),
 )
