@@ -334,11 +334,12 @@ def test_the_methods_baseline_preset_is_the_studys_arm():
 
 @pytest.mark.slow
 def test_full_stack_with_muon_updates_every_parameter():
-  """The full stack with Muon (preset ``fp4_full_stack`` and ``optimizer.name=muon``: the optimizer is
-  the experiment's, not the recipe's) on the model's parameters: Muon with NVFP4 Newton–Schulz on the
-  blocks' 2-D matrices, NVFP4 AdamW moments on the embedding, the LM head and the vectors. Built from
-  the tiny config (one block), two updates past the warmup's zero learning rate are finite and move
-  every parameter. (The model's NVFP4 forward and backward are the full stack's, tested apart.)"""
+  """The experiment preset ``fp4_full_stack_muon`` (the recipe ``fp4_full_stack`` and ``optimizer.name=muon``:
+  the optimizer is the experiment's, not the recipe's) on the model's parameters: Muon with NVFP4
+  Newton–Schulz on the blocks' 2-D matrices, NVFP4 AdamW moments on the embedding, the LM head and the
+  vectors. Built from the tiny config (one block), two updates past the warmup's zero learning rate are
+  finite and move every parameter. (The model's NVFP4 forward and backward are the full stack's, tested
+  apart.)"""
   import jax
   import numpy as np
   import optax
@@ -349,8 +350,8 @@ def test_full_stack_with_muon_updates_every_parameter():
   from fp4jax.optim import ScaleByMuonNvfp4State
   from fp4jax.step import init_state
   from fp4jax.train import make_optimizer
-  cfg = tiny.get_config("fp4_full_stack")
-  cfg.optimizer.name = "muon"
+  cfg = tiny.get_config("fp4_full_stack_muon")
+  assert cfg.optimizer.name == "muon" and tiny.get_config("fp4_full_stack").optimizer.name == "adamw"
   cfg.optimizer.warmup_steps = 1
   cfg.model.update(n_layers=1, d_model=32, n_heads=2)
   model, recipe, opt, _, execution = from_config(cfg, vocab_size=257)

@@ -15,7 +15,9 @@ Every field can be set on the command line, e.g. ``--config.steps=20``,
 ``--config.model.scan_layers=True``, ``--config.recipe.bf16_last_blocks=2``,
 ``--config.recipe.matmul.hadamard=False``, ``--config.execution.attention=xla``,
 ``--config.tensorboard=False``. ``arg`` (the text after ``:`` in ``--config=<file>.py:<arg>``)
-names the recipe preset: ``bf16``, ``fp4_linear``, ``fp4_linear_lorasvd``, ``fp4_full_stack``.
+names the recipe preset: ``bf16``, ``fp4_linear``, ``fp4_linear_w1x16_4over6``, ``fp4_linear_lorasvd``,
+``fp4_full_stack`` (``fp4jax.recipe.PRESETS``), or a preset of recipe and optimizer
+(``EXPERIMENT_PRESETS``): ``fp4_full_stack_muon`` is ``fp4_full_stack`` trained with Muon.
 """
 
 import dataclasses
@@ -59,12 +61,21 @@ def dataclass_config(obj, **values) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(out)
 
 
+# Presets that name more than a recipe: a recipe preset and the optimizer it trains with.
+EXPERIMENT_PRESETS = {
+    # The full stack with Muon: NVFP4 Newton-Schulz on the blocks' 2-D matrices, NVFP4 AdamW moments on
+    # the embedding, the LM head and the vectors (the recipe's newton_schulz and optimizer_states).
+    "fp4_full_stack_muon": ("fp4_full_stack", {"name": "muon"}),
+}
+
+
 def base(arg: str | None = None) -> ml_collections.ConfigDict:
+  recipe, optimizer = EXPERIMENT_PRESETS.get(arg, (arg or "bf16", {}))
   c = dataclass_config(TrainConfig)
   c.name = "base"
-  c.recipe = dataclass_config(get_recipe(arg or "bf16"))
+  c.recipe = dataclass_config(get_recipe(recipe))
   c.model = dataclass_config(ModelConfig)
-  c.optimizer = dataclass_config(OptimizerConfig)
+  c.optimizer = dataclass_config(OptimizerConfig, **optimizer)
   c.execution = dataclass_config(Execution)
   c.data = ml_collections.ConfigDict(dict(
       corpus="shakespeare",   # built-in corpus name or a folder of .txt files
