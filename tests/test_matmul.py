@@ -373,15 +373,18 @@ def test_counter_rounding_bits(monkeypatch):
   key = jax.random.key(7)
   counter = MatmulConfig.nvfp4(rounding_bits="counter")
   keys = matmul._keys(key, counter)
-  want = nvfp4.quantize(dy, rounding="stochastic", bits=numerics.counter_bits(keys["dy_dgrad"], dy.shape))
-  dy_dgrad = lambda keys, config: matmul.quantize_operand(dy, "dy_dgrad", keys, config)[0][0]
+  # Compiled, not op by op: the suite's time is XLA compiling programs, one per op when eager.
+  want = jax.jit(lambda k: nvfp4.quantize(dy, rounding="stochastic", bits=numerics.counter_bits(k, dy.shape)))(
+      keys["dy_dgrad"])
+  dy_dgrad = jax.jit(lambda keys, config: matmul.quantize_operand(dy, "dy_dgrad", keys, config)[0][0],
+                     static_argnums=1)
   got = dy_dgrad(keys, counter)
   assert _bits_equal(got.codes, want.codes) and _bits_equal(got.scales, want.scales)
   random = dy_dgrad(keys, dataclasses.replace(counter, rounding_bits="random"))
   assert not _bits_equal(got.codes, random.codes)
   # Unbiased: the mean over keys of the decoded operand approaches dy (as for the random bits).
-  many = jax.vmap(lambda k: dy_dgrad(matmul._keys(k, counter), counter).dequantize(
-      jnp.float32))(jax.random.split(key, 256))
+  many = jax.jit(jax.vmap(lambda k: dy_dgrad(matmul._keys(k, counter), counter).dequantize(
+      jnp.float32)))(jax.random.split(key, 256))
   err = jnp.abs(many.mean(0) - dy.astype(jnp.float32)).mean() / jnp.abs(dy.astype(jnp.float32)).mean()
   assert err < 0.02, err
   with pytest.raises(ValueError, match="rounding_bits must be one of"):
