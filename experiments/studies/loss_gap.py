@@ -234,6 +234,40 @@ ARMS: tuple[Arm, ...] = (
         Arm("down_x_bf16_s1", "fp4_linear", {"recipe.down_x.format": "bf16"}, 1, "fp4_linear_s1",
             "the MLP down-projection's input in BF16, seed 1"),
     ),
+    # The random stream of stochastic rounding: a keyed counter hash (cheap in the kernels) in place of
+    # jax.random.bits, read against fp4_linear at the same seed.
+    *_group(
+        "stream",
+        Arm("counter_bits", "fp4_linear", {"recipe.matmul.rounding_bits": "counter"}, 0, "fp4_linear",
+            "stochastic rounding of dy and H·dy from the counter hash instead of jax.random.bits"),
+        Arm("counter_bits_s1", "fp4_linear", {"recipe.matmul.rounding_bits": "counter"}, 1, "fp4_linear_s1",
+            "stochastic rounding from the counter hash, seed 1"),
+    ),
+    # The method's baseline (1x16 W, Four-over-Six) with the forward GEMMs in BF16 at the end of training,
+    # read against that baseline at the same seed.
+    *_group(
+        "remedy",
+        Arm("w1x16_4over6_last10", "fp4_linear", {**_W1X16_4OVER6, "recipe.bf16_fwd_last": 0.1}, 0, "w1x16_4over6",
+            "the method's baseline with the forward GEMMs in BF16 for the last 10% of steps"),
+        Arm("w1x16_4over6_last10_s1", "fp4_linear", {**_W1X16_4OVER6, "recipe.bf16_fwd_last": 0.1}, 1,
+            "w1x16_4over6_s1", "the method's baseline with the forward GEMMs in BF16 for the last 10%, seed 1"),
+        Arm("w1x16_4over6_last20", "fp4_linear", {**_W1X16_4OVER6, "recipe.bf16_fwd_last": 0.2}, 0, "w1x16_4over6",
+            "the method's baseline with the forward GEMMs in BF16 for the last 20% of steps"),
+        Arm("w1x16_4over6_last20_s1", "fp4_linear", {**_W1X16_4OVER6, "recipe.bf16_fwd_last": 0.2}, 1,
+            "w1x16_4over6_s1", "the method's baseline with the forward GEMMs in BF16 for the last 20%, seed 1"),
+    ),
+    # LoRA-SVD the method's way on the method's baseline: W 1x16 with Four-over-Six, the branch re-aligned by a
+    # randomized SVD every k steps, read against that baseline at the same seed.
+    *_group(
+        "lorasvd",
+        Arm("lorasvd_method300", "fp4_linear_lorasvd", {**_W1X16_4OVER6, **_REALIGN, "recipe.lora_resplit_every": -5},
+            0, "w1x16_4over6", "the method's baseline + rank-16 branch re-aligned every 300 steps"),
+        Arm("lorasvd_method750", "fp4_linear_lorasvd", {**_W1X16_4OVER6, **_REALIGN, "recipe.lora_resplit_every": -2},
+            0, "w1x16_4over6", "the method's baseline + rank-16 branch re-aligned every 750 steps"),
+        Arm("lorasvd_method300_r32", "fp4_linear_lorasvd",
+            {**_W1X16_4OVER6, **_REALIGN, "recipe.lora_resplit_every": -5, "recipe.lora_rank": 32}, 0,
+            "w1x16_4over6", "the method's baseline + rank-32 branch re-aligned every 300 steps"),
+    ),
     # LoRA-SVD re-aligned the method's way: a randomized SVD of the effective weight every k steps, the new
     # factors rotated onto the old ones' columns so that their Adam moments stay in their basis.
     *_group(
