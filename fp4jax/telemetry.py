@@ -11,25 +11,28 @@ measures for each ``x`` and its quantization
 
   rel_err = ‖x̂ − x‖ / ‖x‖          snr_db = −20 · log10(rel_err)      (0 and inf when x = 0)
 
-Every block projection is measured with NVIDIA's recipe (its own ``MatmulConfig`` where the run
-quantizes it, ``MatmulConfig.nvfp4()`` where it does not, so a BF16 run shows what quantizing it
-would cost). Names are ``telemetry/<module>/<tensor>_{rel_err,snr_db}``::
+Each tensor is measured as the run quantizes it: by its operand spec (``fp4jax.quant.Operand``:
+block, rounding, scale rule, terms) in the projection's ``MatmulConfig`` and the attention's
+``AttentionConfig``; an operand the run leaves in BF16 (a BF16 run, or one operand of an ablation)
+is measured with the default recipe's spec (``MatmulConfig.nvfp4()``, ``AttentionConfig.nvfp4()``):
+what quantizing it would cost. Names are ``telemetry/<module>/<tensor>_{rel_err,snr_db}``::
 
-  module                 tensor  x                                  Q
-  blocks.{i}.attn.qkv,   w       the kernel (W_res with LoRA-SVD)   16×16 tiles; the error is
-  blocks.{i}.attn.o,                                                relative to the effective weight
-  blocks.{i}.mlp.gate_up,                                           W_res + A·B
-  blocks.{i}.mlp.down    x       the projection's input             1×16 along K (forward operand)
-                         dy      the gradient of its output         1×16 along N, stochastic (dgrad)
+  module                 tensor  x                                  Q (the defaults)
+  blocks.{i}.attn.qkv,   w       the kernel (W_res with LoRA-SVD)   ``w``: 16×16 tiles (or 1×16 along
+  blocks.{i}.attn.o,                                                K); the error is relative to the
+  blocks.{i}.mlp.gate_up,                                           effective weight W_res + A·B
+  blocks.{i}.mlp.down    x       the projection's input             ``x``: 1×16 along K
+                         dy      the gradient of its output         ``dy_dgrad``: 1×16 along N, stochastic
                          dx      dy·Wᵀ                              the dgrad GEMM Q(dy)·Q(W)ᵀ
                          dw      xᵀ·dy                              the wgrad GEMM Q(H·x)ᵀ·Q(H·dy)
-  blocks.{i}.attn        q, k    RoPE'd queries and keys            1×16 along the head dim
+  blocks.{i}.attn        q, k    RoPE'd queries and keys            ``q``, ``k``: 1×16 along the head dim;
+                                 (k smoothed with ``k_smooth``)
                          ds      the backward's dS, on the first    the op's ``AttentionConfig``:
                                  ``_ATTENTION_EXAMPLES`` sequences   ``fp4jax.analysis``'s
                          ds_dq,  dS·K and dSᵀ·Q from Q(dS)          ``ds_scale_error``, "tile" scope
                          ds_dk
-  <parameter module>     mu, nu  Adam's m and √v of the update      1×16, stochastic, as
-                                 this batch makes                   ``fp4jax.optim`` stores them
+  <parameter module>     mu, nu  Adam's m and √v of the update      as the run's ``AdamNvfp4Options``
+                                 this batch makes                   store them (``encode_moment``)
 
 Each projection's ``w``, ``x`` and ``dy`` (the tensors above, as 2-D matrices: the kernel K × N,
 x tokens × K, dy tokens × N, all tokens of the batch) also get two shares of their energy, in [0, 1]
@@ -46,8 +49,11 @@ on an H200 for its 72 matrices).
 
 The Adam moments: NVFP4 storage keeps only x̂, so ``x`` is the float32 moment that the next update
 computes (``m = b1·m̂_old + (1 − b1)·g``, ``√v = sqrt(b2·v̂_old + (1 − b2)·g²``, with this batch's
-gradient clipped as the optimizer clips it), and the error is that of storing it. Float32 states
-are measured the same way (what NVFP4 storage would lose). Only leaves that the storage rule
+gradient clipped as the optimizer clips it), and the error is that of storing it with the run's
+``AdamNvfp4Options`` (``fp4jax.optim.adam.encode_moment``: its rounding, dither, EDEN, mean-removed
+rotated √v, preconditioner-space rounding; a stored moment read back as its codes decode). Float32
+states, and a moment that the options keep float32, are measured as ``AdamNvfp4Options()`` would
+store them (what NVFP4 storage would lose). Only leaves that the storage rule
 stores as NVFP4 are measured; under ``scan_layers`` a moment's module is ``blocks.{a}-{b}``, the
 run of stacked blocks a..b (one global scale covers the run). Muon's momentum is float32 and not
 measured. The whole measurement is one jitted function, called at step 1 and every N steps
@@ -70,14 +76,16 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fp4jax import analysis, nvfp4
+from fp4jax import analysis, numerics, nvfp4
 from fp4jax.layers import Dense, NVFP4Matmul
 from fp4jax.execution import Execution
 from fp4jax.loss import chunked_cross_entropy
 from fp4jax.model import ModelConfig, Transformer
 from fp4jax.ops import attention as attention_ops
 from fp4jax.ops.matmul import MatmulConfig, nvfp4_matmul_vjp_reference
-from fp4jax.optim.state import DEFAULT_MIN_SIZE, block_axis, stores_nvfp4
+from fp4jax.optim.adam import MOMENTS, AdamNvfp4Options, decode_moment, encode_moment
+from fp4jax.optim.state import stores_nvfp4
+from fp4jax.quant import Operand
 from fp4jax.recipe import Recipe
 from fp4jax.sharding import BATCH_AXES
 
@@ -142,6 +150,13 @@ def _by_module(state) -> dict[str, dict]:
   return out
 
 
+def _measured(config, default, name: str) -> Operand:
+  """The spec that ``name`` of ``config`` (a matmul's or attention's) is measured with: its own where it
+  is NVFP4, else the default recipe's (what quantizing it would cost)."""
+  op = getattr(config, name)
+  return op if op.quantized else getattr(default, name)
+
+
 def _attention_config(op) -> attention_ops.AttentionConfig:
   config = getattr(op, "config", None)
   return config if isinstance(config, attention_ops.AttentionConfig) else \
@@ -170,6 +185,9 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
   abstract = nnx.eval_shape(lambda: Transformer(cfg, recipe, rngs=nnx.Rngs(0), execution=execution,
                                                 probe=True))
   graphdef, _ = nnx.split(abstract)
+  # The moments as the run stores them; a run with float32 moments (or one float32 moment) is
+  # measured as the default NVFP4 storage would store them.
+  storage = recipe.moments if recipe.optimizer_states == "nvfp4" else AdamNvfp4Options()
   segments = abstract.segments
   hdim_ok = cfg.head_dim % nvfp4.BLOCK == 0  # the attention reference's head dims
 
@@ -202,15 +220,17 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
     keys = (jax.random.fold_in(base, i) for i in itertools.count())
     model = nnx.merge(graphdef, _unstack(params, segments) if model_cfg.scan_layers else params)
     quant, products, ds, shares = _Jobs(), [], [], {}
+    default, default_attn = MatmulConfig.nvfp4(), attention_ops.AttentionConfig.nvfp4()
     for name, dense in _projections(model):
       config = _matmul_config(dense)
       w = dense.kernel[...].astype(_F32)
       x = seen[name]["x"].reshape(-1, dense.in_features)
       dy = dys[name]["y"].reshape(-1, dense.out_features).astype(x.dtype)
-      quant.add(f"{name}/w", _tiles(w), (16, 16), config.w.rounding, next(keys),
+      w_op, x_op, dy_op = (_measured(config, default, t) for t in ("w", "x", "dy_dgrad"))
+      quant.add(f"{name}/w", _tiles(w) if w_op.block == (16, 16) else _rows(w, 0), w_op, next(keys),
                 ref_norm=_norm(dense.effective_kernel()))
-      quant.add(f"{name}/x", _rows(x, -1), (1, 16), config.x.rounding, next(keys))
-      quant.add(f"{name}/dy", _rows(dy, -1), (1, 16), config.dy_dgrad.rounding, next(keys))
+      quant.add(f"{name}/x", _rows(x, -1), x_op, next(keys))
+      quant.add(f"{name}/dy", _rows(dy, -1), dy_op, next(keys))
       products.append((name, config, x, dense.kernel[...], dy, next(keys)))
       for t, a in (("w", w), ("x", x), ("dy", dy)):
         shares[f"{name}/{t}_top{_TOP_K}_energy"] = analysis.top_energy_share(a, _TOP_K)
@@ -218,17 +238,19 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
     for name, attn in _attentions(model):
       config = _attention_config(attn.attention_op)
       q, k, v = (seen[name][t] for t in ("q", "k", "v"))
-      quant.add(f"{name}/q", _rows(q, -1), (1, 16), config.q.rounding, next(keys))
-      quant.add(f"{name}/k", _rows(k, -1), (1, 16), config.k.rounding, next(keys))
+      quant.add(f"{name}/q", _rows(q, -1), _measured(config, default_attn, "q"), next(keys))
+      k_op = _measured(config, default_attn, "k")
+      quant.add(f"{name}/k", _rows(attention_ops.smoothed_k(k, config), -1), k_op, next(keys))
       if hdim_ok:
         n = min(attention_examples, inputs.shape[0])
         do = dys[name]["out"][:n].astype(q.dtype)
         ds.append((name, config, (q[:n], k[:n], v[:n], do, next(keys))))
+    moments = {}
     if opt_cfg is not None:
-      _add_moments(quant, state["opt_state"], grads, opt_cfg, keys,
-                   segments if model_cfg.scan_layers else None)
+      moments = _moments(state["opt_state"], grads, opt_cfg, storage, next(keys),
+                         segments if model_cfg.scan_layers else None)
     out = {PREFIX + "loss": loss.astype(_F32)}
-    for metric, (err, ref) in {**quant.run(), **_run_products(products), **_run_ds(ds)}.items():
+    for metric, (err, ref) in {**quant.run(), **_run_products(products), **_run_ds(ds), **moments}.items():
       rel = jnp.where(ref > 0, err / jnp.where(ref > 0, ref, 1.0), 0.0)
       out[f"{PREFIX}{metric}_rel_err"] = rel
       out[f"{PREFIX}{metric}_snr_db"] = -20.0 * jnp.log10(rel)
@@ -287,35 +309,66 @@ def _chunks(rows, chunk_rows: int):
 
 
 class _Jobs:
-  """Quantization-error measurements of (blocks, 16) rows, grouped by (block, rounding)."""
+  """Quantization-error measurements of (blocks, 16) rows, grouped by operand spec
+  (``fp4jax.quant.Operand``: block, rounding, scale rule, terms).
+
+  A two-term operand (``terms=2``) is measured as ``Q1 + Q2`` with ``Q2 = Q(a − deq(Q1))`` (the
+  residual in float32 from the materialized first term, as ``quant.quantize_terms`` forms it): a
+  first pass over the chunks finds each tensor's residual amax, which the second pass puts into each
+  chunk's head, so the residual's global scale is the whole tensor's too.
+  """
 
   def __init__(self, chunk_rows: int = _CHUNK_ROWS):
     self.groups: dict = {}
     self.chunk_rows = chunk_rows
 
-  def add(self, metric: str, rows, block, rounding: str, key, ref_norm=None):
-    self.groups.setdefault((block, rounding), []).append((metric, rows, key, ref_norm))
+  def add(self, metric: str, rows, operand: Operand, key, ref_norm=None):
+    if not operand.quantized:
+      raise ValueError(f"telemetry measures NVFP4 operands; {metric} is {operand!r}")
+    self.groups.setdefault(operand, []).append((metric, rows, key, ref_norm))
 
   def run(self) -> dict:
     out = {}
-    for (block, rounding), jobs in self.groups.items():
+    for op, jobs in self.groups.items():
       # Whole 16-row tiles per chunk; no more rows than the largest tensor needs.
       size = min(self.chunk_rows, max(r.shape[0] for _, r, _, _ in jobs))
       size = max(_HEAD, -(-size // _HEAD) * _HEAD)
       chunks = [_chunks(rows, size) for _, rows, _, _ in jobs]
-      job = np.concatenate([np.full(c.shape[0], i) for i, c in enumerate(chunks)])
-      index = np.concatenate([np.arange(c.shape[0]) for c in chunks])
+      job = jnp.asarray(np.concatenate([np.full(c.shape[0], i) for i, c in enumerate(chunks)]))
+      index = jnp.asarray(np.concatenate([np.arange(c.shape[0]) for c in chunks]))
       keys = jnp.stack([k for _, _, k, _ in jobs])
+      stacked = jnp.concatenate(chunks)
 
-      def one(a, block=block, rounding=rounding, keys=keys):
+      def first(rows, key, op=op):
+        """deq(Q1) of a chunk and its residual ``rows − deq(Q1)`` (float32)."""
+        q1 = nvfp4.fake_quant(rows, block=op.block, axis=-1, rounding=op.rounding, key=key,
+                              scale_rule=op.scale_rule)
+        return q1, rows - lax.optimization_barrier(q1)
+
+      def residual_amax(a, keys=keys, first=first):
         rows, j, i = a
+        r = first(rows, jax.random.fold_in(keys[j], i))[1][_HEAD:]
+        return jnp.max(jnp.where(jnp.isnan(r), jnp.inf, jnp.abs(r)))
+
+      amax2 = None
+      if op.terms == 2:  # each tensor's residual amax: the global scale of its second term
+        amax2 = jax.ops.segment_max(lax.map(residual_amax, (stacked, job, index)), job,
+                                    num_segments=len(jobs))
+
+      def one(a, op=op, keys=keys, first=first, amax2=amax2):
+        rows, j, i = a
+        key = jax.random.fold_in(keys[j], i)
         x = rows[_HEAD:]
-        fq = nvfp4.fake_quant(rows, block=block, axis=-1, rounding=rounding,
-                              key=jax.random.fold_in(keys[j], i))
+        fq, r = first(rows, key)
+        if op.terms == 2:
+          head = jnp.zeros_like(r[:_HEAD]).at[0, 0].set(amax2[j])
+          r = jnp.concatenate([head, r[_HEAD:]])
+          fq = fq + nvfp4.fake_quant(r, block=op.block, axis=-1, rounding=op.rounding,
+                                     key=jax.random.fold_in(key, 1), scale_rule=op.scale_rule)
         err = fq[_HEAD:] - x
         return jnp.sum(jnp.square(err)), jnp.sum(jnp.square(x))
 
-      errs, refs = lax.map(one, (jnp.concatenate(chunks), jnp.asarray(job), jnp.asarray(index)))
+      errs, refs = lax.map(one, (stacked, job, index))
       bounds = np.cumsum([0] + [c.shape[0] for c in chunks])
       for i, (metric, _, _, ref_norm) in enumerate(jobs):
         lo, hi = bounds[i], bounds[i + 1]
@@ -372,30 +425,57 @@ def _run_ds(ds) -> dict:
   return out
 
 
-def _add_moments(quant: _Jobs, opt_state, grads, opt_cfg, keys, segments) -> None:
-  """Adam's fresh ``m`` and ``√v`` (this batch's gradient, clipped as the optimizer clips it) of
-  every leaf that NVFP4 storage applies to, quantized as ``fp4jax.optim`` stores them."""
+def _moments(opt_state, grads, opt_cfg, storage, key, segments) -> dict:
+  """Adam's fresh ``m`` and ``√v`` (this batch's gradient, clipped as the optimizer clips it) of every
+  leaf that NVFP4 storage applies to, stored as ``storage`` (``AdamNvfp4Options``) stores them
+  (``fp4jax.optim.adam.encode_moment``, decoded by ``decode_moment``): ``{metric: (‖x̂ − x‖, ‖x‖)}``.
+  A moment that ``storage`` keeps float32 is measured as ``AdamNvfp4Options()`` would store it.
+  The i-th moment measured (leaves in order, m before √v) takes the key ``fold_in(key, i)``; leaves
+  of one shape are measured in one ``lax.map``."""
   if opt_cfg.grad_clip > 0:
     norm = optax.tree.norm(grads)
     scale = jnp.where(norm < opt_cfg.grad_clip, 1.0, opt_cfg.grad_clip / norm)
     grads = jax.tree.map(lambda g: g * scale, grads)
   b1, b2 = opt_cfg.b1, opt_cfg.b2
   is_q = lambda x: isinstance(x, nvfp4.NVFP4Tensor)
+  options = {w: storage if getattr(storage, w) is not None else AdamNvfp4Options() for w in MOMENTS}
+  groups: dict = {}
   for state in _adam_states(opt_state):
+    count = optax.safe_increment(state.count)  # the step that writes the fresh moments
     mus = jax.tree_util.tree_flatten_with_path(state.mu, is_leaf=is_q)[0]
     nus = jax.tree.leaves(state.nu, is_leaf=is_q)
     for (path, mu), nu in zip(mus, nus, strict=True):
-      if not (is_q(mu) or stores_nvfp4(mu.shape, DEFAULT_MIN_SIZE)):
+      if not (is_q(mu) or is_q(nu) or stores_nvfp4(mu.shape, storage.min_size)):
         continue
       g = _at(grads, path).astype(_F32)
+      # A stored moment as its codes decode (a dithered one without its offsets: they need the
+      # optimizer's seed and leaf order).
       m_old = mu.dequantize(_F32) if is_q(mu) else mu
       v_old = jnp.square(nu.dequantize(_F32)) if is_q(nu) else nu
       m = b1 * m_old + (1 - b1) * g
       s = jnp.sqrt(b2 * v_old + (1 - b2) * g * g)
-      axis = mu.axis if is_q(mu) else block_axis(mu.shape)
       module, prefix = _name(path, segments)
-      quant.add(f"{module}/{prefix}mu", _rows(m, axis), (1, 16), "stochastic", next(keys))
-      quant.add(f"{module}/{prefix}nu", _rows(s, axis), (1, 16), "stochastic", next(keys))
+      for which, x in (("mu", m), ("nu", s)):
+        index = sum(map(len, groups.values()))  # the moment's key: fold_in(key, index)
+        groups.setdefault((which, x.shape), []).append((f"{module}/{prefix}{which}", x, count, index))
+  out = {}
+  for (which, _), jobs in groups.items():
+    opts = options[which]
+
+    def one(a, which=which, opts=opts):
+      x, count, k = a
+      zero = numerics.runtime_zero(count)
+      c2 = numerics.bias_factors(b1, b2, 0.0, count)[2]
+      t = encode_moment(x, which, opts, k, zero, c2=c2, eps=opt_cfg.eps)
+      err = decode_moment(t, which, opts, k) - x
+      return jnp.sum(jnp.square(err)), jnp.sum(jnp.square(x))
+
+    keys = jnp.stack([jax.random.fold_in(key, index) for *_, index in jobs])
+    errs, refs = lax.map(one, (jnp.stack([x for _, x, _, _ in jobs]),
+                               jnp.stack([c for _, _, c, _ in jobs]), keys))
+    for i, (metric, *_) in enumerate(jobs):
+      out[metric] = (jnp.sqrt(errs[i]), jnp.sqrt(refs[i]))
+  return out
 
 
 def _at(tree, path):

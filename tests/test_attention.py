@@ -510,7 +510,7 @@ def test_kernel_quantizer_packs_smoothed_four_over_six_operands_as_the_reference
   @functools.partial(jax.jit, static_argnums=0)
   def packed(impl, q, k, v):
     keys = attn._keys(KEY)
-    ks = attn._smoothed_k(_shifted_keys(k), smooth)
+    ks = attn.smoothed_k(_shifted_keys(k), smooth)
     return [attn._operand(x, smooth, n, keys, impl=impl) for x, n in ((q, "q"), (k, "k"), (v, "v"), (ks, "k"))]
 
   for a, b in zip(jax.tree.leaves(packed("pallas_interpret", q, k, v)), jax.tree.leaves(packed("xla", q, k, v)),

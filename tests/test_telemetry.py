@@ -13,6 +13,9 @@ from fp4jax import sharding as shd
 from fp4jax.execution import Execution
 from fp4jax.metrics import read_jsonl
 from fp4jax.model import ModelConfig
+from fp4jax.optim import AdamNvfp4Options, scale_by_adam_nvfp4
+from fp4jax.optim.adam import decode_moment, encode_moment
+from fp4jax.quant import Operand
 from fp4jax.recipe import get_recipe
 from fp4jax.train import OptimizerConfig, TrainConfig, init_state, make_optimizer, train
 
@@ -186,7 +189,7 @@ def test_chunked_error_equals_the_whole_tensors_error(block):
   jobs = telemetry._Jobs(chunk_rows=48)
   key = jax.random.key(0)
   for i, t in enumerate(tensors):
-    jobs.add(f"t{i}", t, block, "nearest", key)
+    jobs.add(f"t{i}", t, Operand(block=block), key)
   got = jobs.run()
   for i, t in enumerate(tensors):
     x = t if block == (1, 16) else t.reshape(-1, 16, 16)  # whole tensors (their 16x16 tiles)
@@ -205,7 +208,78 @@ def test_chunked_stochastic_error_is_that_of_stochastic_rounding():
   quantizing the tensor whole to within the rounding noise (1e5 blocks)."""
   x = jnp.asarray(np.random.default_rng(1).standard_normal((100_000, 16)), jnp.float32)
   jobs = telemetry._Jobs(chunk_rows=4096)
-  jobs.add("x", x, (1, 16), "stochastic", jax.random.key(3))
+  jobs.add("x", x, Operand(rounding="stochastic"), jax.random.key(3))
   e, r = (float(v) for v in jobs.run()["x"])
   whole = nvfp4.fake_quant(x, rounding="stochastic", key=jax.random.key(4))
   assert e / r == pytest.approx(float(jnp.linalg.norm(whole - x) / jnp.linalg.norm(x)), rel=0.01)
+
+
+@pytest.mark.parametrize("op", [Operand(terms=2), Operand(scale_rule="4over6_mse"),
+                                Operand(block=(16, 16), terms=2)], ids=["two_term", "4over6", "tile_two_term"])
+def test_chunked_error_follows_the_operand_spec(op):
+  """A two-term or Four-over-Six operand measured in chunks gives the error of quantizing each tensor
+  whole with that spec: Q1 + Q(a − Q1) with the residual's own (whole-tensor) global scale."""
+  rng = np.random.default_rng(2)
+  tensors = [jnp.asarray(rng.standard_normal((n, 16)) * 10.0 ** (i - 1), jnp.float32)
+             for i, n in enumerate((400, 48, 160))]
+  jobs = telemetry._Jobs(chunk_rows=48)
+  for i, t in enumerate(tensors):
+    jobs.add(f"t{i}", t, op, jax.random.key(0))
+  got = jobs.run()
+
+  @jax.jit
+  def whole(x):
+    x = x if op.block == (1, 16) else x.reshape(-1, 16, 16)
+    q = lambda a: nvfp4.fake_quant(a, block=op.block, scale_rule=op.scale_rule)
+    q1 = q(x)
+    fq = q1 + q(x - q1) if op.terms == 2 else q1
+    return jnp.linalg.norm(fq - x)
+
+  for i, t in enumerate(tensors):
+    assert float(got[f"t{i}"][0]) == pytest.approx(float(whole(t)), rel=1e-6)
+  # The second term matters: its error is far below one term's.
+  if op.terms == 2:
+    one = telemetry._Jobs(chunk_rows=48)
+    one.add("t", tensors[0], Operand(block=op.block), jax.random.key(0))
+    assert float(got["t0"][0]) < 0.3 * float(one.run()["t"][0])
+
+
+def test_an_operand_left_in_bf16_is_not_a_measurement():
+  with pytest.raises(ValueError, match="NVFP4 operands"):
+    telemetry._Jobs().add("x", jnp.ones((16, 16)), Operand(format="bf16"), jax.random.key(0))
+
+
+@pytest.mark.parametrize("options", [
+    AdamNvfp4Options(mu=Operand(), nu=Operand(), dither=("mu", "nu")),
+    AdamNvfp4Options(nu_transform="mean_hadamard"),
+    AdamNvfp4Options(mu=None, nu_sr_space="preconditioner"),
+], ids=["dither", "mean_hadamard", "v_only_preconditioner"])
+def test_moments_are_measured_as_the_options_store_them(options):
+  """The moments' error is that of ``encode_moment`` / ``decode_moment`` with the run's options (a
+  moment the options keep float32 as the default storage would store it), leaves of one shape
+  measured together."""
+  rng = np.random.default_rng(3)
+  shapes = {"a": (128, 64), "b": (128, 64), "c": (32, 256)}
+  params = {k: {"kernel": jnp.zeros(v)} for k, v in shapes.items()}
+  state = scale_by_adam_nvfp4(options=options).init(params)
+  grads = {k: {"kernel": jnp.asarray(rng.standard_normal(v), jnp.float32)} for k, v in shapes.items()}
+  cfg = OptimizerConfig(grad_clip=0.0)
+  key = jax.random.key(5)
+  got = jax.jit(lambda s, g: telemetry._moments(s, g, cfg, options, key, None))(state, grads)
+  assert sorted(got) == [f"{k}/{w}" for k in "abc" for w in ("mu", "nu")]
+
+  @jax.jit
+  def direct(x, which, i):
+    opts = options if getattr(options, which) is not None else AdamNvfp4Options()
+    k = jax.random.fold_in(key, i)
+    t = encode_moment(x, which, opts, k, jnp.int32(0), c2=1 / jnp.sqrt(1 - jnp.float32(cfg.b2)), eps=cfg.eps)
+    return jnp.linalg.norm(decode_moment(t, which, opts, k) - x), jnp.linalg.norm(x)
+
+  direct = jax.jit(direct.__wrapped__, static_argnums=1)
+  for i, (name, which) in enumerate((n, w) for n in "abc" for w in ("mu", "nu")):
+    g = grads[name]["kernel"]  # zero moments before: m = (1 − b1)·g, √v = sqrt((1 − b2)·g²)
+    x = (1 - cfg.b1) * g if which == "mu" else jnp.sqrt((1 - cfg.b2) * g * g)
+    want = direct(x, which, i)
+    assert float(want[0]) > 0.01 * float(want[1])
+    for a, b in zip(got[f"{name}/{which}"], want, strict=True):
+      assert float(a) == pytest.approx(float(b), rel=1e-4), (name, which)

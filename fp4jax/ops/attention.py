@@ -231,7 +231,7 @@ def _operand(x, config, name, keys, impl="xla"):
   return _quantize(x, config, name, keys[name], impl, block=getattr(config, name).block, axis=-1)
 
 
-def _smoothed_k(k, config):
+def smoothed_k(k, config):
   """``k − k̄`` in k's dtype with ``k̄`` k's float32 mean over the keys per (batch, head), held constant
   (``AttentionConfig.k_smooth``); ``k`` itself without smoothing."""
   if not config.k_smooth:
@@ -385,7 +385,7 @@ def _probs(scores, lse):
 def _forward(q, k, v, keys, causal, config):
   """The reference forward: ``(o, residuals without key, P)``; o and residual o in q's dtype."""
   dtype, n_kv = q.dtype, k.shape[2]
-  k = _smoothed_k(k, config)
+  k = smoothed_k(k, config)
   qt, kt, vt = (_operand(x, config, name, keys) for x, name in ((q, "q"), (k, "k"), (v, "v")))
   qd, kd, vd = _grouped(_decoded(qt, dtype), n_kv), _decoded(kt, dtype), _decoded(vt, dtype)
   scores = _scores(qd, kd, causal)
@@ -446,7 +446,7 @@ def _attention_fwd(q, k, v, key, causal, config, impl):
     o, res, _ = _forward(q, k, v, keys, causal, config)
     return o, res._replace(key=key)
   dtype = q.dtype
-  k = _smoothed_k(k, config)
+  k = smoothed_k(k, config)
   qt, kt, vt = (_operand(x, config, name, keys, impl=impl) for x, name in ((q, "q"), (k, "k"), (v, "v")))
   qd, kd, vd = _decoded(qt, dtype), _decoded(kt, dtype), _decoded(vt, dtype)
   sm_scale, interpret = 1.0 / math.sqrt(q.shape[-1]), impl == "pallas_interpret"

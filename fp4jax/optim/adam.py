@@ -193,6 +193,47 @@ class AdamNvfp4Options:
     return ("fp32" if self.mu is None else "nvfp4"), nu
 
 
+def encode_moment(x, which: str, options: AdamNvfp4Options, key, zero, *, c2=None, eps=0.0):
+  """A fresh float32 moment as ``scale_by_adam_nvfp4`` stores it (its XLA path; the kernels give the
+  same bits).
+
+  Args:
+    x: m (``which="mu"``) or √v (``"nu"``), float32, the leaf's shape; 1×16 blocks along
+      ``state.block_axis(x.shape)``.
+    which: ``"mu"`` or ``"nu"``; the moment must be NVFP4 under ``options`` (``options.kinds``).
+    options: the storage (``AdamNvfp4Options``): plain NVFP4 with the moment's rounding and scale
+      rule, dither, EDEN, √v mean-removed and rotated (``nu_transform``) or rounded in the
+      preconditioner's space (``nu_sr_space``).
+    key: the writing step's key (the counter bits of the moment's lane: m 0, √v 1).
+    zero: a runtime int32 zero (``numerics.runtime_zero``).
+    c2, eps: the update's ``1 / sqrt(1 - b2^t)`` and ``eps``, read by preconditioner-space rounding only.
+
+  Returns:
+    An ``NVFP4Tensor`` (a ``CenteredNVFP4Tensor`` for ``nu_transform="mean_hadamard"``).
+  """
+  i = MOMENTS.index(which)
+  kind, rounding = options.kinds[i], options.roundings[i]
+  if kind == "fp32":
+    raise ValueError(f"encode_moment: {which} is float32 under {options!r}")
+  rule = getattr(options, which).scale_rule
+  if kind == "centered":
+    return _common.encode_centered(x, rounding, key, lane=i, scale_rule=rule)
+  if rounding == "preconditioner":
+    return _common.encode_preconditioned(x, key, c2, eps, zero, lane=i)
+  if rounding == "dither":
+    return _common.encode_dithered(x, key, zero, i)
+  if rounding == "eden":
+    return _common.encode_eden(x, key, zero, i)
+  return _common.encode(x, rounding, key, lane=i, scale_rule=rule)
+
+
+def decode_moment(t, which: str, options: AdamNvfp4Options, key) -> jax.Array:
+  """The float32 moment that ``encode_moment`` stored in ``t``, as the next update reads it; ``key``
+  is the writing step's (only a dithered moment reads it)."""
+  i = MOMENTS.index(which)
+  return _common.decode_dithered(t, key, i) if options.roundings[i] == "dither" else _common.decode(t)
+
+
 def _check_moment(name: str, op) -> None:
   """Raises unless ``op`` is a moment's spec that the codec and the kernels store."""
   where = f"AdamNvfp4Options.{name}"
@@ -413,22 +454,12 @@ def scale_by_adam_nvfp4(
                      mu_hat, nu_hat, is_leaf=lambda x: x is None)
     return u, mu, nu
 
-  def _decode(t, rounding, prev_key, lane):
-    return _common.decode_dithered(t, prev_key, lane) if rounding == "dither" else _common.decode(t)
-
-  def _encode(x, rounding, key, zero, lane, rule):
-    if rounding == "dither":
-      return _common.encode_dithered(x, key, zero, lane)
-    if rounding == "eden":
-      return _common.encode_eden(x, key, zero, lane)
-    return _common.encode(x, rounding, key, lane=lane, scale_rule=rule)
-
   def _leaf_update(g, mu_q, nu_q, key, prev_key, count_inc):
     # The kernels compute the same steps (kernels/adam_nvfp4.py); keep the two in step.
     g32 = g.astype(jnp.float32)
     nu_nvfp4 = nu_kind != "fp32"
-    s_old = _decode(nu_q, nu_rounding, prev_key, 1) if nu_nvfp4 else None
-    m_old = _decode(mu_q, mu_rounding, prev_key, 0) if mu_kind != "fp32" else mu_q
+    s_old = decode_moment(nu_q, "nu", options, prev_key) if nu_nvfp4 else None
+    m_old = decode_moment(mu_q, "mu", options, prev_key) if mu_kind != "fp32" else mu_q
     zero = numerics.runtime_zero(count_inc)
     m, v = numerics.adam_moments(m_old, s_old * s_old if nu_nvfp4 else nu_q, g32, b1, b2, zero)
     # The correctly rounded square root: the backend's differs from the CPU's in the last bit on
@@ -441,14 +472,9 @@ def scale_by_adam_nvfp4(
       s = numerics.sqrt_rn(v)
     u = numerics.adam_direction(m, v, s, g32, numerics.bias_factors(b1, b2, eps_root, count_inc),
                                 b1, eps, eps_root_choice, nesterov, _clip_bound(count_inc))
-    if nu_kind == "centered":
-      nu_new = _common.encode_centered(s, nu_rounding, key, lane=1, scale_rule=nu_rule)
-    elif nu_rounding == "preconditioner":
-      c2 = numerics.bias_factors(b1, b2, eps_root, count_inc)[2]
-      nu_new = _common.encode_preconditioned(s, key, c2, eps, zero, lane=1)
-    else:
-      nu_new = _encode(s, nu_rounding, key, zero, 1, nu_rule) if nu_nvfp4 else v
-    mu_new = _encode(m, mu_rounding, key, zero, 0, mu_rule) if mu_kind != "fp32" else m
+    c2 = numerics.bias_factors(b1, b2, eps_root, count_inc)[2] if nu_rounding == "preconditioner" else None
+    nu_new = encode_moment(s, "nu", options, key, zero, c2=c2, eps=eps) if nu_nvfp4 else v
+    mu_new = encode_moment(m, "mu", options, key, zero) if mu_kind != "fp32" else m
     return u.astype(g.dtype), mu_new, nu_new
 
   def _clip_bound(count_inc):

@@ -121,7 +121,7 @@ def test_smoothed_four_over_six_operands_equal_cpu(rule):
   k = (k.astype(jnp.float32) + mean).astype(jnp.bfloat16)
   config = AttentionConfig.nvfp4(k_smooth=True, q=Operand(scale_rule=rule), k=Operand(scale_rule=rule))
   keys = attn._keys(jax.random.key(0))
-  smooth = lambda k: attn._smoothed_k(k, config)
+  smooth = lambda k: attn.smoothed_k(k, config)
   ks = _on(cpu, smooth, k)
   np.testing.assert_allclose(np.float32(_on(gpu, smooth, k)), np.float32(ks), rtol=2**-7, atol=1e-2)
 
