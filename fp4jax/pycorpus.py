@@ -1,9 +1,11 @@
 """The ``pycode`` corpus: the source code and documentation of installed Python distributions.
 
 A corpus that a machine without network builds from what it already holds. Its sources are named
-installed distributions (``importlib.metadata``: name, version, the files of its RECORD); every text
-file of a distribution (``Settings.suffixes``: Python, stubs, Cython, Markdown, reST, plain text,
-C/C++/CUDA sources and headers) is one document, read where it is installed.
+installed distributions (``importlib.metadata``: name, version, the files of its RECORD) and the
+interpreter's standard library (``StandardLibrary``, named ``python-stdlib`` at the interpreter's
+version, read where the default site-packages are read); every text file of a distribution
+(``Settings.suffixes``: Python, stubs, Cython, Markdown, reST, plain text, C/C++/CUDA sources and
+headers) is one document, read where it is installed.
 
 Selection, on the build that writes the manifest (``build(..., write_manifest=True)``):
 
@@ -42,6 +44,7 @@ import json
 import lzma
 import multiprocessing
 import os
+import platform
 import re
 import site
 import sys
@@ -56,6 +59,7 @@ NAME = "pycode"
 MANIFEST_PATH = Path(__file__).parent / "corpora" / "pycode.json.xz"
 MANIFEST_FORMAT = 1
 EXCLUDED = frozenset({"fp4jax"})  # this project: written here, never a source
+STDLIB = "python-stdlib"  # the interpreter's standard library, a source like a distribution
 ACCEPTED = ("permissive", "copyleft")
 # Bytes per token of the mix corpus's BPE-8192 tokenizer on installed Python code and docs (the
 # survey's estimate; the build's data preparation counts the real tokens).
@@ -129,9 +133,50 @@ def site_dirs() -> list[str]:
                             if os.path.isdir(p)))
 
 
+def stdlib_dir() -> str | None:
+  """This interpreter's standard library folder (``sysconfig``'s ``stdlib``), or None if absent."""
+  lib = sysconfig.get_paths()["stdlib"]
+  return lib if os.path.isdir(lib) else None
+
+
+class StandardLibrary(md.Distribution):
+  """The interpreter's standard library as a source (``STDLIB``): its version is the interpreter's
+  (``platform.python_version()``), its licence the PSF's (``LICENSE.txt`` of the library folder),
+  its RECORD every file under the folder but ``site-packages``, ``dist-packages``, ``lib-dynload``
+  and ``__pycache__`` (no hashes: the manifest records its own)."""
+
+  _META = "python_stdlib.dist-info"  # where the licence file appears in RECORD (license_texts)
+
+  def __init__(self, root: str | os.PathLike | None = None, version: str | None = None):
+    self.root = Path(stdlib_dir() if root is None else root)
+    self._version = platform.python_version() if version is None else version
+
+  def read_text(self, filename):
+    if filename == "METADATA":
+      return (f"Metadata-Version: 2.1\nName: {STDLIB}\nVersion: {self._version}\n"
+              f"License-Expression: PSF-2.0\nLicense-File: LICENSE.txt\n")
+    if filename == "RECORD":
+      skip = {"site-packages", "dist-packages", "lib-dynload", "__pycache__"}
+      rows = [f"{self._META}/LICENSE.txt,,"] if (self.root / "LICENSE.txt").is_file() else []
+      for dirpath, dirnames, filenames in os.walk(self.root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        rel = Path(dirpath).relative_to(self.root)
+        rows += [f"{(rel / f).as_posix()},," for f in sorted(filenames)
+                 if not (rel == Path(".") and f == "LICENSE.txt")]  # the licence, not a document
+      return "\n".join(rows) + "\n"
+    return None
+
+  def locate_file(self, path):
+    parts = Path(path).parts
+    return self.root.joinpath(*parts[1:]) if parts and parts[0] == self._META else self.root / path
+
+
 def installed(dirs: Sequence[str | os.PathLike] | None = None) -> dict[str, md.Distribution]:
-  """The distributions in ``dirs`` (default ``site_dirs()``) by canonical name; the first of a name wins."""
+  """The distributions in ``dirs`` (default ``site_dirs()`` and this interpreter's standard library,
+  ``StandardLibrary``) by canonical name; the first of a name wins."""
   out: dict[str, md.Distribution] = {}
+  if dirs is None and (lib := stdlib_dir()) is not None:
+    out[STDLIB] = StandardLibrary(lib)
   for d in dirs if dirs is not None else site_dirs():
     for dist in md.distributions(path=[str(d)]):
       name = dist.metadata["Name"]

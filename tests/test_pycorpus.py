@@ -196,6 +196,7 @@ def test_survey_lists_sizes_licences_and_refusals(site, capsys):
 def test_builtin_pycode_through_the_corpus_cli(site, tmp_path, monkeypatch):
   monkeypatch.setattr(pycorpus, "MANIFEST_PATH", tmp_path / "committed.json.xz")
   monkeypatch.setattr(pycorpus, "site_dirs", lambda: [str(site)])
+  monkeypatch.setattr(pycorpus, "stdlib_dir", lambda: None)
   root = tmp_path / "root"
   assert not corpus.text_is_here("pycode", root)
   with pytest.raises(corpus.CorpusUnavailableError, match="--write_manifest"):
@@ -214,3 +215,32 @@ def test_builtin_pycode_through_the_corpus_cli(site, tmp_path, monkeypatch):
   assert meta.corpus == {"name": "pycode", "fingerprint": c.fingerprint}
   assert meta.splits["validation"]["num_tokens"] == len(_code(3)) + 1  # m03 and its EOS, byte tokens
   assert [s["package"] for s in meta.licenses] == ["alpha", "beta"]
+
+
+def test_standard_library_is_a_source_at_the_interpreters_version(tmp_path, monkeypatch):
+  """The interpreter's standard library: one source named python-stdlib at the interpreter's version,
+  PSF-licensed, its files but site-packages and caches; written, verified, refused at another version."""
+  lib = tmp_path / "lib" / "python3.12"
+  for i, path in enumerate(("os.py", "json/__init__.py", "json/decoder.py", "test/test_os.py")):
+    (lib / path).parent.mkdir(parents=True, exist_ok=True)
+    (lib / path).write_text(_code(100 + i))
+  for path in ("site-packages/other/x.py", "__pycache__/os.cpython-312.pyc", "lib-dynload/_json.so"):
+    (lib / path).parent.mkdir(parents=True, exist_ok=True)
+    (lib / path).write_text(_code(120))
+  (lib / "LICENSE.txt").write_text("PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2\n" + MIT)
+  std = pycorpus.StandardLibrary(lib, "3.12.3")
+  assert (std.metadata["Name"], std.version) == ("python-stdlib", "3.12.3")
+  assert pycorpus.license_of(std) == ("PSF-2.0", "permissive")
+  assert pycorpus._candidates(std, pycorpus.Settings()) == [
+      "json/__init__.py", "json/decoder.py", "os.py", "test/test_os.py"]
+  assert [p for p, _ in pycorpus.license_texts(std)] == ["python_stdlib.dist-info/LICENSE.txt"]
+  monkeypatch.setattr(pycorpus, "installed", lambda dirs=None: {"python-stdlib": std})
+  man = tmp_path / "m.json.xz"
+  written = pycorpus.build(tmp_path / "a", manifest=man, write=True, workers=1, log=lambda _: None)
+  assert [s["name"] for s in written["sources"]] == ["python-stdlib"]
+  assert "PYTHON SOFTWARE FOUNDATION" in (tmp_path / "a" / "LICENSES.md").read_text()
+  again = pycorpus.build(tmp_path / "b", manifest=man, workers=1, log=lambda _: None)
+  assert again["fingerprint"] == written["fingerprint"]
+  std._version = "3.12.4"
+  with pytest.raises(pycorpus.ManifestMismatchError, match="python-stdlib is version 3.12.4, the manifest has 3.12.3"):
+    pycorpus.build(tmp_path / "c", manifest=man, workers=1, log=lambda _: None)
