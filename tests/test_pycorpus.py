@@ -244,3 +244,35 @@ def test_standard_library_is_a_source_at_the_interpreters_version(tmp_path, monk
   std._version = "3.12.4"
   with pytest.raises(pycorpus.ManifestMismatchError, match="python-stdlib is version 3.12.4, the manifest has 3.12.3"):
     pycorpus.build(tmp_path / "c", manifest=man, workers=1, log=lambda _: None)
+
+
+def test_pycode_mix_is_both_corpora_split_as_each_splits_them(site, tmp_path, monkeypatch):
+  monkeypatch.setattr(pycorpus, "MANIFEST_PATH", tmp_path / "committed.json.xz")
+  monkeypatch.setattr(pycorpus, "site_dirs", lambda: [str(site)])
+  monkeypatch.setattr(pycorpus, "stdlib_dir", lambda: None)
+  root = tmp_path / "root"
+  assert not corpus.text_is_here("pycode_mix", root)
+  corpus.main(["fetch", "--corpus=pycode", "--write_manifest", f"--data_dir={root}", "--workers=1"])
+  assert not corpus.text_is_here("pycode_mix", root)  # mix is not here yet
+  mix_dir = root / "corpora" / "mix"  # a stand-in for the built mix corpus: two documents
+  (mix_dir / "text").mkdir(parents=True)
+  for name in ("a", "b"):
+    (mix_dir / "text" / f"{name}.txt").write_text(f"prose {name} " * 50)
+  (mix_dir / "MANIFEST.json").write_text(json.dumps({
+      "name": "mix", "fingerprint": "f" * 64, "sources": [{"name": "prose", "license": "PD"}],
+      "splits": {"train": [{"path": "text/a.txt"}], "validation": [{"path": "text/b.txt"}]}}))
+  assert corpus.text_is_here("pycode_mix", root)
+  code, mix = corpus.builtin_corpus("pycode", root), corpus.builtin_corpus("mix", root)
+  both = corpus.builtin_corpus("pycode_mix", root)
+  assert both.name == "pycode_mix"
+  assert both.train == code.train + mix.train and both.validation == code.validation + mix.validation
+  assert both.licenses == code.licenses + mix.licenses
+  assert both.fingerprint not in (code.fingerprint, mix.fingerprint)
+  assert corpus.builtin_corpus("pycode_mix", root).fingerprint == both.fingerprint
+  with pytest.raises(ValueError, match="mixture of"):
+    corpus.pack_corpus("pycode_mix", cache_dir=root)
+  from fp4jax import data  # imports JAX: last
+
+  meta = data.prepare("pycode_mix", tmp_path / "tokens", cache_dir=root)
+  assert meta.corpus == {"name": "pycode_mix", "fingerprint": both.fingerprint}
+  assert meta.splits["validation"]["num_tokens"] == len(_code(3)) + 1 + len("prose b " * 50) + 1

@@ -169,7 +169,7 @@ def test_grid_configs():
     assert 7e6 < n < 40e6
     tokens = c.steps * c.batch_size * c.seq_len
     assert tokens / n == pytest.approx(int(point[1:]), rel=2e-3)
-    assert c.data.corpus == "pycode" and c.study.eval_tokens == 1_048_576
+    assert c.data.corpus == "pycode_mix" and c.study.eval_tokens == 1_048_576
     assert exp.optimizer == ref.optimizer and exp.recipe == ref.recipe
     assert (c.batch_size, c.seq_len) == (ref.train.batch_size, ref.train.seq_len)
     # Every recipe fits one 10-minute command at every point but l50, where bf16 does.

@@ -12,7 +12,8 @@ A point is a size letter and a number of tokens per parameter, named after ``:``
 at 10, 25 and 50 tokens per parameter: ``s10 s25 s50 m10 m25 m50 l10 l25 l50``. The steps are
 ``round(tokens_per_param · N / (64 · 512))``; every other setting is the ``20m`` config's (AdamW, learning
 rate 2e-3, 200 warmup steps, cosine to 10%, 64 × 512 tokens per step) on the corpus ``data.corpus``
-(default ``pycode``, BPE 8k: a name like any ``--config.data.corpus``), evaluated on the first
+(default ``pycode_mix``: the code and documentation of the installed Python distributions and the
+standard library with the ``mix`` prose; BPE 8k; a name like any ``--config.data.corpus``), evaluated on the first
 1,048,576 held-out tokens of that corpus (``study.eval_tokens``). Each point is a study of its own
 (its own workdir), e.g.::
 
@@ -76,7 +77,7 @@ def get_config(arg: str | None = None):
   d, n_layers, n_heads = SIZES[size]
   c.name = f"grid_{size}{ratio}"
   c.model.update(d_model=d, n_layers=n_layers, n_heads=n_heads)
-  c.data.update(corpus="pycode", tokenizer="bpe", vocab_size=VOCAB_SIZE)
+  c.data.update(corpus="pycode_mix", tokenizer="bpe", vocab_size=VOCAB_SIZE)
   c.steps = round(ratio * num_params(size, c.data.vocab_size) / (c.batch_size * c.seq_len))
   c.log_every = 50
   c.eval_every = 2000
