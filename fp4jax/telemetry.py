@@ -27,6 +27,7 @@ what quantizing it would cost. Names are ``telemetry/<module>/<tensor>_{rel_err,
                          dw      xᵀ·dy                              the wgrad GEMM Q(H·x)ᵀ·Q(H·dy)
   blocks.{i}.attn        q, k    RoPE'd queries and keys            ``q``, ``k``: 1×16 along the head dim;
                                  (k smoothed with ``k_smooth``)
+                         v       the values, where NVFP4            ``v``: 1×16 along the head dim
                          ds      the backward's dS, on the first    the op's ``AttentionConfig``:
                                  ``_ATTENTION_EXAMPLES`` sequences   ``fp4jax.analysis``'s
                          ds_dq,  dS·K and dSᵀ·Q from Q(dS)          ``ds_scale_error``, "tile" scope
@@ -241,6 +242,8 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
       quant.add(f"{name}/q", _rows(q, -1), _measured(config, default_attn, "q"), next(keys))
       k_op = _measured(config, default_attn, "k")
       quant.add(f"{name}/k", _rows(attention_ops.smoothed_k(k, config), -1), k_op, next(keys))
+      if config.v.quantized:  # V in NVFP4 (an ablation: the method keeps it BF16)
+        quant.add(f"{name}/v", _rows(v, -1), config.v, next(keys))
       if hdim_ok:
         n = min(attention_examples, inputs.shape[0])
         do = dys[name]["out"][:n].astype(q.dtype)

@@ -283,3 +283,24 @@ def test_moments_are_measured_as_the_options_store_them(options):
     assert float(want[0]) > 0.01 * float(want[1])
     for a, b in zip(got[f"{name}/{which}"], want, strict=True):
       assert float(a) == pytest.approx(float(b), rel=1e-4), (name, which)
+
+
+@pytest.mark.slow
+def test_tensors_are_measured_by_the_runs_operand_specs():
+  """W in 1x16 blocks along K with Four-over-Six scales is measured so (not as 16x16 tiles), and V in
+  NVFP4 gets its own measurement."""
+  from fp4jax.ops.attention import AttentionConfig
+
+  model = ModelConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=2, dtype="bfloat16")
+  recipe = get_recipe("fp4_linear_w1x16_4over6", attention="nvfp4",
+                      attention_op=AttentionConfig.nvfp4(k_smooth=True, v=Operand()))
+  state, row = _measure(model, recipe)
+  w = np.asarray(state["params"]["blocks"][0]["mlp"]["down"]["kernel"], np.float32)
+  op = recipe.matmul.w
+  assert op.block == (1, 16) and op.scale_rule == "4over6_mse"
+  fq = np.asarray(jax.jit(lambda a: nvfp4.fake_quant(a, axis=0, scale_rule=op.scale_rule))(w))
+  tiles = np.asarray(jax.jit(lambda a: nvfp4.fake_quant(a, block=(16, 16)))(w))
+  got = row["telemetry/blocks.0.mlp.down/w_rel_err"]
+  assert got == pytest.approx(np.linalg.norm(fq - w) / np.linalg.norm(w), rel=1e-4)
+  assert got != pytest.approx(np.linalg.norm(tiles - w) / np.linalg.norm(w), rel=1e-3)
+  assert 0.05 < row["telemetry/blocks.0.attn/v_rel_err"] < 0.15
