@@ -136,6 +136,21 @@ class NVFP4Tensor:
     """The decoded E4M3 block scales (float32), one per block (decoded with integer operations)."""
     return numerics.e4m3_to_f32(lax.bitcast_convert_type(self.scales, jnp.uint8))
 
+  def code_indices(self) -> jax.Array:
+    """The 4-bit E2M1 codes (uint8, 0..15: sign bit 8), unpacked, shaped like the original tensor."""
+    return _unpack(self.codes, self.axis)
+
+  def with_code_indices(self, code) -> NVFP4Tensor:
+    """This tensor's scales with other codes (``code_indices``' layout): an encoder that chooses its
+    own codes within ``quantize``'s scales (dithered or preconditioner-space rounding)."""
+    return dataclasses.replace(self, codes=_pack(jnp.asarray(code).astype(jnp.uint8), self.axis))
+
+  def encode_scales(self) -> jax.Array:
+    """Per block, the factor ``quantize`` multiplied the elements by: ``min(1 / (d · S_dec), FLT_MAX)``
+    for the block's E4M3 scale ``d`` and the global ``S_dec`` (float32, one per block)."""
+    code = lax.bitcast_convert_type(self.scales, jnp.uint8).astype(jnp.int32)
+    return _escale_table(self.global_scale).at[code].get(mode="promise_in_bounds")
+
   def scaled_elements(self, dtype=jnp.float32) -> jax.Array:
     """``elements * block_scales`` without the global scale: exact in bfloat16 and float32.
 

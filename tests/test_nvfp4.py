@@ -654,3 +654,20 @@ def test_4over6_errors_and_non_finite():
   assert np.isnan(np.asarray(t.dequantize())).all()
   # The global scale under 4/6: S_enc = 1536 / amax.
   assert float(nvfp4.quantize(np.full((1, 16), 3.0, np.float32), scale_rule="4over6_mae").global_scale) == 1 / 512
+
+
+def test_code_indices_and_encode_scales_are_quantizes_own():
+  """``code_indices`` / ``with_code_indices`` round-trip the packed codes; ``encode_scales`` is the
+  factor the codes were rounded at: x · escale rounded to nearest E2M1 gives the codes' values."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 8)) * 3.0, jnp.float32)
+  t = nvfp4.quantize(x, axis=0)
+  code = t.code_indices()
+  assert code.shape == x.shape and code.dtype == jnp.uint8 and int(code.max()) < 16
+  again = t.with_code_indices(code)
+  np.testing.assert_array_equal(np.asarray(again.codes), np.asarray(t.codes))
+  flipped = t.with_code_indices(code ^ 8)  # the sign bit: every value negated
+  np.testing.assert_array_equal(np.asarray(flipped.dequantize()), -np.asarray(t.dequantize()))
+  scaled = x * jnp.repeat(t.encode_scales(), 16, axis=0)
+  grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+  nearest = np.asarray(grid[np.abs(np.abs(np.asarray(scaled))[..., None] - grid).argmin(-1)])
+  np.testing.assert_array_equal(np.abs(np.asarray(t.elements())), nearest)

@@ -216,16 +216,14 @@ def encode_preconditioned(x, key, c2, eps, zero, lane: int = 1) -> NVFP4Tensor:
   ax = block_axis(x.shape)
   x32 = numerics.flush_subnormals(x.astype(jnp.float32))
   t = nvfp4.quantize(x32, block=(1, BLOCK), axis=ax, rounding="nearest")  # its scales, as encode's
-  dcode = jax.lax.bitcast_convert_type(t.scales, jnp.uint8)
   expand = lambda b: jnp.repeat(b, BLOCK, axis=ax)
-  escale = nvfp4._escale_table(t.global_scale).at[dcode.astype(jnp.int32)].get(mode="promise_in_bounds")
-  dscale = numerics.e4m3_to_f32(dcode)
+  escale, dscale = t.encode_scales(), t.block_scales()
   zero_block = expand(dscale == 0) | ~jnp.isfinite(t.global_scale)
   mul = lambda a, b: numerics.rounded(a * b, zero)
   code = adam_kernel.e2m1_preconditioner_codes(x32, expand(escale), expand(dscale), t.global_scale,
                                                zero_block, numerics.counter_bits(key, x.shape, lane),
                                                c2, eps, mul)
-  return dataclasses.replace(t, codes=nvfp4._pack(code.astype(jnp.uint8), ax))
+  return t.with_code_indices(code)
 
 
 def _nearest_blocks(x32, ax):
@@ -233,8 +231,7 @@ def _nearest_blocks(x32, ax):
   block scale and zero-block mask, expanded along ``ax``."""
   t = nvfp4.quantize(x32, block=(1, BLOCK), axis=ax, rounding="nearest")
   dcode = jax.lax.bitcast_convert_type(t.scales, jnp.uint8)
-  escale = nvfp4._escale_table(t.global_scale).at[dcode.astype(jnp.int32)].get(mode="promise_in_bounds")
-  dscale = numerics.e4m3_to_f32(dcode)
+  escale, dscale = t.encode_scales(), t.block_scales()
   zero_block = (dscale == 0) | ~jnp.isfinite(t.global_scale)
   return t, escale, dscale, dcode, zero_block
 
@@ -250,14 +247,14 @@ def encode_dithered(x, key, zero, lane: int = 0) -> NVFP4Tensor:
   mul = lambda a, b: numerics.rounded(a * b, zero)
   code = adam_kernel.dithered_codes(x32, expand(escale), expand(zero_block),
                                     numerics.counter_bits(key, x.shape, lane), mul)
-  return dataclasses.replace(t, codes=nvfp4._pack(code.astype(jnp.uint8), ax))
+  return t.with_code_indices(code)
 
 
 def decode_dithered(t: NVFP4Tensor, key, lane: int = 0) -> jax.Array:
   """The moment stored by ``encode_dithered`` with ``key`` (the step that wrote it) and ``lane``:
   ``(dithered_values(code, bits) · dscale) · S_dec`` in float32 (``NVFP4Tensor.dequantize``'s
   products on the dithered E2M1-unit values)."""
-  q = adam_kernel.dithered_values(nvfp4._unpack(t.codes, t.axis), numerics.counter_bits(key, t.shape, lane))
+  q = adam_kernel.dithered_values(t.code_indices(), numerics.counter_bits(key, t.shape, lane))
   return (q * jnp.repeat(t.block_scales(), BLOCK, axis=t.axis)) * t.global_scale
 
 
