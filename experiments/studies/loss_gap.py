@@ -17,6 +17,9 @@ _W1X16_4OVER6 = {**_W1X16, "recipe.matmul.x.scale_rule": "4over6_mse", "recipe.m
                  "recipe.matmul.x_wgrad.scale_rule": "4over6_mse"}
 _REALIGN = {"recipe.lora_resplit_moments": "aligned", "recipe.lora_resplit_svd": "randomized"}
 _STATES = {"recipe.optimizer_states": "nvfp4"}
+_FULL_STACK_METHOD = {**_W1X16_4OVER6, **_REALIGN, "recipe.lora_resplit_every": -2,
+                      "recipe.moments.nu_transform": "mean_hadamard", **_ATTN_QK_4OVER6,
+                      "recipe.attention_op.k_smooth": True}
 _STATES_NEAREST = {**_STATES, "recipe.moments.mu.rounding": "nearest", "recipe.moments.nu.rounding": "nearest"}
 _FOUR_OVER_SIX_FWD = {"recipe.matmul.x.scale_rule": "4over6_mse", "recipe.matmul.w.scale_rule": "4over6_mse"}
 
@@ -267,6 +270,16 @@ ARMS: tuple[Arm, ...] = (
         Arm("lorasvd_method300_r32", "fp4_linear_lorasvd",
             {**_W1X16_4OVER6, **_REALIGN, "recipe.lora_resplit_every": -5, "recipe.lora_rank": 32}, 0,
             "w1x16_4over6", "the method's baseline + rank-32 branch re-aligned every 300 steps"),
+    ),
+    # Every remedy of the method at once: the full stack on the method's linear baseline, LoRA-SVD re-aligned
+    # twice, √v mean-removed and Hadamard-rotated, K smoothing and Four-over-Six on q and k.
+    *_group(
+        "module",
+        Arm("full_stack_method", "fp4_full_stack", _FULL_STACK_METHOD, 0, "fp4_full_stack",
+            "the full stack with the method's remedies: W 1x16 + Four-over-Six, LoRA-SVD re-aligned every 750 "
+            "steps, √v mean-removed and rotated, K smoothing and Four-over-Six on q, k"),
+        Arm("full_stack_method_s1", "fp4_full_stack", _FULL_STACK_METHOD, 1, "bf16_s1",
+            "the full stack with the method's remedies, seed 1"),
     ),
     # LoRA-SVD re-aligned the method's way: a randomized SVD of the effective weight every k steps, the new
     # factors rotated onto the old ones' columns so that their Adam moments stay in their basis.
