@@ -7,6 +7,7 @@ r"""Time from launch to the first train step, by phase, and the size of the prog
   python -m benchmarks.compile_time --runs=20m:fp4_linear:pallas --compiler-option=xla_gpu_autotune_level=0
   python -m benchmarks.compile_time --runs=20m:bf16,20m:fp4_linear:pallas --compile-profile=40
   python -m benchmarks.compile_time --lower-for=cuda --triton-compile --runs=20m:fp4_linear:pallas
+  python -m benchmarks.compile_time --runs=20m:fp4_linear:pallas --recipe-option=matmul.rounding_bits=counter
 
 A run is ``SIZE:RECIPE[:IMPL]``: a model size (``20m``, ``125m``: experiments/configs' models;
 ``tiny``), a recipe of ``fp4jax.recipe``, and the implementation of its NVFP4 GEMMs
@@ -60,11 +61,11 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.timing import assignment
+from benchmarks.train_step import recipe_of
 from fp4jax import sharding as shd
 from fp4jax.model import ModelConfig
 from fp4jax.execution import KERNEL_IMPLEMENTATIONS as IMPLEMENTATIONS
 from fp4jax.execution import Execution
-from fp4jax.recipe import get_recipe
 from fp4jax.train import (
     OptimizerConfig,
     abstract_model,
@@ -101,9 +102,9 @@ def _timed(fn):
   return out, time.perf_counter() - t0
 
 
-def _setup(size, recipe_name, scan, execution):
+def _setup(size, recipe_name, scan, execution, recipe_options=()):
   cfg = ModelConfig(**SIZES[size], scan_layers=scan)
-  recipe = get_recipe(recipe_name)
+  recipe = recipe_of(":".join([recipe_name, *recipe_options]))
   opt = OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
   return cfg, recipe, make_optimizer(opt, recipe, 1000, execution=execution), make_schedule(opt, 1000)
 
@@ -136,7 +137,7 @@ def _compile(lowered, args):
 
 def run_on_device(size, recipe_name, args, execution: Execution = Execution()) -> dict:
   """Every phase on the default device, as a training run does them."""
-  cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan, execution)
+  cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan, execution, getattr(args, "recipe_option", ()))
   mesh = shd.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   (graphdef, state, shardings), t_init = _timed(
       lambda: jax.block_until_ready(init_state(cfg, recipe, tx, mesh, execution=execution)))
@@ -178,7 +179,7 @@ def lower_step(platform, size, recipe_name, args, execution: Execution = Executi
   """``(lowered step, row of phase times and program sizes)`` of ``lower_for``."""
   if platform != "cuda":
     raise ValueError(f"--lower-for: only 'cuda' (an H200) is known, got {platform!r}")
-  cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan, execution)
+  cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan, execution, getattr(args, "recipe_option", ()))
   (graphdef, params), t_init = _timed(lambda: abstract_model(cfg, recipe, execution))
   rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
   state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
@@ -297,6 +298,9 @@ def main(argv=None) -> int:
   p.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                  help="an XLA option for the step's compilation (repeatable), e.g. "
                  "xla_gpu_autotune_level=0 or xla_gpu_enable_triton_gemm=false")
+  p.add_argument("--recipe-option", action="append", default=[], metavar="FIELD=VALUE",
+                 help="a recipe field set in every run (repeatable; benchmarks.train_step's FIELD=VALUE), e.g. "
+                 "matmul.rounding_bits=counter")
   p.add_argument("--triton-compile", action="store_true",
                  help="with --lower-for=cuda: compile each distinct Triton kernel of the step for sm_90 "
                  "with the triton package (CPU) and print its compile time")
@@ -317,6 +321,8 @@ def main(argv=None) -> int:
   runs = args.runs or ",".join(f"{s}:{r}" for s in sizes for r in ("bf16", "fp4_linear"))
   try:
     specs = [_parse(s, args.matmul) for s in runs.split(",") if s]
+    for _, recipe, _ in specs:
+      recipe_of(":".join([recipe, *args.recipe_option]))
   except ValueError as e:
     p.error(str(e))
 
@@ -324,7 +330,7 @@ def main(argv=None) -> int:
   where = f"lowered for {args.lower_for} (H200)" if args.lower_for else f"{dev.device_kind} ({dev.platform})"
   print(f"{where}; jax {jax.__version__}; batch {args.batch} x seq {args.seq}; scan {args.scan}; "
         f"persistent compilation cache: {jax.config.jax_compilation_cache_dir or 'none'}; XLA options: "
-        f"{args.compiler_options or 'defaults'}", flush=True)
+        f"{args.compiler_options or 'defaults'}; recipe options: {args.recipe_option or 'none'}", flush=True)
   rows = []
   for size, recipe, impl in specs:
     name = f"{size}:{recipe}:{impl}"

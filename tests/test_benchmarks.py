@@ -112,6 +112,14 @@ def test_triton_compile_needs_lower_for():
     main(["--triton-compile", "--runs=tiny:fp4_linear"])
 
 
+def test_compile_time_recipe_options_are_checked_before_any_run(capsys):
+  from benchmarks.compile_time import main
+
+  with pytest.raises(SystemExit):
+    main(["--tiny", "--runs=tiny:fp4_linear", "--recipe-option=matmul.no_such_field=1"])
+  assert "no_such_field" in capsys.readouterr().err
+
+
 def test_quantize_shape_argument():
   import argparse
 
