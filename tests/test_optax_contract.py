@@ -276,7 +276,12 @@ def test_converges_on_a_least_squares_problem(name):
 @pytest.mark.slow
 def test_nvfp4_moments_settle_within_half_a_learning_rate_of_optax(rounding):
   """The tolerance README states: 10,000 steps at a constant learning rate on a quadratic; every
-  parameter ends within 0.5·lr of optax.adamw's (whose own distance to the minimum is ~0.04·lr)."""
+  parameter ends within 0.5·lr of optax.adamw's (whose own distance to the minimum is ~0.04·lr).
+
+  The two scans run for their steps, not their compilation: they are compiled at XLA's default CPU
+  optimization level (the suite's ``--xla_backend_optimization_level=0`` runs them 2x slower), as a
+  user's program is; LLVM's optimizations round some float32 operations differently from level 0, so
+  both sides are compiled alike."""
   target = jax.random.normal(jax.random.key(0), (128, 128))
   loss = lambda p: 0.5 * jnp.sum((p - target) ** 2)
 
@@ -286,7 +291,9 @@ def test_nvfp4_moments_settle_within_half_a_learning_rate_of_optax(rounding):
       u, s = tx.update(jax.grad(loss)(p), s, p)
       return (optax.apply_updates(p, u), s), None
     p = jnp.zeros_like(target)
-    (p, _), _ = jax.jit(lambda c: jax.lax.scan(body, c, None, length=10_000))((p, tx.init(p)))
+    scan = jax.jit(lambda c: jax.lax.scan(body, c, None, length=10_000),
+                   compiler_options={"xla_backend_optimization_level": 3})
+    (p, _), _ = scan((p, tx.init(p)))
     return np.asarray(p)
 
   ref = run(optax.adamw(LR, b1=0.9, b2=0.95, weight_decay=0.0))
