@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import H200
+from conftest import H200, RUN_OPTIMIZED
 from jax.experimental import pallas as pl
 
 from fp4jax import numerics, nvfp4
@@ -225,7 +225,7 @@ def _mismatches_over_float32(f, g, top):
   """How many float32 patterns in [0, ``top``] give ``f`` and ``g`` different float32 patterns."""
   chunk = 1 << 25
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=RUN_OPTIMIZED)
   def count(start):
     b = jnp.minimum(start + jnp.arange(chunk, dtype=jnp.uint32), jnp.uint32(top))
     x = jax.lax.bitcast_convert_type(b, jnp.float32)
@@ -260,24 +260,27 @@ def test_e2m1_value_stochastic_equals_the_codes():
   top = int(np.float32(6.0).view(np.uint32))
   n = 1 << 22
 
-  @jax.jit
-  def mismatches(a, bits):
+  def count(a, bits):
     want = numerics.decode_e2m1(numerics.e2m1_stochastic_code(a, bits))
     got = C.e2m1_value(a, "stochastic", (bits >> 10).astype(jnp.int32))
     as_bits = lambda v: jax.lax.bitcast_convert_type(v, jnp.uint32)
     return jnp.sum(as_bits(got) != as_bits(want))
 
-  for key in jax.random.split(jax.random.key(5), 8):
+  @functools.partial(jax.jit, compiler_options=RUN_OPTIMIZED)
+  def random_mismatches(key):
     ka, kb, kc, kd = jax.random.split(key, 4)
     a = jax.lax.bitcast_convert_type(jax.random.randint(ka, (n,), 0, top + 1, jnp.int32), jnp.float32)
     a = jnp.where(jax.random.bernoulli(kc, 0.5, (n,)), jax.random.uniform(kd, (n,), jnp.float32, 0, 6), a)
-    assert int(mismatches(a, jax.random.bits(kb, (n,), jnp.uint32))) == 0
+    return count(a, jax.random.bits(kb, (n,), jnp.uint32))
+
+  for key in jax.random.split(jax.random.key(5), 8):
+    assert int(random_mismatches(key)) == 0
   grid = np.array([0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6], np.float32)
   pats = grid.view(np.int32)[:, None] + np.arange(-3, 4, dtype=np.int32)[None, :]
   a = np.clip(pats.reshape(-1), 0, top).view(np.float32)
   a = np.repeat(a, 256)
   bits = numerics.lane_bits(jnp.tile(jnp.arange(256, dtype=jnp.uint32), a.size // 256), 0)
-  assert int(mismatches(jnp.asarray(a), bits)) == 0
+  assert int(jax.jit(count, compiler_options=RUN_OPTIMIZED)(jnp.asarray(a), bits)) == 0
 
 
 def _encoders_reference(x, block_amax_fn, s_enc, s_dec, block, rounding, bits, valid=None):

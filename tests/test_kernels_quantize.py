@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import H200
+from conftest import H200, RUN_OPTIMIZED
 
 from fp4jax import numerics, nvfp4
 from fp4jax.kernels import _common as C
@@ -325,7 +325,7 @@ def _mismatches_on_every_float32(top: float, count) -> int:
   """``count(a)`` (mismatches of a float32 array) summed over every float32 in [0, top], in chunks."""
   top_bits, chunk = int(np.float32(top).view(np.uint32)), 1 << 25
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=RUN_OPTIMIZED)
   def chunk_count(start):
     b = start + jnp.arange(chunk, dtype=jnp.uint32)
     return count(jax.lax.bitcast_convert_type(jnp.minimum(b, jnp.uint32(top_bits)), jnp.float32))
