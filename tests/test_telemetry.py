@@ -104,7 +104,10 @@ def test_nvfp4_adam_states_attention_and_scanned_blocks():
   blocks of scan_layers."""
   model = ModelConfig(vocab_size=256, d_model=64, n_layers=3, n_heads=2, dtype="bfloat16",
                       scan_layers=True)
-  recipe = get_recipe("bf16", optimizer_states="nvfp4", attention="nvfp4")
+  from fp4jax.ops.attention import AttentionConfig
+
+  recipe = get_recipe("bf16", optimizer_states="nvfp4", attention="nvfp4",
+                      attention_op=AttentionConfig.nvfp4(v=Operand()))  # V in NVFP4: measured too
   state, row = _measure(model, recipe, OptimizerConfig())
   assert isinstance(state["opt_state"][1][0].mu["blocks"][0]["attn"]["qkv"]["kernel"],
                     nvfp4.NVFP4Tensor)
@@ -114,6 +117,7 @@ def test_nvfp4_adam_states_attention_and_scanned_blocks():
                       ("q", 0.05, 0.15), ("k", 0.05, 0.15)):
       assert lo < row[f"{attn}/{t}_rel_err"] < hi, (i, t)
     assert 0.08 < row[f"{attn}.qkv/w_rel_err"] < 0.13
+    assert 0.05 < row[f"{attn}/v_rel_err"] < 0.15
   # The stacked moments of blocks 0-2 (one leaf, one global scale).
   for t in ("mu", "nu"):
     assert 0.05 < row[f"telemetry/blocks.0-2.attn.qkv/{t}_rel_err"] < 0.3
@@ -121,14 +125,21 @@ def test_nvfp4_adam_states_attention_and_scanned_blocks():
 
 @pytest.mark.slow
 def test_lorasvd_weight_error_is_relative_to_the_effective_weight():
+  """On the method's linear baseline (W in 1x16 blocks along K, Four-over-Six): W is measured by its own
+  spec (not as 16x16 tiles), relative to the effective weight."""
   model = ModelConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=4, dtype="bfloat16")
-  state, row = _measure(model, get_recipe("fp4_linear_lorasvd"))
+  matmul = get_recipe("fp4_linear_w1x16_4over6").matmul
+  assert matmul.w.block == (1, 16) and matmul.w.scale_rule == "4over6_mse"
+  state, row = _measure(model, get_recipe("fp4_linear_lorasvd", matmul=matmul))
   up = state["params"]["blocks"][0]["mlp"]["gate_up"]
   w_res = np.asarray(up["kernel"])
   w_eff = w_res + np.asarray(up["lora_a"]) @ np.asarray(up["lora_b"])
-  err = lambda w: np.linalg.norm(nvfp4.fake_quant(jnp.asarray(w), block=(16, 16)) - w)
+  quant = jax.jit(lambda w: nvfp4.fake_quant(w, axis=0, scale_rule="4over6_mse"))
+  err = lambda w: np.linalg.norm(np.asarray(quant(jnp.asarray(w, jnp.float32))) - w)
   got = row["telemetry/blocks.0.mlp.gate_up/w_rel_err"]
   assert got == pytest.approx(err(w_res) / np.linalg.norm(w_eff), rel=1e-4)
+  tiles = np.linalg.norm(np.asarray(nvfp4.fake_quant(jnp.asarray(w_res), block=(16, 16))) - w_res)
+  assert got != pytest.approx(tiles / np.linalg.norm(w_eff), rel=1e-3)
   # The low-rank branch holds the dominant directions: less error than quantizing W_eff.
   assert got < err(w_eff) / np.linalg.norm(w_eff)
   # The energy shares are of the quantized kernel (W_res), the mean over its rows (the input dim).
@@ -283,24 +294,3 @@ def test_moments_are_measured_as_the_options_store_them(options):
     assert float(want[0]) > 0.01 * float(want[1])
     for a, b in zip(got[f"{name}/{which}"], want, strict=True):
       assert float(a) == pytest.approx(float(b), rel=1e-4), (name, which)
-
-
-@pytest.mark.slow
-def test_tensors_are_measured_by_the_runs_operand_specs():
-  """W in 1x16 blocks along K with Four-over-Six scales is measured so (not as 16x16 tiles), and V in
-  NVFP4 gets its own measurement."""
-  from fp4jax.ops.attention import AttentionConfig
-
-  model = ModelConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=2, dtype="bfloat16")
-  recipe = get_recipe("fp4_linear_w1x16_4over6", attention="nvfp4",
-                      attention_op=AttentionConfig.nvfp4(k_smooth=True, v=Operand()))
-  state, row = _measure(model, recipe)
-  w = np.asarray(state["params"]["blocks"][0]["mlp"]["down"]["kernel"], np.float32)
-  op = recipe.matmul.w
-  assert op.block == (1, 16) and op.scale_rule == "4over6_mse"
-  fq = np.asarray(jax.jit(lambda a: nvfp4.fake_quant(a, axis=0, scale_rule=op.scale_rule))(w))
-  tiles = np.asarray(jax.jit(lambda a: nvfp4.fake_quant(a, block=(16, 16)))(w))
-  got = row["telemetry/blocks.0.mlp.down/w_rel_err"]
-  assert got == pytest.approx(np.linalg.norm(fq - w) / np.linalg.norm(w), rel=1e-4)
-  assert got != pytest.approx(np.linalg.norm(tiles - w) / np.linalg.norm(w), rel=1e-3)
-  assert 0.05 < row["telemetry/blocks.0.attn/v_rel_err"] < 0.15
