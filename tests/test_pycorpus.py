@@ -193,11 +193,17 @@ def test_survey_lists_sizes_licences_and_refusals(site, capsys):
   assert any(line.startswith("total refused\t2 distributions") for line in out)
 
 
-def test_builtin_pycode_through_the_corpus_cli(site, tmp_path, monkeypatch):
+@pytest.fixture
+def root(site, tmp_path, monkeypatch):
+  """A data root on a machine whose installed distributions are ``site`` (no standard library), with the
+  committed manifest in ``tmp_path``."""
   monkeypatch.setattr(pycorpus, "MANIFEST_PATH", tmp_path / "committed.json.xz")
   monkeypatch.setattr(pycorpus, "site_dirs", lambda: [str(site)])
   monkeypatch.setattr(pycorpus, "stdlib_dir", lambda: None)
-  root = tmp_path / "root"
+  return tmp_path / "root"
+
+
+def test_builtin_pycode_through_the_corpus_cli(root, tmp_path):
   assert not corpus.text_is_here("pycode", root)
   with pytest.raises(corpus.CorpusUnavailableError, match="--write_manifest"):
     corpus.builtin_corpus("pycode", root)
@@ -246,11 +252,7 @@ def test_standard_library_is_a_source_at_the_interpreters_version(tmp_path, monk
     pycorpus.build(tmp_path / "c", manifest=man, workers=1, log=lambda _: None)
 
 
-def test_pycode_mix_is_both_corpora_split_as_each_splits_them(site, tmp_path, monkeypatch):
-  monkeypatch.setattr(pycorpus, "MANIFEST_PATH", tmp_path / "committed.json.xz")
-  monkeypatch.setattr(pycorpus, "site_dirs", lambda: [str(site)])
-  monkeypatch.setattr(pycorpus, "stdlib_dir", lambda: None)
-  root = tmp_path / "root"
+def test_pycode_mix_is_both_corpora_split_as_each_splits_them(root, tmp_path):
   assert not corpus.text_is_here("pycode_mix", root)
   corpus.main(["fetch", "--corpus=pycode", "--write_manifest", f"--data_dir={root}", "--workers=1"])
   assert not corpus.text_is_here("pycode_mix", root)  # mix is not here yet
