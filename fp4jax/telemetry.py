@@ -64,6 +64,7 @@ measured. The whole measurement is one jitted function, called at step 1 and eve
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -78,6 +79,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp4jax import analysis, numerics, nvfp4
+from fp4jax import quant as quant_lib
 from fp4jax.layers import Dense, NVFP4Matmul
 from fp4jax.execution import Execution
 from fp4jax.loss import chunked_cross_entropy
@@ -318,7 +320,8 @@ class _Jobs:
   A two-term operand (``terms=2``) is measured as ``Q1 + Q2`` with ``Q2 = Q(a − deq(Q1))`` (the
   residual in float32 from the materialized first term, as ``quant.quantize_terms`` forms it): a
   first pass over the chunks finds each tensor's residual amax, which the second pass puts into each
-  chunk's head, so the residual's global scale is the whole tensor's too.
+  chunk's head, so the residual's global scale is the whole tensor's too (each pass quantizes Q1 of its
+  chunk: the residuals are not kept, so memory stays that of one chunk).
   """
 
   def __init__(self, chunk_rows: int = _CHUNK_ROWS):
@@ -342,32 +345,33 @@ class _Jobs:
       keys = jnp.stack([k for _, _, k, _ in jobs])
       stacked = jnp.concatenate(chunks)
 
-      def first(rows, key, op=op):
-        """deq(Q1) of a chunk and its residual ``rows − deq(Q1)`` (float32)."""
-        q1 = nvfp4.fake_quant(rows, block=op.block, axis=-1, rounding=op.rounding, key=key,
-                              scale_rule=op.scale_rule)
-        return q1, rows - lax.optimization_barrier(q1)
-
-      def residual_amax(a, keys=keys, first=first):
-        rows, j, i = a
-        r = first(rows, jax.random.fold_in(keys[j], i))[1][_HEAD:]
-        return jnp.max(jnp.where(jnp.isnan(r), jnp.inf, jnp.abs(r)))
+      def terms(rows, key, amax2=None, op=op):
+        """The chunk's terms (``quant.quantize_terms``), each the quantized tensor; the second with
+        ``amax2``, the whole tensor's residual amax, in its head (its global scale), or ``amax2=None``:
+        the residual itself, unquantized."""
+        def q(a, t):
+          if t == 1 and amax2 is None:
+            return a
+          if t == 1:
+            a = a.at[0, 0].set(amax2)
+          return nvfp4.quantize(a, block=op.block, axis=-1, rounding=op.rounding, scale_rule=op.scale_rule,
+                                key=key if t == 0 else jax.random.fold_in(key, 1))
+        return quant_lib.quantize_terms(rows, op.terms, q)
 
       amax2 = None
       if op.terms == 2:  # each tensor's residual amax: the global scale of its second term
+        def residual_amax(a, keys=keys, terms=terms):
+          rows, j, i = a
+          r = terms(rows, jax.random.fold_in(keys[j], i))[1][_HEAD:]
+          return jnp.max(jnp.where(jnp.isnan(r), jnp.inf, jnp.abs(r)))
         amax2 = jax.ops.segment_max(lax.map(residual_amax, (stacked, job, index)), job,
                                     num_segments=len(jobs))
 
-      def one(a, op=op, keys=keys, first=first, amax2=amax2):
+      def one(a, op=op, keys=keys, terms=terms, amax2=amax2):
         rows, j, i = a
-        key = jax.random.fold_in(keys[j], i)
         x = rows[_HEAD:]
-        fq, r = first(rows, key)
-        if op.terms == 2:
-          head = jnp.zeros_like(r[:_HEAD]).at[0, 0].set(amax2[j])
-          r = jnp.concatenate([head, r[_HEAD:]])
-          fq = fq + nvfp4.fake_quant(r, block=op.block, axis=-1, rounding=op.rounding,
-                                     key=jax.random.fold_in(key, 1), scale_rule=op.scale_rule)
+        parts = terms(rows, jax.random.fold_in(keys[j], i), None if amax2 is None else amax2[j])
+        fq = functools.reduce(jnp.add, [t.dequantize(jnp.float32) for t in parts])
         err = fq[_HEAD:] - x
         return jnp.sum(jnp.square(err)), jnp.sum(jnp.square(x))
 
@@ -455,8 +459,8 @@ def _moments(opt_state, grads, opt_cfg, storage, key, segments) -> dict:
       # optimizer's seed and leaf order).
       m_old = mu.dequantize(_F32) if is_q(mu) else mu
       v_old = jnp.square(nu.dequantize(_F32)) if is_q(nu) else nu
-      m = b1 * m_old + (1 - b1) * g
-      s = jnp.sqrt(b2 * v_old + (1 - b2) * g * g)
+      m, v = numerics.adam_moments(m_old, v_old, g, b1, b2, numerics.runtime_zero(count))
+      s = numerics.sqrt_rn(v)
       module, prefix = _name(path, segments)
       for which, x in (("mu", m), ("nu", s)):
         index = sum(map(len, groups.values()))  # the moment's key: fold_in(key, index)

@@ -215,13 +215,11 @@ def encode_preconditioned(x, key, c2, eps, zero, lane: int = 1) -> NVFP4Tensor:
   the counter bits of ``encode``); ``c2``: the update's ``1 / sqrt(bc2)``; ``zero``: a runtime zero."""
   ax = block_axis(x.shape)
   x32 = numerics.flush_subnormals(x.astype(jnp.float32))
-  t = nvfp4.quantize(x32, block=(1, BLOCK), axis=ax, rounding="nearest")  # its scales, as encode's
+  t, escale, dscale, _, zero_block = _nearest_blocks(x32, ax)  # its scales, as encode's
   expand = lambda b: jnp.repeat(b, BLOCK, axis=ax)
-  escale, dscale = t.encode_scales(), t.block_scales()
-  zero_block = expand(dscale == 0) | ~jnp.isfinite(t.global_scale)
   mul = lambda a, b: numerics.rounded(a * b, zero)
   code = adam_kernel.e2m1_preconditioner_codes(x32, expand(escale), expand(dscale), t.global_scale,
-                                               zero_block, numerics.counter_bits(key, x.shape, lane),
+                                               expand(zero_block), numerics.counter_bits(key, x.shape, lane),
                                                c2, eps, mul)
   return t.with_code_indices(code)
 
