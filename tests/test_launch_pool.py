@@ -26,7 +26,10 @@ JOB = textwrap.dedent("""
     got = []
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
       signal.signal(s, lambda n, _: got.append(n))
-    open(os.path.join(os.environ["MARKS"], name + ".pid"), "w").write(str(os.getpid()))
+    mark = os.path.join(os.environ["MARKS"], name)
+    with open(mark + ".tmp", "w") as f:  # renamed whole: the test never reads a half-written pid
+      f.write(str(os.getpid()))
+    os.replace(mark + ".tmp", mark + ".pid")
     step = 0
     while True:
       time.sleep(0.05)
