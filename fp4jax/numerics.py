@@ -205,6 +205,26 @@ def rounded(x, zero) -> jax.Array:
   return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+@jax.custom_jvp
+def bf16_rn(x) -> jax.Array:
+  """float32 ``x`` rounded to the nearest bfloat16 value (ties to even), returned as float32.
+
+  The same value as ``x.astype(bfloat16).astype(float32)``, computed on the bit pattern: under
+  ``jax.jit`` on the GPU, XLA folds that pair of casts to ``x`` (it allows excess precision), so a
+  value meant to be rounded to bfloat16 before later arithmetic would not be there, and the CPU's
+  bits would differ. Finite inputs round as the cast does (overflow to infinity); NaN stays NaN.
+  Integer adds and masks only, so the kernels call it too; differentiated as the identity (as the casts).
+  """
+  x = jnp.asarray(x, jnp.float32)
+  bits = lax.bitcast_convert_type(x, jnp.int32)
+  bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & jnp.int32(-65536)  # -65536: 0xFFFF0000
+  return jnp.where(x != x, x, lax.bitcast_convert_type(bits, jnp.float32))
+
+
+# Differentiated as the casts are: the identity.
+bf16_rn.defjvp(lambda primals, tangents: (bf16_rn(*primals), jnp.asarray(tangents[0], jnp.float32)))
+
+
 def _rounded_mul(zero):
   return lambda a, b: rounded(a * b, zero)
 

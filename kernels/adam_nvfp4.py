@@ -187,14 +187,15 @@ def center_rotate(s: list) -> tuple[jax.Array, list]:
   (the block mean in bfloat16, the 16 rotated deviations ``nvfp4.hadamard(s - mean)``).
 
   The sum runs in element order and is multiplied by the exact 1/16; the bfloat16 mean is what is
-  subtracted, so its rounding costs nothing on decoding. The rotation is ``nvfp4.hadamard``'s butterfly
+  subtracted, so its rounding costs nothing on decoding (rounded by ``numerics.bf16_rn``: XLA on the
+  GPU would fold a cast to bfloat16 and back). The rotation is ``nvfp4.hadamard``'s butterfly
   (products by the signs, additions in its fixed order, the exact ×1/4), each result's subnormals
   flushed (as the quantizer flushes its input): the same bits in the kernels and the XLA path.
   """
   ftz = numerics.flush_subnormals
   s = [ftz(x) for x in s]
-  mean = (functools.reduce(jnp.add, s) * jnp.float32(1.0 / BLOCK)).astype(jnp.bfloat16)
-  m32 = mean.astype(jnp.float32)
+  m32 = numerics.bf16_rn(functools.reduce(jnp.add, s) * jnp.float32(1.0 / BLOCK))
+  mean = m32.astype(jnp.bfloat16)  # exact
   signs = HADAMARD_SIGNS
   y = numerics.hadamard16_butterfly([ftz(x - m32) * jnp.float32(signs[i]) for i, x in enumerate(s)])
   return mean, [ftz(x * jnp.float32(0.25)) for x in y]

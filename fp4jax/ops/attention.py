@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import _platform, execution, nvfp4
+from fp4jax import _platform, execution, numerics, nvfp4
 from fp4jax.kernels import attention as attention_kernels
 from fp4jax.kernels import nvfp4_quantize
 from fp4jax.quant import Operand
@@ -233,11 +233,17 @@ def _operand(x, config, name, keys, impl="xla"):
 
 def smoothed_k(k, config):
   """``k − k̄`` in k's dtype with ``k̄`` k's float32 mean over the keys per (batch, head), held constant
-  (``AttentionConfig.k_smooth``); ``k`` itself without smoothing."""
+  (``AttentionConfig.k_smooth``); ``k`` itself without smoothing.
+
+  A bfloat16 ``k − k̄`` is rounded by ``numerics.bf16_rn``: under ``jax.jit`` on the GPU, XLA folds the
+  cast to bfloat16 and the quantizer's cast back to float32, and would quantize the unrounded
+  difference (another amax, so other scales) where the kernels and the CPU quantize the rounded one.
+  """
   if not config.k_smooth:
     return k
   k32 = k.astype(_F32)
-  return (k32 - lax.stop_gradient(jnp.mean(k32, axis=1, keepdims=True))).astype(k.dtype)
+  d = k32 - lax.stop_gradient(jnp.mean(k32, axis=1, keepdims=True))
+  return (numerics.bf16_rn(d) if k.dtype == jnp.bfloat16 else d).astype(k.dtype)
 
 
 def _decoded(x, dtype):

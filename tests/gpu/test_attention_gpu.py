@@ -134,6 +134,20 @@ def test_smoothed_four_over_six_operands_equal_cpu(rule):
   assert [_bits_equal(g, w) for g, w in zip(got, want, strict=True)] == [0, 0]
 
 
+def test_smoothed_k_is_quantized_as_stored_in_one_program():
+  """On the GPU, Q(k − k̄) in the same jitted program as the smoothing equals Q of the stored bfloat16
+  k − k̄ (a program of its own), bit for bit: XLA may not fold the rounding to bfloat16 between them
+  (``numerics.bf16_rn``), or the amax, the scales and the codes of Q(k) change."""
+  gpu, _ = _devices()
+  _, k, *_ = _inputs(2, 512, 4, 2, 128, seed=5)
+  config = AttentionConfig.nvfp4(k_smooth=True)
+  keys = attn._keys(jax.random.key(0))
+  quant = lambda x: attn._operand(x, config, "k", keys, impl="xla").dequantize(jnp.bfloat16)
+  fused = _on(gpu, lambda k: quant(attn.smoothed_k(k, config)), k)
+  stored = _on(gpu, quant, _on(gpu, lambda k: attn.smoothed_k(k, config), k))
+  assert _bits_equal(fused, stored) == 0
+
+
 def _tile_quantizer_kernel(w_ref, ds_ref, out_ref, *, rounding, bh):
   m, n = ds_ref.shape
   bits = None
