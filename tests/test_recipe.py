@@ -330,6 +330,11 @@ def test_the_methods_baseline_preset_is_the_studys_arm():
     op, field = key.split(".")
     matmul = dataclasses.replace(matmul, **{op: dataclasses.replace(getattr(matmul, op), **{field: value})})
   assert get_recipe("fp4_linear_w1x16_4over6") == get_recipe("fp4_linear").replace(matmul=matmul)
+  # ... and the cheapest recipe within +0.5% of bf16 is that arm's BF16-forward tail (w1x16_4over6_last10).
+  tail = next(a for a in ARMS if a.name == "w1x16_4over6_last10")
+  assert tail.changes == {**arm.changes, "recipe.bf16_fwd_last": 0.1}
+  assert get_recipe("fp4_linear_w1x16_4over6_fwd_bf16_last10") == get_recipe("fp4_linear_w1x16_4over6").replace(
+      bf16_fwd_last=0.1)
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ Every field can be set on the command line, e.g. ``--config.steps=20``,
 ``--config.model.scan_layers=True``, ``--config.recipe.bf16_last_blocks=2``,
 ``--config.recipe.matmul.hadamard=False``, ``--config.execution.attention=xla``,
 ``--config.tensorboard=False``. ``arg`` (the text after ``:`` in ``--config=<file>.py:<arg>``)
-names the recipe preset: ``bf16``, ``fp4_linear``, ``fp4_linear_w1x16_4over6``, ``fp4_linear_lorasvd``,
+names the recipe preset: ``bf16``, ``fp4_linear``, ``fp4_linear_w1x16_4over6``,
+``fp4_linear_w1x16_4over6_fwd_bf16_last10``, ``fp4_linear_lorasvd``,
 ``fp4_full_stack`` (``fp4jax.recipe.PRESETS``), or a preset of recipe and optimizer
 (``EXPERIMENT_PRESETS``): ``fp4_full_stack_muon`` is ``fp4_full_stack`` trained with Muon.
 """
