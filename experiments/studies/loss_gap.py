@@ -21,6 +21,12 @@ _FULL_STACK_METHOD = {**_W1X16_4OVER6, **_REALIGN, "recipe.lora_resplit_every": 
                       "recipe.moments.nu_transform": "mean_hadamard", **_ATTN_QK_4OVER6,
                       "recipe.attention_op.k_smooth": True}
 _STATES_NEAREST = {**_STATES, "recipe.moments.mu.rounding": "nearest", "recipe.moments.nu.rounding": "nearest"}
+_STATES_MEAN_HADAMARD = {**_STATES, "recipe.moments.nu_transform": "mean_hadamard"}
+# The winners of the 20m H100 arms, stacked: the linear preset fp4_linear_w1x16_4over6_fwd_bf16_last10 (no
+# LoRA-SVD), the centered √v, K smoothing and Four-over-Six on q and k.
+_FULL_STACK_WINNERS = {"recipe.linear": "nvfp4", **_W1X16_4OVER6, "recipe.bf16_fwd_last": 0.1,
+                       "recipe.moments.nu_transform": "mean_hadamard", **_ATTN_QK_4OVER6,
+                       "recipe.attention_op.k_smooth": True}
 _FOUR_OVER_SIX_FWD = {"recipe.matmul.x.scale_rule": "4over6_mse", "recipe.matmul.w.scale_rule": "4over6_mse"}
 
 
@@ -280,6 +286,11 @@ ARMS: tuple[Arm, ...] = (
             "steps, √v mean-removed and rotated, K smoothing and Four-over-Six on q, k"),
         Arm("full_stack_method_s1", "fp4_full_stack", _FULL_STACK_METHOD, 1, "bf16_s1",
             "the full stack with the method's remedies, seed 1"),
+        Arm("full_stack_winners", "fp4_full_stack", _FULL_STACK_WINNERS, 0, "bf16_s0",
+            "the full stack of the measured winners: fp4_linear_w1x16_4over6_fwd_bf16_last10, √v mean-removed "
+            "and rotated, K smoothing and Four-over-Six on q, k"),
+        Arm("full_stack_winners_s1", "fp4_full_stack", _FULL_STACK_WINNERS, 1, "bf16_s1",
+            "the full stack of the measured winners, seed 1"),
     ),
     # LoRA-SVD re-aligned the method's way: a randomized SVD of the effective weight every k steps, the new
     # factors rotated onto the old ones' columns so that their Adam moments stay in their basis.
@@ -312,6 +323,12 @@ ARMS: tuple[Arm, ...] = (
             "linear_states", "√v stored as its 16-block mean (bf16) and the Hadamard-rotated rest in NVFP4"),
         Arm("states_mean_hadamard_s1", "fp4_linear", {**_STATES, "recipe.moments.nu_transform": "mean_hadamard"}, 1,
             "linear_states_s1", "√v mean-removed and Hadamard-rotated, seed 1"),
+        Arm("states_mean_hadamard_keep_embed_head", "fp4_linear",
+            {**_STATES_MEAN_HADAMARD, "recipe.moments.keep_fp32": ("embed", "lm_head")}, 0, "states_mean_hadamard",
+            "the centered √v, the embedding's and LM head's moments float32"),
+        Arm("states_mean_hadamard_dither_m", "fp4_linear",
+            {**_STATES_MEAN_HADAMARD, "recipe.moments.mu.rounding": "nearest", "recipe.moments.dither": ("mu",)}, 0,
+            "states_mean_hadamard", "the centered √v, m with subtractive dither"),
         Arm("states_precond_sr", "fp4_linear", {**_STATES, "recipe.moments.nu_sr_space": "preconditioner"}, 0,
             "linear_states", "√v rounded stochastically in 1/(√v + ε), the preconditioner's space"),
         Arm("states_nearest", "fp4_linear", {**_STATES, "recipe.moments.mu.rounding": "nearest",
