@@ -16,7 +16,10 @@ The model is ``experiments/configs/125m.py``'s (d=768, 12 blocks, vocab 32768; a
 ``MODEL_125M`` equal to it; ``--tiny``: d=64, 2 blocks). Each recipe's full jitted train step
 (forward, backward, AdamW update, donated state)
 runs ``--warmup`` untimed steps after compilation, then ``--steps`` timed steps on batches
-already on the device. MFU = (6·N + 12·L·T·D_attn)·tokens/s / (peak · devices), N without the
+already on the device. A recipe whose forward GEMMs turn BF16 for the last fraction f of a run
+(``bf16_fwd_last``, e.g. ``fp4_linear_w1x16_4over6_fwd_bf16_last10``) is timed in both phases and
+reported as the run's mean step, (1 − f)·NVFP4-forward step + f·BF16-forward step (each phase's time in
+its row's ``phases``). MFU = (6·N + 12·L·T·D_attn)·tokens/s / (peak · devices), N without the
 embedding table, peak the dense bf16 figure of ``fp4jax.metrics.PEAK_FLOPS`` (H200: 989 TFLOP/s);
 no MFU on CPU. The step is compiled ahead of time (``lower`` then ``compile``, each timed) and its
 peak memory is XLA's plan for the compiled step on one device (``memory_analysis()``: arguments +
@@ -100,8 +103,38 @@ def recipe_of(spec: str):
     raise ValueError(f"recipe {spec!r}: {e}") from None
 
 
+def phases(recipe) -> list[tuple[str, float, object]]:
+  """The steps a run of ``recipe`` computes, as ``(label, fraction of the run's steps, Recipe)``: one
+  phase, or with ``bf16_fwd_last = f`` the NVFP4-forward steps (1 − f) and the BF16-forward ones (f,
+  ``Recipe.bf16_forward``), whose step times the benchmark averages with these weights."""
+  late = recipe.bf16_forward()
+  f = recipe.bf16_fwd_last
+  if not f or late == recipe:
+    return [("", 1.0, recipe)]
+  return [("NVFP4 forward", 1.0 - f, recipe), ("BF16 forward", f, late)]
+
+
 def bench(name: str, cfg: ModelConfig, args, mesh, data: list[dict]) -> dict:
-  recipe = recipe_of(name)
+  """``name``'s step (``recipe_of``) timed; a recipe with a BF16-forward tail times each phase
+  (``phases``) and reports the run's mean step (weighted by the phases' fractions), the slowest
+  compile, and each phase's step time under ``"phases"``."""
+  rows = [dict(_bench_recipe(recipe, cfg, args, mesh, data), fraction=w, phase=label)
+          for label, w, recipe in phases(recipe_of(name))]
+  if len(rows) == 1:
+    return {"recipe": name, **{k: v for k, v in rows[0].items() if k not in ("fraction", "phase")}}
+  step_ms = sum(r["fraction"] * r["step_ms"] for r in rows)
+  tokens = args.batch * args.seq
+  mfu = (None if any(r["mfu"] is None for r in rows) else
+         sum(r["fraction"] * r["step_ms"] * r["mfu"] for r in rows) / step_ms)
+  most = lambda k: max((r[k] for r in rows if r[k] is not None), default=None)
+  return {"recipe": name, "step_ms": step_ms, "tokens_per_s": tokens / (step_ms / 1e3), "mfu": mfu,
+          "lower_s": most("lower_s"), "compile_s": most("compile_s"), "first_step_s": most("first_step_s"),
+          "peak_gib": most("peak_gib"), "temp_gib": most("temp_gib"), "loss0": rows[0]["loss0"],
+          "loss": rows[-1]["loss"], "ok": all(r["ok"] for r in rows),
+          "phases": {r["phase"]: {"fraction": r["fraction"], "step_ms": r["step_ms"]} for r in rows}}
+
+
+def _bench_recipe(recipe, cfg: ModelConfig, args, mesh, data: list[dict]) -> dict:
   opt = OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
   execution = execution_of(args)
   tx = make_optimizer(opt, recipe, 1000, execution=execution)
@@ -132,7 +165,7 @@ def bench(name: str, cfg: ModelConfig, args, mesh, data: list[dict]) -> dict:
   tokens = args.batch * args.seq
   flops = peak_flops(mesh.devices.flat[0])
   mfu = cfg.flops_per_token(args.seq) * tokens / dt / (flops * mesh.devices.size) if flops else None
-  return {"recipe": name, "step_ms": dt * 1e3, "tokens_per_s": tokens / dt, "mfu": mfu,
+  return {"step_ms": dt * 1e3, "tokens_per_s": tokens / dt, "mfu": mfu,
           "lower_s": c1 - c0, "compile_s": c2 - c1, "first_step_s": first_s,
           "peak_gib": None if peak is None else peak / 2**30,
           "temp_gib": None if mem is None else mem.temp_size_in_bytes / 2**30,

@@ -2,6 +2,8 @@
 compile times, train_step's recipe specs."""
 
 
+import math
+
 import pytest
 from conftest import run_with_triton_compiler
 
@@ -64,6 +66,18 @@ def test_train_step_recipe_specs():
     recipe_of("fp4_linear:matmul.rounding_bits=philox")
   with pytest.raises(ValueError, match="hadamrd"):
     recipe_of("fp4_linear:matmul.hadamrd=false")
+
+
+def test_train_step_times_each_phase_of_a_bf16_forward_tail():
+  from benchmarks.train_step import phases
+  from fp4jax.recipe import get_recipe
+
+  assert phases(get_recipe("fp4_linear")) == [("", 1.0, get_recipe("fp4_linear"))]
+  assert phases(get_recipe("bf16", bf16_fwd_last=0.2)) == [("", 1.0, get_recipe("bf16", bf16_fwd_last=0.2))]
+  tail = get_recipe("fp4_linear_w1x16_4over6_fwd_bf16_last10")
+  (a, wa, ra), (b, wb, rb) = phases(tail)
+  assert (a, b, ra) == ("NVFP4 forward", "BF16 forward", tail) and math.isclose(wa + wb, 1.0)
+  assert math.isclose(wb, 0.1) and not rb.matmul.fwd and rb.matmul.dgrad and rb.matmul.wgrad
 
 
 @pytest.mark.slow
