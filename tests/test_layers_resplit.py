@@ -24,7 +24,7 @@ from fp4jax.optim.factory import reset_lora_moments
 from fp4jax.recipe import get_recipe
 from fp4jax.train import OptimizerConfig, TrainConfig, make_optimizer, train
 
-RECIPE = get_recipe("fp4_linear_lorasvd", lora_rank=4, lora_resplit_every=3)
+RECIPE = get_recipe("fp4_linear", linear="nvfp4_lorasvd", lora_rank=4, lora_resplit_every=3)
 
 
 def _bits(a):

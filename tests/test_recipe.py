@@ -18,15 +18,17 @@ from fp4jax.quant import Operand
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_presets_are_cumulative():
+def test_presets_and_their_modules():
   bf16, lin, lora, full = (get_recipe(n) for n in
                            ("bf16", "fp4_linear", "fp4_linear_lorasvd", "fp4_full_stack"))
   assert (bf16.linear, bf16.attention, bf16.optimizer_states, bf16.newton_schulz) == (
       "bf16", "bf16", "fp32", "bf16")
   assert lin == dataclasses.replace(bf16, linear="nvfp4")
-  assert lora == dataclasses.replace(bf16, linear="nvfp4_lorasvd")
-  assert full == dataclasses.replace(lora, attention="nvfp4", optimizer_states="nvfp4",
+  assert full == dataclasses.replace(bf16, linear="nvfp4_lorasvd", attention="nvfp4", optimizer_states="nvfp4",
                                      newton_schulz="nvfp4")
+  # LoRA-SVD the method's way: on the method's baseline, re-aligned by a randomized SVD with aligned moments.
+  assert lora == get_recipe("fp4_linear_w1x16_4over6").replace(
+      linear="nvfp4_lorasvd", lora_resplit_every=300, lora_resplit_moments="aligned", lora_resplit_svd="randomized")
 
 
 def test_recipe_is_frozen_and_hashable():

@@ -365,7 +365,7 @@ def test_lora_lr_scale(opt):
   params = _toy_params()
   is_lora = _lora_mask(params)
   assert sorted(jax.tree.leaves(jax.tree.map(int, is_lora))) == [0, 0, 0, 1, 1]
-  base = _updates(make_optimizer(cfg, get_recipe("fp4_linear_lorasvd"), 10), params)
+  base = _updates(make_optimizer(cfg, get_recipe("fp4_linear", linear="nvfp4_lorasvd"), 10), params)
   if opt == "adamw":  # 1.0 is the plain optimizer: clip + optax.adamw, bit for bit
     plain = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
                         optax.adamw(make_schedule(cfg, 10), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
@@ -373,11 +373,11 @@ def test_lora_lr_scale(opt):
                                     mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
     jax.tree.map(np.testing.assert_array_equal, base, _updates(plain, params))
   for scale in (0.0, 0.5):
-    tx = make_optimizer(cfg, get_recipe("fp4_linear_lorasvd", lora_lr_scale=scale), 10)
+    tx = make_optimizer(cfg, get_recipe("fp4_linear", linear="nvfp4_lorasvd", lora_lr_scale=scale), 10)
     got = _updates(tx, params)
     jax.tree.map(lambda g, b, m, s=scale: np.testing.assert_allclose(g, b * s if m else b, rtol=1e-6),
                  got, base, is_lora)
-  frozen = get_recipe("fp4_linear_lorasvd", lora_lr_scale=0.0)
+  frozen = get_recipe("fp4_linear", linear="nvfp4_lorasvd", lora_lr_scale=0.0)
   new = optax.apply_updates(params, _updates(make_optimizer(cfg, frozen, 10), params))
   np.testing.assert_array_equal(new["blocks"][0]["qkv"]["lora_a"], params["blocks"][0]["qkv"]["lora_a"])
   assert not np.array_equal(new["blocks"][0]["qkv"]["kernel"], params["blocks"][0]["qkv"]["kernel"])

@@ -356,7 +356,7 @@ def test_lora_resplit_keeps_effective_weights():
 
   from fp4jax.loop import make_lora_resplit
   from fp4jax.model import Transformer
-  recipe = get_recipe("fp4_linear_lorasvd", lora_rank=4, lora_resplit_every=10)
+  recipe = get_recipe("fp4_linear", linear="nvfp4_lorasvd", lora_rank=4, lora_resplit_every=10)
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2)
   graphdef, state = nnx.split(Transformer(cfg, recipe, rngs=nnx.Rngs(0)))
   params = nnx.to_pure_dict(state)

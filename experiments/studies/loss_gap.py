@@ -16,6 +16,9 @@ _W1X16 = {"recipe.matmul.w.block": (1, 16)}
 _W1X16_4OVER6 = {**_W1X16, "recipe.matmul.x.scale_rule": "4over6_mse", "recipe.matmul.w.scale_rule": "4over6_mse",
                  "recipe.matmul.x_wgrad.scale_rule": "4over6_mse"}
 _REALIGN = {"recipe.lora_resplit_moments": "aligned", "recipe.lora_resplit_svd": "randomized"}
+# LoRA-SVD as NVIDIA's recipe plus a rank-16 branch split once at initialization (the preset
+# fp4_linear_lorasvd is the method's: on its baseline, re-aligned).
+_ONCE = {"recipe.linear": "nvfp4_lorasvd"}
 _STATES = {"recipe.optimizer_states": "nvfp4"}
 _FULL_STACK_METHOD = {**_W1X16_4OVER6, **_REALIGN, "recipe.lora_resplit_every": -2,
                       "recipe.moments.nu_transform": "mean_hadamard", **_ATTN_QK_4OVER6,
@@ -46,10 +49,10 @@ ARMS: tuple[Arm, ...] = (
         Arm("fp4_linear", "fp4_linear", {}, 0, "bf16_s0",
             "every block projection in NVFP4 (NVIDIA's recipe: 1x16 activations and gradients, 16x16 "
             "weight tiles, SR on gradients, Hadamard on the wgrad)"),
-        Arm("fp4_linear_lorasvd", "fp4_linear_lorasvd", {}, 0, "fp4_linear",
+        Arm("lorasvd_once", "fp4_linear", _ONCE, 0, "fp4_linear",
             "the same with the BF16 low-rank branch (LoRA-SVD, rank 16, split once at init)"),
-        Arm("lorasvd_states", "fp4_linear_lorasvd", {"recipe.optimizer_states": "nvfp4"}, 0,
-            "fp4_linear_lorasvd", "LoRA-SVD linear layers + AdamW moments in NVFP4"),
+        Arm("lorasvd_states", "fp4_linear", {**_ONCE, "recipe.optimizer_states": "nvfp4"}, 0,
+            "lorasvd_once", "LoRA-SVD linear layers + AdamW moments in NVFP4"),
         Arm("fp4_full_stack", "fp4_full_stack", {}, 0, "lorasvd_states",
             "LoRA-SVD linear + NVFP4 AdamW states + NVFP4 attention (QK^T and dS, tensor reuse)"),
         Arm("full_stack_w1x16_4over6", "fp4_full_stack", _W1X16_4OVER6, 0, "fp4_full_stack",
@@ -88,20 +91,20 @@ ARMS: tuple[Arm, ...] = (
     ),
     *_group(
         "lorasvd",
-        Arm("lorasvd_resplit10", "fp4_linear_lorasvd", {"recipe.lora_resplit_every": -10}, 0,
-            "fp4_linear_lorasvd", "re-split the branch 10 times over the run (top-r SVD of the trained weight)"),
-        Arm("lorasvd_rank4", "fp4_linear_lorasvd", {"recipe.lora_rank": 4}, 0, "fp4_linear_lorasvd",
+        Arm("lorasvd_resplit10", "fp4_linear", {**_ONCE, "recipe.lora_resplit_every": -10}, 0,
+            "lorasvd_once", "re-split the branch 10 times over the run (top-r SVD of the trained weight)"),
+        Arm("lorasvd_rank4", "fp4_linear", {**_ONCE, "recipe.lora_rank": 4}, 0, "lorasvd_once",
             "rank 4 instead of 16"),
-        Arm("lorasvd_rank32", "fp4_linear_lorasvd", {"recipe.lora_rank": 32}, 0, "fp4_linear_lorasvd",
+        Arm("lorasvd_rank32", "fp4_linear", {**_ONCE, "recipe.lora_rank": 32}, 0, "lorasvd_once",
             "rank 32 instead of 16"),
-        Arm("lorasvd_lr0", "fp4_linear_lorasvd", {"recipe.lora_lr_scale": 0.0}, 0, "fp4_linear_lorasvd",
+        Arm("lorasvd_lr0", "fp4_linear", {**_ONCE, "recipe.lora_lr_scale": 0.0}, 0, "lorasvd_once",
             "the branch frozen at its init split (learning rate x0)"),
-        Arm("lorasvd_lr4", "fp4_linear_lorasvd", {"recipe.lora_lr_scale": 4.0}, 0, "fp4_linear_lorasvd",
+        Arm("lorasvd_lr4", "fp4_linear", {**_ONCE, "recipe.lora_lr_scale": 4.0}, 0, "lorasvd_once",
             "the branch's learning rate x4"),
-        Arm("lorasvd_attn", "fp4_linear_lorasvd", {"recipe.lora_projections": "qkv,o"}, 0, "fp4_linear_lorasvd",
+        Arm("lorasvd_attn", "fp4_linear", {**_ONCE, "recipe.lora_projections": "qkv,o"}, 0, "lorasvd_once",
             "the branch on the attention projections only (qkv, o)"),
-        Arm("lorasvd_mlp", "fp4_linear_lorasvd", {"recipe.lora_projections": "gate_up,down"}, 0,
-            "fp4_linear_lorasvd", "the branch on the MLP projections only (gate_up, down)"),
+        Arm("lorasvd_mlp", "fp4_linear", {**_ONCE, "recipe.lora_projections": "gate_up,down"}, 0,
+            "lorasvd_once", "the branch on the MLP projections only (gate_up, down)"),
     ),
     *_group(
         "module",
@@ -269,12 +272,11 @@ ARMS: tuple[Arm, ...] = (
     # randomized SVD every k steps, read against that baseline at the same seed.
     *_group(
         "lorasvd",
-        Arm("lorasvd_method300", "fp4_linear_lorasvd", {**_W1X16_4OVER6, **_REALIGN, "recipe.lora_resplit_every": -5},
+        Arm("lorasvd_method300", "fp4_linear_lorasvd", {"recipe.lora_resplit_every": -5},
             0, "w1x16_4over6", "the method's baseline + rank-16 branch re-aligned every 300 steps"),
-        Arm("lorasvd_method750", "fp4_linear_lorasvd", {**_W1X16_4OVER6, **_REALIGN, "recipe.lora_resplit_every": -2},
+        Arm("lorasvd_method750", "fp4_linear_lorasvd", {"recipe.lora_resplit_every": -2},
             0, "w1x16_4over6", "the method's baseline + rank-16 branch re-aligned every 750 steps"),
-        Arm("lorasvd_method300_r32", "fp4_linear_lorasvd",
-            {**_W1X16_4OVER6, **_REALIGN, "recipe.lora_resplit_every": -5, "recipe.lora_rank": 32}, 0,
+        Arm("lorasvd_method300_r32", "fp4_linear_lorasvd", {"recipe.lora_resplit_every": -5, "recipe.lora_rank": 32}, 0,
             "w1x16_4over6", "the method's baseline + rank-32 branch re-aligned every 300 steps"),
     ),
     # Every remedy of the method at once: the full stack on the method's linear baseline, LoRA-SVD re-aligned
@@ -296,15 +298,15 @@ ARMS: tuple[Arm, ...] = (
     # factors rotated onto the old ones' columns so that their Adam moments stay in their basis.
     *_group(
         "lorasvd",
-        Arm("lorasvd_realign300", "fp4_linear_lorasvd", {**_REALIGN, "recipe.lora_resplit_every": -5}, 0,
-            "fp4_linear_lorasvd", "re-aligned every 300 steps (4 times), rank 16"),
-        Arm("lorasvd_realign750", "fp4_linear_lorasvd", {**_REALIGN, "recipe.lora_resplit_every": -2}, 0,
-            "fp4_linear_lorasvd", "re-aligned every 750 steps (once, mid-run), rank 16"),
-        Arm("lorasvd_realign300_r32", "fp4_linear_lorasvd",
-            {**_REALIGN, "recipe.lora_resplit_every": -5, "recipe.lora_rank": 32}, 0, "fp4_linear_lorasvd",
+        Arm("lorasvd_realign300", "fp4_linear", {**_ONCE, **_REALIGN, "recipe.lora_resplit_every": -5}, 0,
+            "lorasvd_once", "re-aligned every 300 steps (4 times), rank 16"),
+        Arm("lorasvd_realign750", "fp4_linear", {**_ONCE, **_REALIGN, "recipe.lora_resplit_every": -2}, 0,
+            "lorasvd_once", "re-aligned every 750 steps (once, mid-run), rank 16"),
+        Arm("lorasvd_realign300_r32", "fp4_linear",
+            {**_ONCE, **_REALIGN, "recipe.lora_resplit_every": -5, "recipe.lora_rank": 32}, 0, "lorasvd_once",
             "re-aligned every 300 steps, rank 32"),
-        Arm("lorasvd_realign750_r32", "fp4_linear_lorasvd",
-            {**_REALIGN, "recipe.lora_resplit_every": -2, "recipe.lora_rank": 32}, 0, "fp4_linear_lorasvd",
+        Arm("lorasvd_realign750_r32", "fp4_linear",
+            {**_ONCE, **_REALIGN, "recipe.lora_resplit_every": -2, "recipe.lora_rank": 32}, 0, "lorasvd_once",
             "re-aligned every 750 steps, rank 32"),
     ),
     # NVFP4 AdamW moments on fp4_linear: where their cost lies (m or √v alone; the embedding and LM head kept
