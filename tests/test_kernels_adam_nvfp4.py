@@ -69,6 +69,18 @@ def _run(tx, steps, **tree_kw):
   return us, state
 
 
+_XLA_RUNS = {}
+
+
+def _xla_run(rounding="stochastic", nesterov=False, dtype=jnp.float32, nan=False, shapes=SHAPES):
+  """``_run`` of the XLA path for two steps, once per arguments in a test process (the tests compare
+  several kernel configurations against the same XLA run)."""
+  key = (rounding, nesterov, jnp.dtype(dtype).name, nan, tuple(shapes.items()))
+  if key not in _XLA_RUNS:
+    _XLA_RUNS[key] = _run(_tx("xla", rounding, nesterov=nesterov), 2, dtype=dtype, nan=nan, shapes=shapes)
+  return _XLA_RUNS[key]
+
+
 @pytest.mark.parametrize("rounding,nesterov,dtype,nan", [
     ("stochastic", False, jnp.float32, False),
     ("nearest", False, jnp.float32, False),
@@ -77,7 +89,7 @@ def _run(tx, steps, **tree_kw):
 ])
 @pytest.mark.slow
 def test_interpret_equals_xla_path(rounding, nesterov, dtype, nan):
-  u_x, s_x = _run(_tx("xla", rounding, nesterov=nesterov), 2, dtype=dtype, nan=nan)
+  u_x, s_x = _xla_run(rounding, nesterov, dtype=dtype, nan=nan)
   u_k, s_k = _run(_tx("pallas_interpret", rounding, nesterov=nesterov), 2, dtype=dtype, nan=nan)
   assert isinstance(s_k.mu["w"], NVFP4Tensor) and not isinstance(s_k.mu["bias"], NVFP4Tensor)
   _assert_state_equal(s_k, s_x)
@@ -92,16 +104,24 @@ def test_interpret_equals_xla_path(rounding, nesterov, dtype, nan):
   assert float(zero.global_scale) == 1.0 and not np.any(np.asarray(zero.codes))
 
 
+@pytest.fixture(scope="module")
+def xla_second_step():
+  """The XLA path's state after one step from zero, and its second step's updates and state (one
+  compiled update, shared by the cases that call the kernels directly)."""
+  tx = _tx("xla")
+  params = jax.tree.map(jnp.zeros_like, _tree(0))
+  update = jax.jit(tx.update)
+  _, state = update(_tree(1), tx.init(params), params)
+  return state, *update(_tree(2), state, params)
+
+
 @pytest.mark.parametrize("block_rows, stats_block_rows", [(64, 64), (128, 128), (64, 256)])
 @pytest.mark.slow
-def test_many_programs_and_ragged_tail(block_rows, stats_block_rows):
+def test_many_programs_and_ragged_tail(block_rows, stats_block_rows, xla_second_step):
   """The kernels called directly with small programs (8 and 6 programs, the last ragged; the first
   pass and encode with programs of different sizes) from a non-zero state give the XLA path's
   state."""
-  tx = _tx("xla")
-  params = jax.tree.map(jnp.zeros_like, _tree(0))
-  _, state = jax.jit(tx.update)(_tree(1), tx.init(params), params)
-  u_x, s_x = jax.jit(tx.update)(_tree(2), state, params)
+  state, u_x, s_x = xla_second_step
 
   names = ["odd", "w", "zero"]  # the tree's leaf order (sorted keys); bias is float32
   ids = [sorted(SHAPES).index(n) for n in names]
@@ -228,7 +248,7 @@ def test_first_pass_with_spread_atomics(triton_modules):
   """``atomic_slots`` (each max folded into several copies, reduced by XLA; 1: one address) gives
   the XLA path's state in interpret mode, with more programs than copies and the reverse, and lowers
   to Triton for an H200."""
-  _, s_x = _run(_tx("xla"), 2)
+  _, s_x = _xla_run()
   for slots in (1, 4, 64):
     _, s_k = _run(_tx("pallas_interpret", config=AdamKernelConfig(atomic_slots=slots)), 2)
     _assert_state_equal(s_k, s_x)
@@ -254,7 +274,7 @@ def test_leaves_of_one_size_share_launches(triton_modules, group, launches):
   ragged programs included, and fewer Triton calls for an H200 (6 NVFP4 leaves: 6 launches per kernel
   unshared)."""
   config = AdamKernelConfig(launch_group=group)
-  u_x, s_x = _run(_tx("xla"), 2, nan=True, shapes=GROUPED)
+  u_x, s_x = _xla_run(nan=True, shapes=GROUPED)
   u_k, s_k = _run(_tx("pallas_interpret", config=config), 2, nan=True, shapes=GROUPED)
   _assert_state_equal(s_k, s_x)
   for a, b in zip(u_k, u_x):

@@ -19,6 +19,18 @@ SMALL = kq.BlockSizes(quantize_elements=256, amax_elements=512)
 KEY, HKEY = jax.random.key(7), jax.random.key(9)
 
 
+_STATIC = ("block", "axis", "rounding", "bit_source", "scale_rule", "decoded", "block_sizes", "amax", "interpret")
+# The kernels and their reference, each one program (not an op-by-op run of its jnp code).
+_quantize = jax.jit(kq.quantize, static_argnames=_STATIC)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _reference(x, **kw):
+  """``quantize_reference``'s tensor, its decoded operand and its float32 values."""
+  t = kq.quantize_reference(x, **kw)
+  return t, t.scaled_elements(jnp.bfloat16), t.dequantize(jnp.float32)
+
+
 def _bits(a):
   a = np.asarray(a)
   if a.dtype == ml_dtypes.float8_e4m3fn or a.dtype == ml_dtypes.bfloat16 or a.dtype.kind == "f":
@@ -69,14 +81,13 @@ def test_interpret_equals_nvfp4_quantize(name, shape, dtype, kw, sizes):
   """``quantize_reference`` is ``nvfp4.quantize`` (of ``nvfp4.hadamard(x)`` with a Hadamard key) with the
   bits of ``stochastic_bits``; ``SMALL`` tiles give several programs per axis and ragged edges."""
   x = _data(shape, dtype)
-  got, dec = kq.quantize(x, decoded=True, block_sizes=sizes or kq.BlockSizes(), interpret=True, **kw)
-  want = kq.quantize_reference(x, **kw)
+  got, dec = _quantize(x, decoded=True, block_sizes=sizes or kq.BlockSizes(), interpret=True, **kw)
+  want, want_dec, want_f32 = _reference(x, **kw)
   _assert_same(got, want)
   # The decoded operand: scaled_elements in bf16, the global scale not applied.
   assert dec.dtype == jnp.bfloat16 and dec.shape == x.shape
-  _assert_same(dec, want.scaled_elements(jnp.bfloat16))
-  np.testing.assert_array_equal(np.asarray(dec, np.float32) * np.float32(want.global_scale),
-                                np.asarray(want.dequantize(jnp.float32)))
+  _assert_same(dec, want_dec)
+  np.testing.assert_array_equal(np.asarray(dec, np.float32) * np.float32(want.global_scale), np.asarray(want_f32))
 
 
 @pytest.mark.parametrize("fill", ["data", "nan"])
@@ -89,8 +100,8 @@ def test_xla_amax_pass_equals_the_kernel(kw, fill):
   x = _data((48, 64), jnp.float32)
   if fill == "nan":
     x = x.at[3, 7].set(jnp.nan)
-  got = kq.quantize(x, amax="xla", block_sizes=SMALL, interpret=True, **kw)
-  _assert_same(got, kq.quantize(x, block_sizes=SMALL, interpret=True, **kw))
+  got = _quantize(x, amax="xla", block_sizes=SMALL, interpret=True, **kw)
+  _assert_same(got, _quantize(x, block_sizes=SMALL, interpret=True, **kw))
   assert np.isnan(float(got.global_scale)) == (fill == "nan")
 
 
@@ -129,8 +140,8 @@ def test_zeros_and_non_finite_as_nvfp4(fill):
     x = jnp.zeros_like(x)
   else:
     x = x.at[5, 17].set(jnp.nan if fill == "nan" else -jnp.inf)
-  got = kq.quantize(x, block_sizes=SMALL, interpret=True)
-  _assert_same(got, nvfp4.quantize(x))
+  got = _quantize(x, block_sizes=SMALL, interpret=True)
+  _assert_same(got, jax.jit(nvfp4.quantize)(x))
   if fill == "zeros":
     assert float(got.global_scale) == 1.0 and not np.asarray(got.codes).any()
   else:  # non-finite: NaN global scale and every code zero
@@ -217,10 +228,10 @@ def test_4over6_interpret_equals_nvfp4_quantize(name, shape, dtype, kw, sizes):
   from test_nvfp4 import quantize_4over6_ref
 
   x = _mixed(shape, dtype)
-  got, dec = kq.quantize(x, decoded=True, block_sizes=sizes or kq.BlockSizes(), interpret=True, **kw)
-  want = kq.quantize_reference(x, **kw)
+  got, dec = _quantize(x, decoded=True, block_sizes=sizes or kq.BlockSizes(), interpret=True, **kw)
+  want, want_dec, _ = _reference(x, **kw)
   _assert_same(got, want)
-  _assert_same(dec, want.scaled_elements(jnp.bfloat16))
+  _assert_same(dec, want_dec)
   if "hadamard_key" not in kw:
     map4 = quantize_4over6_ref(np.asarray(x), want.block, want.axis, kw["scale_rule"])[3]
     assert map4.any() and not map4.all()

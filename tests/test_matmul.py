@@ -287,21 +287,21 @@ FOUR_OVER_SIX = MatmulConfig.nvfp4(x=Operand(scale_rule="4over6_mae"),
                                    w=Operand(block=(16, 16), scale_rule="4over6_mse"))
 W_1X16 = MatmulConfig.nvfp4(w=Operand())  # w 1×16 along K (forward), re-quantized along N (dgrad)
 KERNEL_CASES = [
-    # Nearest x and w, stochastic dy, the Hadamard transform on the wgrad operands; x 3-D.
-    ("recipe, 3-D x", NVFP4, (M0, M1, K), {}),
+    # Nearest x and w, stochastic dy, the Hadamard transform on the wgrad operands; x 3-D. The GEMMs
+    # through jax.nn.scaled_matmul: the kernels then write no decoded operand (the other cases' GEMMs
+    # read the decoded operands the kernels write).
+    ("recipe, 3-D x, scaled_matmul GEMMs", NVFP4, (M0, M1, K), {"gemm": "scaled_matmul"}),
     # Every forward/dgrad rounding flipped, no Hadamard; x 2-D.
     ("flipped roundings, no Hadamard, 2-D x",
      MatmulConfig.nvfp4(x=SR, w=Operand(rounding="stochastic", block=(16, 16)), dy_dgrad=Operand(),
                         hadamard=False), (M0 * M1, K), {}),
     # Q(w) for the dgrad only (packed, no decoded forward operand); the Hadamard transform in f32.
     ("dgrad only", MatmulConfig.nvfp4(fwd=False, wgrad=False), (M0, M1, K), {}),
-    # The GEMMs through jax.nn.scaled_matmul: the kernels then write no decoded operand.
-    ("scaled_matmul GEMMs", NVFP4, (M0, M1, K), {"gemm": "scaled_matmul"}),
-    # The quantizer kernels' first pass as an XLA reduction.
-    ("amax in XLA", NVFP4, (M0, M1, K), {"amax": "xla"}),
-    # Stochastic rounding with counter-hash bits (x stochastic too), every implementation alike.
-    ("counter rounding bits", MatmulConfig.nvfp4(rounding_bits="counter", x=SR),
-     (M0, M1, K), {}),
+    # Stochastic rounding with counter-hash bits (x stochastic too), every implementation alike; the
+    # quantizer kernels' first pass (the amax, whatever the rounding) as an XLA reduction (the other
+    # cases take the kernels' own first pass).
+    ("counter rounding bits, amax in XLA", MatmulConfig.nvfp4(rounding_bits="counter", x=SR),
+     (M0, M1, K), {"amax": "xla"}),
     # Two-term operands (the kernels quantize each term; H applied before the first) and a BF16 one.
     ("two-term and bf16 operands", TWO_TERM_AND_BF16, (M0, M1, K), {}),
     # Four over Six on x and w (its own quantizer kernels; the dy operands stochastic, "max").

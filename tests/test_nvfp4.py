@@ -46,6 +46,12 @@ INPUTS = _inputs()
 LAYOUTS = [((1, 16), -1), ((1, 16), 0), ((16, 16), -1)]
 
 
+@functools.lru_cache(maxsize=None)
+def _jit_quantize(block, axis, scale_rule="max", rounding="nearest"):
+  """``nvfp4.quantize`` jitted once per layout, rule and rounding (the tests' cases share its programs)."""
+  return jax.jit(functools.partial(nvfp4.quantize, block=block, axis=axis, scale_rule=scale_rule, rounding=rounding))
+
+
 def _codes(t):
   return np.asarray(nvfp4._unpack(t.codes, t.axis))
 
@@ -58,7 +64,7 @@ def test_bit_exact_against_te_transcription(name, dtype, block, axis):
   if dtype == np.float16:
     x = np.clip(x, -6e4, 6e4)
   x = x.astype(dtype)
-  t = jax.jit(lambda x: nvfp4.quantize(x, block=block, axis=axis))(x)
+  t = _jit_quantize(block, axis)(x)
   codes, dscale, s_dec = quantize_ref(x, block, axis)
   np.testing.assert_array_equal(_codes(t), codes)
   np.testing.assert_array_equal(np.asarray(t.block_scales()), dscale)
@@ -83,7 +89,7 @@ def test_jit_equals_eager_and_layout():
   x = INPUTS["student_t2"].astype(np.float32)
   for block, axis in LAYOUTS:
     a = nvfp4.quantize(x, block=block, axis=axis)
-    b = jax.jit(lambda x: nvfp4.quantize(x, block=block, axis=axis))(x)
+    b = _jit_quantize(block, axis)(x)
     for la, lb in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
       np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
   t = nvfp4.quantize(x, axis=0)
@@ -241,8 +247,7 @@ def test_non_finite_never_comes_back_finite(bad):
   x[3, 17] = bad
   for block, axis in LAYOUTS:
     for rounding in ("nearest", "stochastic"):
-      t = jax.jit(lambda x: nvfp4.quantize(x, block=block, axis=axis, rounding=rounding,
-                                           key=jax.random.key(0)))(x)
+      t = _jit_quantize(block, axis, rounding=rounding)(x, key=jax.random.key(0))
       assert np.isnan(np.asarray(t.global_scale))
       assert np.isnan(np.asarray(t.dequantize())).all()
       assert np.isnan(np.asarray(nvfp4.fake_quant(x.astype(BF16), block=block, axis=axis),
@@ -520,11 +525,6 @@ def quantize_4over6_ref(x, block, axis, rule):
 
 
 RULES_4OVER6 = ("4over6_mse", "4over6_mae")
-
-
-@functools.lru_cache(maxsize=None)
-def _jit_quantize(block, axis, scale_rule):
-  return jax.jit(functools.partial(nvfp4.quantize, block=block, axis=axis, scale_rule=scale_rule))
 
 
 @pytest.mark.parametrize("rule", RULES_4OVER6)
