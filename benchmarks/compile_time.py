@@ -137,7 +137,7 @@ def _compile(lowered, args):
 
 def run_on_device(size, recipe_name, args, execution: Execution = Execution()) -> dict:
   """Every phase on the default device, as a training run does them."""
-  cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan, execution, getattr(args, "recipe_option", ()))
+  cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan, execution, args.recipe_option)
   mesh = shd.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   (graphdef, state, shardings), t_init = _timed(
       lambda: jax.block_until_ready(init_state(cfg, recipe, tx, mesh, execution=execution)))
@@ -179,7 +179,7 @@ def lower_step(platform, size, recipe_name, args, execution: Execution = Executi
   """``(lowered step, row of phase times and program sizes)`` of ``lower_for``."""
   if platform != "cuda":
     raise ValueError(f"--lower-for: only 'cuda' (an H200) is known, got {platform!r}")
-  cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan, execution, getattr(args, "recipe_option", ()))
+  cfg, recipe, tx, schedule = _setup(size, recipe_name, args.scan, execution, args.recipe_option)
   (graphdef, params), t_init = _timed(lambda: abstract_model(cfg, recipe, execution))
   rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
   state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,

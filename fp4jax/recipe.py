@@ -312,14 +312,13 @@ PRESETS: dict[str, Recipe] = {
         x=Operand(scale_rule="4over6_mse"), w=Operand(scale_rule="4over6_mse"),
         x_wgrad=Operand(scale_rule="4over6_mse"))),
     # The method's baseline with its forward GEMMs in BF16 for the last 10% of steps (the backward
-    # still NVFP4): the cheapest recipe of the 20m study within +0.5% of bf16 (docs/DESIGN.md).
+    # still NVFP4; docs/DESIGN.md, "The linear recipe", has the evidence).
     "fp4_linear_w1x16_4over6_fwd_bf16_last10": Recipe(linear="nvfp4", bf16_fwd_last=0.1, matmul=MatmulConfig.nvfp4(
         x=Operand(scale_rule="4over6_mse"), w=Operand(scale_rule="4over6_mse"),
         x_wgrad=Operand(scale_rule="4over6_mse"))),
     # LoRA-SVD the method's way: on the method's baseline (1x16 W, Four-over-Six), a rank-16 BF16 branch
-    # re-aligned by a randomized SVD every 300 steps (the method: every 4,000 of a 20B-token run; 300 is the
-    # better of the two cadences the 20m study measured), the new factors rotated onto the old ones so that
-    # their moments carry over (docs/DESIGN.md, "LoRA-SVD").
+    # re-aligned by a randomized SVD every 300 steps, the new factors rotated onto the old ones so that
+    # their moments carry over (docs/DESIGN.md, "LoRA-SVD", has the cadence and the evidence).
     "fp4_linear_lorasvd": Recipe(linear="nvfp4_lorasvd", lora_resplit_every=300, lora_resplit_moments="aligned",
                                  lora_resplit_svd="randomized", matmul=MatmulConfig.nvfp4(
                                      x=Operand(scale_rule="4over6_mse"), w=Operand(scale_rule="4over6_mse"),

@@ -88,8 +88,8 @@ def test_triton_kernels_of_a_lowered_step():
 
   from benchmarks.compile_time import execution_of, lower_step, triton_kernels
 
-  lowered, row = lower_step("cuda", "tiny", "fp4_linear", argparse.Namespace(scan=False, batch=2, seq=32),
-                            execution_of("pallas"))
+  args = argparse.Namespace(scan=False, batch=2, seq=32, recipe_option=[])
+  lowered, row = lower_step("cuda", "tiny", "fp4_linear", args, execution_of("pallas"))
   kernels = triton_kernels(lowered)
   assert 0 < len(kernels) <= row["triton_calls"] == sum(k["calls"] for k in kernels)
   assert {k["name"] for k in kernels} >= {"nvfp4_amax", "nvfp4_quantize_pairs", "nvfp4_quantize_slabs"}
