@@ -293,6 +293,15 @@ ARMS: tuple[Arm, ...] = (
             "and rotated, K smoothing and Four-over-Six on q, k"),
         Arm("full_stack_winners_s1", "fp4_full_stack", _FULL_STACK_WINNERS, 1, "bf16_s1",
             "the full stack of the measured winners, seed 1"),
+        Arm("winners_states", "fp4_linear_w1x16_4over6_fwd_bf16_last10", _STATES_MEAN_HADAMARD, 0,
+            "w1x16_4over6_last10", "the linear preset + NVFP4 AdamW moments, √v mean-removed and rotated"),
+        Arm("winners_states_s1", "fp4_linear_w1x16_4over6_fwd_bf16_last10", _STATES_MEAN_HADAMARD, 1,
+            "w1x16_4over6_last10_s1", "the linear preset + NVFP4 moments with the centered √v, seed 1"),
+        Arm("full_stack_winners_muon", "fp4_full_stack", {**_FULL_STACK_WINNERS, "optimizer.name": "muon"}, 0,
+            "muon_bf16", "the full stack of the measured winners with Muon: NVFP4 Newton-Schulz on the blocks' "
+            "matrices, NVFP4 AdamW moments (centered √v) on the rest"),
+        Arm("full_stack_winners_muon_s1", "fp4_full_stack", {**_FULL_STACK_WINNERS, "optimizer.name": "muon"}, 1,
+            "muon_bf16_s1", "the full stack of the measured winners with Muon, seed 1"),
     ),
     # LoRA-SVD re-aligned the method's way: a randomized SVD of the effective weight every k steps, the new
     # factors rotated onto the old ones' columns so that their Adam moments stay in their basis.
@@ -334,6 +343,9 @@ ARMS: tuple[Arm, ...] = (
         Arm("states_mean_hadamard_keep_embed_head", "fp4_linear",
             {**_STATES_MEAN_HADAMARD, "recipe.moments.keep_fp32": ("embed", "lm_head")}, 0, "states_mean_hadamard",
             "the centered √v, the embedding's and LM head's moments float32"),
+        Arm("states_mean_hadamard_keep_embed_head_s1", "fp4_linear",
+            {**_STATES_MEAN_HADAMARD, "recipe.moments.keep_fp32": ("embed", "lm_head")}, 1,
+            "states_mean_hadamard_s1", "the centered √v, the embedding's and LM head's moments float32, seed 1"),
         Arm("states_mean_hadamard_dither_m", "fp4_linear",
             {**_STATES_MEAN_HADAMARD, "recipe.moments.mu.rounding": "nearest", "recipe.moments.dither": ("mu",)}, 0,
             "states_mean_hadamard", "the centered √v, m with subtractive dither"),
