@@ -35,12 +35,15 @@ same command resumes.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -50,8 +53,11 @@ from fp4jax import data
 from fp4jax import price as price_lib
 from fp4jax.experiment import DataSpec, Experiment
 from fp4jax.metrics import read_jsonl
+from fp4jax.optim.factory import make_optimizer
+from fp4jax.optim.state import state_nbytes
 from fp4jax.preemption import StopSignals, TrainingInterrupted
 from fp4jax.recipe import preset_changes
+from fp4jax.step import abstract_model
 from fp4jax.train import NonFiniteLossError
 from fp4jax.workdir import RunLock
 
@@ -91,6 +97,28 @@ def run_summary(workdir: str | Path, tail: float = 0.1) -> dict:
           "step_time_s": sorted(times)[len(times) // 2] if times else float("nan")}
 
 
+def state_bytes_per_param(exp: Experiment) -> float:
+  """The bytes of optimizer state per model parameter of ``exp``: its optimizer (AdamW or Muon) with its
+  recipe's state format (``optimizer_states``, ``moments``) over its model's parameters (LoRA-SVD factors
+  included), counted from shapes (``jax.eval_shape`` of the optimizer's ``init`` over the abstract
+  parameters; ``fp4jax.optim.state.state_nbytes``: NVFP4 codes, E4M3 and global scales, centered
+  means, float32 leaves, step counts). ``exp.model.vocab_size`` must be set. AdamW in float32 is 8
+  (two float32 moments) plus its step counts; NVFP4 moments about 1.1 (4-bit codes and an E4M3 scale
+  per 16, for m and √v), more where leaves stay float32 (vectors, ``moments.keep_fp32``)."""
+  if exp.model.vocab_size is None:
+    raise ValueError("state_bytes_per_param: the experiment's model has no vocab_size yet (run the data "
+                     "step, experiments.compare.with_data, or set model.vocab_size)")
+  return _state_bytes_per_param(exp.model, exp.recipe, exp.optimizer, exp.train.steps)
+
+
+@functools.lru_cache(maxsize=256)
+def _state_bytes_per_param(model, recipe, optimizer, steps) -> float:
+  tx = make_optimizer(optimizer, recipe, steps)
+  _, params = abstract_model(model, recipe)
+  n = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+  return state_nbytes(jax.eval_shape(tx.init, params)) / n
+
+
 def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping | None,
             eval_tokens: int | None, **fields) -> dict:
   """One row of the table: the run in ``run_dir`` of experiment ``exp`` (its steps, batch, sequence
@@ -106,6 +134,8 @@ def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping 
   step_time = s.get("step_time_s", math.nan)
   status = "diverged" if ev is None else s["status"]
   ev = ev or {}
+  if exp.model.vocab_size is None:
+    exp = dataclasses.replace(exp, model=dataclasses.replace(exp.model, vocab_size=meta.vocab_size))
   comparable = (status == "ok" and ev.get("step") == tc.steps
                 and ev.get("text") == exp.data.corpus and ev.get("max_tokens") == eval_tokens)
   return {"arm": name, "recipe": recipe, "status": status, "reference": False, "baseline": None,
@@ -115,6 +145,7 @@ def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping 
           "eval_text": ev.get("text"), "eval_max_tokens": ev.get("max_tokens"),
           "eval_batch_losses": ev.get("batch_losses"), "eval_batch_windows": ev.get("batch_windows"),
           "comparable": comparable, "price": price_lib.price(exp.recipe, exp.model, tc.steps),
+          "state_bytes_per_param": state_bytes_per_param(exp),
           "train_loss": s.get("train_loss", math.nan),
           "step": s.get("step", 0), "tokens": tokens, "params": run["num_params"],
           "tokens_per_s": tc.batch_size * tc.seq_len / step_time if step_time > 0 else math.nan,
@@ -190,7 +221,8 @@ def table(rows: list[dict], floor: Mapping, title: str = "", notes: Sequence[str
   Columns: the run, its recipe (the preset and the changes it was given), seed, eval loss ± its
   standard error over the evaluated batches, the evaluation's step and tokens, the gap to the
   reference ± the paired standard error, the gap to the row's baseline likewise, the recipe's
-  price (``fp4jax.price.price``: linear-GEMM time on FP4 tensor cores, BF16 = 1), train loss,
+  price (``fp4jax.price.price``: linear-GEMM time on FP4 tensor cores, BF16 = 1), the optimizer
+  state's bytes per parameter (``state_bytes_per_param``; – for rows written before it), train loss,
   tokens, parameters, throughput (marked † for runs that shared the device), epochs, step time.
   """
   lines = [title, ""] if title else []
@@ -214,12 +246,12 @@ def table(rows: list[dict], floor: Mapping, title: str = "", notes: Sequence[str
                  "spread of the reference seeds is the measure of noise.")
   lines += list(notes)
   lines += ["", "| arm | recipe | seed | eval loss | eval step | eval tokens | gap % | vs baseline % "
-            "| price | train loss | tokens | params | tokens/s | epochs | step ms |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| price | state B/param | train loss | tokens | params | tokens/s | epochs | step ms |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     diverged = r["status"] == "diverged"
     if r["status"] not in ("ok", "diverged"):
-      lines.append(f"| {r['arm']} | {r['recipe']} | {r['seed']} | {r['status']} |" + " |" * 11)
+      lines.append(f"| {r['arm']} | {r['recipe']} | {r['seed']} | {r['status']} |" + " |" * 12)
       continue
     eval_loss = "diverged" if diverged else _pm(r["eval_loss"], r.get("eval_loss_se"), ".4f", ".4f")
     mark = " †" if r.get("shared_device", 1) > 1 else ""
@@ -232,7 +264,7 @@ def table(rows: list[dict], floor: Mapping, title: str = "", notes: Sequence[str
     ev_tokens = f"{r['eval_tokens']:,}" if r.get("eval_tokens") else "–"
     lines.append(f"| {r['arm']} | {r['recipe']} | {r['seed']} | {eval_loss} | {ev_step} | "
                  f"{ev_tokens} | {gap} | {vs} | {_fmt(r.get('price', math.nan), '.3f')} | "
-                 f"{_fmt(r['train_loss'], '.4f')} | "
+                 f"{_fmt(r.get('state_bytes_per_param', math.nan), '.2f')} | {_fmt(r['train_loss'], '.4f')} | "
                  f"{_fmt(r['tokens'], ',')} | {_fmt(r['params'], ',')} | "
                  f"{_fmt(r['tokens_per_s'], ',.0f')}{mark} | {_fmt(r['epochs'], '.3g')} | "
                  f"{_fmt(1000 * r['step_time_s'], '.0f')}{mark} |")

@@ -84,7 +84,32 @@ def test_the_study_table_has_a_price_column():
           {**row, "arm": "b", "reference": False}, {**row, "arm": "c", "status": "no metrics"}]
   text = compare.table(rows, compare.add_gaps(rows))
   header = next(line for line in text.splitlines() if line.startswith("| arm |"))
-  assert "| vs baseline % | price | train loss |" in header
+  assert "| vs baseline % | price | state B/param | train loss |" in header
   widths = {line.count("|") for line in text.splitlines() if line.startswith("| ")}
   assert widths == {header.count("|")}  # every row has every column
-  assert f"| – | {rows[0]['price']:.3f} | 2.1000 |" in text and "| – | – | 2.1000 |" in text  # b: no price
+  assert f"| – | {rows[0]['price']:.3f} | – | 2.1000 |" in text and "| – | – | – | 2.1000 |" in text  # b: no price
+
+
+def test_state_bytes_per_param():
+  """AdamW in float32 holds 8 bytes per parameter (m and v) plus its step counts; NVFP4 moments 4.5 bits
+  per element of each moment (a 4-bit code and an E4M3 scale per 16) on the leaves the storage rule
+  quantizes, float32 on the rest; keeping the embedding's and LM head's moments float32 lies between."""
+  import dataclasses
+
+  from experiments import compare
+  from fp4jax.experiment import Experiment, TrainConfig
+  from fp4jax.optim.factory import OptimizerConfig
+
+  def exp(**recipe):
+    return Experiment(CFG, get_recipe("fp4_linear", **recipe), OptimizerConfig(),
+                      TrainConfig(steps=10, batch_size=2, seq_len=16))
+
+  fp32 = compare.state_bytes_per_param(exp())
+  nvfp4 = compare.state_bytes_per_param(exp(optimizer_states="nvfp4"))
+  keep = compare.state_bytes_per_param(exp(optimizer_states="nvfp4", moments={"keep_fp32": ("embed", "lm_head")}))
+  assert 8 <= fp32 < 8 + 1e-3
+  assert 2 * 4.5 / 8 < nvfp4 < 1.3
+  assert nvfp4 < keep < fp32
+  with pytest.raises(ValueError, match="vocab_size"):
+    e = exp()
+    compare.state_bytes_per_param(dataclasses.replace(e, model=dataclasses.replace(e.model, vocab_size=None)))
