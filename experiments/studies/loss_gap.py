@@ -297,6 +297,12 @@ ARMS: tuple[Arm, ...] = (
             "w1x16_4over6_last10", "the linear preset + NVFP4 AdamW moments, √v mean-removed and rotated"),
         Arm("winners_states_s1", "fp4_linear_w1x16_4over6_fwd_bf16_last10", _STATES_MEAN_HADAMARD, 1,
             "w1x16_4over6_last10_s1", "the linear preset + NVFP4 moments with the centered √v, seed 1"),
+        Arm("winners_states_attn", "fp4_linear_w1x16_4over6_fwd_bf16_last10",
+            {**_STATES_MEAN_HADAMARD, "recipe.attention": "nvfp4"}, 0, "winners_states",
+            "the linear preset + NVFP4 moments (centered √v) + NVFP4 attention, NVIDIA's (no K smoothing or 4/6)"),
+        Arm("winners_states_attn_s1", "fp4_linear_w1x16_4over6_fwd_bf16_last10",
+            {**_STATES_MEAN_HADAMARD, "recipe.attention": "nvfp4"}, 1, "winners_states_s1",
+            "the linear preset + NVFP4 moments (centered √v) + NVFP4 attention, seed 1"),
         Arm("full_stack_winners_muon", "fp4_full_stack", {**_FULL_STACK_WINNERS, "optimizer.name": "muon"}, 0,
             "muon_bf16", "the full stack of the measured winners with Muon: NVFP4 Newton-Schulz on the blocks' "
             "matrices, NVFP4 AdamW moments (centered √v) on the rest"),
