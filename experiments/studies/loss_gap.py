@@ -30,6 +30,9 @@ _STATES_MEAN_HADAMARD = {**_STATES, "recipe.moments.nu_transform": "mean_hadamar
 _FULL_STACK_WINNERS = {"recipe.linear": "nvfp4", **_W1X16_4OVER6, "recipe.bf16_fwd_last": 0.1,
                        "recipe.moments.nu_transform": "mean_hadamard", **_ATTN_QK_4OVER6,
                        "recipe.attention_op.k_smooth": True}
+# On the linear preset, the full stack without the attention remedies: NVFP4 moments with the centered √v,
+# NVIDIA's NVFP4 attention, NVFP4 Newton-Schulz (used by Muon only).
+_WINNERS_STATES_ATTN = {**_STATES_MEAN_HADAMARD, "recipe.attention": "nvfp4", "recipe.newton_schulz": "nvfp4"}
 _FOUR_OVER_SIX_FWD = {"recipe.matmul.x.scale_rule": "4over6_mse", "recipe.matmul.w.scale_rule": "4over6_mse"}
 
 
@@ -298,10 +301,10 @@ ARMS: tuple[Arm, ...] = (
         Arm("winners_states_s1", "fp4_linear_w1x16_4over6_fwd_bf16_last10", _STATES_MEAN_HADAMARD, 1,
             "w1x16_4over6_last10_s1", "the linear preset + NVFP4 moments with the centered √v, seed 1"),
         Arm("winners_states_attn", "fp4_linear_w1x16_4over6_fwd_bf16_last10",
-            {**_STATES_MEAN_HADAMARD, "recipe.attention": "nvfp4"}, 0, "winners_states",
+            _WINNERS_STATES_ATTN, 0, "winners_states",
             "the linear preset + NVFP4 moments (centered √v) + NVFP4 attention, NVIDIA's (no K smoothing or 4/6)"),
         Arm("winners_states_attn_s1", "fp4_linear_w1x16_4over6_fwd_bf16_last10",
-            {**_STATES_MEAN_HADAMARD, "recipe.attention": "nvfp4"}, 1, "winners_states_s1",
+            _WINNERS_STATES_ATTN, 1, "winners_states_s1",
             "the linear preset + NVFP4 moments (centered √v) + NVFP4 attention, seed 1"),
         Arm("full_stack_winners_muon", "fp4_full_stack", {**_FULL_STACK_WINNERS, "optimizer.name": "muon"}, 0,
             "muon_bf16", "the full stack of the measured winners with Muon: NVFP4 Newton-Schulz on the blocks' "
