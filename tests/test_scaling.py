@@ -26,7 +26,7 @@ def _nd(point):
   return grid.num_params(point[0]), c.steps * c.batch_size * c.seq_len
 
 
-def synthetic(noise=0.0, seed=0, recipe_points=tuple(p for p in grid.POINTS if p != "l50")):
+def synthetic(noise=0.0, seed=0, recipe_points=grid.POINTS):
   """bf16 at every grid point (three seeds at m25), the recipes at ``recipe_points``; log-normal noise."""
   rng = np.random.default_rng(seed)
   out = []
@@ -147,9 +147,13 @@ def test_results_folders_are_read_and_fitted(tmp_path):
   text = scaling.run_fit(tmp_path, "gamma=0.2764", bootstrap=0)
   assert "gamma 0.2764 (fixed)" in text and "| fp4_full_stack | 8 | 8 | 0.65" in text
   assert "left out (diverged" in text and "More than 4 epochs" not in text
-  over = [dataclasses.replace(p, epochs=5.0, arm="l50/bf16_s0") if p.d == _nd("l50")[1] else p for p in points]
-  assert "More than 4 epochs of the training split: l50/bf16_s0." in scaling.fit_table(
-      scaling.fit(over, bootstrap=0), over)
+  # On a 100M-token training split m45 reads more than 4 epochs; the table names its arms.
+  m45 = grid.epochs(grid.get_config("m45"), 100e6)
+  assert m45 > 4
+  over = [dataclasses.replace(p, epochs=m45, arm=f"m45/{p.recipe}_s{p.seed}") if p.d == _nd("m45")[1] else p
+          for p in points]
+  assert ("More than 4 epochs of the training split: m45/bf16_s0, m45/fp4_full_stack_s0, m45/fp4_linear_s0."
+          in scaling.fit_table(scaling.fit(over, bootstrap=0), over))
   # One collected study (no subfolders) is read too; two evaluated texts are refused.
   assert len(scaling.load_points(tmp_path / "m25")[0]) == 3 + 2
   with open(tmp_path / "s10" / "study.jsonl", "a") as f:
@@ -172,17 +176,24 @@ def test_grid_configs():
     assert c.data.corpus == "pycode_mix" and c.study.eval_tokens == 1_048_576
     assert exp.optimizer == ref.optimizer and exp.recipe == ref.recipe
     assert (c.batch_size, c.seq_len) == (ref.train.batch_size, ref.train.seq_len)
-    # Every recipe fits one 10-minute command at every point but l50, where bf16 does.
-    for recipe in grid.STEP_MS_20M_H100 if point != "l50" else ("bf16",):
+    # Every recipe fits one 10-minute command at every point, within 4 epochs of the planned corpus.
+    for recipe in grid.STEP_MS_20M_H100:
       assert 1.5 < grid.predicted_minutes(c, recipe) <= grid.CALL_LIMIT_MIN, (point, recipe)
+    assert 0.5 < grid.epochs(c) <= grid.MAX_EPOCHS == 4, point
+  # The study's rule: three sizes at 25 or more tokens per parameter, three data sizes at the middle one.
+  assert grid.POINTS == ("s10", "s25", "s50", "m10", "m25", "m45", "l10", "l25")
+  assert all(max(r) >= 25 for r in grid.TOKENS_PER_PARAM.values()) and len(grid.TOKENS_PER_PARAM["m"]) == 3
   # The largest size is the 20m model's shape.
   l_model = dataclasses.replace(Experiment.from_config(grid.get_config("l25")).model, vocab_size=8192)
   assert l_model.num_params() == dataclasses.replace(ref.model, vocab_size=8192).num_params() == 16_914_048
   assert grid.get_config("m25,fp4_linear").recipe.linear == "nvfp4"
-  for bad in (None, "", "x25", "m30"):
-    with pytest.raises(ValueError, match="name a grid point"):
+  for bad in (None, "", "x25", "m30", "m50", "l50"):
+    with pytest.raises(ValueError, match="name a grid point.* the points are s10, s25, s50, m10, m25, m45, l10, l25$"):
       grid.get_config(bad)
-  assert "| l25 | 16,914,048 | 423M | 25.0 | 12,904 |" in grid.plan_table()
+  table = grid.plan_table()
+  assert "| epochs of 135.9M |" in table and "| l25 | 16,914,048 | 423M | 25.0 | 12,904 | 106M | 3.11 | 4.3 |" in table
+  assert "| m45 | 11,365,440 | 511M | 45.0 | 15,608 | 128M | 3.76 |" in table
+  assert "| m45 | 11,365,440 | 511M | 45.0 | 15,608 | 128M | 5.11 ✗ |" in grid.plan_table(("bf16",), 100e6)
 
 
 def test_plot_fit_draws_each_recipe():
@@ -206,7 +217,7 @@ def test_study_fit_command(tmp_path):
   out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
   assert out.returncode == 0, out.stderr
   assert "| fp4_linear | 8 | 8 | 0.800 |" in out.stdout
-  assert "fitted to 11 bf16 arm(s) at 9 (N, D) point(s)" in out.stdout
+  assert "fitted to 10 bf16 arm(s) at 8 (N, D) point(s)" in out.stdout
   out = subprocess.run(cmd[:4] + [f"--results={tmp_path / 'm25'}"], capture_output=True, text=True, env=env,
                        timeout=300)
   assert out.returncode != 0 and "error: the bf16 law needs 7 distinct (N, D) points" in out.stderr

@@ -1,15 +1,15 @@
-"""grid: the scaling grid of the loss-gap study — three model sizes × three data sizes, one config per point.
+"""grid: the scaling grid of the loss-gap study — three model sizes, two or three data sizes each, a config per point.
 
 A point is a size letter and a number of tokens per parameter, named after ``:``
 (``--config=experiments/configs/grid.py:m25``; ``POINT,PRESET`` sets the recipe preset for
 ``experiments.train``, e.g. ``grid.py:m25,fp4_linear``; the study sets each arm's):
 
-  size  shape (d_model, blocks, heads; head 64)  parameters (``ModelConfig.num_params``, vocab 8192)
-  s     256, 4, 4                                  7,359,232
-  m     320, 5, 5                                 11,365,440
-  l     384, 6, 6 (the ``20m`` shape)             16,914,048
+  size  shape (d_model, blocks, heads; head 64)  parameters (``ModelConfig.num_params``, vocab 8192)  tokens/param
+  s     256, 4, 4                                  7,359,232                                      10, 25, 50
+  m     320, 5, 5                                 11,365,440                                      10, 25, 45
+  l     384, 6, 6 (the ``20m`` shape)             16,914,048                                      10, 25
 
-at 10, 25 and 50 tokens per parameter: ``s10 s25 s50 m10 m25 m50 l10 l25 l50``. The steps are
+(``TOKENS_PER_PARAM``): ``s10 s25 s50 m10 m25 m45 l10 l25`` (``POINTS``). The steps are
 ``round(tokens_per_param · N / (64 · 512))``; every other setting is the ``20m`` config's (AdamW, learning
 rate 2e-3, 200 warmup steps, cosine to 10%, 64 × 512 tokens per step) on the corpus ``data.corpus``
 (default ``pycode_mix``: the code and documentation of the installed Python distributions and the
@@ -23,13 +23,27 @@ standard library with the ``mix`` prose; BPE 8k; a name like any ``--config.data
 and ``python -m experiments.study --fit --results=experiments/results/grid_h100`` fits the law over
 every point's collected study (``experiments.scaling``).
 
+Data: the study reads at most 4 epochs (``MAX_EPOCHS``) of the training split; the grid is planned for
+``pycode_mix`` as prepared on the GPU machine, 135.9M training tokens (``TRAIN_TOKENS``; experiments/STUDY.md,
+"Scaling grid"), where m45 reads 3.76 epochs, l25 3.11, s50 2.71 and the rest ≤ 2.1 (``plan_table``'s
+epochs column marks a point over 4 with ✗). 50 tokens per parameter would read 4.2 epochs at m (568M
+tokens) and 6.2 at l (846M): m has the largest round ratio within 4 instead, 45 (511M tokens), and l no
+third data size. l's largest within 4 epochs, l30 (507M tokens, 3.73 epochs), is left out because
+
+- only bf16, fp4_linear and its 1×16/Four-over-Six forward would fit a 10-minute command there (4.8, 8.6
+  and 9.4 predicted minutes; LoRA-SVD and the full stack 10.4–11.5), and
+- the fit does not need it: the study's rule (three sizes at ≥ 25 tokens per parameter, a second and third
+  data size at the middle one) holds without it, the bf16 law's six constants need seven distinct points
+  and have eight, and l30's data is only 1.2× l25's. On synthetic losses a bf16 arm at l30 leaves the
+  recipes' fitted efficiencies within ±0.10 of the truth, as without it, and narrows their 95% intervals
+  by about 0.02 (median width 0.24 against 0.26; experiments/STUDY.md, "Scaling grid").
+
 Hardware: one H100 per arm (or several arms of the small points side by side). Predicted time per arm
 (``python -m experiments.configs.grid`` prints the table, ``plan_table``; experiments/STUDY.md,
 "Scaling grid"): the 20m step times measured on one H100 (experiments/results/20m_h100) scaled by
-training FLOPs per token, plus 90 s of compile and evaluation; the slowest recipe's arms (the full
-stack) fit a 10-minute command at every point but l50, where bf16 does.
-Data: at most 4 epochs needs a training split of at least a quarter of the point's tokens (l50:
-211M tokens; m50: 142M; l25 and s50: 106M and 92M).
+training FLOPs per token, plus 90 s of compile and evaluation; every recipe's arms, the slowest (the full
+stack) included, fit a 10-minute command at every point (l25's full stack within a minute of it: 9.1 and
+9.8 predicted).
 Expected loss: not measured.
 """
 
@@ -46,9 +60,16 @@ SIZES = {  # d_model, n_layers, n_heads
     "m": (320, 5, 5),
     "l": (384, 6, 6),
 }
-TOKENS_PER_PARAM = (10, 25, 50)
-POINTS = tuple(f"{s}{r}" for s in SIZES for r in TOKENS_PER_PARAM)
+# Tokens per parameter of each size's points (each ≤ MAX_EPOCHS of TRAIN_TOKENS: the module docstring).
+TOKENS_PER_PARAM = {
+    "s": (10, 25, 50),
+    "m": (10, 25, 45),
+    "l": (10, 25),
+}
+POINTS = tuple(f"{s}{r}" for s, ratios in TOKENS_PER_PARAM.items() for r in ratios)
 VOCAB_SIZE = 8192
+TRAIN_TOKENS = 135.9e6  # the training split of pycode_mix (BPE 8k) on the GPU machine: the grid's plan
+MAX_EPOCHS = 4  # the study's limit on passes over the training split
 
 
 def num_params(size: str, vocab_size: int = VOCAB_SIZE) -> int:
@@ -122,25 +143,34 @@ def predicted_minutes(cfg, recipe: str, reference=None) -> float:
   return (OVERHEAD_S + cfg.steps * step_s) / 60
 
 
-def plan_table(recipes: Sequence[str] = tuple(STEP_MS_20M_H100)) -> str:
-  """The grid with each point's predicted H100 minutes per recipe (``predicted_minutes``)."""
-  head = "| point | params | tokens | tokens/param | steps | corpus for ≤ 4 epochs | " + \
-      " | ".join(f"{r} min" for r in recipes) + " |"
-  lines = [head, "|---|---:|---:|---:|---:|---:|" + "---:|" * len(recipes)]
+def epochs(cfg, train_tokens: float = TRAIN_TOKENS) -> float:
+  """Passes of a point's config over a training split of ``train_tokens`` (default ``TRAIN_TOKENS``)."""
+  return cfg.steps * cfg.batch_size * cfg.seq_len / train_tokens
+
+
+def plan_table(recipes: Sequence[str] = tuple(STEP_MS_20M_H100), train_tokens: float = TRAIN_TOKENS) -> str:
+  """The grid with each point's epochs of ``train_tokens`` and predicted H100 minutes per recipe
+  (``predicted_minutes``)."""
+  head = (f"| point | params | tokens | tokens/param | steps | corpus for ≤ {MAX_EPOCHS} epochs | "
+          f"epochs of {train_tokens / 1e6:.1f}M | " + " | ".join(f"{r} min" for r in recipes) + " |")
+  lines = [head, "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(recipes)]
   for point in POINTS:
     c = get_config(point)
     n = num_params(point[0], c.data.vocab_size)
     tokens = c.steps * c.batch_size * c.seq_len
+    e = epochs(c, train_tokens)
     cells = []
     for r in recipes:
       m = predicted_minutes(c, r)
       cells.append(f"{m:.1f}" + (" ✗" if m > CALL_LIMIT_MIN else " !" if m > TIGHT_MIN else ""))
     lines.append(f"| {point} | {n:,} | {tokens / 1e6:.0f}M | {tokens / n:.1f} | {c.steps:,} | "
-                 f"{tokens / 4e6:.0f}M | " + " | ".join(cells) + " |")
+                 f"{tokens / MAX_EPOCHS / 1e6:.0f}M | {e:.2f}{' ✗' if e > MAX_EPOCHS else ''} | "
+                 + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
 if __name__ == "__main__":
   print(plan_table())
-  print(f"\n✗: over {CALL_LIMIT_MIN:g} minutes (one command); !: over {TIGHT_MIN:g}.\n"
+  print(f"\nEpochs: of the {TRAIN_TOKENS / 1e6:.1f}M training tokens of pycode_mix (TRAIN_TOKENS); ✗: over "
+        f"{MAX_EPOCHS}.\nMinutes: ✗: over {CALL_LIMIT_MIN:g} minutes (one command); !: over {TIGHT_MIN:g}.\n"
         f"Minutes = {OVERHEAD_S:g} s + steps × the 20m H100 step (STEP_MS_20M_H100) scaled by FLOPs per step.")
