@@ -36,6 +36,10 @@ CONFIGS = {
         LR, options=optim.AdamNvfp4Options(min_size=0, mu=Operand(), nu=Operand())),
     "adamw_nvfp4_xla": lambda: optim.adamw_nvfp4(LR, options=ALL_NVFP4, implementation="xla"),
     "adamw_unquantized": lambda: optim.adamw_nvfp4(LR, quantize=False),
+    # The method's storage: √v mean-removed and Hadamard-rotated (CenteredNVFP4Tensor leaves), m rounded
+    # to nearest with subtractive dither, the embedding's moments float32 (by path).
+    "adamw_nvfp4_method": lambda: optim.adamw_nvfp4(LR, weight_decay=0.1, options=optim.AdamNvfp4Options(
+        min_size=0, mu=Operand(), nu_transform="mean_hadamard", dither=("mu",), keep_fp32=("embed",))),
     "scale_by_adam_nvfp4": lambda: optim.scale_by_adam_nvfp4(options=ALL_NVFP4),
     "muon_nvfp4": lambda: optim.muon_nvfp4(LR, adam_options=ALL_NVFP4),
     "muon_fp32": lambda: optim.muon_nvfp4(LR, ns_operand=None, adam_options=ALL_NVFP4),
@@ -49,7 +53,8 @@ NVFP4_NEWTON_SCHULZ = ("muon_nvfp4", "root")
 # One configuration per distinct code path (the kernel, XLA and float32 AdamW; NVFP4, float32 and
 # unquantized Muon), for the properties that each cost a compilation per configuration: jit against
 # eager, scan and cond, wrappers, shardings. The others share these paths (``scale_by_adam_nvfp4``
-# is ``adamw_nvfp4``'s core, ``adamw_nvfp4_nearest`` differs only in a rounding mode, ``root`` is
+# is ``adamw_nvfp4``'s core, ``adamw_nvfp4_nearest`` differs only in a rounding mode,
+# ``adamw_nvfp4_method`` in its storage: its optax wrappers are tests/test_optim_moments.py's, ``root`` is
 # Muon's NVFP4 Newton–Schulz with other coefficients) and take the per-dtype and convergence tests.
 CODE_PATHS = ["adamw_nvfp4", "adamw_nvfp4_xla", "adamw_unquantized", "muon_nvfp4", "muon_fp32",
               "muon_unquantized"]

@@ -136,12 +136,13 @@ def _model_like():
 
 @pytest.mark.slow
 def test_keep_fp32_by_path_and_the_optax_wrappers():
-  """``keep_fp32=("embed", "lm_head")``: those leaves' moments are float32 with optax.adamw's arithmetic
-  (the same up to XLA's fusion of the whole tree); the block's stay NVFP4; optax.masked, MultiSteps
-  and inject_hyperparams keep the same storage."""
+  """``keep_fp32=("embed", "lm_head")`` with the method's √v (``nu_transform="mean_hadamard"``): those
+  leaves' moments are float32 with optax.adamw's arithmetic (the same up to XLA's fusion of the whole
+  tree); the block's stay NVFP4, its √v centered; optax.masked, MultiSteps and inject_hyperparams keep
+  the same storage."""
   params = _model_like()
   grads = jax.tree.map(lambda p: jnp.sin(7.0 * jnp.arange(p.size).reshape(p.shape) + p), params)
-  options = optim.AdamNvfp4Options(min_size=0, keep_fp32=("embed", "lm_head"))
+  options = optim.AdamNvfp4Options(min_size=0, keep_fp32=("embed", "lm_head"), nu_transform="mean_hadamard")
   tx = optim.adamw_nvfp4(1e-2, options=options, implementation="xla")
   state = tx.init(params)
   u, state = jax.jit(tx.update)(grads, state, params)
@@ -164,6 +165,7 @@ def test_keep_fp32_by_path_and_the_optax_wrappers():
     adam = [x for x in jax.tree.leaves(s, is_leaf=is_adam) if is_adam(x)]
     assert adam, type(w)
     for a in adam:
+      assert isinstance(a.nu["blocks"]["0"]["mlp"]["down"]["kernel"], CenteredNVFP4Tensor)
       for moment in (a.mu, a.nu):
         assert isinstance(moment["blocks"]["0"]["mlp"]["down"]["kernel"], NVFP4Tensor)
         for kept in (moment["embed"]["embedding"], moment["lm_head"]["kernel"]):
