@@ -44,7 +44,7 @@ def _check_pairs(row: dict) -> None:
 
 @pytest.mark.slow
 def test_train_loop_logs_telemetry_every_n_steps(data_dir, tmp_path):
-  model = ModelConfig(vocab_size=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+  model = ModelConfig(vocab_size=272, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2,
                       dtype="float32")
   tc = TrainConfig(steps=4, batch_size=B, seq_len=T, log_every=3, telemetry_every=2,
                    mesh_shape=(1, 1, 1), progress=False)
@@ -62,7 +62,7 @@ def test_train_loop_logs_telemetry_every_n_steps(data_dir, tmp_path):
     assert row["telemetry_time_s"] > 0
     # Measured on the step's own state, batch and key: its loss is the step's loss.
     assert row["telemetry/loss"] == pytest.approx(row["loss"], abs=1e-5)
-    for i in range(2):
+    for i in range(model.n_layers):
       for p in PROJECTIONS:
         m = f"telemetry/blocks.{i}.{p}"
         # A BF16 run's weights, activations and gradients under NVIDIA's recipe: ~0.1 each.
@@ -79,11 +79,11 @@ def test_train_loop_logs_telemetry_every_n_steps(data_dir, tmp_path):
     for m in ("embed", "lm_head"):
       assert 0.03 < row[f"telemetry/{m}/mu_rel_err"] < 0.3
   names = {re.sub(r"_(rel_err|snr_db)$", "", k) for k in rows[2] if k.startswith("telemetry/")}
-  assert len(names) == 1 + 2 * (4 * (7 + 6) + 5) + 2 * 2  # loss; per block 4 projections x
+  assert len(names) == 1 + model.n_layers * (4 * (7 + 6) + 5) + 2 * 2  # loss; per block 4 projections x
   # (w, x, dy, dx, dw, mu, nu; w, x, dy x top16, mean energy) and q, k, ds, ds_dq, ds_dk; embed and
   # lm_head mu, nu
   tb = list((tmp_path / "tb").glob("events.out.tfevents.*"))
-  assert tb and b"telemetry/blocks.1.mlp.down/w_rel_err" in tb[0].read_bytes()
+  assert tb and b"telemetry/blocks.0.mlp.down/w_rel_err" in tb[0].read_bytes()
 
 
 def _measure(model, recipe, opt=None):
@@ -102,7 +102,7 @@ def _measure(model, recipe, opt=None):
 def test_nvfp4_adam_states_attention_and_scanned_blocks():
   """NVFP4 Adam states (measured on the fresh moments), dS of NVFP4 attention, and the stacked
   blocks of scan_layers."""
-  model = ModelConfig(vocab_size=256, d_model=64, n_layers=3, n_heads=2, dtype="bfloat16",
+  model = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, dtype="bfloat16",
                       scan_layers=True)
   from fp4jax.ops.attention import AttentionConfig
 
@@ -111,16 +111,16 @@ def test_nvfp4_adam_states_attention_and_scanned_blocks():
   state, row = _measure(model, recipe, OptimizerConfig())
   assert isinstance(state["opt_state"][1][0].mu["blocks"][0]["attn"]["qkv"]["kernel"],
                     nvfp4.NVFP4Tensor)
-  for i in range(3):
+  for i in range(2):
     attn = f"telemetry/blocks.{i}.attn"
     for t, lo, hi in (("ds", 0.15, 0.35), ("ds_dq", 0.1, 0.4), ("ds_dk", 0.1, 0.4),
                       ("q", 0.05, 0.15), ("k", 0.05, 0.15)):
       assert lo < row[f"{attn}/{t}_rel_err"] < hi, (i, t)
     assert 0.08 < row[f"{attn}.qkv/w_rel_err"] < 0.13
     assert 0.05 < row[f"{attn}/v_rel_err"] < 0.15
-  # The stacked moments of blocks 0-2 (one leaf, one global scale).
+  # The stacked moments of blocks 0-1 (one leaf, one global scale).
   for t in ("mu", "nu"):
-    assert 0.05 < row[f"telemetry/blocks.0-2.attn.qkv/{t}_rel_err"] < 0.3
+    assert 0.05 < row[f"telemetry/blocks.0-1.attn.qkv/{t}_rel_err"] < 0.3
 
 
 @pytest.mark.slow
@@ -138,7 +138,7 @@ def test_lorasvd_weight_error_is_relative_to_the_effective_weight():
   err = lambda w: np.linalg.norm(np.asarray(quant(jnp.asarray(w, jnp.float32))) - w)
   got = row["telemetry/blocks.0.mlp.gate_up/w_rel_err"]
   assert got == pytest.approx(err(w_res) / np.linalg.norm(w_eff), rel=1e-4)
-  tiles = np.linalg.norm(np.asarray(nvfp4.fake_quant(jnp.asarray(w_res), block=(16, 16))) - w_res)
+  tiles = np.linalg.norm(np.asarray(jax.jit(lambda w: nvfp4.fake_quant(w, block=(16, 16)))(w_res)) - w_res)
   assert got != pytest.approx(tiles / np.linalg.norm(w_eff), rel=1e-3)
   # The low-rank branch holds the dominant directions: less error than quantizing W_eff.
   assert got < err(w_eff) / np.linalg.norm(w_eff)
