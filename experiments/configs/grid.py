@@ -28,15 +28,10 @@ Data: the study reads at most 4 epochs (``MAX_EPOCHS``) of the training split; t
 "Scaling grid"), where m45 reads 3.76 epochs, l25 3.11, s50 2.71 and the rest ≤ 2.1 (``plan_table``'s
 epochs column marks a point over 4 with ✗). 50 tokens per parameter would read 4.2 epochs at m (568M
 tokens) and 6.2 at l (846M): m has the largest round ratio within 4 instead, 45 (511M tokens), and l no
-third data size. l's largest within 4 epochs, l30 (507M tokens, 3.73 epochs), is left out because
-
-- only bf16, fp4_linear and its 1×16/Four-over-Six forward would fit a 10-minute command there (4.8, 8.6
-  and 9.4 predicted minutes; LoRA-SVD and the full stack 10.4–11.5), and
-- the fit does not need it: the study's rule (three sizes at ≥ 25 tokens per parameter, a second and third
-  data size at the middle one) holds without it, the bf16 law's six constants need seven distinct points
-  and have eight, and l30's data is only 1.2× l25's. On synthetic losses a bf16 arm at l30 leaves the
-  recipes' fitted efficiencies within ±0.10 of the truth, as without it, and narrows their 95% intervals
-  by about 0.02 (median width 0.24 against 0.26; experiments/STUDY.md, "Scaling grid").
+third data size. l's largest within 4 epochs, l30 (507M tokens), is left out: the full-stack and LoRA-SVD
+arms would not fit a 10-minute command there (``plan_table``), and the fit does not need it (three sizes at
+≥ 25 tokens per parameter and three data sizes at the middle one without it; eight points for the bf16
+law's six constants; experiments/STUDY.md, "Scaling grid", has what l30 would add on synthetic losses).
 
 Hardware: one H100 per arm (or several arms of the small points side by side). Predicted time per arm
 (``python -m experiments.configs.grid`` prints the table, ``plan_table``; experiments/STUDY.md,
