@@ -51,14 +51,18 @@ def div_rn(a, b):
   small = ma < mb
   ma = jnp.where(small, ma << 1, ma)
   ea = jnp.where(small, ea - 1, ea)
-  # Restoring division: q = floor(ma * 2^25 / mb) in [2^25, 2^26), r the remainder (times 2).
-  q = jnp.zeros_like(ma)
-  r = ma
-  for _ in range(26):
-    bit = r >= mb
-    r = jnp.where(bit, r - mb, r)
-    q = (q << 1) | bit.astype(jnp.int32)
-    r = r << 1
+  # Long division in radix 2^7: q = floor(ma * 2^25 / mb) in [2^25, 2^26) and its remainder r. The
+  # first digit is 1 (ma in [mb, 2 mb)); four more give 7 + 7 + 7 + 4 = 25 bits. Each partial
+  # remainder is below mb < 2^24, so r << 7 stays within int32, and integer division is exact on
+  # every backend. (b == 0 divides by 2^23 instead; its result is replaced below.)
+  mb = jnp.where(mb == 0, _IMPLICIT, mb)
+  q = jnp.ones_like(ma)
+  r = ma - mb
+  for k in (7, 7, 7, 4):
+    r = r << k
+    d = lax.div(r, mb)
+    q = (q << k) | d
+    r = r - d * mb
   sticky = r != 0
   e = ea - eb + 127  # biased exponent of the result, whose mantissa is q / 2^25 in [1, 2)
   # Drop 2 bits for a normal result, more where the result is subnormal (e < 1).
