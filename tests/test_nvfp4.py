@@ -371,6 +371,12 @@ def test_div_rn_matches_ieee_including_subnormals():
   a = (rng.uniform(0, 1, n) * 2.0 ** rng.integers(-149, 127, n)).astype(np.float32)
   b = (rng.uniform(0, 1, n) * 2.0 ** rng.integers(-149, 127, n)).astype(np.float32)
   a[:5], b[5:10] = 0.0, 0.0
+  # Subnormal quotients at rounding ties (odd multiples of 2^-149 halved), and operands of few mantissa
+  # bits (exact and short quotients, where the remainder's sticky bit decides).
+  k = rng.integers(1, 1 << 20, 2000)
+  few = lambda: rng.integers(1, 64, 2000) * 2.0 ** rng.integers(-140, 100, 2000)
+  a = np.concatenate([a, k * 2.0**-149, few()]).astype(np.float32)
+  b = np.concatenate([b, 2.0 ** rng.integers(1, 4, 2000), few()]).astype(np.float32)
   with np.errstate(all="ignore"):
     want = a / b
   got = np.asarray(jax.jit(numerics.div_rn)(a, b))
