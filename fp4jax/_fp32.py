@@ -53,16 +53,24 @@ def div_rn(a, b):
   ea = jnp.where(small, ea - 1, ea)
   # Long division in radix 2^7: q = floor(ma * 2^25 / mb) in [2^25, 2^26) and its remainder r. The
   # first digit is 1 (ma in [mb, 2 mb)); four more give 7 + 7 + 7 + 4 = 25 bits. Each partial
-  # remainder is below mb < 2^24, so r << 7 stays within int32, and integer division is exact on
-  # every backend. (b == 0 divides by 2^23 instead; its result is replaced below.)
+  # remainder is below mb < 2^24, so r << 7 stays within int32. A digit is estimated in float32
+  # (relative error below 2^-20 on any backend, so within 1 of the true digit, which is below 2^7)
+  # and corrected by the sign of the exact integer remainder: the bits are the integers', whatever
+  # the backend's float division. (b == 0 divides by 2^23 and a == 0 divides mb by itself; both
+  # results are replaced below.)
   mb = jnp.where(mb == 0, _IMPLICIT, mb)
+  ma = jnp.where(ma == 0, mb, ma)
+  inv = 1.0 / mb.astype(jnp.float32)
   q = jnp.ones_like(ma)
   r = ma - mb
   for k in (7, 7, 7, 4):
     r = r << k
-    d = lax.div(r, mb)
-    q = (q << k) | d
+    d = (r.astype(jnp.float32) * inv).astype(jnp.int32)
     r = r - d * mb
+    low, high = r < 0, r >= mb
+    d = d - low.astype(jnp.int32) + high.astype(jnp.int32)
+    r = r + jnp.where(low, mb, 0) - jnp.where(high, mb, 0)
+    q = (q << k) | d
   sticky = r != 0
   e = ea - eb + 127  # biased exponent of the result, whose mantissa is q / 2^25 in [1, 2)
   # Drop 2 bits for a normal result, more where the result is subnormal (e < 1).
