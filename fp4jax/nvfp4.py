@@ -317,16 +317,16 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
   amax = jnp.asarray(jnp.max(block_amax) if x.size else jnp.float32(0), jnp.float32)
   finite = amax <= F32_MAX  # false for NaN and inf
   e4m3_max = E4M3_MAX if scale_rule == "max" else E4M3_MAX_4OVER6
-  s_enc, s_dec = global_decode_scale(jnp.where(finite, amax, 0.0), e4m3_max)
-  s_dec = jnp.where(finite, s_dec, jnp.nan)
+  s_enc, s_dec, table = _global_scales(jnp.where(finite, amax, 0.0), e4m3_max)
+  s_dec = jnp.where(finite, s_dec, jnp.nan)  # (the table then serves only zeroed blocks)
 
   block_amax = jnp.where(finite, block_amax, 0.0)
   if scale_rule != "max":
-    dscale_code, code = _four_over_six(x32, block_amax, amax, s_enc, _escale_table(s_dec), finite,
+    dscale_code, code = _four_over_six(x32, block_amax, amax, s_enc, table, finite,
                                        block, axis, scale_rule)
     return _tensor(x, code, dscale_code, s_dec, block, axis)
   dscale, dscale_code = numerics.e4m3_block_scales(block_amax, s_enc * jnp.float32(numerics.INV6))
-  escale = _escale_table(s_dec).at[dscale_code.astype(jnp.int32)].get(mode="promise_in_bounds")
+  escale = table.at[dscale_code.astype(jnp.int32)].get(mode="promise_in_bounds")
 
   if rounding == "stochastic" and bits is None:
     bits = jax.random.bits(key, x.shape, jnp.uint32)
@@ -356,6 +356,42 @@ def _escale_table(s_dec):
   """
   denominators = lax.optimization_barrier(numerics.e4m3_to_f32(_E4M3_CODES) * s_dec[..., None])
   return jnp.minimum(numerics.div_rn(jnp.float32(1.0), denominators), F32_MAX)
+
+
+def _global_scales(amax, e4m3_max):
+  """``global_decode_scale(amax, e4m3_max)`` and ``_escale_table`` of its ``S_dec``: ``(S_enc, S_dec,
+  table)``.
+
+  On the CPU the three correctly rounded divisions (``S_enc``, ``S_dec = 1 / S_enc``, the table's
+  ``1 / (d · S_dec)``) run as one ``numerics.div_rn`` in a three-step loop: XLA:CPU compiles the
+  division's integer arithmetic for far longer than a quantize runs, and one compiled division in
+  place of three nearly halves a quantize's compile. On other backends they are straight-line code
+  (a loop would launch kernels). The bits are the same.
+  """
+  def straight(amax):
+    s_enc, s_dec = global_decode_scale(amax, e4m3_max)
+    return s_enc, s_dec, _escale_table(s_dec)
+
+  def loop(amax):
+    d = numerics.e4m3_to_f32(_E4M3_CODES)
+
+    def step(i, carry):
+      den, s_enc, s_dec, table = carry
+      q = numerics.div_rn(jnp.where(i == 0, jnp.float32(e4m3_max * E2M1_MAX), jnp.float32(1.0)), den)
+      q0 = q[..., 0]
+      enc = jnp.minimum(q0, F32_MAX)
+      enc = jnp.where((amax == 0) | (enc == 0), 1.0, enc).astype(jnp.float32)
+      return (jnp.where(i == 0, jnp.broadcast_to(enc[..., None], den.shape), d * q0[..., None]),
+              jnp.where(i == 0, enc, s_enc), jnp.where(i == 1, q0, s_dec),
+              jnp.where(i == 2, jnp.minimum(q, F32_MAX), table))
+
+    den = jnp.broadcast_to(amax[..., None], amax.shape + d.shape)
+    zero = jnp.zeros_like(amax)
+    _, s_enc, s_dec, table = lax.fori_loop(0, 3, step, (den, zero, zero, jnp.zeros_like(den)))
+    return s_enc, s_dec, table
+
+  amax = jnp.asarray(amax, jnp.float32)
+  return lax.platform_dependent(amax, cpu=loop, default=straight)
 
 
 def _tensor(x, code, dscale_code, s_dec, block, axis) -> NVFP4Tensor:
