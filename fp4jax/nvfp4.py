@@ -358,6 +358,7 @@ def _escale_table(s_dec):
   return jnp.minimum(numerics.div_rn(jnp.float32(1.0), denominators), F32_MAX)
 
 
+@functools.partial(jax.jit, static_argnums=1)  # eager quantizes reuse one compiled loop
 def _global_scales(amax, e4m3_max):
   """``global_decode_scale(amax, e4m3_max)`` and ``_escale_table`` of its ``S_dec``: ``(S_enc, S_dec,
   table)``.
