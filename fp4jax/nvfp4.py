@@ -253,9 +253,15 @@ def global_decode_scale(amax, e4m3_max: float = E4M3_MAX):
   ``S_enc = min(e4m3_max * 6 / amax, FLT_MAX)`` (1 where that is 0 or ``amax`` is), ``S_dec = 1 / S_enc``.
   ``e4m3_max``: 448, or ``E4M3_MAX_4OVER6`` (256) under Four over Six."""
   amax = jnp.asarray(amax, jnp.float32)
-  s_enc = jnp.minimum(numerics.div_rn(jnp.float32(e4m3_max * E2M1_MAX), amax), F32_MAX)
-  s_enc = jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc).astype(jnp.float32)
+  s_enc = _encode_scale(numerics.div_rn(jnp.float32(e4m3_max * E2M1_MAX), amax), amax)
   return s_enc, numerics.div_rn(jnp.float32(1.0), s_enc)
+
+
+def _encode_scale(quotient, amax):
+  """``S_enc`` from the correctly rounded ``e4m3_max * 6 / amax``: at most FLT_MAX, 1 where it or
+  ``amax`` is 0."""
+  s_enc = jnp.minimum(quotient, F32_MAX)
+  return jnp.where((amax == 0) | (s_enc == 0), 1.0, s_enc).astype(jnp.float32)
 
 
 def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits=None,
@@ -318,7 +324,7 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
   finite = amax <= F32_MAX  # false for NaN and inf
   e4m3_max = E4M3_MAX if scale_rule == "max" else E4M3_MAX_4OVER6
   s_enc, s_dec, table = _global_scales(jnp.where(finite, amax, 0.0), e4m3_max)
-  s_dec = jnp.where(finite, s_dec, jnp.nan)  # (the table then serves only zeroed blocks)
+  s_dec = jnp.where(finite, s_dec, jnp.nan)  # a non-finite tensor's table serves only zeroed blocks
 
   block_amax = jnp.where(finite, block_amax, 0.0)
   if scale_rule != "max":
@@ -354,39 +360,42 @@ def _escale_table(s_dec):
   operations). The barrier keeps XLA:CPU from fusing the product into the division, which it
   compiles slowly.
   """
-  denominators = lax.optimization_barrier(numerics.e4m3_to_f32(_E4M3_CODES) * s_dec[..., None])
-  return jnp.minimum(numerics.div_rn(jnp.float32(1.0), denominators), F32_MAX)
+  return jnp.minimum(numerics.div_rn(jnp.float32(1.0), _table_denominators(s_dec)), F32_MAX)
 
 
-@functools.partial(jax.jit, static_argnums=1)  # eager quantizes reuse one compiled loop
+def _table_denominators(s_dec):
+  """``d * S_dec`` for the 127 non-negative E4M3 values ``d`` (float32 products, on a new last axis)."""
+  return lax.optimization_barrier(numerics.e4m3_to_f32(_E4M3_CODES) * s_dec[..., None])
+
+
+@functools.partial(jax.jit, static_argnums=1)  # eager quantizes reuse one compiled program
 def _global_scales(amax, e4m3_max):
   """``global_decode_scale(amax, e4m3_max)`` and ``_escale_table`` of its ``S_dec``: ``(S_enc, S_dec,
   table)``.
 
-  On the CPU the three correctly rounded divisions (``S_enc``, ``S_dec = 1 / S_enc``, the table's
-  ``1 / (d · S_dec)``) run as one ``numerics.div_rn`` in a three-step loop: XLA:CPU compiles the
-  division's integer arithmetic for far longer than a quantize runs, and one compiled division in
-  place of three nearly halves a quantize's compile. On other backends they are straight-line code
-  (a loop would launch kernels). The bits are the same.
+  The three correctly rounded divisions (``S_enc``, ``S_dec = 1 / S_enc``, the table's
+  ``1 / (d · S_dec)``) depend on each other in turn. On the CPU, whose compiler spends long on
+  ``numerics.div_rn``'s integer arithmetic, they run as one ``div_rn`` of a 127-vector in a
+  three-step loop (the scalars broadcast); on other backends as straight-line code (a loop would
+  launch kernels). Each step applies the same formulas (``_encode_scale``, ``_table_denominators``)
+  to the same correctly rounded quotients, so the bits are the same.
   """
   def straight(amax):
     s_enc, s_dec = global_decode_scale(amax, e4m3_max)
     return s_enc, s_dec, _escale_table(s_dec)
 
   def loop(amax):
-    d = numerics.e4m3_to_f32(_E4M3_CODES)
+    s_enc_numerator = jnp.float32(e4m3_max * E2M1_MAX)
 
-    def step(i, carry):
+    def step(i, carry):  # i = 0: S_enc; 1: S_dec; 2: the table
       den, s_enc, s_dec, table = carry
-      q = numerics.div_rn(jnp.where(i == 0, jnp.float32(e4m3_max * E2M1_MAX), jnp.float32(1.0)), den)
-      q0 = q[..., 0]
-      enc = jnp.minimum(q0, F32_MAX)
-      enc = jnp.where((amax == 0) | (enc == 0), 1.0, enc).astype(jnp.float32)
-      return (jnp.where(i == 0, jnp.broadcast_to(enc[..., None], den.shape), d * q0[..., None]),
-              jnp.where(i == 0, enc, s_enc), jnp.where(i == 1, q0, s_dec),
+      q = numerics.div_rn(jnp.where(i == 0, s_enc_numerator, jnp.float32(1.0)), den)
+      enc = _encode_scale(q[..., 0], amax)
+      return (jnp.where(i == 0, jnp.broadcast_to(enc[..., None], den.shape), _table_denominators(q[..., 0])),
+              jnp.where(i == 0, enc, s_enc), jnp.where(i == 1, q[..., 0], s_dec),
               jnp.where(i == 2, jnp.minimum(q, F32_MAX), table))
 
-    den = jnp.broadcast_to(amax[..., None], amax.shape + d.shape)
+    den = jnp.broadcast_to(amax[..., None], amax.shape + _E4M3_CODES.shape)
     zero = jnp.zeros_like(amax)
     _, s_enc, s_dec, table = lax.fori_loop(0, 3, step, (den, zero, zero, jnp.zeros_like(den)))
     return s_enc, s_dec, table

@@ -677,3 +677,22 @@ def test_code_indices_and_encode_scales_are_quantizes_own():
   grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
   nearest = np.asarray(grid[np.abs(np.abs(np.asarray(scaled))[..., None] - grid).argmin(-1)])
   np.testing.assert_array_equal(np.abs(np.asarray(t.elements())), nearest)
+
+
+def test_cpu_loop_of_global_scales_equals_the_straight_line_divisions():
+  """``_global_scales`` on the CPU (one division in a three-step loop) gives the bits of the straight-line
+  ``global_decode_scale`` and ``_escale_table`` that other backends run, for amax from 0 and the
+  smallest normal (S_enc clipped to FLT_MAX, S_dec subnormal) to FLT_MAX, under both E4M3 bounds."""
+  rng = np.random.default_rng(0)
+  amax = np.concatenate([[0.0, np.finfo(np.float32).tiny, 1e-36, 1.0, 6.0, 448.0, np.finfo(np.float32).max],
+                         rng.uniform(1, 2, 400) * 2.0 ** rng.integers(-126, 128, 400)]).astype(np.float32)
+  for e4m3_max in (nvfp4.E4M3_MAX, nvfp4.E4M3_MAX_4OVER6):
+    loop = jax.jit(jax.vmap(lambda a, e=e4m3_max: nvfp4._global_scales(a, e)))(amax)
+
+    def straight(a, e=e4m3_max):
+      s_enc, s_dec = nvfp4.global_decode_scale(a, e)
+      return s_enc, s_dec, nvfp4._escale_table(s_dec)
+    want = jax.jit(jax.vmap(straight))(amax)
+    for got, ref in zip(loop, want):
+      np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(ref).view(np.uint32))
+    assert np.asarray(want[1])[2] < np.finfo(np.float32).tiny  # a subnormal S_dec is covered
