@@ -15,22 +15,23 @@ import os
 if os.environ.get("FP4JAX_GPU_TESTS") != "1":
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# JAX's persistent compilation cache: one fresh folder per test session (shared by the test
-# processes and the launcher subprocesses they start), never the user's ~/.cache.
+# JAX's persistent compilation cache: one fresh folder per test session, never the user's ~/.cache,
+# shared by the test processes and every process they start (launchers, study arms, notebook
+# kernels read the JAX_* variables). Every program is kept, however fast it compiled: tests build
+# the same programs again (a run stopped and resumed, the same quantize in another test or the
+# other xdist worker) and load them instead of recompiling.
 if "FP4JAX_CACHE" not in os.environ:
   import atexit
   import shutil
   import tempfile
   os.environ["FP4JAX_CACHE"] = tempfile.mkdtemp(prefix="fp4jax-test-xla-cache-")
   atexit.register(shutil.rmtree, os.environ["FP4JAX_CACHE"], ignore_errors=True)
+if os.environ.get("FP4JAX_GPU_TESTS") != "1":
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["FP4JAX_CACHE"])
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax
 
-# In-process tests share that cache too: a test that trains, is stopped and resumes (or evaluates
-# what it trained) builds the same programs again, and loads them instead of recompiling.
-if os.environ.get("FP4JAX_GPU_TESTS") != "1":
-  jax.config.update("jax_compilation_cache_dir", os.environ["FP4JAX_CACHE"])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
