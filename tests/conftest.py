@@ -32,6 +32,10 @@ if os.environ.get("FP4JAX_GPU_TESTS") != "1":
 
 import jax
 
+if os.environ.get("FP4JAX_GPU_TESTS") != "1":  # this process too, if a plugin imported jax first
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
