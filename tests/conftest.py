@@ -12,27 +12,28 @@ compares alike."""
 
 import os
 
-if os.environ.get("FP4JAX_GPU_TESTS") != "1":
+ON_CPU = os.environ.get("FP4JAX_GPU_TESTS") != "1"
+if ON_CPU:
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# JAX's persistent compilation cache: one fresh folder per test session, never the user's ~/.cache,
-# shared by the test processes and every process they start (launchers, study arms, notebook
-# kernels read the JAX_* variables). Every program is kept, however fast it compiled: tests build
-# the same programs again (a run stopped and resumed, the same quantize in another test or the
-# other xdist worker) and load them instead of recompiling.
+# JAX's persistent compilation cache: one fresh folder per test session, never the user's ~/.cache
+# (the launchers' default, ``$FP4JAX_CACHE``). On the CPU it is shared by the test processes and every
+# process they start (launchers, study arms and notebook kernels read the JAX_* variables), and every
+# program is kept, however fast it compiled: tests build the same programs again (a run stopped and
+# resumed, the same quantize in another test or the other xdist worker) and load them instead.
 if "FP4JAX_CACHE" not in os.environ:
   import atexit
   import shutil
   import tempfile
   os.environ["FP4JAX_CACHE"] = tempfile.mkdtemp(prefix="fp4jax-test-xla-cache-")
   atexit.register(shutil.rmtree, os.environ["FP4JAX_CACHE"], ignore_errors=True)
-if os.environ.get("FP4JAX_GPU_TESTS") != "1":
+if ON_CPU:
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["FP4JAX_CACHE"])
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
-import jax
+import jax  # noqa: E402
 
-if os.environ.get("FP4JAX_GPU_TESTS") != "1":  # this process too, if a plugin imported jax first
+if ON_CPU:  # also where a plugin imported jax before the variables above were set
   jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
   jax.config.update("jax_persistent_cache_min_compile_time_secs",
                     float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
@@ -55,7 +56,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
   """Tests marked ``gpu`` are skipped unless a CUDA GPU is the default backend. On the GPU machine,
   run ``FP4JAX_GPU_TESTS=1 pytest -m gpu tests``: the variable keeps JAX off the forced CPU platform."""
-  if os.environ.get("FP4JAX_GPU_TESTS") == "1" and jax.default_backend() == "gpu":
+  if not ON_CPU and jax.default_backend() == "gpu":
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU (FP4JAX_GPU_TESTS=1 on the GPU machine)")
   for item in items:
