@@ -91,6 +91,26 @@ def div_rn(a, b):
   return _from_bits(bits)
 
 
+def div_rn_normal(a, b):
+  """``div_rn(a, b)`` where ``a``, ``b`` and the quotient are normal float32, zero or an overflow to inf.
+
+  On the CPU this is the hardware's IEEE division, which XLA:CPU compiles in a small fraction of the
+  time of ``div_rn``'s integer arithmetic; on every other backend it is ``div_rn``. Both round
+  correctly, so the bits agree except where a subnormal is involved: XLA:CPU reads subnormal operands
+  as zero and flushes a subnormal quotient to zero, where ``div_rn`` keeps them. ``0 / 0`` is a NaN
+  (its payload may differ). The divisor passes through its bit pattern plus an integer zero taken
+  from ``a``'s (``a >= 0``) that the compiler cannot prove zero, so XLA cannot replace a division by
+  a constant with a product by the constant's rounded reciprocal (not the same quotient).
+  """
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+
+  def hardware(a, b):
+    return a / _from_bits(_bits(b) + jnp.minimum(_bits(a), 0))
+
+  return lax.platform_dependent(a, b, cpu=hardware, default=div_rn)
+
+
 def flush_subnormals(x):
   """Float32 subnormals -> +0.0, decided on the bit pattern so every backend agrees."""
   x = jnp.asarray(x, jnp.float32)

@@ -36,8 +36,9 @@ of 448 keeps ``d4 <= 1.5 * 256 = 384`` within E4M3; the stored global scale is `
 so ``dequantize`` and every consumer of an ``NVFP4Tensor`` are unchanged. Stochastic rounding is not
 offered with 4/6 (a choice made from the rounded values would bias the rounding).
 
-Divisions and roundings are computed on integer bit patterns (``fp4jax.numerics``), so the GPU gives
-the same bits as the CPU (XLA's GPU division is not correctly rounded, and it may fold float
+Divisions are correctly rounded on every backend, so the GPU gives the same bits as the CPU: on the
+GPU, whose division is not, they are computed on integer bit patterns (``numerics.div_rn``); on the
+CPU by its IEEE division. Roundings are computed on bit patterns everywhere (XLA may fold float
 conversion pairs away).
 
 Non-finite input: if ``x`` holds any NaN or ±inf, the stored global scale is NaN and every block is
@@ -46,8 +47,9 @@ stored as zero, so the whole tensor dequantizes to NaN. Nothing non-finite ever 
 Range: float32 subnormal inputs are flushed to zero (XLA's CPU backend does this in any float
 arithmetic; here it is explicit, so every backend agrees). For tensors with ``max|x| >= 1e-30`` every
 intermediate is a normal float32 and the result is bit-exact to Transformer Engine (subnormal
-elements quantize to code 0 there too). Below that the encode/decode scales themselves are
-subnormal and backends that flush denormals may differ in the last bit of a scale.
+elements quantize to code 0 there too). Below that the decode scales themselves become subnormal,
+which a backend that flushes denormals (XLA's CPU) reads as zero: below ``max|x| ~ 3e-35`` the CPU
+stores ``S_dec = 0`` where the GPU stores the subnormal, and either tensor dequantizes to (about) 0.
 
 Signed zero: the sign bit of a code is set for strictly negative ``x`` (so ``-0.0`` gives code 0,
 and ``-0.2`` gives code 8, a negative zero), as in Transformer Engine.
@@ -74,6 +76,7 @@ import numpy as np
 from jax import lax
 
 from fp4jax import numerics
+from fp4jax._fp32 import div_rn_normal
 from fp4jax.numerics import E2M1_MAX, E4M3_MAX, F32_MAX
 
 BLOCK = 16
@@ -253,8 +256,8 @@ def global_decode_scale(amax, e4m3_max: float = E4M3_MAX):
   ``S_enc = min(e4m3_max * 6 / amax, FLT_MAX)`` (1 where that is 0 or ``amax`` is), ``S_dec = 1 / S_enc``.
   ``e4m3_max``: 448, or ``E4M3_MAX_4OVER6`` (256) under Four over Six."""
   amax = jnp.asarray(amax, jnp.float32)
-  s_enc = _encode_scale(numerics.div_rn(jnp.float32(e4m3_max * E2M1_MAX), amax), amax)
-  return s_enc, numerics.div_rn(jnp.float32(1.0), s_enc)
+  s_enc = _encode_scale(div_rn_normal(jnp.float32(e4m3_max * E2M1_MAX), amax), amax)
+  return s_enc, div_rn_normal(jnp.float32(1.0), s_enc)
 
 
 def _encode_scale(quotient, amax):
@@ -356,52 +359,19 @@ def _escale_table(s_dec):
 
   ``escale = 1 / (dscale * S_dec)`` takes one of 127 values per tensor (dscale is a non-negative
   E4M3 value): divide once per code, then look the blocks up. A per-block division is fused into
-  the per-element loop by XLA and recomputed 16 times per block (the integer division is ~100
-  operations). The barrier keeps XLA:CPU from fusing the product into the division, which it
-  compiles slowly.
+  the per-element loop by XLA and recomputed 16 times per block (the integer division of other
+  backends is ~100 operations).
   """
-  return jnp.minimum(numerics.div_rn(jnp.float32(1.0), _table_denominators(s_dec)), F32_MAX)
-
-
-def _table_denominators(s_dec):
-  """``d * S_dec`` for the 127 non-negative E4M3 values ``d`` (float32 products, on a new last axis)."""
-  return lax.optimization_barrier(numerics.e4m3_to_f32(_E4M3_CODES) * s_dec[..., None])
+  denominators = numerics.e4m3_to_f32(_E4M3_CODES) * s_dec[..., None]
+  return jnp.minimum(div_rn_normal(jnp.float32(1.0), denominators), F32_MAX)
 
 
 @functools.partial(jax.jit, static_argnums=1)  # eager quantizes reuse one compiled program
 def _global_scales(amax, e4m3_max):
   """``global_decode_scale(amax, e4m3_max)`` and ``_escale_table`` of its ``S_dec``: ``(S_enc, S_dec,
-  table)``.
-
-  The three correctly rounded divisions (``S_enc``, ``S_dec = 1 / S_enc``, the table's
-  ``1 / (d · S_dec)``) depend on each other in turn. On the CPU, whose compiler spends long on
-  ``numerics.div_rn``'s integer arithmetic, they run as one ``div_rn`` of a 127-vector in a
-  three-step loop (the scalars broadcast); on other backends as straight-line code (a loop would
-  launch kernels). Each step applies the same formulas (``_encode_scale``, ``_table_denominators``)
-  to the same correctly rounded quotients, so the bits are the same.
-  """
-  def straight(amax):
-    s_enc, s_dec = global_decode_scale(amax, e4m3_max)
-    return s_enc, s_dec, _escale_table(s_dec)
-
-  def loop(amax):
-    s_enc_numerator = jnp.float32(e4m3_max * E2M1_MAX)
-
-    def step(i, carry):  # i = 0: S_enc; 1: S_dec; 2: the table
-      den, s_enc, s_dec, table = carry
-      q = numerics.div_rn(jnp.where(i == 0, s_enc_numerator, jnp.float32(1.0)), den)
-      enc = _encode_scale(q[..., 0], amax)
-      return (jnp.where(i == 0, jnp.broadcast_to(enc[..., None], den.shape), _table_denominators(q[..., 0])),
-              jnp.where(i == 0, enc, s_enc), jnp.where(i == 1, q[..., 0], s_dec),
-              jnp.where(i == 2, jnp.minimum(q, F32_MAX), table))
-
-    den = jnp.broadcast_to(amax[..., None], amax.shape + _E4M3_CODES.shape)
-    zero = jnp.zeros_like(amax)
-    _, s_enc, s_dec, table = lax.fori_loop(0, 3, step, (den, zero, zero, jnp.zeros_like(den)))
-    return s_enc, s_dec, table
-
-  amax = jnp.asarray(amax, jnp.float32)
-  return lax.platform_dependent(amax, cpu=loop, default=straight)
+  table)``."""
+  s_enc, s_dec = global_decode_scale(amax, e4m3_max)
+  return s_enc, s_dec, _escale_table(s_dec)
 
 
 def _tensor(x, code, dscale_code, s_dec, block, axis) -> NVFP4Tensor:
@@ -425,7 +395,7 @@ def _four_over_six(x32, block_amax, amax, s_enc, table, finite, block, axis, sca
   ftz = numerics.flush_subnormals
   # The barrier keeps XLA from fusing the integer division into every element's loop (XLA:CPU then
   # compiles for minutes).
-  base = lax.optimization_barrier(ftz(numerics.div_rn(block_amax, jnp.float32(E2M1_MAX))) * s_enc)
+  base = lax.optimization_barrier(ftz(div_rn_normal(block_amax, jnp.float32(E2M1_MAX))) * s_enc)
   scaled_x = ftz(numerics.rounded(x32 * s_enc, zero))
   candidates = []
   for v in (base * jnp.float32(_MAP4), base):  # amax to 4, amax to 6
@@ -603,12 +573,19 @@ def hadamard(x, key, axis=-1, *, inverse=False) -> jax.Array:
   if x.shape[axis] % BLOCK:
     raise ValueError(f"hadamard along axis {axis}: size {x.shape[axis]} is not a multiple of 16")
   signs = hadamard_matrix(key)[:, 0] * 4.0  # s, exactly ±1
+  signs = signs.reshape((1,) * x.ndim + (BLOCK,))
   xm = jnp.moveaxis(numerics.flush_subnormals(x.astype(jnp.float32)), axis, -1)
   xb = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)
-  v = [xb[..., i] for i in range(BLOCK)]
+  if not inverse:
+    xb = xb * signs
+  # numerics.hadamard16_butterfly on the block's last axis, one stage at a time: at stride s, element
+  # i (bit s clear) becomes v[i] + v[i + s] and element i + s becomes v[i] - v[i + s]. The same
+  # additions as on a list of 16 arrays, in a program that XLA compiles several times faster.
+  for stride in (1, 2, 4, 8):
+    pairs = xb.reshape(*xb.shape[:-1], BLOCK // (2 * stride), 2, stride)
+    a, b = pairs[..., 0, :], pairs[..., 1, :]
+    xb = jnp.stack([a + b, a - b], axis=-2).reshape(xb.shape)
   if inverse:
-    v = [y * signs[i] for i, y in enumerate(numerics.hadamard16_butterfly(v))]
-  else:
-    v = numerics.hadamard16_butterfly([y * signs[i] for i, y in enumerate(v)])
-  yb = jnp.stack(v, axis=-1) * jnp.float32(0.25)
+    xb = xb * signs
+  yb = xb * jnp.float32(0.25)
   return jnp.moveaxis(yb.reshape(xm.shape), -1, axis).astype(x.dtype)

@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fp4jax import numerics, nvfp4
+from fp4jax._fp32 import div_rn_normal
 
 BLOCK = nvfp4.BLOCK  # elements of an NVFP4 block
 ROUNDINGS = nvfp4.ROUNDINGS  # "nearest", "stochastic"
@@ -135,14 +136,14 @@ def division(interpret: bool) -> str:
 def div_rn(a, b, division: str):
   """``a / b`` in float32 (``b`` an array), correctly rounded (``numerics.div_rn``) by
   ``division``: ``"ptx"`` (PTX ``div.rn.f32``, inside GPU kernels), ``"exact"``
-  (``numerics.div_rn``, integer arithmetic) or ``"backend"`` (the backend's IEEE division, for
-  interpret mode on the CPU, where ``numerics.div_rn`` on vectors compiles slowly). All three agree
-  unless a subnormal is involved, which the CPU flushes to zero."""
+  (``numerics.div_rn``, integer arithmetic) or ``"backend"`` (``div_rn_normal``: the CPU's IEEE
+  division, for interpret mode, as ``nvfp4.quantize`` divides there). All three agree unless a
+  subnormal is involved, which the CPU flushes to zero."""
   if division == "ptx":
     return ptx("div.rn.f32", a, b)
   if division == "exact":
     return numerics.div_rn(jnp.asarray(a, jnp.float32), b)
-  return jnp.asarray(a, jnp.float32) / b
+  return div_rn_normal(a, b)
 
 
 def recip_rn(b, division: str):
@@ -267,12 +268,9 @@ def four_over_six_scales(block_amax, s_enc, s_dec, finite, interpret: bool):
   them: ``base = ftz(block_amax / 6) * S_enc`` and ``e4m3_rne(min(base * 1.5, 448))``,
   ``e4m3_rne(min(base, 448))``. ``S_enc``, ``S_dec`` are the tensor's under the E4M3 bound 256;
   ``finite``: whether its amax is. PTX ``div.rn.f32`` on the GPU; in interpret mode ``block_amax /
-  6`` is ``numerics.div_rn`` (XLA:CPU turns a division by a constant into a product by its
-  rounded reciprocal, which is not the same quotient) and ``escale`` the CPU's IEEE division."""
+  6`` and ``escale`` are the CPU's IEEE division (``div_rn_normal``)."""
   block_amax = jnp.where(finite, block_amax, 0.0)
-  sixth = div_rn(block_amax, jnp.float32(numerics.E2M1_MAX), "exact" if interpret else "ptx")
-  if interpret:  # keeps XLA:CPU from fusing the integer division into later loops (minutes to compile)
-    sixth = lax.optimization_barrier(sixth)
+  sixth = div_rn(block_amax, jnp.float32(numerics.E2M1_MAX), division(interpret))
   base = numerics.flush_subnormals(sixth) * s_enc
   out = []
   for m in (1.5, 1.0):  # nvfp4._MAP4; 1.0: min(base * 1, 448) is min(base, 448)

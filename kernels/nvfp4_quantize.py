@@ -134,10 +134,8 @@ def _tensor_scales(i_ref, interpret):
 def _tensor_encode(i_ref, interpret, e4m3_max):
   """``(S_enc, S_dec, finite)`` of the tensor as (1, 1) arrays, from the bit pattern of its
   ``max|x|`` (``i_ref[0]``), as ``nvfp4.quantize`` forms them (``nvfp4.global_decode_scale`` with
-  ``e4m3_max``): PTX ``div.rn.f32`` on the GPU, ``numerics.div_rn`` in interpret mode (subnormal
-  quotients included)."""
-  exact = "exact" if interpret else "ptx"
-  div = lambda a, b: div_rn(a, b, exact)
+  ``e4m3_max``): PTX ``div.rn.f32`` on the GPU, the CPU's division in interpret mode."""
+  div = lambda a, b: div_rn(a, b, division(interpret))
   bits = jnp.full((1, 1), i_ref[0], jnp.int32)
   bits = jnp.where(bits < F32_NORMAL_MIN_BITS, 0, bits)  # subnormals flushed, as every element
   finite = bits < F32_INF_BITS  # NaN and inf patterns lie above every finite one

@@ -679,20 +679,55 @@ def test_code_indices_and_encode_scales_are_quantizes_own():
   np.testing.assert_array_equal(np.abs(np.asarray(t.elements())), nearest)
 
 
-def test_cpu_loop_of_global_scales_equals_the_straight_line_divisions():
-  """``_global_scales`` on the CPU (one division in a three-step loop) gives the bits of the straight-line
-  ``global_decode_scale`` and ``_escale_table`` that other backends run, for amax from 0 and the
-  smallest normal (S_enc clipped to FLT_MAX, S_dec subnormal) to FLT_MAX, under both E4M3 bounds."""
+def test_div_rn_normal_is_ieee_division_on_normal_floats_and_by_constants():
+  """``div_rn_normal`` on the CPU (its IEEE division) gives ``div_rn``'s bits, numpy's, wherever the
+  operands and the quotient are normal or the quotient overflows, also with a constant divisor (which
+  XLA would otherwise turn into a product by a rounded reciprocal); it flushes a subnormal quotient."""
+  from fp4jax._fp32 import div_rn_normal
   rng = np.random.default_rng(0)
-  amax = np.concatenate([[0.0, np.finfo(np.float32).tiny, 1e-36, 1.0, 6.0, 448.0, np.finfo(np.float32).max],
+  n = 50_000
+  a = (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-126, 128, n)).astype(np.float32)
+  b = (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-126, 128, n)).astype(np.float32)
+  with np.errstate(all="ignore"):
+    want = a / b
+  keep = ~((want != 0) & (np.abs(want) < np.finfo(np.float32).tiny))
+  got = np.asarray(jax.jit(div_rn_normal)(a, b))
+  np.testing.assert_array_equal(got[keep].view(np.uint32), want[keep].view(np.uint32))
+  np.testing.assert_array_equal(got[~keep], 0.0)
+  assert (~keep).sum() > 100 and np.isinf(want).sum() > 100
+  for c in (6.0, 3.0, 2688.0, 10.0):  # 1/c inexact: a product by it rounds differently for some a
+    with np.errstate(all="ignore"):
+      want = a / np.float32(c)
+    got = np.asarray(jax.jit(lambda a, c=c: div_rn_normal(a, jnp.float32(c)))(a))
+    keep = np.abs(want) >= np.finfo(np.float32).tiny
+    np.testing.assert_array_equal(got[keep].view(np.uint32), want[keep].view(np.uint32))
+    assert (a * (np.float32(1) / np.float32(c)) != want)[keep].any()  # the trap is exercised
+  # On other backends it is div_rn: lowered for CUDA, its integer long division (shifts) is there.
+  lower = lambda *platform: jax.jit(div_rn_normal).trace(a[:16], b[:16]).lower(
+      lowering_platforms=platform or None).as_text()
+  assert "shift_left" in lower("cuda") and "shift_left" not in lower()
+
+
+def test_global_scales_with_the_cpus_division_keep_the_exact_bits_down_to_normal_decode_scales():
+  """``_global_scales`` (the CPU's division) equals ``div_rn``'s straight-line ``S_enc``, ``S_dec`` and
+  escale table for amax from 0 and the smallest normal to FLT_MAX, under both E4M3 bounds, wherever
+  ``S_dec`` is normal; below (amax < ~3e-35) the CPU stores ``S_dec = 0``."""
+  rng = np.random.default_rng(0)
+  amax = np.concatenate([[0.0, np.finfo(np.float32).tiny, 1e-36, 1e-34, 1.0, 6.0, 448.0,
+                          np.finfo(np.float32).max],
                          rng.uniform(1, 2, 400) * 2.0 ** rng.integers(-126, 128, 400)]).astype(np.float32)
   for e4m3_max in (nvfp4.E4M3_MAX, nvfp4.E4M3_MAX_4OVER6):
-    loop = jax.jit(jax.vmap(lambda a, e=e4m3_max: nvfp4._global_scales(a, e)))(amax)
+    got = jax.jit(jax.vmap(lambda a, e=e4m3_max: nvfp4._global_scales(a, e)))(amax)
 
-    def straight(a, e=e4m3_max):
-      s_enc, s_dec = nvfp4.global_decode_scale(a, e)
-      return s_enc, s_dec, nvfp4._escale_table(s_dec)
-    want = jax.jit(jax.vmap(straight))(amax)
-    for got, ref in zip(loop, want):
-      np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(ref).view(np.uint32))
-    assert np.asarray(want[1])[2] < np.finfo(np.float32).tiny  # a subnormal S_dec is covered
+    def exact(a, e=e4m3_max):
+      s_enc = nvfp4._encode_scale(numerics.div_rn(jnp.float32(e * 6.0), a), a)
+      s_dec = numerics.div_rn(jnp.float32(1.0), s_enc)
+      table = numerics.div_rn(jnp.float32(1.0), numerics.e4m3_to_f32(nvfp4._E4M3_CODES) * s_dec)
+      return s_enc, s_dec, jnp.minimum(table, numerics.F32_MAX)
+    want = jax.jit(jax.vmap(exact))(amax)
+    normal = np.asarray(want[1]) >= np.finfo(np.float32).tiny
+    assert not normal[1] and normal[3]  # a subnormal S_dec is covered, and the first normal ones
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g)[normal].view(np.uint32),
+                                    np.asarray(w)[normal].view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(got[1])[~normal], 0.0)

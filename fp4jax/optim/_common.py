@@ -16,6 +16,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp4jax import _platform, numerics, nvfp4
+from fp4jax._fp32 import div_rn_normal
 from fp4jax.nvfp4 import BLOCK, NVFP4Tensor
 from fp4jax.kernels import adam_nvfp4 as adam_kernel
 from fp4jax.optim.state import CenteredNVFP4Tensor, _fit, block_axis, stores_nvfp4
@@ -273,7 +274,7 @@ def encode_eden(x, key, zero, lane: int = 0) -> NVFP4Tensor:
   n2, ip = total(mul(a, a)), total(mul(a, q))
   bits = blocks(numerics.counter_bits(key, x.shape, lane))
   bits16 = back(adam_kernel.eden_bits16(bits[..., 0], bits[..., 1]))
-  code = adam_kernel.eden_scale_codes(n2, ip, dscale, dcode, zero_block, bits16, mul, numerics.div_rn)
+  code = adam_kernel.eden_scale_codes(n2, ip, dscale, dcode, zero_block, bits16, mul, div_rn_normal)
   return dataclasses.replace(t, scales=jax.lax.bitcast_convert_type(code.astype(jnp.uint8),
                                                                      jnp.float8_e4m3fn))
 
