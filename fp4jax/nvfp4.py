@@ -393,8 +393,8 @@ def _four_over_six(x32, block_amax, amax, s_enc, table, finite, block, axis, sca
   # pattern, it keeps the GPU from fusing the product into the next addition.
   zero = jnp.minimum(lax.bitcast_convert_type(amax, jnp.int32), 0)
   ftz = numerics.flush_subnormals
-  # The barrier keeps XLA from fusing the integer division into every element's loop (XLA:CPU then
-  # compiles for minutes).
+  # The barrier keeps XLA from fusing the division (integer arithmetic off the CPU) into every
+  # element's loop.
   base = lax.optimization_barrier(ftz(div_rn_normal(block_amax, jnp.float32(E2M1_MAX))) * s_enc)
   scaled_x = ftz(numerics.rounded(x32 * s_enc, zero))
   candidates = []
@@ -578,9 +578,9 @@ def hadamard(x, key, axis=-1, *, inverse=False) -> jax.Array:
   xb = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)
   if not inverse:
     xb = xb * signs
-  # numerics.hadamard16_butterfly on the block's last axis, one stage at a time: at stride s, element
-  # i (bit s clear) becomes v[i] + v[i + s] and element i + s becomes v[i] - v[i + s]. The same
-  # additions as on a list of 16 arrays, in a program that XLA compiles several times faster.
+  # numerics.hadamard16_butterfly's additions, one stage at a time on the block's last axis: at stride
+  # s, element i (bit s clear) becomes v[i] + v[i + s] and element i + s becomes v[i] - v[i + s].
+  # (On a list of 16 slices, XLA would copy each output's addition tree into a fusion of its own.)
   for stride in (1, 2, 4, 8):
     pairs = xb.reshape(*xb.shape[:-1], BLOCK // (2 * stride), 2, stride)
     a, b = pairs[..., 0, :], pairs[..., 1, :]

@@ -25,7 +25,6 @@ from fp4jax._fp32 import div_rn_normal
 BLOCK = nvfp4.BLOCK  # elements of an NVFP4 block
 ROUNDINGS = nvfp4.ROUNDINGS  # "nearest", "stochastic"
 E2M1_X_E4M3_MAX = numerics.E2M1_MAX * numerics.E4M3_MAX  # 6 * 448 = 2688: S_enc = 2688 / amax
-DIVISIONS = ("ptx", "exact", "backend")
 F32_SIGN_BITS = np.int32(-(2**31))  # the float32 sign bit as int32
 F32_NORMAL_MIN_BITS = 0x00800000  # the pattern of 2^-126, the smallest normal float32
 F32_INF_BITS = 0x7F800000
@@ -135,14 +134,11 @@ def division(interpret: bool) -> str:
 
 def div_rn(a, b, division: str):
   """``a / b`` in float32 (``b`` an array), correctly rounded (``numerics.div_rn``) by
-  ``division``: ``"ptx"`` (PTX ``div.rn.f32``, inside GPU kernels), ``"exact"``
-  (``numerics.div_rn``, integer arithmetic) or ``"backend"`` (``div_rn_normal``: the CPU's IEEE
-  division, for interpret mode, as ``nvfp4.quantize`` divides there). All three agree unless a
-  subnormal is involved, which the CPU flushes to zero."""
+  ``division``: ``"ptx"`` (PTX ``div.rn.f32``, inside GPU kernels) or ``"backend"``
+  (``div_rn_normal``: the CPU's IEEE division in interpret mode, as ``nvfp4.quantize`` divides
+  there). Both agree unless a subnormal is involved, which the CPU flushes to zero."""
   if division == "ptx":
     return ptx("div.rn.f32", a, b)
-  if division == "exact":
-    return numerics.div_rn(jnp.asarray(a, jnp.float32), b)
   return div_rn_normal(a, b)
 
 
