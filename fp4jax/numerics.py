@@ -330,6 +330,20 @@ def hadamard16_butterfly(v: list) -> list:
   return v
 
 
+def hadamard16_last_axis(x):
+  """``hadamard16_butterfly`` on the last axis (16 elements) of one array: the same additions in the
+  same order, one stage at a time (at stride s, element i with bit s clear becomes ``v[i] + v[i + s]``,
+  element ``i + s`` becomes ``v[i] - v[i + s]``). The XLA paths use this form: on a list of 16 slices
+  XLA copies each output's addition tree into a fusion of its own."""
+  if x.shape[-1] != 16:
+    raise ValueError(f"hadamard16_last_axis takes a last axis of 16, got shape {x.shape}")
+  for stride in (1, 2, 4, 8):
+    pairs = x.reshape(*x.shape[:-1], 16 // (2 * stride), 2, stride)
+    a, b = pairs[..., 0, :], pairs[..., 1, :]
+    x = jnp.stack([a + b, a - b], axis=-2).reshape(x.shape)
+  return x
+
+
 def _mix32(x):
   """A bijective 32-bit integer finalizer (Wellons' "lowbias32": xorshift-multiply)."""
   x = x ^ (x >> 16)

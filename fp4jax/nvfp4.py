@@ -578,13 +578,7 @@ def hadamard(x, key, axis=-1, *, inverse=False) -> jax.Array:
   xb = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)
   if not inverse:
     xb = xb * signs
-  # numerics.hadamard16_butterfly's additions, one stage at a time on the block's last axis: at stride
-  # s, element i (bit s clear) becomes v[i] + v[i + s] and element i + s becomes v[i] - v[i + s].
-  # (On a list of 16 slices, XLA would copy each output's addition tree into a fusion of its own.)
-  for stride in (1, 2, 4, 8):
-    pairs = xb.reshape(*xb.shape[:-1], BLOCK // (2 * stride), 2, stride)
-    a, b = pairs[..., 0, :], pairs[..., 1, :]
-    xb = jnp.stack([a + b, a - b], axis=-2).reshape(xb.shape)
+  xb = numerics.hadamard16_last_axis(xb)  # the butterfly's additions in their order
   if inverse:
     xb = xb * signs
   yb = xb * jnp.float32(0.25)

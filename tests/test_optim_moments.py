@@ -245,6 +245,24 @@ def test_centered_codec():
   assert not np.any(np.asarray(zero.dequantize()))
 
 
+def test_center_rotate_and_uncenter_are_the_same_bits_in_both_layouts():
+  """The kernels' layout (a list of 16 arrays, element i of each block in the i-th) and the XLA path's
+  (one array, the blocks on its last axis) give the same means, deviations and decoded roots, on
+  heavy-tailed data with zero blocks, subnormals and equal elements."""
+  x = np.array(_heavy_tailed_root(jax.random.key(3), (192, 16)).reshape(24, 8, 16))
+  x[0] = 0.0
+  x[1, :, ::2] = np.float32(2.0**-140)  # subnormal: flushed
+  x[2] = np.float32(3.0)
+  cols = lambda a: [a[..., i] for i in range(16)]
+  mean_a, y_a = kernel.center_rotate(jnp.asarray(x))
+  mean_l, y_l = kernel.center_rotate(cols(jnp.asarray(x)))
+  _same_bits((mean_a, y_a), (mean_l, jnp.stack(y_l, axis=-1)))
+  y = jnp.asarray(np.asarray(y_a) * np.float32(0.75))  # decoded deviations are not the exact ones
+  _same_bits(kernel.uncenter(y, mean_a), jnp.stack(kernel.uncenter(cols(y), mean_a), axis=-1))
+  back = np.asarray(kernel.uncenter(y_a, mean_a))[3:]  # the unaltered blocks round-trip
+  np.testing.assert_allclose(back, x[3:], rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["m_only", "v_only", "mean_hadamard", "preconditioner_sr", "four_over_six",
                                   "dither", "eden"])
 def test_lowers_to_triton_for_h200(triton_modules, name):

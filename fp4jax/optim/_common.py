@@ -202,8 +202,8 @@ def encode_centered(x, rounding: str, key, lane: int = 1, scale_rule: str = "max
   ax = block_axis(x.shape)
   xm = jnp.moveaxis(x.astype(jnp.float32), ax, -1)
   blocks = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)
-  mean, y = adam_kernel.center_rotate([blocks[..., i] for i in range(BLOCK)])
-  y = jnp.moveaxis(jnp.stack(y, axis=-1).reshape(xm.shape), -1, ax)
+  mean, y = adam_kernel.center_rotate(blocks)
+  y = jnp.moveaxis(y.reshape(xm.shape), -1, ax)
   t = encode(y, rounding, key, lane, scale_rule)
   return CenteredNVFP4Tensor(codes=t.codes, scales=t.scales, global_scale=t.global_scale,
                              shape=t.shape, block=t.block, axis=t.axis, dtype=t.dtype,

@@ -65,7 +65,7 @@ class CenteredNVFP4Tensor(NVFP4Tensor):
     y = jnp.moveaxis(NVFP4Tensor.dequantize(self, jnp.float32), self.axis, -1)
     blocks = y.reshape(*y.shape[:-1], y.shape[-1] // BLOCK, BLOCK)
     mean = jnp.moveaxis(self.mean, self.axis, -1)
-    x = jnp.stack(_kernel.uncenter([blocks[..., i] for i in range(BLOCK)], mean), axis=-1)
+    x = _kernel.uncenter(blocks, mean)
     x = jnp.moveaxis(x.reshape(y.shape), -1, self.axis)
     return x.astype(self.dtype if dtype is None else dtype)
 
