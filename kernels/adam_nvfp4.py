@@ -182,36 +182,50 @@ CENTERED_FLOOR = 2.0**-4
 HADAMARD_SIGNS = (-1.0, -1.0, 1.0, 1.0, -1.0, 1.0, 1.0, -1.0, -1.0, 1.0, -1.0, 1.0, -1.0, -1.0, -1.0, -1.0)
 
 
-def center_rotate(s: list) -> tuple[jax.Array, list]:
-  """One block's √v (16 equally shaped float32 arrays, element i of each block in ``s[i]``) ->
-  (the block mean in bfloat16, the 16 rotated deviations ``nvfp4.hadamard(s - mean)``).
+def _signs_last_axis(ndim: int) -> jax.Array:
+  return jnp.asarray(HADAMARD_SIGNS, jnp.float32).reshape((1,) * (ndim - 1) + (BLOCK,))
 
-  The sum runs in element order and is multiplied by the exact 1/16; the bfloat16 mean is what is
-  subtracted, so its rounding costs nothing on decoding (rounded by ``numerics.bf16_rn``: XLA on the
-  GPU would fold a cast to bfloat16 and back). The rotation is ``nvfp4.hadamard``'s butterfly
-  (products by the signs, additions in its fixed order, the exact ×1/4), each result's subnormals
-  flushed (as the quantizer flushes its input): the same bits in the kernels and the XLA path.
+
+def center_rotate(s):
+  """One block's √v -> (the block mean in bfloat16, the rotated deviations ``nvfp4.hadamard(s - mean)``).
+
+  ``s`` is a list of 16 equally shaped float32 arrays, element i of each block in ``s[i]`` (the
+  kernels' layout; the deviations come back as such a list), or one array with the blocks on its
+  last axis of 16 (the XLA path's; the deviations come back as one array). The sum runs in element
+  order and is multiplied by the exact 1/16; the bfloat16 mean is what is subtracted, so its rounding
+  costs nothing on decoding (rounded by ``numerics.bf16_rn``: XLA on the GPU would fold a cast to
+  bfloat16 and back). The rotation is ``nvfp4.hadamard``'s butterfly (products by the signs,
+  additions in its fixed order, the exact ×1/4), each result's subnormals flushed (as the quantizer
+  flushes its input): the same bits in either layout, in the kernels and the XLA path.
   """
   ftz = numerics.flush_subnormals
-  s = [ftz(x) for x in s]
-  m32 = numerics.bf16_rn(functools.reduce(jnp.add, s) * jnp.float32(1.0 / BLOCK))
-  mean = m32.astype(jnp.bfloat16)  # exact
-  signs = HADAMARD_SIGNS
-  y = numerics.hadamard16_butterfly([ftz(x - m32) * jnp.float32(signs[i]) for i, x in enumerate(s)])
-  return mean, [ftz(x * jnp.float32(0.25)) for x in y]
+  quarter = jnp.float32(0.25)
+  if isinstance(s, (list, tuple)):
+    s = [ftz(x) for x in s]
+    m32 = numerics.bf16_rn(functools.reduce(jnp.add, s) * jnp.float32(1.0 / BLOCK))
+    y = numerics.hadamard16_butterfly([ftz(x - m32) * jnp.float32(HADAMARD_SIGNS[i]) for i, x in enumerate(s)])
+    return m32.astype(jnp.bfloat16), [ftz(x * quarter) for x in y]
+  s = ftz(jnp.asarray(s, jnp.float32))
+  m32 = numerics.bf16_rn(functools.reduce(jnp.add, [s[..., i] for i in range(BLOCK)]) * jnp.float32(1.0 / BLOCK))
+  y = numerics.hadamard16_last_axis(ftz(s - m32[..., None]) * _signs_last_axis(s.ndim))
+  return m32.astype(jnp.bfloat16), ftz(y * quarter)
 
 
-def uncenter(y: list, mean) -> list:
-  """The inverse of ``center_rotate``: 16 decoded rotated deviations and the bfloat16 block mean ->
-  √v, floored at ``CENTERED_FLOOR · mean`` (never below 0, never far below the block's level: a
+def uncenter(y, mean):
+  """The inverse of ``center_rotate``: the decoded rotated deviations (its list of 16 arrays or its
+  array with the blocks on the last axis) and the bfloat16 block means -> √v in the same layout,
+  floored at ``CENTERED_FLOOR · mean`` (never below 0, never far below the block's level: a
   reconstruction error cannot leave an entry at 0 or negative, which Adam would divide by)."""
   ftz = numerics.flush_subnormals
   m32 = mean.astype(jnp.float32)
-  signs = HADAMARD_SIGNS
-  d = [ftz(x * jnp.float32(signs[i]) * jnp.float32(0.25))
-       for i, x in enumerate(numerics.hadamard16_butterfly(list(y)))]
   floor = m32 * jnp.float32(CENTERED_FLOOR)
-  return [jnp.maximum(ftz(m32 + x), floor) for x in d]
+  quarter = jnp.float32(0.25)
+  if isinstance(y, (list, tuple)):
+    d = [ftz(x * jnp.float32(HADAMARD_SIGNS[i]) * quarter)
+         for i, x in enumerate(numerics.hadamard16_butterfly(list(y)))]
+    return [jnp.maximum(ftz(m32 + x), floor) for x in d]
+  d = ftz(numerics.hadamard16_last_axis(y) * _signs_last_axis(y.ndim) * quarter)
+  return jnp.maximum(ftz(m32[..., None] + d), floor[..., None])
 
 
 def e2m1_preconditioner_codes(x32, escale, dscale, s_dec, zero_block, bits, c2, eps, mul):
