@@ -35,6 +35,7 @@ same command resumes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -125,17 +126,22 @@ def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping 
   length, seed and corpus), its evaluation ``ev`` (``experiments.evaluate``; None: it diverged) and
   ``fields`` (``reference``, ``baseline``, ``seed``, ...). ``comparable`` says the evaluation is
   the one asked for: step ``exp.train.steps``, the experiment's corpus, at most ``eval_tokens``
-  tokens."""
+  tokens. The run's ``config.json`` gives the vocabulary and the training split's size, so a
+  run folder copied away from its data is read alike (a run recorded without the split's size reads
+  it from the data folder where that still exists; the epochs are NaN where it does not)."""
   s = run_summary(run_dir)
   run = json.loads((run_dir / "config.json").read_text())
-  meta = data.read_meta(run["data_dir"])
+  train_tokens = run.get("train_tokens")
+  if train_tokens is None:
+    with contextlib.suppress(FileNotFoundError):
+      train_tokens = data.read_meta(run["data_dir"]).num_tokens("train")
   tc = exp.train
   tokens = tc.steps * tc.batch_size * tc.seq_len
   step_time = s.get("step_time_s", math.nan)
   status = "diverged" if ev is None else s["status"]
   ev = ev or {}
   if exp.model.vocab_size is None:
-    exp = dataclasses.replace(exp, model=dataclasses.replace(exp.model, vocab_size=meta.vocab_size))
+    exp = dataclasses.replace(exp, model=dataclasses.replace(exp.model, vocab_size=run["vocab_size"]))
   comparable = (status == "ok" and ev.get("step") == tc.steps
                 and ev.get("text") == exp.data.corpus and ev.get("max_tokens") == eval_tokens)
   return {"arm": name, "recipe": recipe, "status": status, "reference": False, "baseline": None,
@@ -149,7 +155,7 @@ def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping 
           "train_loss": s.get("train_loss", math.nan),
           "step": s.get("step", 0), "tokens": tokens, "params": run["num_params"],
           "tokens_per_s": tc.batch_size * tc.seq_len / step_time if step_time > 0 else math.nan,
-          "epochs": tokens / meta.splits["train"]["num_tokens"], "step_time_s": step_time,
+          "epochs": tokens / train_tokens if train_tokens else math.nan, "step_time_s": step_time,
           "platform": run.get("platform"), "devices": run.get("devices"), "code": run.get("code")}
 
 

@@ -332,6 +332,7 @@ def run(exp, workdir: str | os.PathLike, allow_changes: Sequence[str] = ()) -> d
       modules = ", ".join(f"{k}={getattr(exp.recipe, k)}" for k in MODULES)
       print(f"training {exp.name} in {workdir}: recipe {modules}", flush=True)
     config = {"config": recorded, "data_dir": data_dir, "vocab_size": exp.model.vocab_size,
+              "train_tokens": data.read_meta(data_dir).num_tokens("train"),
               "num_params": exp.model.num_params(), "devices": jax.device_count(),
               "platform": jax.default_backend(), "code": code_version()}
     train_iter = data.make_iterator(data_dir, "train", tc.seq_len, tc.batch_size, seed=tc.seed)

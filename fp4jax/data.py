@@ -116,8 +116,10 @@ def read_meta(data_dir: str | os.PathLike) -> DataMeta:
   path = Path(data_dir) / _META_FILE
   if not path.is_file():
     what = "folder" if not Path(data_dir).is_dir() else _META_FILE
-    raise FileNotFoundError(f"no data at {data_dir} ({what} missing); make it with `python "
-                            f"-m fp4jax.data prepare --corpus=shakespeare --out={data_dir}`")
+    raise FileNotFoundError(f"no data at {data_dir} ({what} missing); make it with `python -m "
+                            f"fp4jax.data prepare --corpus=CORPUS --out={data_dir}` (CORPUS and the "
+                            "tokenizer flags those it was made with: `prepare --help` lists them), or "
+                            "name the folder that holds it")
   d = json.loads(path.read_text())
   names = {f.name for f in dataclasses.fields(DataMeta)}
   if missing := names - d.keys():

@@ -3,6 +3,7 @@ the LoRA-SVD branch's learning-rate scale (Recipe.lora_lr_scale) in the optimize
 
 import dataclasses
 import json
+from pathlib import Path
 import math
 import statistics
 import subprocess
@@ -281,6 +282,15 @@ def test_two_arms_collect_and_reuse(tmp_path, capsys, monkeypatch):
   for arm in ("bf16_s0", "bf16_s1"):
     assert sorted(p.name for p in (dest / arm).iterdir()) == sorted(set(st.ARM_LOGS) - {st.SHARED_FILE})
   assert (dest / st.STUDY_FILE).is_file()
+  # The collected folder is read without the data it was trained on (copied to another machine).
+  data_dir = Path(json.loads((dest / "bf16_s0" / "config.json").read_text())["data_dir"])
+  data_dir.rename(data_dir.with_name("moved"))
+  try:
+    again, _ = st.write_results(Experiment.from_config(cfg), dest, 256)
+  finally:
+    data_dir.with_name("moved").rename(data_dir)
+  assert [(r["eval_loss"], r["epochs"], r["gap_pct"]) for r in again] == \
+      [(r["eval_loss"], r["epochs"], r["gap_pct"]) for r in lines]
 
   # A finished arm is reused (not trained again); a study of another config is refused.
   before = (work / "bf16_s0" / "metrics.jsonl").read_text()
