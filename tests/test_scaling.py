@@ -210,6 +210,7 @@ def test_plot_fit_draws_each_recipe():
   matplotlib.pyplot.close(fig)
 
 
+@pytest.mark.slow
 def test_study_fit_command(tmp_path):
   _write_grid(tmp_path, synthetic())
   env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parent.parent), "JAX_PLATFORMS": "cpu"}
