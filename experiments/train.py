@@ -327,12 +327,12 @@ def run(exp, workdir: str | os.PathLike, allow_changes: Sequence[str] = ()) -> d
     if exp.data_info is None:
       exp = prepare_data(exp)
     tc, data_dir = exp.train, exp.data.dir
-    data.check_data(data_dir, exp.model.vocab_size, tc.seq_len, tc.batch_size)
+    meta = data.check_data(data_dir, exp.model.vocab_size, tc.seq_len, tc.batch_size)
     if jax.process_index() == 0:
       modules = ", ".join(f"{k}={getattr(exp.recipe, k)}" for k in MODULES)
       print(f"training {exp.name} in {workdir}: recipe {modules}", flush=True)
     config = {"config": recorded, "data_dir": data_dir, "vocab_size": exp.model.vocab_size,
-              "train_tokens": data.read_meta(data_dir).num_tokens("train"),
+              "train_tokens": meta.num_tokens("train"),
               "num_params": exp.model.num_params(), "devices": jax.device_count(),
               "platform": jax.default_backend(), "code": code_version()}
     train_iter = data.make_iterator(data_dir, "train", tc.seq_len, tc.batch_size, seed=tc.seed)

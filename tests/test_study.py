@@ -3,11 +3,11 @@ the LoRA-SVD branch's learning-rate scale (Recipe.lora_lr_scale) in the optimize
 
 import dataclasses
 import json
-from pathlib import Path
 import math
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
