@@ -246,8 +246,9 @@ def test_train_uses_xla_when_the_state_is_sharded(monkeypatch):
 @pytest.mark.slow
 def test_first_pass_with_spread_atomics(triton_modules):
   """``atomic_slots`` (each max folded into several copies, reduced by XLA; 1: one address) gives
-  the XLA path's state in interpret mode with more programs than copies (the default, 64 copies, more
-  than the programs: ``test_interpret_equals_xla_path``), and lowers to Triton for an H200."""
+  the XLA path's state in interpret mode with fewer copies than programs (1) and about as many (4; the
+  default, 64, more copies than programs, is ``test_interpret_equals_xla_path``'s), and lowers to
+  Triton for an H200."""
   _, s_x = _xla_run()
   for slots in (1, 4):
     _, s_k = _run(_tx("pallas_interpret", config=AdamKernelConfig(atomic_slots=slots)), 2)

@@ -23,8 +23,8 @@ from fp4jax.quant import Operand
 # path beside the kernels); (64,): a float32 leaf.
 SHAPES = {"w": (32, 64), "odd": (5, 48), "head": (64, 24), "b": (64,)}
 # The kernels' cases: one NVFP4 leaf of 165 blocks (three programs of the encode kernel and two of the
-# stats kernel at the default sizes, the last of each ragged) and a float32 leaf. One leaf size: one
-# launch of each kernel, the smallest program that has several programs and a ragged one.
+# stats kernel at the default sizes, the last of each ragged) and a float32 leaf: one launch of each
+# kernel that still spans several programs and a ragged one.
 KERNEL_SHAPES = {"odd": (33, 80), "b": (64,)}
 
 VARIANTS = {
