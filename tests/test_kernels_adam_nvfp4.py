@@ -115,7 +115,7 @@ def xla_second_step():
   return state, *update(_tree(2), state, params)
 
 
-@pytest.mark.parametrize("block_rows, stats_block_rows", [(64, 64), (128, 128), (64, 256)])
+@pytest.mark.parametrize("block_rows, stats_block_rows", [(64, 64), (64, 256)])
 @pytest.mark.slow
 def test_many_programs_and_ragged_tail(block_rows, stats_block_rows, xla_second_step):
   """The kernels called directly with small programs (8 and 6 programs, the last ragged; the first
@@ -267,19 +267,21 @@ GROUPED = {"a": (64, 128), "b": (128, 64), "odd": (33, 160), "odd2": (33, 160), 
            "zero": (16, 256), "bias": (128,)}
 
 
-@pytest.mark.parametrize("group,launches", [(12, 3), (2, 4)])
+@pytest.mark.parametrize("group,launches,interpret", [(12, 3, True), (2, 4, False)])
 @pytest.mark.slow
-def test_leaves_of_one_size_share_launches(triton_modules, group, launches):
+def test_leaves_of_one_size_share_launches(triton_modules, group, launches, interpret):
   """Leaves of one size and dtype share each kernel's launch, at most ``launch_group`` at a time (their
   programs side by side, a branch per leaf): the XLA path's state in interpret mode, a NaN leaf and
   ragged programs included, and fewer Triton calls for an H200 (6 NVFP4 leaves: 6 launches per kernel
-  unshared)."""
+  unshared). Groups of 12 give launches of three leaves, two and one, every kind of launch that groups of
+  2 make (two, one, two, one): those run in interpret mode once, and each group size is lowered."""
   config = AdamKernelConfig(launch_group=group)
-  u_x, s_x = _xla_run(nan=True, shapes=GROUPED)
-  u_k, s_k = _run(_tx("pallas_interpret", config=config), 2, nan=True, shapes=GROUPED)
-  _assert_state_equal(s_k, s_x)
-  for a, b in zip(u_k, u_x):
-    _assert_updates_close(a, b)
+  if interpret:
+    u_x, s_x = _xla_run(nan=True, shapes=GROUPED)
+    u_k, s_k = _run(_tx("pallas_interpret", config=config), 2, nan=True, shapes=GROUPED)
+    _assert_state_equal(s_k, s_x)
+    for a, b in zip(u_k, u_x):
+      _assert_updates_close(a, b)
   tx = _tx("pallas", config=config)
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in GROUPED.items()}
   with jax.sharding.use_abstract_mesh(H200):
