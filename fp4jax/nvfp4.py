@@ -164,8 +164,12 @@ class NVFP4Tensor:
 
   def dequantize(self, dtype=None) -> jax.Array:
     """``elements * block_scales * global_scale`` in float32, then cast to ``dtype`` (default: original)."""
-    x = self.scaled_elements(jnp.float32) * self.global_scale
-    return x.astype(self.dtype if dtype is None else dtype)
+    return _dequantize(self, jnp.dtype(self.dtype if dtype is None else dtype))
+
+
+@functools.partial(jax.jit, static_argnums=1)  # one compiled program per layout, as ``_quantize``
+def _dequantize(t: NVFP4Tensor, dtype) -> jax.Array:
+  return (t.scaled_elements(jnp.float32) * t.global_scale).astype(dtype)
 
 
 def _check_layout(shape, block, axis):
@@ -316,7 +320,14 @@ def quantize(x, *, block=(1, BLOCK), axis=-1, rounding="nearest", key=None, bits
   if bits is not None and (tuple(bits.shape) != tuple(x.shape) or bits.dtype != jnp.uint32):
     raise ValueError(f"bits must be uint32 shaped like x {tuple(x.shape)}, got {bits.dtype}"
                      f"{tuple(bits.shape)}")
+  return _quantize(x, key, bits, block=block, axis=axis, rounding=rounding, scale_rule=scale_rule)
 
+
+# One compiled program per shape and layout: an eager ``quantize`` runs it instead of op by op; under a
+# trace it is a nested call that XLA inlines (the same operations as written out in place).
+@functools.partial(jax.jit, static_argnames=("block", "axis", "rounding", "scale_rule"))
+def _quantize(x, key, bits, *, block, axis, rounding, scale_rule) -> NVFP4Tensor:
+  """``quantize`` of checked arguments (``block`` and ``axis`` as ``block_layout`` returns them)."""
   x32 = numerics.flush_subnormals(x.astype(jnp.float32))
   # NaN -> inf before the max: XLA's CPU max does not propagate NaN.
   ax = jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32))
@@ -572,6 +583,11 @@ def hadamard(x, key, axis=-1, *, inverse=False) -> jax.Array:
   axis = axis % x.ndim
   if x.shape[axis] % BLOCK:
     raise ValueError(f"hadamard along axis {axis}: size {x.shape[axis]} is not a multiple of 16")
+  return _hadamard(x, key, axis, inverse)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))  # one compiled program per shape, as ``_quantize``
+def _hadamard(x, key, axis, inverse):
   signs = hadamard_matrix(key)[:, 0] * 4.0  # s, exactly ±1
   signs = signs.reshape((1,) * x.ndim + (BLOCK,))
   xm = jnp.moveaxis(numerics.flush_subnormals(x.astype(jnp.float32)), axis, -1)

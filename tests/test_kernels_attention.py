@@ -327,6 +327,13 @@ def test_tile_quantizers_equal_the_numerics_encoders_on_special_values(rounding)
   rng = np.random.default_rng(7)
   bits = A._tile_bits(jnp.uint32(123), jnp.uint32(456), 7, 64, 128, 128, 128)
   bits = bits if rounding == "stochastic" else None
+  # Each side one compiled program per tile (as in the kernels), not op by op.
+  quantize_tile = jax.jit(A._quantize_tile, static_argnums=(2, 3, 4))
+  ds_reference = jax.jit(_ds_tile_reference, static_argnums=(2, 3))
+  const = lambda v: jnp.full((128, 8), v, jnp.float32)
+  quantize_p = jax.jit(lambda p, bits: A._quantize_p_tile(p, bits, rounding, "backend"))
+  p_reference = jax.jit(lambda p, bits: _encoders_reference(
+      p, lambda ax: A._tile_max(ax, 1, 16), const(A._P_S_ENC), const(A._P_S_DEC), (1, 16), rounding, bits))
   for trial in range(7):
     x = (rng.standard_normal((128, 128)) * 10.0 ** rng.uniform(-8, 2, (128, 128))).astype(np.float32)
     x[:16, :16] = 0.0
@@ -350,17 +357,14 @@ def test_tile_quantizers_equal_the_numerics_encoders_on_special_values(rounding)
       x[:64, 64:] = np.float32(3.0e38) * np.sign(x[:64, 64:])
     ds = jnp.asarray(x)
     for tile in ((64, 64), (64, 32), (128, 128), (16, 16)):
-      got = np.asarray(A._quantize_tile(ds, bits, tile, rounding, "backend"))
-      want = np.asarray(_ds_tile_reference(ds, bits, tile, rounding))
+      got = np.asarray(quantize_tile(ds, bits, tile, rounding, "backend"))
+      want = np.asarray(ds_reference(ds, bits, tile, rounding))
       np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
     p = np.minimum(np.abs(x), 1.0)
     if rounding == "stochastic":
       p = np.where(np.isnan(p), 0.5, p)
     p = jnp.asarray(p)
-    const = lambda v: jnp.full((128, 8), v, jnp.float32)
-    got = np.asarray(A._quantize_p_tile(p, bits, rounding, "backend"))
-    want = np.asarray(_encoders_reference(p, lambda ax: A._tile_max(ax, 1, 16), const(A._P_S_ENC),
-                                          const(A._P_S_DEC), (1, 16), rounding, bits))
+    got, want = np.asarray(quantize_p(p, bits)), np.asarray(p_reference(p, bits))
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 

@@ -51,13 +51,13 @@ def test_aligned_split_follows_the_old_factors_columns():
 
 def _model_state(opt_cfg):
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2)
-  graphdef, state = nnx.split(Transformer(cfg, RECIPE, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(nnx.jit(lambda: Transformer(cfg, RECIPE, rngs=nnx.Rngs(0)))())
   params = nnx.to_pure_dict(state)
   tx = make_optimizer(opt_cfg, RECIPE, 10)
-  opt_state = tx.init(params)
+  opt_state = jax.jit(tx.init)(params)
   # Moments as after some training: one update from a made-up gradient.
   grads = jax.tree.map(lambda p: jnp.full_like(p, 0.01), params)
-  _, opt_state = tx.update(grads, opt_state, params)
+  _, opt_state = jax.jit(tx.update)(grads, opt_state, params)
   mesh = shd.make_mesh((1, 1, 1))
   p_sh = shd.param_shardings(params, mesh)
   o_sh = jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), opt_state)
