@@ -377,7 +377,7 @@ def _escale_table(s_dec):
   return jnp.minimum(div_rn_normal(jnp.float32(1.0), denominators), F32_MAX)
 
 
-@functools.partial(jax.jit, static_argnums=1)  # eager quantizes reuse one compiled program
+@functools.partial(jax.jit, static_argnums=1)  # traced once per e4m3_max, a call in each quantize (XLA inlines it)
 def _global_scales(amax, e4m3_max):
   """``global_decode_scale(amax, e4m3_max)`` and ``_escale_table`` of its ``S_dec``: ``(S_enc, S_dec,
   table)``."""
