@@ -138,6 +138,16 @@ def write_docs(folder, n: int, name: str = "doc_{i:02d}.txt"):
   return folder
 
 
+def write_pydoc_text(folder, n_docs: int = 20):
+  """A folder corpus of real text: the first ``n_docs`` topics of CPython's own documentation
+  (``pydoc_data.topics``, shipped with every Python), one ``.txt`` file each; returns the folder."""
+  import pydoc_data.topics
+  folder.mkdir(parents=True, exist_ok=True)
+  for i, (name, body) in enumerate(sorted(pydoc_data.topics.topics.items())[:n_docs]):
+    (folder / f"{i:03d}-{name}.txt").write_text(body)
+  return folder
+
+
 def state_type(tree):
   """An optimizer state's type as jit sees it: tree structure, and each array's shape and dtype."""
   import jax.numpy as jnp

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import write_pydoc_text
 
 from experiments import evaluate as ev
 from experiments import train as launcher
@@ -26,12 +27,8 @@ T, B = 32, 4
 def trained(tmp_path_factory):
   """A tiny run trained 3 steps on a folder of real text (CPython's docs), evaluated at the end
   on every whole batch of its validation split."""
-  import pydoc_data.topics
   root = tmp_path_factory.mktemp("eval")
-  text = root / "text"
-  text.mkdir()
-  for i, (name, body) in enumerate(sorted(pydoc_data.topics.topics.items())[:20]):
-    (text / f"{i:03d}-{name}.txt").write_text(body)
+  text = write_pydoc_text(root / "text")
   cfg = tiny.get_config()
   cfg.update(steps=3, batch_size=B, seq_len=T, eval_batches=1000, checkpoint_every=0,
              mesh_shape=(1, 1, 1), progress=False, tensorboard=False)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import Preempted, StopAfter
+from conftest import Preempted, StopAfter, write_pydoc_text
 from flax import nnx
 
 from fp4jax import data
@@ -129,11 +129,7 @@ def test_resume_across_a_resplit_is_exact(tmp_path):
   """Re-splits at steps 3 and 6 (the moments reset, a randomized SVD); a run preempted after step 6
   resumes from its step-4 checkpoint and ends with the uninterrupted run's losses and state, bit for
   bit. The branch's GEMMs are bf16 here: the re-split, not the quantizer, is under test."""
-  import pydoc_data.topics
-  text = tmp_path / "text"
-  text.mkdir()
-  for i, (name, body) in enumerate(sorted(pydoc_data.topics.topics.items())[:20]):
-    (text / f"{i:03d}-{name}.txt").write_text(body)
+  text = write_pydoc_text(tmp_path / "text")
   tokens = tmp_path / "tokens"
   data.prepare(str(text), tokens, tokenizer="byte")
   model = ModelConfig(vocab_size=272, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, dtype="float32")

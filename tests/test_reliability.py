@@ -15,7 +15,7 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 import pytest
-from conftest import Preempted, StopAfter
+from conftest import Preempted, StopAfter, write_pydoc_text
 
 from experiments import compare
 from experiments import train as launcher
@@ -42,17 +42,10 @@ TINY = {"log_every": 1, "model.d_model": 32, "model.n_layers": 1, "batch_size": 
 ENV = {**os.environ, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
 
 
-def _write_text(folder: Path, n_docs: int) -> Path:
-  import pydoc_data.topics
-  folder.mkdir(parents=True, exist_ok=True)
-  for i, (name, body) in enumerate(sorted(pydoc_data.topics.topics.items())[:n_docs]):
-    (folder / f"{i:03d}-{name}.txt").write_text(body)
-  return folder
-
 
 @pytest.fixture(scope="module")
 def text_dir(tmp_path_factory):
-  return _write_text(tmp_path_factory.mktemp("text"), 20)
+  return write_pydoc_text(tmp_path_factory.mktemp("text"), 20)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import write_pydoc_text
 
 from experiments import compare
 from experiments import evaluate as evaluate_lib
@@ -37,11 +38,7 @@ SMALL = {"batch_size": 4, "seq_len": 16, "eval_batches": 1, "checkpoint_every": 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-  import pydoc_data.topics
-  folder = tmp_path_factory.mktemp("text")
-  for i, (name, body) in enumerate(sorted(pydoc_data.topics.topics.items())[:20]):
-    (folder / f"{i:03d}-{name}.txt").write_text(body)
-  return folder
+  return write_pydoc_text(tmp_path_factory.mktemp("text"))
 
 
 def _settings(corpus, tokens, **over):

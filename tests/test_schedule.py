@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from conftest import Preempted, StopAfter
+from conftest import Preempted, StopAfter, write_pydoc_text
 from flax import nnx
 
 from experiments import evaluate as ev
@@ -32,12 +32,8 @@ def experiment(tmp_path_factory):
   """fp4_linear with its last 3 of 6 steps' forward GEMMs in BF16, on a one-block model and a
   folder of real text (CPython's docs), prepared once; checkpoints every 2 steps, evaluated at the
   end on the whole validation split."""
-  import pydoc_data.topics
   root = tmp_path_factory.mktemp("schedule")
-  text = root / "text"
-  text.mkdir()
-  for i, (name, body) in enumerate(sorted(pydoc_data.topics.topics.items())[:20]):
-    (text / f"{i:03d}-{name}.txt").write_text(body)
+  text = write_pydoc_text(root / "text")
   cfg = tiny.get_config("fp4_linear")
   cfg.update(steps=6, batch_size=B, seq_len=T, log_every=1, eval_batches=1000, checkpoint_every=2,
              mesh_shape=(1, 1, 1), progress=False, tensorboard=False)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import write_pydoc_text
 
 from fp4jax import data, nvfp4, telemetry
 from fp4jax import sharding as shd
@@ -25,10 +26,7 @@ PROJECTIONS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-  import pydoc_data.topics
-  text = tmp_path_factory.mktemp("text")
-  for i, (name, body) in enumerate(sorted(pydoc_data.topics.topics.items())[:20]):
-    (text / f"{i:03d}-{name}.txt").write_text(body)
+  text = write_pydoc_text(tmp_path_factory.mktemp("text"))
   out = tmp_path_factory.mktemp("tokens") / "pydoc-byte"
   data.prepare(str(text), out, tokenizer="byte")
   return str(out)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import Preempted, StopAfter
+from conftest import Preempted, StopAfter, write_pydoc_text
 from jax.sharding import PartitionSpec as P
 
 from fp4jax import data, optim
@@ -35,17 +35,10 @@ OPT = OptimizerConfig(learning_rate=3e-3, warmup_steps=5)
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _write_text(folder: Path, n_docs: int) -> Path:
-  import pydoc_data.topics
-  folder.mkdir(parents=True, exist_ok=True)
-  for i, (name, body) in enumerate(sorted(pydoc_data.topics.topics.items())[:n_docs]):
-    (folder / f"{i:03d}-{name}.txt").write_text(body)
-  return folder
-
 
 @pytest.fixture(scope="module")
 def text_dir(tmp_path_factory):
-  return _write_text(tmp_path_factory.mktemp("text"), 40)
+  return write_pydoc_text(tmp_path_factory.mktemp("text"), 40)
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +235,7 @@ def test_data_errors(data_dir):
 
 @pytest.mark.slow
 def test_launcher_cli_writes_metrics(tmp_path):
-  text_dir = _write_text(tmp_path / "text", 20)
+  text_dir = write_pydoc_text(tmp_path / "text", 20)
   cmd = [sys.executable, "-m", "experiments.train", "--config=experiments/configs/tiny.py",
          f"--workdir={tmp_path / 'run'}", "--config.steps=4", "--config.log_every=2",
          "--config.eval_every=4", "--config.eval_batches=1", "--config.model.d_model=32",
