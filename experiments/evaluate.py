@@ -72,6 +72,8 @@ def define_flags() -> None:
 def read_run(workdir: str | os.PathLike) -> dict:
   """``<workdir>/config.json``, with a clear error for a missing run."""
   workdir = Path(workdir)
+  if workdir.exists() and not workdir.is_dir():
+    raise NotADirectoryError(f"no run at {workdir}: it is a file, not a run's folder")
   if not workdir.is_dir():
     raise FileNotFoundError(f"no run at {workdir}: the folder does not exist")
   path = workdir / "config.json"

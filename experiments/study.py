@@ -82,7 +82,7 @@ from fp4jax.experiment import Experiment, TrainConfig
 from fp4jax.preemption import StopSignals, TrainingInterrupted
 from fp4jax.recipe import upgrade_config
 from fp4jax.train import NonFiniteLossError
-from fp4jax.workdir import ABSENT, RunLock, diff
+from fp4jax.workdir import ABSENT, RunLock, diff, make_folder
 
 STUDY_FILE = "study.json"
 ROWS_FILE = "study.jsonl"
@@ -300,7 +300,7 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
   eval_tokens = evaluate_lib.eval_tokens(cfg, eval_tokens, eval_batch_size)
   exps = {arm.name: arm_experiment(base, arm, telemetry) for arm in selected}
   child = bool(os.environ.get(_pool.CHILD_ENV))  # an arm of --parallel: the parent holds the lock
-  workdir.mkdir(parents=True, exist_ok=True)
+  make_folder(workdir, "study")
   lock = RunLock(workdir, "study")
   with lock if not child else contextlib.nullcontext(), StopSignals(
       lambda t: print(t, flush=True), BETWEEN_RUNS, lambda: lock.release(force=True)):

@@ -72,6 +72,23 @@ def _pid_alive(pid: int) -> bool:
   return True
 
 
+def make_folder(path: str | os.PathLike, what: str = "run") -> Path:
+  """Creates the folder ``path`` (and its parents) for a run, study or comparison; returns it.
+
+  Raises:
+    NotADirectoryError: ``path`` or one of its parents is a file; the message names it and says to
+      name a folder (``what`` says whose, e.g. "study").
+  """
+  path = Path(path)
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except (FileExistsError, NotADirectoryError) as e:
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+    raise NotADirectoryError(f"the {what}'s folder {path}: {blocker} is a file, not a folder; name a "
+                             "new or existing folder") from e
+  return path
+
+
 class RunLock:
   """An exclusive lock on a run directory; a context manager, re-entrant in one process.
 
@@ -95,7 +112,7 @@ class RunLock:
     if self._held.get(self.path):
       self._held[self.path] += 1
       return self
-    self.path.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(self.path.parent, self.what)
     me = {"host": socket.gethostname(), "pid": os.getpid(),
           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid_start": _pid_start(os.getpid())}
     for _ in range(3):
@@ -325,8 +342,7 @@ def record_start(workdir: str | os.PathLike, step: int, config: Mapping | None,
   """Appends this start of the run (with the code it runs, ``code_version``) to
   ``config_history.jsonl``; writes ``config.json`` on a fresh start (a resumed run never
   overwrites it)."""
-  workdir = Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  workdir = make_folder(workdir)
   if config is not None and (step == 0 or not (workdir / _CONFIG_FILE).is_file()):
     (workdir / _CONFIG_FILE).write_text(json.dumps(config, indent=1, default=str))
   entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "host": socket.gethostname(),

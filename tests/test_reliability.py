@@ -26,7 +26,7 @@ from fp4jax.metrics import read_jsonl
 from fp4jax.model import ModelConfig
 from fp4jax.recipe import get_recipe
 from fp4jax.train import OptimizerConfig, TrainConfig, train
-from fp4jax.workdir import RunChangedError, RunLock, RunLockedError
+from fp4jax.workdir import RunChangedError, RunLock, RunLockedError, make_folder
 
 REPO = Path(__file__).resolve().parents[1]
 T, B = 32, 8
@@ -173,6 +173,20 @@ def test_run_lock(tmp_path):
   lock_file.write_text("")
   with pytest.raises(RunLockedError, match="cannot be read"):
     RunLock(tmp_path).__enter__()
+
+
+def test_a_workdir_that_is_a_file_is_named_with_the_fix(tmp_path):
+  from experiments.evaluate import read_run
+  afile = tmp_path / "afile"
+  afile.write_text("")
+  for path in (afile, afile / "sub"):
+    with pytest.raises(NotADirectoryError, match=f"study's folder {path}: {afile} is a file, not a folder"):
+      make_folder(path, "study")
+    with pytest.raises(NotADirectoryError, match=f"{afile} is a file, not a folder; name a new or existing"):
+      RunLock(path).__enter__()
+  with pytest.raises(NotADirectoryError, match="it is a file, not a run's folder"):
+    read_run(afile)
+  assert make_folder(tmp_path / "a" / "b").is_dir() and make_folder(tmp_path / "a").is_dir()
 
 
 @pytest.mark.slow
