@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -154,6 +155,50 @@ def full_disk_line(e: BaseException, where: str | os.PathLike | None) -> str:
   path = next((x.filename for x in (e, e.__cause__, e.__context__)
                if isinstance(x, OSError) and x.filename), None) or where or os.getcwd()
   return space_line(path, None, "writing there")
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+  """``app.run``'s flag parser for the launchers with a ``--config``: absl's, except that an override
+  of a field the config does not have (``--config.optimizer.lr=1``), which ml_collections raises as a
+  bare ``AttributeError``, is reported as absl reports a bad flag: one line naming the flag and the
+  fields that are there, and exit status 1."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as e:
+    text = str(e)  # ml_collections' KeyError, quoted: "'lr'", or "'d_modl'\nDid you mean ...?"
+    overrides = [a[2:].split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
+    found = next(((o, c) for o in overrides for c in o.split(".")[1:]
+                  if re.search(rf"\\?'{re.escape(c)}\\?'", text)), None)
+    if found is None:
+      raise
+    path, key = found
+    parts = path.split(".")[1:]
+    parent = ".".join(parts[:parts.index(key)])
+    fields = ""
+    try:
+      node = flags.FLAGS["config"].value or _load_config(argv)
+      for name in filter(None, parent.split(".")):
+        node = node[name]
+      fields = f"; its fields: {', '.join(sorted(node.keys()))}"
+    except Exception:  # the listing is a courtesy; the error line stands without it
+      pass
+    where = f"config.{parent}" if parent else "the config"
+    if m := re.search(r'Did you mean "([^"]+)"', text):
+      fields = f"; did you mean {m[1]!r}?" + fields
+    print(f"FATAL Flags parsing error: flag --{path}: {where} has no field {key!r}{fields}",
+          file=sys.stderr, flush=True)
+    raise SystemExit(1) from None
+
+
+def _load_config(argv: Sequence[str]):
+  """The ConfigDict of the ``--config=FILE[:ARG]`` in ``argv``, loaded as ml_collections does."""
+  import importlib.util
+  spec = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
+  file, _, arg = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("_launcher_config", file)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
 
 
 def check_command_line(argv: Sequence[str], example: str, *required: str) -> None:
@@ -357,4 +402,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -142,6 +142,16 @@ def test_cli_errors(tmp_path):
   assert all(a in r.stderr for a in st.ARM_NAMES)
   r = run(f"--config={tmp_path / 'nope.py'}", "--arms=all")
   assert r.returncode == 1 and "nope.py" in r.stderr and "No such file" in r.stderr
+  # An override of a field the config does not have: one line (no traceback) naming the flag.
+  r = run("--config=experiments/configs/tiny.py", "--config.optimizer.lr=1", "--config.model.d_modl=3",
+          "--arms=bf16_s0")
+  assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+  assert r.stderr.strip() == ("FATAL Flags parsing error: flag --config.optimizer.lr: config.optimizer has no "
+                              "field 'lr'; its fields: b1, b2, decay_fraction, eps, grad_clip, learning_rate, "
+                              "min_lr_ratio, name, schedule, warmup_steps, weight_decay")
+  r = run("--config=experiments/configs/tiny.py", "--config.model.d_modl=3", "--arms=bf16_s0")
+  assert r.returncode == 1 and "flag --config.model.d_modl: config.model has no field 'd_modl'; did you " \
+      "mean 'd_model'?; its fields: d_ff, d_model," in r.stderr, r.stderr
   assert not (tmp_path / "s").exists()
 
 
