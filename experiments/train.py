@@ -45,6 +45,7 @@ import jax
 from absl import app, flags, logging
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from fp4jax import data, loop
 from fp4jax.checkpoint import (Checkpointer, CheckpointSaveError, CorruptCheckpointError, no_space,
@@ -176,7 +177,8 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     parent = ".".join(parts[:parts.index(key)])
     fields = ""
     try:
-      node = flags.FLAGS["config"].value or _load_config(argv)
+      spec = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
+      node = ConfigFileFlagParser("config").parse(spec)  # ml_collections' own loader
       for name in filter(None, parent.split(".")):
         node = node[name]
       fields = f"; its fields: {', '.join(sorted(node.keys()))}"
@@ -188,17 +190,6 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     print(f"FATAL Flags parsing error: flag --{path}: {where} has no field {key!r}{fields}",
           file=sys.stderr, flush=True)
     raise SystemExit(1) from None
-
-
-def _load_config(argv: Sequence[str]):
-  """The ConfigDict of the ``--config=FILE[:ARG]`` in ``argv``, loaded as ml_collections does."""
-  import importlib.util
-  spec = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
-  file, _, arg = spec.partition(":")
-  module_spec = importlib.util.spec_from_file_location("_launcher_config", file)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
 
 
 def check_command_line(argv: Sequence[str], example: str, *required: str) -> None:
