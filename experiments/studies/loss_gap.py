@@ -257,6 +257,12 @@ ARMS: tuple[Arm, ...] = (
             "stochastic rounding of dy and H·dy from the counter hash instead of jax.random.bits"),
         Arm("counter_bits_s1", "fp4_linear", {"recipe.matmul.rounding_bits": "counter"}, 1, "fp4_linear_s1",
             "stochastic rounding from the counter hash, seed 1"),
+        Arm("full_stack_winners_counter", "fp4_full_stack", {**_FULL_STACK_WINNERS, "recipe.matmul.rounding_bits":
+            "counter"}, 0, "full_stack_winners", "the full stack of the measured winners with the linear layers' "
+            "stochastic rounding from the counter hash"),
+        Arm("full_stack_winners_counter_s1", "fp4_full_stack", {**_FULL_STACK_WINNERS, "recipe.matmul.rounding_bits":
+            "counter"}, 1, "full_stack_winners_s1", "the full stack of the measured winners, counter-hash rounding, "
+            "seed 1"),
     ),
     # The method's baseline (1x16 W, Four-over-Six) with the forward GEMMs in BF16 at the end of training,
     # read against that baseline at the same seed.
