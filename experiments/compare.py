@@ -120,6 +120,18 @@ def _state_bytes_per_param(model, recipe, optimizer, steps) -> float:
   return state_nbytes(jax.eval_shape(tx.init, params)) / n
 
 
+def rounding_bits(config: Mapping) -> str | None:
+  """The random stream of the NVFP4 linear layers' stochastic rounding in a run's recorded config
+  (``config.json``'s ``config``): ``MatmulConfig.rounding_bits`` (``"random"``: ``jax.random.bits``;
+  ``"counter"``: ``fp4jax.numerics.counter_bits``), ``"random"`` for a run recorded before the field
+  existed, None where the linear layers are not NVFP4. Attention's dS and the NVFP4 moments always
+  take the counter hash."""
+  recipe = config.get("recipe", {})
+  if not str(recipe.get("linear", "bf16")).startswith("nvfp4"):
+    return None
+  return recipe.get("matmul", {}).get("rounding_bits", "random")
+
+
 def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping | None,
             eval_tokens: int | None, **fields) -> dict:
   """One row of the table: the run in ``run_dir`` of experiment ``exp`` (its steps, batch, sequence
@@ -151,7 +163,7 @@ def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping 
           "eval_text": ev.get("text"), "eval_max_tokens": ev.get("max_tokens"),
           "eval_batch_losses": ev.get("batch_losses"), "eval_batch_windows": ev.get("batch_windows"),
           "comparable": comparable, "price": price_lib.price(exp.recipe, exp.model, tc.steps),
-          "state_bytes_per_param": state_bytes_per_param(exp),
+          "state_bytes_per_param": state_bytes_per_param(exp), "rounding_bits": rounding_bits(run["config"]),
           "train_loss": s.get("train_loss", math.nan),
           "step": s.get("step", 0), "tokens": tokens, "params": run["num_params"],
           "tokens_per_s": tc.batch_size * tc.seq_len / step_time if step_time > 0 else math.nan,
@@ -220,6 +232,9 @@ def _pm(value: float, se: float, spec: str, se_spec: str) -> str:
                                 and math.isfinite(se) else "")
 
 
+_BITS_TEXT = {"random": "jax.random", "counter": "counter"}  # the table's words for ``rounding_bits``
+
+
 def table(rows: list[dict], floor: Mapping, title: str = "", notes: Sequence[str] = ()) -> str:
   """The Markdown table of a study or comparison: what the gaps mean, one line per row (``add_gaps``
   has run), and ``notes`` (lines printed under the header).
@@ -228,7 +243,9 @@ def table(rows: list[dict], floor: Mapping, title: str = "", notes: Sequence[str
   standard error over the evaluated batches, the evaluation's step and tokens, the gap to the
   reference ± the paired standard error, the gap to the row's baseline likewise, the recipe's
   price (``fp4jax.price.price``: linear-GEMM time on FP4 tensor cores, BF16 = 1), the optimizer
-  state's bytes per parameter (``state_bytes_per_param``; – for rows written before it), train loss,
+  state's bytes per parameter (``state_bytes_per_param``; – for rows written before it), the random
+  stream of the linear layers' stochastic rounding (``rounding_bits``: ``jax.random`` or ``counter``;
+  – without NVFP4 linear layers or for rows written before it), train loss,
   tokens, parameters, throughput (marked † for runs that shared the device), epochs, step time.
   """
   lines = [title, ""] if title else []
@@ -252,12 +269,12 @@ def table(rows: list[dict], floor: Mapping, title: str = "", notes: Sequence[str
                  "spread of the reference seeds is the measure of noise.")
   lines += list(notes)
   lines += ["", "| arm | recipe | seed | eval loss | eval step | eval tokens | gap % | vs baseline % "
-            "| price | state B/param | train loss | tokens | params | tokens/s | epochs | step ms |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| price | state B/param | SR bits | train loss | tokens | params | tokens/s | epochs | step ms |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     diverged = r["status"] == "diverged"
     if r["status"] not in ("ok", "diverged"):
-      lines.append(f"| {r['arm']} | {r['recipe']} | {r['seed']} | {r['status']} |" + " |" * 12)
+      lines.append(f"| {r['arm']} | {r['recipe']} | {r['seed']} | {r['status']} |" + " |" * 13)
       continue
     eval_loss = "diverged" if diverged else _pm(r["eval_loss"], r.get("eval_loss_se"), ".4f", ".4f")
     mark = " †" if r.get("shared_device", 1) > 1 else ""
@@ -270,7 +287,8 @@ def table(rows: list[dict], floor: Mapping, title: str = "", notes: Sequence[str
     ev_tokens = f"{r['eval_tokens']:,}" if r.get("eval_tokens") else "–"
     lines.append(f"| {r['arm']} | {r['recipe']} | {r['seed']} | {eval_loss} | {ev_step} | "
                  f"{ev_tokens} | {gap} | {vs} | {_fmt(r.get('price', math.nan), '.3f')} | "
-                 f"{_fmt(r.get('state_bytes_per_param', math.nan), '.2f')} | {_fmt(r['train_loss'], '.4f')} | "
+                 f"{_fmt(r.get('state_bytes_per_param', math.nan), '.2f')} | "
+                 f"{_BITS_TEXT.get(r.get('rounding_bits'), '–')} | {_fmt(r['train_loss'], '.4f')} | "
                  f"{_fmt(r['tokens'], ',')} | {_fmt(r['params'], ',')} | "
                  f"{_fmt(r['tokens_per_s'], ',.0f')}{mark} | {_fmt(r['epochs'], '.3g')} | "
                  f"{_fmt(1000 * r['step_time_s'], '.0f')}{mark} |")

@@ -84,10 +84,11 @@ def test_the_study_table_has_a_price_column():
           {**row, "arm": "b", "reference": False}, {**row, "arm": "c", "status": "no metrics"}]
   text = compare.table(rows, compare.add_gaps(rows))
   header = next(line for line in text.splitlines() if line.startswith("| arm |"))
-  assert "| vs baseline % | price | state B/param | train loss |" in header
+  assert "| vs baseline % | price | state B/param | SR bits | train loss |" in header
   widths = {line.count("|") for line in text.splitlines() if line.startswith("| ")}
   assert widths == {header.count("|")}  # every row has every column
-  assert f"| – | {rows[0]['price']:.3f} | – | 2.1000 |" in text and "| – | – | – | 2.1000 |" in text  # b: no price
+  assert f"| – | {rows[0]['price']:.3f} | – | – | 2.1000 |" in text
+  assert "| – | – | – | – | 2.1000 |" in text  # b: no price
 
 
 def test_state_bytes_per_param():
