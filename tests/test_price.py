@@ -80,14 +80,14 @@ def test_the_study_table_has_a_price_column():
   row = {"arm": "a", "recipe": "fp4_linear", "seed": 0, "status": "ok", "reference": True, "baseline": None,
          "eval_loss": 2.0, "train_loss": 2.1, "tokens": 100, "params": 10, "tokens_per_s": 5.0, "epochs": 0.5,
          "step_time_s": 0.2}
-  rows = [{**row, "price": price(get_recipe("fp4_linear", down_x={"terms": 2}), CFG)},
+  rows = [{**row, "price": price(get_recipe("fp4_linear", down_x={"terms": 2}), CFG), "rounding_bits": "counter"},
           {**row, "arm": "b", "reference": False}, {**row, "arm": "c", "status": "no metrics"}]
   text = compare.table(rows, compare.add_gaps(rows))
   header = next(line for line in text.splitlines() if line.startswith("| arm |"))
   assert "| vs baseline % | price | state B/param | SR bits | train loss |" in header
   widths = {line.count("|") for line in text.splitlines() if line.startswith("| ")}
   assert widths == {header.count("|")}  # every row has every column
-  assert f"| – | {rows[0]['price']:.3f} | – | – | 2.1000 |" in text
+  assert f"| – | {rows[0]['price']:.3f} | – | counter | 2.1000 |" in text
   assert "| – | – | – | – | 2.1000 |" in text  # b: no price
 
 
