@@ -342,8 +342,9 @@ def test_auto_is_xla_on_the_cpu_and_kernel_choices_check_their_inputs():
   auto = MatmulConfig.nvfp4()
   hlo = jax.jit(lambda x, w: nvfp4_matmul(x, w, key=jax.random.key(0), config=auto)).lower(x, w).as_text()
   assert "custom_call" not in hlo  # neither the kernels nor their interpret-mode loops
-  pallas = functools.partial(nvfp4_matmul, config=MatmulConfig.nvfp4(), execution=MatmulExecution("pallas"))
-  with pytest.raises(ValueError, match="threefry2x32 .*implementation='xla'"):
+  pallas = functools.partial(nvfp4_matmul, config=MatmulConfig.nvfp4(rounding_bits="random"),
+                             execution=MatmulExecution("pallas"))
+  with pytest.raises(ValueError, match="threefry2x32 .*implementation='xla'"):  # jax.random's bits
     pallas(x, w, key=jax.random.key(0, impl="rbg"))
   big = jax.ShapeDtypeStruct((2**27, 16), jnp.bfloat16)  # 2**31 elements
   with pytest.raises(ValueError, match="fewer than 2\\*\\*31 elements"):
@@ -632,7 +633,7 @@ def test_two_term_operand_and_its_gemm_are_the_terms_quantized_and_multiplied_in
   tx, tw = (matmul.quantize_operand(a, op, keys, cfg) for a, op in ((x2, "x"), (w, "w")))
   x1 = nvfp4.quantize(x2, axis=-1)
   xs = (x1, nvfp4.quantize(x2 - x1.dequantize(jnp.float32), axis=-1))
-  bits = lambda k, a: numerics.stochastic_bits(k, a.shape, "random")
+  bits = lambda k, a: numerics.stochastic_bits(k, a.shape, cfg.rounding_bits)
   w1 = nvfp4.quantize(w, block=(16, 16), rounding="stochastic", bits=bits(keys["w"], w))
   r = w - w1.dequantize(jnp.float32)
   ws = (w1, nvfp4.quantize(r, block=(16, 16), rounding="stochastic", bits=bits(jax.random.fold_in(keys["w"], 1), r)))
