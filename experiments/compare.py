@@ -163,7 +163,7 @@ def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping 
           "eval_text": ev.get("text"), "eval_max_tokens": ev.get("max_tokens"),
           "eval_batch_losses": ev.get("batch_losses"), "eval_batch_windows": ev.get("batch_windows"),
           "comparable": comparable, "price": price_lib.price(exp.recipe, exp.model, tc.steps),
-          "state_bytes_per_param": state_bytes_per_param(exp), "rounding_bits": rounding_bits(run["config"]),
+          "state_bytes_per_param": state_bytes_per_param(exp), "rounding_bits": rounding_bits(run.get("config", {})),
           "train_loss": s.get("train_loss", math.nan),
           "step": s.get("step", 0), "tokens": tokens, "params": run["num_params"],
           "tokens_per_s": tc.batch_size * tc.seq_len / step_time if step_time > 0 else math.nan,

@@ -148,6 +148,20 @@ def write_pydoc_text(folder, n_docs: int = 20):
   return folder
 
 
+def tiny_config(settings, arg=None):
+  """The ``tiny`` experiment config (``experiments/configs/tiny.py``, its ``arg``) with ``settings``
+  (dotted keys, e.g. ``{"optimizer.learning_rate": 1e-3}``) set on it."""
+  from experiments.configs import tiny
+  cfg = tiny.get_config(arg)
+  for key, value in settings.items():
+    *path, leaf = key.split(".")
+    node = cfg
+    for p in path:
+      node = node[p]
+    node[leaf] = value
+  return cfg
+
+
 def state_type(tree):
   """An optimizer state's type as jit sees it: tree structure, and each array's shape and dtype."""
   import jax.numpy as jnp

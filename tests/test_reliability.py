@@ -15,7 +15,7 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 import pytest
-from conftest import Preempted, StopAfter, write_pydoc_text
+from conftest import Preempted, StopAfter, tiny_config, write_pydoc_text
 
 from experiments import compare
 from experiments import train as launcher
@@ -59,15 +59,6 @@ def _settings(text_dir, tokens_dir, **over):
   return {**TINY, "data.corpus": str(text_dir), "data.dir": str(tokens_dir), **over}
 
 
-def _config(settings, arg=None):
-  cfg = tiny.get_config(arg)
-  for key, value in settings.items():
-    *path, leaf = key.split(".")
-    node = cfg
-    for p in path:
-      node = node[p]
-    node[leaf] = value
-  return cfg
 
 
 def _cli(settings, workdir, arg=None):
@@ -123,8 +114,8 @@ def test_sigterm_saves_the_current_step_and_the_rerun_continues_exactly(tmp_path
   assert not (run / "run.lock").exists()
   # The rerun resumes at step n: its losses equal an uninterrupted run's.
   steps = n + 3
-  launcher.run(_config({**settings, "steps": steps}), run)
-  launcher.run(_config({**settings, "steps": steps}), tmp_path / "ref")
+  launcher.run(tiny_config({**settings, "steps": steps}), run)
+  launcher.run(tiny_config({**settings, "steps": steps}), tmp_path / "ref")
   got, ref = _losses(run), _losses(tmp_path / "ref")
   assert list(got) == list(ref) == list(range(1, steps + 1))
   for s in ref:
@@ -350,13 +341,13 @@ def test_launcher_types_the_config_once_and_prepares_the_data_once(tmp_path, tex
                       classmethod(lambda cls, cfg: calls.append("typed") or typed(cls, cfg)))
   monkeypatch.setattr(data, "prepare", lambda *a, **k: calls.append("prepared") or prepare(*a, **k))
   settings = _settings(text_dir, tmp_path / "tokens", steps=2, progress=False)
-  summary = launcher.run(_config(settings), tmp_path / "run")
+  summary = launcher.run(tiny_config(settings), tmp_path / "run")
   assert calls == ["typed", "prepared"] and summary["step"] == 2
   recorded = json.loads((tmp_path / "run" / "config.json").read_text())
-  assert recorded["config"] == json.loads(json.dumps(_config(settings).to_dict()))
+  assert recorded["config"] == json.loads(json.dumps(tiny_config(settings).to_dict()))
   assert recorded["vocab_size"] == 384
   # The completed experiment serves the reuse check as is: nothing typed or prepared again.
-  exp = launcher.prepare_data(launcher.experiment(_config(settings)))
+  exp = launcher.prepare_data(launcher.experiment(tiny_config(settings)))
   calls.clear()
   assert launcher.finished_run(exp, tmp_path / "run") and calls == []
   with pytest.raises(RunChangedError, match="seed: checkpoint 0, this run 1"):

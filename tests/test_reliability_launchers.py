@@ -15,13 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import write_pydoc_text
+from conftest import tiny_config, write_pydoc_text
 
 from experiments import compare
 from experiments import evaluate as evaluate_lib
 from experiments import study as st
 from experiments import train as launcher
-from experiments.configs import tiny
 from fp4jax import data
 from fp4jax.checkpoint import verify
 from fp4jax.experiment import Experiment
@@ -45,15 +44,6 @@ def _settings(corpus, tokens, **over):
   return {**SMALL, "data.corpus": str(corpus), "data.dir": str(tokens), **over}
 
 
-def _config(settings):
-  cfg = tiny.get_config()
-  for key, value in settings.items():
-    *path, leaf = key.split(".")
-    node = cfg
-    for p in path:
-      node = node[p]
-    node[leaf] = value
-  return cfg
 
 
 def _flags(settings):
@@ -148,7 +138,7 @@ def test_one_study_or_comparison_per_workdir(tmp_path):
     tmp_path.mkdir(exist_ok=True)
     holder = {"host": os.uname().nodename, "pid": sleeper.pid}
     (tmp_path / "run.lock").write_text(json.dumps(holder))
-    cfg = _config(SMALL)
+    cfg = tiny_config(SMALL)
     with pytest.raises(RunLockedError, match=f"in use by process {sleeper.pid}.*two studies"):
       st.study(cfg, tmp_path, "bf16_s0", telemetry=False)
     with pytest.raises(RunLockedError, match="two comparisons.*rm .*run.lock"):
@@ -175,7 +165,7 @@ def test_a_lock_of_a_reused_pid_is_taken_over(tmp_path):
 def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpus, capsys, monkeypatch):
   settings = _settings(corpus, tmp_path / "tokens", steps=3, checkpoint_every=1)
   work = tmp_path / "cmp"
-  compare.compare(_config(settings), ["bf16"], work)
+  compare.compare(tiny_config(settings), ["bf16"], work)
   capsys.readouterr()
   # Reusing the run (check, evaluation, row) types the config once and prepares the data once.
   calls = []
@@ -183,7 +173,7 @@ def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpu
   monkeypatch.setattr(Experiment, "from_config",
                       classmethod(lambda cls, cfg: calls.append("typed") or typed(cls, cfg)))
   monkeypatch.setattr(data, "prepare", lambda *a, **k: calls.append("prepared") or prepare(*a, **k))
-  results = compare.compare(_config(settings), ["bf16"], work)
+  results = compare.compare(tiny_config(settings), ["bf16"], work)
   assert calls == ["typed", "prepared"]
   monkeypatch.undo()
   assert "already trained to step 3 with these settings; reusing it" in capsys.readouterr().out
@@ -191,7 +181,7 @@ def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpu
   whole = data.num_windows(str(tmp_path / "tokens"), "validation", 16) * 16
   assert results["bf16"]["eval_step"] == 3 and results["bf16"]["eval_tokens"] == whole
   assert results["bf16"]["eval_loss_se"] > 0 and results["bf16"]["eval_max_tokens"] is None
-  other = _config({**settings, "optimizer.learning_rate": 1e-3, "seed": 5})
+  other = tiny_config({**settings, "optimizer.learning_rate": 1e-3, "seed": 5})
   with pytest.raises(RunChangedError, match=r"(?s)finished run of other settings.*"
                      r"optimizer.learning_rate: checkpoint 0.005, this run 0.001.*seed: "
                      r"checkpoint 0, this run 5"):
@@ -200,7 +190,7 @@ def test_reuse_needs_the_same_identity_and_rows_state_their_eval(tmp_path, corpu
   # A study arm: its evaluation's step and size are in its row; another --eval_tokens is another
   # evaluation, and an arm left with one of another size is not compared.
   study = tmp_path / "study"
-  cfg = _config(settings)
+  cfg = tiny_config(settings)
   st.study(cfg, study, "bf16_s0,bf16_s1", eval_tokens=64, telemetry=False)
   rows = st.study(cfg, study, "bf16_s0", eval_tokens=32, telemetry=False)
   by = {r["arm"]: r for r in rows}
@@ -237,7 +227,7 @@ def test_a_diverged_recipe_is_a_row_of_its_own(tmp_path, corpus, monkeypatch):
     raise NonFiniteLossError(f"{exp.recipe.linear}: loss is NaN at step 2")
 
   monkeypatch.setattr(launcher, "run", diverge)
-  rows = compare.compare(_config(_settings(corpus, tmp_path / "tokens", steps=3)), ["bf16", "fp4_linear"],
+  rows = compare.compare(tiny_config(_settings(corpus, tmp_path / "tokens", steps=3)), ["bf16", "fp4_linear"],
                          tmp_path / "cmp")
   assert [r["status"] for r in rows.values()] == ["diverged", "diverged"]
   assert rows["fp4_linear"]["seed"] == 0 and math.isnan(rows["fp4_linear"]["gap_pct"])
