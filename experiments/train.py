@@ -162,7 +162,16 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
   """``app.run``'s flag parser for the launchers with a ``--config``: absl's, except that an override
   of a field the config does not have (``--config.optimizer.lr=1``), which ml_collections raises as a
   bare ``AttributeError``, is reported as absl reports a bad flag: one line naming the flag and the
-  fields that are there, and exit status 1."""
+  fields that are there, and exit status 1; so is a config file whose ``get_config`` refuses its
+  argument (``--config=experiments/configs/grid.py:m99``: the error's own line, not its traceback)."""
+  spec = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), None)
+  if spec is not None:
+    try:
+      ConfigFileFlagParser("config").parse(spec)  # ml_collections' own loader, as absl's parse below
+    except ValueError as e:  # ml_collections puts the traceback in the text; its last line is the error
+      line = str(e).strip().splitlines()[-1].removeprefix("ValueError: ")
+      print(f"FATAL Flags parsing error: flag --config={spec}: {line}", file=sys.stderr, flush=True)
+      raise SystemExit(1) from None
   try:
     return app.parse_flags_with_usage(argv)
   except (AttributeError, KeyError) as e:

@@ -152,6 +152,12 @@ def test_cli_errors(tmp_path):
   r = run("--config=experiments/configs/tiny.py", "--config.model.d_modl=3", "--arms=bf16_s0")
   assert r.returncode == 1 and "flag --config.model.d_modl: config.model has no field 'd_modl'; did you " \
       "mean 'd_model'?; its fields: d_ff, d_model," in r.stderr, r.stderr
+  # A config file that refuses its argument (a grid point that is not one): its error's line alone.
+  r = run("--config=experiments/configs/grid.py:m99", "--arms=bf16_s0")
+  assert r.returncode == 1 and r.stderr.strip() == (
+      "FATAL Flags parsing error: flag --config=experiments/configs/grid.py:m99: grid.py:m99: name a grid point "
+      "after ':' (grid.py:m25 or grid.py:m25,fp4_linear); the points are s10, s25, s50, m10, m25, m45, l10, l25"), \
+      r.stderr
   assert not (tmp_path / "s").exists()
 
 
