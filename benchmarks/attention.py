@@ -40,7 +40,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import environment_line, median_seconds
+from benchmarks.timing import environment_line, median_seconds, require_gpu
 from fp4jax.kernels import attention as kernels
 from fp4jax.ops.attention import AttentionConfig, nvfp4_attention
 
@@ -171,6 +171,7 @@ def main(argv=None):
                       help="seconds after which the sweep stops (default 360)")
   parser.add_argument("--no-rows", action="store_true", help="skip the rows (with --sweep)")
   args = parser.parse_args(argv)
+  require_gpu(parser, args.small, "--small")
   if args.small:
     b, h, d, seqs, iters = 1, 2, 64, args.seq or [128], args.iters or 2
   else:

@@ -26,7 +26,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import environment_line, median_seconds
+from benchmarks.timing import environment_line, median_seconds, require_gpu
 from fp4jax.kernels.cross_entropy import BlockSizes, softmax_xent_rows, softmax_xent_rows_reference
 
 
@@ -73,6 +73,7 @@ def main(argv=None):
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--tiny", action="store_true", help="C=64, V=1000 in interpret mode (CPU)")
   args = ap.parse_args(argv)
+  require_gpu(ap, args.tiny, "--tiny")
   c, v = (64, 1000) if args.tiny else (args.rows, args.vocab)
   iters = 3 if args.tiny else args.iters
   interpret = args.tiny or jax.default_backend() == "cpu"

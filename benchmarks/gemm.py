@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks.timing import environment_line, median_seconds
+from benchmarks.timing import environment_line, median_seconds, require_gpu
 from fp4jax.execution import MatmulExecution
 from fp4jax.kernels import nvfp4_quantize as kq
 from fp4jax.model import ModelConfig, projection_dims
@@ -132,7 +132,7 @@ def _table(title, rows, base, ours, gemms):
   return "\n".join(lines)
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--small", action="store_true", help="CPU smoke run: tiny shapes, interpret mode")
   ap.add_argument("--models", default="125m,1b,3b", help=f"comma-separated, of {', '.join(MODELS)}")
@@ -140,7 +140,8 @@ def main():
   ap.add_argument("--cube", type=int, default=8192, help="also an N³ GEMM (0: none)")
   ap.add_argument("--xla", action="store_true", help="also time nvfp4_matmul's XLA implementation")
   ap.add_argument("--iters", type=int, default=None)
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
+  require_gpu(ap, args.small, "--small")
   models = [s for s in args.models.split(",") if s]
   for model in models:
     if model not in MODELS:

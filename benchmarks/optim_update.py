@@ -37,6 +37,7 @@ import numpy as np
 import optax
 
 from benchmarks.profile_step import busy_by_prefix, busy_ms, kernel_sequence, read_trace, summarize
+from benchmarks.timing import require_gpu
 from fp4jax import nvfp4, optim
 from fp4jax.optim import _common
 from fp4jax.quant import Operand
@@ -272,6 +273,7 @@ def main(argv=None):
   ap.add_argument("--max-mismatch", type=float, default=1e-5,
                   help="largest tolerated share of NVFP4 codes differing GPU vs CPU")
   args = ap.parse_args(argv)
+  require_gpu(ap, args.small, "--small")
   shapes = gpt2_shapes(128, 2, 1024, 128, args.stacked) if args.small else gpt2_shapes(stacked=args.stacked)
   iters = min(args.iters, 5) if args.small else args.iters
   params, grads = make_tree(shapes, 0, 0.0), make_tree(shapes, 1)

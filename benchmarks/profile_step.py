@@ -26,6 +26,7 @@ import time
 
 import jax
 
+from benchmarks.timing import require_gpu
 from benchmarks.train_step import batches, execution_of, model_config
 from fp4jax import sharding as shd
 from fp4jax.recipe import get_recipe
@@ -173,6 +174,7 @@ def main(argv=None) -> int:
   p.add_argument("--dump", default=None,
                  help="dump the optimized HLO here and show each top op's instruction")
   args = p.parse_args(argv)
+  require_gpu(p, args.tiny, "--tiny")
   if args.dump:  # before the backend starts
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.dump}"
                                " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*")

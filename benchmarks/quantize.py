@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from benchmarks.timing import environment_line, median_seconds
+from benchmarks.timing import environment_line, median_seconds, require_gpu
 from fp4jax import nvfp4
 from fp4jax.kernels import nvfp4_quantize as kq
 from benchmarks import triton_quantize as kt
@@ -154,6 +154,7 @@ def main(argv=None):
   ap.add_argument("--sweep", action="store_true", help="also time the kernels' tilings (SWEEP x SWEEP_ROWS)")
   ap.add_argument("--iters", type=int, default=None)
   args = ap.parse_args(argv)
+  require_gpu(ap, args.small, "--small")
   m, k = args.shape or ((256, 256) if args.small else (16384, 16384))
   size = m * k
   iters = args.iters or (2 if args.small else 30)

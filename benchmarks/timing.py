@@ -18,6 +18,15 @@ def median_seconds(fn, *args, iters=20, warmup=3):
   return statistics.median(times)
 
 
+def require_gpu(parser, small: bool, flag: str) -> None:
+  """Stops with ``parser.error`` (usage, one line, exit status 2) where a GPU benchmark would run at
+  its full size on the CPU, for hours (its kernels in interpret mode, or a GPU-sized model): ``flag``,
+  the script's smoke-run switch (``small``: whether it was given), runs it small there instead."""
+  if not small and jax.default_backend() == "cpu":
+    parser.error(f"no GPU here (jax's backend is cpu): this benchmark's full size would take hours on a "
+                 f"CPU; {flag} runs a small check of it here")
+
+
 def environment_line():
   dev = jax.devices()[0]
   return f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}"

@@ -37,7 +37,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.timing import assignment
+from benchmarks.timing import assignment, require_gpu
 from fp4jax import data as data_lib
 from fp4jax import sharding as shd
 from fp4jax.metrics import peak_flops
@@ -189,6 +189,7 @@ def main(argv=None) -> int:
   p.add_argument("--cross-entropy", default="auto", choices=("auto", "pallas", "xla"),
                  help="the loss's pass over the logits (auto: the Pallas kernel on a GPU)")
   args = p.parse_args(argv)
+  require_gpu(p, args.tiny, "--tiny")
   args.batch = args.batch or (8 if args.tiny else 64)
   args.seq = args.seq or (64 if args.tiny else 1024)
   args.steps = args.steps or (3 if args.tiny else 10)

@@ -149,3 +149,19 @@ def test_sass_instructions_counts_instruction_lines():
   sass = ("Function:nvfp4_amax\n--:-:0:-:1\tLDC R1, c[0x0][0x28];\n--:-:1:-:1\tS2R R19, SR_TID.X;\n"
           "02:1:4:-:5\t@!P0 LDG.E R0, desc[UR6][R20.64];\n.L_x_0:\n")
   assert sass_instructions(sass) == 3
+
+
+@pytest.mark.parametrize("script,flag", [("quantize", "--small"), ("attention", "--small"), ("gemm", "--small"),
+                                         ("cross_entropy", "--tiny"), ("optim_update", "--small"),
+                                         ("train_step", "--tiny"), ("profile_step", "--tiny")])
+def test_gpu_benchmarks_refuse_their_full_size_on_the_cpu(script, flag, capsys):
+  """On the CPU a GPU benchmark at its full size stops at once with one line naming its smoke-run flag
+  (which still runs: the flag is the way through)."""
+  import importlib
+  main = importlib.import_module(f"benchmarks.{script}").main
+  with pytest.raises(SystemExit) as e:
+    main([])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert err.endswith(f"error: no GPU here (jax's backend is cpu): this benchmark's full size would take hours "
+                      f"on a CPU; {flag} runs a small check of it here"), err
