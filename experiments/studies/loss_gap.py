@@ -308,6 +308,13 @@ ARMS: tuple[Arm, ...] = (
             "w1x16_4over6_last10", "the linear preset + NVFP4 AdamW moments, √v mean-removed and rotated"),
         Arm("winners_states_s1", "fp4_linear_w1x16_4over6_fwd_bf16_last10", _STATES_MEAN_HADAMARD, 1,
             "w1x16_4over6_last10_s1", "the linear preset + NVFP4 moments with the centered √v, seed 1"),
+        Arm("winners_states_keep_embed_head", "fp4_linear_w1x16_4over6_fwd_bf16_last10",
+            {**_STATES_MEAN_HADAMARD, "recipe.moments.keep_fp32": ("embed", "lm_head")}, 0, "winners_states",
+            "the linear preset + NVFP4 moments with the centered √v, the embedding's and LM head's float32"),
+        Arm("winners_states_keep_embed_head_s1", "fp4_linear_w1x16_4over6_fwd_bf16_last10",
+            {**_STATES_MEAN_HADAMARD, "recipe.moments.keep_fp32": ("embed", "lm_head")}, 1, "winners_states_s1",
+            "the linear preset + NVFP4 moments with the centered √v, the embedding's and LM head's float32, "
+            "seed 1"),
         Arm("winners_states_attn", "fp4_linear_w1x16_4over6_fwd_bf16_last10",
             _WINNERS_STATES_ATTN, 0, "winners_states",
             "the linear preset + NVFP4 moments (centered √v) + NVFP4 attention, NVIDIA's (no K smoothing or 4/6)"),
