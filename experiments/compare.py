@@ -303,6 +303,45 @@ def table(rows: list[dict], floor: Mapping, title: str = "", notes: Sequence[str
   return "\n".join(lines)
 
 
+def seed_summary(rows: Sequence[Mapping], floor: Mapping) -> str:
+  """The Markdown table of each recipe over its seeds: one line per distinct ``recipe`` text (a
+  preset and its changes; the rows of one are its seeds), in the order of the rows, with the seeds'
+  gaps to the reference mean (``gap_pct``, %), their mean, each seed's paired gap to its baseline
+  (``baseline_gap_pct``, points, the baselines named) and their mean, and a verdict that holds the
+  mean against the reference's seed spread (``floor["spread_pct"]``, the noise floor): "none" where
+  it is inside it, "lower" or "higher" (loss) beyond it, "one seed" (or "one paired seed") where
+  only one seed has a gap to its baseline. Only
+  rows that ``add_gaps`` compared count; the reference's own line has no verdict.
+  """
+  spread = floor.get("spread_pct", math.nan) if floor.get("n", 0) > 1 else math.nan
+  groups: dict[str, list[Mapping]] = {}
+  for r in rows:
+    if math.isfinite(r.get("gap_pct", math.nan)):
+      groups.setdefault(r["recipe"], []).append(r)
+  lines = [f"Each recipe over its seeds. Noise floor: the reference's seed spread, {_fmt(spread, '.2f')}%; a "
+           "mean difference inside it is reported as none.", "",
+           "| recipe | arms | gap % per seed | mean gap % | vs baseline per seed (points) | mean vs baseline "
+           "| verdict |", "|---|---|---|---:|---|---:|---|"]
+  for recipe, rs in groups.items():
+    gaps = [r["gap_pct"] for r in rs]
+    vs = [(r["baseline_gap_pct"], r["baseline"]) for r in rs if math.isfinite(r.get("baseline_gap_pct", math.nan))]
+    mean_vs = statistics.fmean(v for v, _ in vs) if vs else math.nan
+    if rs[0].get("reference"):
+      verdict = "reference"
+    elif len(vs) < 2:
+      verdict = ("one seed" if len(rs) == 1 else "one paired seed") if vs else "–"
+    elif not math.isfinite(spread):
+      verdict = "no noise floor"
+    elif abs(mean_vs) <= spread:
+      verdict = "none"
+    else:
+      verdict = "lower" if mean_vs < 0 else "higher"
+    per_vs = ", ".join(f"{v:+.2f} ({b})" for v, b in vs) or "–"
+    lines.append(f"| {recipe} | {', '.join(r['arm'] for r in rs)} | {', '.join(f'{g:+.2f}' for g in gaps)} | "
+                 f"{statistics.fmean(gaps):+.2f} | {per_vs} | {_fmt(mean_vs, '+.2f')} | {verdict} |")
+  return "\n".join(lines)
+
+
 def with_data(exps: Mapping[str, Experiment]) -> dict[str, Experiment]:
   """Each experiment completed by the data step (``experiments.train.prepare_data``), which runs
   once per distinct ``data`` spec (the runs of a comparison or study share theirs)."""

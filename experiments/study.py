@@ -74,7 +74,7 @@ from experiments import _pool
 from experiments import evaluate as evaluate_lib
 from experiments import scaling
 from experiments import train as launcher
-from experiments.compare import BETWEEN_RUNS, add_gaps, run_row, table, with_data
+from experiments.compare import BETWEEN_RUNS, add_gaps, run_row, seed_summary, table, with_data
 from experiments.evaluate import EVAL_FILE
 from experiments.studies import Arm
 from experiments.studies.loss_gap import ARMS
@@ -87,6 +87,7 @@ from fp4jax.workdir import ABSENT, RunLock, diff, make_folder
 STUDY_FILE = "study.json"
 ROWS_FILE = "study.jsonl"
 TABLE_FILE = "table.md"
+SUMMARY_FILE = "summary.md"
 SHARED_FILE = "shared_device.json"  # {"parallel": N}: the arm trained beside others (--parallel)
 ARM_LOGS = ("metrics.jsonl", "config.json", EVAL_FILE, SHARED_FILE)
 PROCESS_LOG = "train.log"  # an arm's output under --parallel (<workdir>/logs/<arm>.log), collected
@@ -208,9 +209,10 @@ def arm_row(exp: Experiment, arm: Arm, workdir: Path, eval_tokens: int | None = 
 
 
 def write_results(exp: Experiment, workdir: Path, eval_tokens: int | None = None) -> tuple[list[dict], str]:
-  """Writes ``study.jsonl`` and ``table.md`` from every finished arm of ``workdir`` (``exp``: the
-  study's experiment); rows evaluated on other than ``eval_tokens`` held-out tokens (at most;
-  None: the whole split) are not compared."""
+  """Writes ``study.jsonl``, ``table.md`` and ``summary.md`` (``compare.seed_summary``: each recipe
+  over its seeds) from every finished arm of ``workdir`` (``exp``: the study's experiment); rows
+  evaluated on other than ``eval_tokens`` held-out tokens (at most; None: the whole split) are not
+  compared."""
   rows = [r for a in ARMS if (r := arm_row(exp, a, workdir, eval_tokens)) is not None]
   floor = add_gaps(rows)
   with open(workdir / ROWS_FILE, "w") as f:
@@ -226,19 +228,20 @@ def write_results(exp: Experiment, workdir: Path, eval_tokens: int | None = None
            "(`python -m experiments.study --list`).")
   text = table(rows, floor, title)
   (workdir / TABLE_FILE).write_text(text + "\n")
+  (workdir / SUMMARY_FILE).write_text(seed_summary(rows, floor) + "\n")
   return rows, text
 
 
 def collect(workdir: Path, dest: Path) -> list[Path]:
   """Copies the study's small logs into ``dest`` (replacing its arm folders); returns the files.
 
-  ``dest`` gets ``study.json``, ``study.jsonl``, ``table.md`` and, per arm that has run,
+  ``dest`` gets ``study.json``, ``study.jsonl``, ``table.md``, ``summary.md`` and, per arm that has run,
   ``<arm>/`` with its ``ARM_LOGS`` and, for an arm run under ``--parallel``, its process's output
   as ``<arm>/train.log``. This is the one layout of ``experiments/results/``.
   """
   dest.mkdir(parents=True, exist_ok=True)
   out = []
-  for name in (STUDY_FILE, ROWS_FILE, TABLE_FILE):
+  for name in (STUDY_FILE, ROWS_FILE, TABLE_FILE, SUMMARY_FILE):
     if (workdir / name).is_file():
       out.append(Path(shutil.copy2(workdir / name, dest / name)))
   for arm in ARM_NAMES:

@@ -173,6 +173,27 @@ def _row(arm, loss, reference=False, status="ok", baseline=None, comparable=True
           "tokens": 1000, "params": 10, "tokens_per_s": 5.0, "epochs": 0.5, "step_time_s": 0.2}
 
 
+def test_seed_summary_holds_each_recipe_against_the_noise_floor():
+  """One line per recipe over its seeds: their gaps, the mean paired gap to the baselines and a verdict
+  against the reference's seed spread (here 0.50% of 2.0): inside it none, beyond it lower or higher."""
+  def row(arm, loss, recipe, baseline=None, reference=False):
+    return {**_row(arm, loss, reference=reference, baseline=baseline), "recipe": recipe}
+  rows = [row("bf16_s0", 2.00, "bf16", reference=True), row("bf16_s1", 2.01, "bf16", reference=True),
+          row("a", 2.10, "fp4", "bf16_s0"), row("a_s1", 2.12, "fp4", "bf16_s1"),
+          row("b", 2.095, "fp4, x", "a"), row("b_s1", 2.125, "fp4, x", "a_s1"),  # -0.24 and +0.24 points
+          row("c", 2.05, "fp4, y", "a"), row("c_s1", 2.08, "fp4, y", "a_s1"),  # -2.4 and -1.9 points
+          row("d", 2.20, "fp4, z", "a")]
+  floor = compare.add_gaps(rows)
+  assert floor["spread_pct"] == pytest.approx(100 * 0.01 / 2.005)
+  lines = {line.split(" | ")[0][2:]: line for line in compare.seed_summary(rows, floor).splitlines()
+           if line.startswith("| ") and not line.startswith("| recipe")}
+  assert lines["bf16"].endswith("| reference |")
+  assert lines["fp4"].startswith("| fp4 | a, a_s1 | +4.74, +5.74 | +5.24 | +5.00 (bf16_s0), +5.47 (bf16_s1) | "
+                                 "+5.24 | higher |"), lines["fp4"]
+  assert lines["fp4, x"].endswith("| -0.24 (a), +0.24 (a_s1) | -0.00 | none |"), lines["fp4, x"]
+  assert lines["fp4, y"].endswith("| lower |") and lines["fp4, z"].endswith("| +4.76 (a) | +4.76 | one seed |")
+
+
 def test_standard_error_over_batches():
   x = [2.0, 2.5, 1.5, 2.2]
   assert ev.standard_error(x, [8] * 4) == pytest.approx(statistics.stdev(x) / 2)
