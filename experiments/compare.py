@@ -310,8 +310,8 @@ def seed_summary(rows: Sequence[Mapping], floor: Mapping) -> str:
   (``baseline_gap_pct``, points, the baselines named) and their mean, and a verdict that holds the
   mean against the reference's seed spread (``floor["spread_pct"]``, the noise floor): "none" where
   it is inside it, "lower" or "higher" (loss) beyond it, "one seed" (or "one paired seed") where
-  only one seed has a gap to its baseline. Only
-  rows that ``add_gaps`` compared count; the reference's own line has no verdict.
+  only one seed has a gap to its baseline. Only rows that ``add_gaps`` compared count; the
+  reference's own line has no verdict.
   """
   spread = floor.get("spread_pct", math.nan) if floor.get("n", 0) > 1 else math.nan
   groups: dict[str, list[Mapping]] = {}
