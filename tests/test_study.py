@@ -316,6 +316,9 @@ def test_two_arms_collect_and_reuse(tmp_path, capsys, monkeypatch):
   table = (dest / st.TABLE_FILE).read_text()
   assert f"mean eval loss {mean:.4f} over 2 seed(s)" in table
   assert table.count("| bf16_s") == 2
+  summary = (dest / st.SUMMARY_FILE).read_text()  # collected, and printed after the table
+  assert "| bf16 | bf16_s0, bf16_s1 |" in summary and summary.strip().endswith("| reference |")
+  assert out.index(summary.splitlines()[0]) > out.index(f"mean eval loss {mean:.4f}")
   for arm in ("bf16_s0", "bf16_s1"):
     assert sorted(p.name for p in (dest / arm).iterdir()) == sorted(set(st.ARM_LOGS) - {st.SHARED_FILE})
   assert (dest / st.STUDY_FILE).is_file()
