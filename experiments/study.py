@@ -239,7 +239,7 @@ def collect(workdir: Path, dest: Path) -> list[Path]:
   ``<arm>/`` with its ``ARM_LOGS`` and, for an arm run under ``--parallel``, its process's output
   as ``<arm>/train.log``. This is the one layout of ``experiments/results/``.
   """
-  dest.mkdir(parents=True, exist_ok=True)
+  make_folder(dest, "collection")
   out = []
   for name in (STUDY_FILE, ROWS_FILE, TABLE_FILE, SUMMARY_FILE):
     if (workdir / name).is_file():
@@ -304,6 +304,8 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
   exps = {arm.name: arm_experiment(base, arm, telemetry) for arm in selected}
   child = bool(os.environ.get(_pool.CHILD_ENV))  # an arm of --parallel: the parent holds the lock
   make_folder(workdir, "study")
+  if collect_to is not None and not child:  # a --collect that is a file: said now, not after the training
+    make_folder(collect_to, "collection")
   lock = RunLock(workdir, "study")
   with lock if not child else contextlib.nullcontext(), StopSignals(
       lambda t: print(t, flush=True), BETWEEN_RUNS, lambda: lock.release(force=True)):

@@ -178,6 +178,11 @@ def test_a_workdir_that_is_a_file_is_named_with_the_fix(tmp_path):
   with pytest.raises(NotADirectoryError, match="it is a file, not a run's folder"):
     read_run(afile)
   assert make_folder(tmp_path / "a" / "b").is_dir() and make_folder(tmp_path / "a").is_dir()
+  # A study's --collect that is a file is said before any arm trains.
+  from experiments import study
+  with pytest.raises(NotADirectoryError, match=f"the collection's folder {afile}: {afile} is a file"):
+    study.study(tiny.get_config(), tmp_path / "st", "bf16_s0", collect_to=afile, telemetry=False)
+  assert sorted(p.name for p in (tmp_path / "st").iterdir()) == []  # nothing trained or written
 
 
 @pytest.mark.slow
