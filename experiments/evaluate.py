@@ -311,11 +311,24 @@ def evaluate_cached(workdir: str | os.PathLike, text: str, steps: int, max_token
   return r
 
 
+def check_out(out: str | os.PathLike) -> None:
+  """Raises unless ``out`` can take ``--out``'s line: IsADirectoryError where it is a folder,
+  FileNotFoundError where its folder is missing (or is a file); each message names the fix."""
+  out = Path(out)
+  if out.is_dir():
+    raise IsADirectoryError(f"--out={out} is a folder: name a file (the result is appended to it as a JSON line)")
+  if not out.parent.is_dir():
+    raise FileNotFoundError(f"--out={out}: its folder {out.parent} does not exist or is not a folder; name a "
+                            "file in an existing folder")
+
+
 def main(argv):
   logging.set_verbosity(logging.WARNING)
   fl = flags.FLAGS
   launcher.check_command_line(argv, "python -m experiments.evaluate --workdir=runs/tiny "
                               "--text=shakespeare", "workdir", "text")
+  if fl.out:  # checked before the evaluation, not after it
+    launcher.report_errors(lambda: check_out(fl.out), fl.verbose, fl.out)
   launcher.enable_compilation_cache(fl.compilation_cache)
   r = launcher.report_errors(lambda: evaluate(fl.workdir, fl.text, fl.split, fl.max_tokens,
                                               fl.batch_size, fl.encoding), fl.verbose, fl.workdir)

@@ -111,3 +111,18 @@ def test_errors_name_the_problem(run, tmp_path):
     ev.evaluate(workdir, str(short))
   with pytest.raises(ValueError, match="needs a corpus or a folder"):
     ev.evaluate(workdir, str(short), split="validation")
+
+
+def test_out_is_checked_before_the_evaluation(tmp_path):
+  """``--out`` that is a folder, or in a missing folder, is refused with the fix (main checks it before
+  evaluating); a new or existing file in an existing folder passes."""
+  from experiments.evaluate import check_out
+  with pytest.raises(IsADirectoryError, match=f"--out={tmp_path} is a folder: name a file"):
+    check_out(tmp_path)
+  with pytest.raises(FileNotFoundError, match=f"its folder {tmp_path / 'no'} does not exist or is not a folder"):
+    check_out(tmp_path / "no" / "r.jsonl")
+  (tmp_path / "f").write_text("")
+  with pytest.raises(FileNotFoundError, match="does not exist or is not a folder"):
+    check_out(tmp_path / "f" / "r.jsonl")
+  check_out(tmp_path / "r.jsonl")
+  check_out(tmp_path / "f")
