@@ -327,11 +327,21 @@ class CorpusFiles:
 
 
 def data_root(root: str | os.PathLike | None = None) -> Path:
-  """The data folder: ``root``, else ``$FP4JAX_DATA_DIR``, else ``~/.cache/fp4jax``."""
-  if root is not None:
-    return Path(root).expanduser()
+  """The data folder: ``root``, else ``$FP4JAX_DATA_DIR``, else ``~/.cache/fp4jax``.
+
+  Raises:
+    NotADirectoryError: the folder is a file (the message says where the path came from).
+  """
   env = os.environ.get(ENV_DATA_DIR)
-  return Path(env).expanduser() if env else Path.home() / ".cache" / "fp4jax"
+  if root is not None:
+    path, source = Path(root).expanduser(), "the data folder"
+  elif env:
+    path, source = Path(env).expanduser(), f"${ENV_DATA_DIR}"
+  else:
+    path, source = Path.home() / ".cache" / "fp4jax", "the default data folder"
+  if path.exists() and not path.is_dir():
+    raise NotADirectoryError(f"{source} {path} is a file, not a folder: name a folder for the corpora and tokens")
+  return path
 
 
 def _sha256(data: bytes) -> str:

@@ -413,3 +413,18 @@ def test_processes_preparing_the_same_data_at_once_all_get_it(tmp_path):
   meta = data.read_meta(out)
   assert meta.num_tokens("train") > 0 and len(data.TokenWindows(out, "train", 8)) > 0
   assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["shared", "text"]
+
+
+def test_a_data_root_that_is_a_file_is_named(tmp_path, monkeypatch):
+  """The data folder (an argument, ``$FP4JAX_DATA_DIR`` or the default) that is a file is refused
+  naming where it came from; a folder, or one not made yet, passes."""
+  from fp4jax.corpus import ENV_DATA_DIR, data_root
+  afile = tmp_path / "afile"
+  afile.write_text("")
+  with pytest.raises(NotADirectoryError, match=f"the data folder {afile} is a file, not a folder"):
+    data_root(afile)
+  monkeypatch.setenv(ENV_DATA_DIR, str(afile))
+  with pytest.raises(NotADirectoryError, match=rf"\$FP4JAX_DATA_DIR {afile} is a file"):
+    data_root()
+  monkeypatch.setenv(ENV_DATA_DIR, str(tmp_path / "new"))
+  assert data_root() == tmp_path / "new" and data_root(tmp_path) == tmp_path
