@@ -319,6 +319,14 @@ def _request_fingerprint(corpus_fingerprint: str, tag: str, vocab_size: int | No
   return hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
 
 
+def _check_token_folder(out: Path) -> None:
+  """NotADirectoryError where the token folder ``out`` is a file, naming the flags that set it."""
+  if out.exists() and not out.is_dir():
+    raise NotADirectoryError(f"the token folder {out} is a file, not a folder (--config.data.dir for "
+                             "experiments.train, --out for `python -m fp4jax.data prepare`): name the folder "
+                             "of prepared tokens, or a new one to prepare them into")
+
+
 def prepared_data(corpus: str | os.PathLike, out_dir: str | os.PathLike | None = None, *,
                   tokenizer: str = "byte", vocab_size: int | None = None,
                   shard_tokens: int = DEFAULT_SHARD_TOKENS,
@@ -338,10 +346,12 @@ def prepared_data(corpus: str | os.PathLike, out_dir: str | os.PathLike | None =
   Raises:
     ValueError: ``out_dir`` holds another corpus, or ``corpus`` made with other settings, or a
       damaged shard; the message says that the text to prepare it again is not here.
+    NotADirectoryError: ``out_dir`` is a file.
   """
   name = corpus_lib.corpus_name(corpus)
   out = (Path(out_dir) if out_dir is not None
          else default_out_dir(name, tokenizer, vocab_size, cache_dir))
+  _check_token_folder(out)
   if not (out / _META_FILE).is_file():
     return None
   meta = read_meta(out)
@@ -405,6 +415,8 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
     raise ValueError(f"shard_tokens={shard_tokens!r} (--shard_tokens of `python -m fp4jax.data "
                      "prepare`): give an int >= 2")
   tag = _tokenizer_tag(tokenizer, vocab_size)  # checks the settings before any text is read
+  if out_dir is not None:
+    _check_token_folder(Path(out_dir))
   if not corpus_lib.text_is_here(corpus, cache_dir):  # what is prepared serves without the text
     meta = prepared_data(corpus, out_dir, tokenizer=tokenizer, vocab_size=vocab_size,
                          shard_tokens=shard_tokens, cache_dir=cache_dir, encoding=encoding)
@@ -417,6 +429,7 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
   files = corpus_lib.resolve_corpus(corpus, cache_dir)
   out = (Path(out_dir) if out_dir is not None
          else default_out_dir(files.name, tokenizer, vocab_size, cache_dir))
+  _check_token_folder(out)  # the default folder too
   fingerprint = _request_fingerprint(files.fingerprint, tag, vocab_size, shard_tokens, encoding)
   other = ("use another folder (--config.data.dir for experiments.train, --out for `python -m "
            "fp4jax.data prepare`), or replace it (`python -m fp4jax.data prepare --overwrite`)")

@@ -428,3 +428,13 @@ def test_a_data_root_that_is_a_file_is_named(tmp_path, monkeypatch):
     data_root()
   monkeypatch.setenv(ENV_DATA_DIR, str(tmp_path / "new"))
   assert data_root() == tmp_path / "new" and data_root(tmp_path) == tmp_path
+
+
+def test_a_token_folder_that_is_a_file_is_named(tmp_path):
+  """``prepare`` (and ``prepared_data``, where the text is gone) into a token folder that is a file:
+  one error naming it and the flags that set it, before any text is read."""
+  afile = tmp_path / "tokens"
+  afile.write_text("")
+  for fn in (data.prepare, data.prepared_data):
+    with pytest.raises(NotADirectoryError, match=f"the token folder {afile} is a file, not a folder"):
+      fn(str(tmp_path), afile)
