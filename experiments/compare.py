@@ -142,7 +142,7 @@ def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping 
   run folder copied away from its data is read alike (a run recorded without the split's size reads
   it from the data folder where that still exists; the epochs are NaN where it does not)."""
   s = run_summary(run_dir)
-  run = json.loads((run_dir / "config.json").read_text())
+  run = evaluate_lib.read_run(run_dir)
   train_tokens = run.get("train_tokens")
   if train_tokens is None:
     with contextlib.suppress(FileNotFoundError):

@@ -70,7 +70,7 @@ def define_flags() -> None:
 
 
 def read_run(workdir: str | os.PathLike) -> dict:
-  """``<workdir>/config.json``, with a clear error for a missing run."""
+  """``<workdir>/config.json``, with a clear error for a missing run or a damaged file."""
   workdir = Path(workdir)
   if workdir.exists() and not workdir.is_dir():
     raise NotADirectoryError(f"no run at {workdir}: it is a file, not a run's folder")
@@ -79,7 +79,11 @@ def read_run(workdir: str | os.PathLike) -> dict:
   path = workdir / "config.json"
   if not path.is_file():
     raise FileNotFoundError(f"{workdir} is not a run of experiments.train (no config.json)")
-  return json.loads(path.read_text())
+  try:
+    return json.loads(path.read_text())
+  except ValueError as e:  # JSONDecodeError, or bytes that are not text
+    raise ValueError(f"{path} is damaged ({e}): the run's recorded config cannot be read; put back a copy "
+                     "of it, or train again in a new folder") from e
 
 
 def documents(text: str, split: str | None) -> tuple[list[Path], str]:

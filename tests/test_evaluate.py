@@ -126,3 +126,13 @@ def test_out_is_checked_before_the_evaluation(tmp_path):
     check_out(tmp_path / "f" / "r.jsonl")
   check_out(tmp_path / "r.jsonl")
   check_out(tmp_path / "f")
+
+
+def test_a_damaged_config_json_is_named(tmp_path):
+  """A run whose ``config.json`` is not JSON (or not text) is named with the fix, not a bare decoder error."""
+  (tmp_path / "config.json").write_text("{bad")
+  with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'} is damaged .*put back a copy of it"):
+    ev.read_run(tmp_path)
+  (tmp_path / "config.json").write_bytes(b"\xff\xfe")
+  with pytest.raises(ValueError, match="is damaged .*codec can't decode"):
+    ev.read_run(tmp_path)
