@@ -342,7 +342,7 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
         print(f"=== arm {arm.name}: {status} in {time.perf_counter() - t0:.0f} s, eval loss "
               f"{_eval_loss(workdir / arm.name):.4f}", flush=True)
     rows, text = write_results(base, workdir, eval_tokens)
-  print("\n" + text + "\n\n" + (workdir / SUMMARY_FILE).read_text(), flush=True)
+  print("\n" + text + "\n\n" + (workdir / SUMMARY_FILE).read_text().rstrip(), flush=True)
   if collect_to is not None:
     files = collect(workdir, Path(collect_to))
     print(f"\ncollected {len(files)} files into {collect_to}", flush=True)
