@@ -200,7 +200,11 @@ def arm_row(exp: Experiment, arm: Arm, workdir: Path, eval_tokens: int | None = 
   diverged = (run_dir / "diverged.json").is_file()
   if not diverged and not (run_dir / EVAL_FILE).is_file():
     return None
-  ev = None if diverged else json.loads((run_dir / EVAL_FILE).read_text())
+  try:
+    ev = None if diverged else json.loads((run_dir / EVAL_FILE).read_text())
+  except ValueError as e:  # a study command evaluates a damaged one again; a collected folder cannot
+    raise ValueError(f"{run_dir / EVAL_FILE} is damaged ({e}): put back a copy, or run the arm's study "
+                     "command again where its checkpoint is (it evaluates the arm again)") from e
   shared = run_dir / SHARED_FILE
   parallel = json.loads(shared.read_text())["parallel"] if shared.is_file() else 1
   return run_row(arm.apply(exp), run_dir, arm.name, arm.recipe_text(), ev, eval_tokens, seed=arm.seed,

@@ -194,6 +194,16 @@ def test_seed_summary_holds_each_recipe_against_the_noise_floor():
   assert lines["fp4, y"].endswith("| lower |") and lines["fp4, z"].endswith("| +4.76 (a) | +4.76 | one seed |")
 
 
+def test_a_damaged_eval_json_of_a_collected_arm_is_named(tmp_path):
+  """Reading a collected folder (no checkpoint to evaluate again), a damaged ``eval.json`` stops the table
+  with the file named and the fix, not a bare decoder error."""
+  from fp4jax.experiment import Experiment
+  (tmp_path / "bf16_s0").mkdir()
+  (tmp_path / "bf16_s0" / st.EVAL_FILE).write_text("{x")
+  with pytest.raises(ValueError, match=f"{tmp_path / 'bf16_s0' / st.EVAL_FILE} is damaged .*put back a copy"):
+    st.arm_row(Experiment.from_config(tiny.get_config()), st.select_arms("bf16_s0")[0], tmp_path)
+
+
 def test_standard_error_over_batches():
   x = [2.0, 2.5, 1.5, 2.2]
   assert ev.standard_error(x, [8] * 4) == pytest.approx(statistics.stdev(x) / 2)
