@@ -138,6 +138,22 @@ def _model_like():
 
 
 @pytest.mark.slow
+def test_keep_fp32_that_matches_no_parameter_warns():
+  """A ``keep_fp32`` name that no parameter's path holds (a misspelling) is said at init, not silently
+  ignored; names that match, also for leaves that optax.masked leaves out, say nothing."""
+  import warnings
+  params = _model_like()
+  with pytest.warns(UserWarning, match=r"keep_fp32: \['emb'\] match no parameter's key path"):
+    optim.adamw_nvfp4(1e-2, options=optim.AdamNvfp4Options(keep_fp32=("emb", "lm_head"))).init(params)
+  mask = jax.tree.map(lambda p: p.ndim == 2, params)
+  mask["embed"]["embedding"] = False
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    optim.adamw_nvfp4(1e-2, options=optim.AdamNvfp4Options(keep_fp32=("embed", "lm_head"))).init(params)
+    optax.masked(optim.adamw_nvfp4(1e-2, options=optim.AdamNvfp4Options(keep_fp32=("embed/embedding",))),
+                 mask).init(params)
+
+
 def test_keep_fp32_by_path_and_the_optax_wrappers():
   """``keep_fp32=("embed", "lm_head")`` with the method's √v (``nu_transform="mean_hadamard"``): those
   leaves' moments are float32 with optax.adamw's arithmetic (the same up to XLA's fusion of the whole

@@ -29,6 +29,7 @@ parameters' dtype, and rounds ``(1 - b1)·g`` in the gradient's).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -375,6 +376,10 @@ def scale_by_adam_nvfp4(
   eps_root_choice = 1.0 if constants[3] is None else constants[3]
 
   def init_fn(params):
+    if missed := state_lib.unmatched_patterns(params, options.keep_fp32):
+      warnings.warn(f"AdamNvfp4Options.keep_fp32: {missed} match no parameter's key path here, so no "
+                    "moments are kept float32 for them (a pattern is key names joined by '/', e.g. 'embed' "
+                    "or 'embed/embedding')", stacklevel=2)
     def kind(path, p, nvfp4_kind):
       keep = not _common.stores_nvfp4_param(p, min_size, quantize) or state_lib.path_matches(
           path, options.keep_fp32)

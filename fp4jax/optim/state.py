@@ -82,6 +82,13 @@ def path_matches(path, patterns) -> bool:
   return False
 
 
+def unmatched_patterns(params, patterns) -> list[str]:
+  """The ``patterns`` (``path_matches``'s) that match no leaf's key path in ``params``; a leaf that
+  ``optax.masked`` left out (``optax.MaskedNode``) counts with its path."""
+  leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))[0]
+  return [p for p in patterns if not any(path_matches(path, (p,)) for path, _ in leaves)]
+
+
 def is_state_leaf(x) -> bool:
   """Whether ``x`` stands where one parameter's leaf stands in a state: an NVFP4 moment (an
   ``NVFP4Tensor``, a pytree of codes, scales and a global scale) or ``optax.MaskedNode`` (a leaf a
