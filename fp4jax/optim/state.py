@@ -84,8 +84,11 @@ def path_matches(path, patterns) -> bool:
 
 def unmatched_patterns(params, patterns) -> list[str]:
   """The ``patterns`` (``path_matches``'s) that match no leaf's key path in ``params``; a leaf that
-  ``optax.masked`` left out (``optax.MaskedNode``) counts with its path."""
+  ``optax.masked`` left out (``optax.MaskedNode``) counts with its path. A tree without key names
+  (one bare leaf, or the placeholder of ``optax.tree_utils.tree_map_params``) has none to match: []."""
   leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))[0]
+  if not any(path for path, _ in leaves):
+    return []
   return [p for p in patterns if not any(path_matches(path, (p,)) for path, _ in leaves)]
 
 
