@@ -76,7 +76,8 @@ class AdamNvfp4Options:
     keep_fp32: leaves whose moments stay float32 with optax's arithmetic, like the storage rule's
       small leaves, by name: each entry a key of the parameter's path (``"lm_head"``) or keys joined
       by ``/`` that follow each other in it (``"embed/embedding"``; ``state.path_matches``). E.g.
-      ``("embed", "lm_head")``: the embedding and the LM head of ``fp4jax.model``.
+      ``("embed", "lm_head")``: the embedding and the LM head of ``fp4jax.model``. A name that
+      matches no parameter's path warns at ``init`` (``state.unmatched_patterns``).
     nu_transform: ``"none"`` (√v quantized as it is) or ``"mean_hadamard"``: per 16-element block,
       √v's mean (bfloat16) stored apart and subtracted, the deviations rotated by the 16-point
       Hadamard transform (``nvfp4.hadamard``, key 0), then NVFP4 (``state.CenteredNVFP4Tensor``:
