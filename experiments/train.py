@@ -165,9 +165,10 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
   fields that are there, and exit status 1; so is a config file whose ``get_config`` refuses its
   argument (``--config=experiments/configs/grid.py:m99``: the error's own line, not its traceback)."""
   spec = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), None)
+  loaded = None  # the config as ml_collections' own loader reads it (absl's parse below reads it again)
   if spec is not None:
     try:
-      ConfigFileFlagParser("config").parse(spec)  # ml_collections' own loader, as absl's parse below
+      loaded = ConfigFileFlagParser("config").parse(spec)
     except ValueError as e:  # ml_collections puts the traceback in the text; its last line is the error
       line = str(e).strip().splitlines()[-1].removeprefix("ValueError: ")
       print(f"FATAL Flags parsing error: flag --config={spec}: {line}", file=sys.stderr, flush=True)
@@ -186,8 +187,7 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     parent = ".".join(parts[:parts.index(key)])
     fields = ""
     try:
-      spec = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
-      node = ConfigFileFlagParser("config").parse(spec)  # ml_collections' own loader
+      node = loaded
       for name in filter(None, parent.split(".")):
         node = node[name]
       fields = f"; its fields: {', '.join(sorted(node.keys()))}"

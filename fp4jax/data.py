@@ -429,7 +429,8 @@ def prepare(corpus: str | os.PathLike | corpus_lib.CorpusFiles,
   files = corpus_lib.resolve_corpus(corpus, cache_dir)
   out = (Path(out_dir) if out_dir is not None
          else default_out_dir(files.name, tokenizer, vocab_size, cache_dir))
-  _check_token_folder(out)  # the default folder too
+  if out_dir is None:  # a given one was checked above, before any text was read
+    _check_token_folder(out)
   fingerprint = _request_fingerprint(files.fingerprint, tag, vocab_size, shard_tokens, encoding)
   other = ("use another folder (--config.data.dir for experiments.train, --out for `python -m "
            "fp4jax.data prepare`), or replace it (`python -m fp4jax.data prepare --overwrite`)")
