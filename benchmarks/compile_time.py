@@ -7,7 +7,7 @@ r"""Time from launch to the first train step, by phase, and the size of the prog
   python -m benchmarks.compile_time --runs=20m:fp4_linear:pallas --compiler-option=xla_gpu_autotune_level=0
   python -m benchmarks.compile_time --runs=20m:bf16,20m:fp4_linear:pallas --compile-profile=40
   python -m benchmarks.compile_time --lower-for=cuda --triton-compile --runs=20m:fp4_linear:pallas
-  python -m benchmarks.compile_time --runs=20m:fp4_linear:pallas --recipe-option=matmul.rounding_bits=counter
+  python -m benchmarks.compile_time --runs=20m:fp4_linear:pallas --recipe-option=matmul.rounding_bits=random
 
 A run is ``SIZE:RECIPE[:IMPL]``: a model size (``20m``, ``125m``: experiments/configs' models;
 ``tiny``), a recipe of ``fp4jax.recipe``, and the implementation of its NVFP4 GEMMs
@@ -300,7 +300,7 @@ def main(argv=None) -> int:
                  "xla_gpu_autotune_level=0 or xla_gpu_enable_triton_gemm=false")
   p.add_argument("--recipe-option", action="append", default=[], metavar="FIELD=VALUE",
                  help="a recipe field set in every run (repeatable; benchmarks.train_step's FIELD=VALUE), e.g. "
-                 "matmul.rounding_bits=counter")
+                 "matmul.rounding_bits=random")
   p.add_argument("--triton-compile", action="store_true",
                  help="with --lower-for=cuda: compile each distinct Triton kernel of the step for sm_90 "
                  "with the triton package (CPU) and print its compile time")

@@ -5,7 +5,7 @@ r"""Train-step throughput of the 125m model: bf16 vs fp4_linear (tokens/s, MFU, 
   python -m benchmarks.train_step --data=<data dir>     # real tokens from `fp4jax.data prepare`
   python -m benchmarks.train_step --batch=32 --seq=2048 --recipes=bf16 --remat --scan
   python -m benchmarks.train_step --recipes=bf16 --attention=xla   # XLA attention (B×N×T×T scores)
-  python -m benchmarks.train_step --recipes=bf16,fp4_linear,fp4_linear:matmul.rounding_bits=counter
+  python -m benchmarks.train_step --recipes=bf16,fp4_linear,fp4_linear:matmul.rounding_bits=random
 
 A recipe is a preset of ``fp4jax.recipe`` with optional ``:FIELD=VALUE`` overrides of its fields
 (a nested op config's as ``matmul.hadamard=false``, an operand's as ``matmul.x.terms=2``). Recipes

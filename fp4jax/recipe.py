@@ -139,9 +139,10 @@ class Recipe:
       (``MatmulConfig.nvfp4()``) by default, one ``fp4jax.quant.Operand`` per operand. Ablations:
       ``hadamard=False`` (no random Hadamard transform of the wgrad operands),
       ``dy_dgrad.rounding`` / ``dy_wgrad.rounding="nearest"`` (the output gradient rounded to
-      nearest), ``rounding_bits="counter"`` (a keyed hash's bits for stochastic rounding: a
-      different random stream, cheaper in the kernels), ``x.format="bf16"`` (one operand left
-      unquantized), ``x.terms=2`` (a two-term operand), ``split.tensors=("x",)`` (a low-rank split).
+      nearest), ``rounding_bits="random"`` (``jax.random.bits`` for stochastic rounding in place
+      of the default counter hash: a different random stream, dearer in the kernels),
+      ``x.format="bf16"`` (one operand left unquantized), ``x.terms=2`` (a two-term operand),
+      ``split.tensors=("x",)`` (a low-rank split).
     down_x: the forward input ``x`` of each block's MLP down-projection (its ``MatmulConfig.x``) as
       ``matmul.x`` with these fields changed (``OperandOverride``; the default changes nothing),
       e.g. ``down_x.terms=2`` or ``down_x.format="bf16"``: the operand the quantization-scaling

@@ -281,10 +281,15 @@ def diff(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
 def _saved_diff(saved: Mapping, current: Mapping) -> list[tuple[str, object, object]]:
   """``diff`` over the fields ``saved`` records (a checkpoint written before a field existed); a
   recipe saved in an older layout is compared upgraded (``fp4jax.recipe.upgrade_config``: the
-  re-split's fields of an identity that held them under ``optimizer`` are the recipe's)."""
+  re-split's fields of an identity that held them under ``optimizer`` are the recipe's), and a saved
+  ``recipe.matmul`` without ``rounding_bits`` as ``"random"``, the stream it ran (the field's
+  default then), so that such a run does not resume on another stream."""
   from fp4jax.recipe import upgrade_config  # the recipe imports the ops; identities stay light
 
   saved = upgrade_config({k: v for k, v in saved.items() if k != CODE_KEY})  # CODE_KEY: what ran it, not what it is
+  matmul = saved.get("recipe", {}).get("matmul")
+  if isinstance(matmul, dict) and "rounding_bits" not in matmul:  # saved before the field: jax.random.bits
+    saved["recipe"] = {**saved["recipe"], "matmul": {**matmul, "rounding_bits": "random"}}
   return [d for d in diff(saved, current) if d[1] is not ABSENT]
 
 

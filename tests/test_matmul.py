@@ -354,16 +354,19 @@ def test_auto_is_xla_on_the_cpu_and_kernel_choices_check_their_inputs():
 @pytest.mark.slow
 def test_auto_takes_the_kernels_on_one_cuda_device_only(monkeypatch):
   """``"auto"`` on a CUDA GPU: the kernels, unless the mesh has several devices (they would see
-  gathered operands) or the key is not threefry (their bits are threefry's)."""
+  gathered operands) or they would draw ``jax.random.bits`` of a key that is not threefry (their
+  ``"random"`` bits are threefry's; the counter hash takes any key)."""
   monkeypatch.setattr(_platform, "default_platform", lambda: "cuda")
   two_h200s = AbstractMesh((2,), ("x",), abstract_device=H200.abstract_device)
   x, w = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((32, 32), jnp.float32)
   threefry, rbg = jax.random.key(0), jax.random.key(0, impl="rbg")
-  for mesh, key, kernels in ((H200, threefry, True), (two_h200s, threefry, False), (H200, rbg, False)):
-    f = lambda x, w, key: nvfp4_matmul(x, w, key=key, config=MatmulConfig.nvfp4())
+  for mesh, key, bits, kernels in ((H200, threefry, "counter", True), (two_h200s, threefry, "counter", False),
+                                   (H200, rbg, "random", False), (H200, rbg, "counter", True),
+                                   (H200, threefry, "random", True)):
+    f = lambda x, w, key, bits=bits: nvfp4_matmul(x, w, key=key, config=MatmulConfig.nvfp4(rounding_bits=bits))
     with jax.sharding.use_abstract_mesh(mesh):
       hlo = jax.jit(f).trace(x, w, key).lower(lowering_platforms=("cuda",)).as_text()
-    assert ("__gpu$xla.gpu.triton" in hlo) == kernels, (mesh, key)
+    assert ("__gpu$xla.gpu.triton" in hlo) == kernels, (mesh, key, bits)
 
 
 @pytest.mark.slow

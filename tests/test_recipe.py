@@ -185,7 +185,7 @@ def test_a_recipe_saved_in_the_flat_layout_resumes_as_the_same_recipe():
 
   same = get_recipe("fp4_full_stack", matmul={
       "x": {"terms": 2}, "w": {"terms": 2}, "dy_dgrad": {"format": "bf16"},
-      "split": {"tensors": ("dy",), "rank": 8}}, attention_op={"v": {"format": "nvfp4"}},
+      "split": {"tensors": ("dy",), "rank": 8}, "rounding_bits": "random"}, attention_op={"v": {"format": "nvfp4"}},
       moments={"mu": {"rounding": "nearest"}})
   up = upgrade_dict(_OLD_LAYOUT)
   assert up["matmul"]["w"] == {"format": "nvfp4", "rounding": "nearest", "block": [16, 16], "terms": 2,
@@ -200,6 +200,24 @@ def test_a_recipe_saved_in_the_flat_layout_resumes_as_the_same_recipe():
   with pytest.raises(workdir.IncompatibleCheckpointError, match=r"recipe\.matmul\.x\.terms: checkpoint 2"):
     workdir.identity_changes(saved, {"recipe": other.to_dict(), "seed": 0})
 
+
+
+def test_a_checkpoint_saved_before_rounding_bits_resumes_on_its_stream_only():
+  """A run identity whose ``recipe.matmul`` has no ``rounding_bits`` ran ``jax.random.bits`` (the
+  field's default then): resuming it on the counter stream (today's default) is refused, naming the
+  field; with ``rounding_bits="random"`` it resumes."""
+  from fp4jax import workdir
+
+  now = get_recipe("fp4_linear")
+  assert now.matmul.rounding_bits == "counter"
+  old = now.to_dict()
+  del old["matmul"]["rounding_bits"]
+  saved = {"recipe": old, "seed": 0}
+  with pytest.raises(workdir.IncompatibleCheckpointError,
+                     match=r"recipe\.matmul\.rounding_bits: checkpoint 'random', this run 'counter'"):
+    workdir.identity_changes(saved, {"recipe": now.to_dict(), "seed": 0})
+  same = now.replace(matmul={"rounding_bits": "random"})
+  assert workdir.identity_changes(saved, {"recipe": same.to_dict(), "seed": 0}) == []
 
 def test_resplit_fields_saved_under_the_optimizer_are_the_recipes():
   """``lora_resplit_moments``/``_svd`` were ``OptimizerConfig`` fields: a config.json or an identity
@@ -323,10 +341,13 @@ def test_a_preset_may_set_its_own_op_config(monkeypatch):
 
 
 def test_the_methods_baseline_preset_is_the_studys_arm():
-  # The preset holds what its study arm (w1x16_4over6: fp4_linear with these changes) measured.
+  # The preset holds what its study arm (w1x16_4over6: fp4_linear with these changes) measured, on the
+  # default rounding stream (the study's arms name jax.random's; the counter_bits arms read the two alike).
   from experiments.studies.loss_gap import ARMS
   arm = next(a for a in ARMS if a.name == "w1x16_4over6")
-  changes = {k.removeprefix("recipe.matmul."): v for k, v in arm.changes.items()}
+  assert arm.changes["recipe.matmul.rounding_bits"] == "random"
+  changes = {k.removeprefix("recipe.matmul."): v for k, v in arm.changes.items()
+             if k != "recipe.matmul.rounding_bits"}
   matmul = get_recipe("fp4_linear").matmul
   for key, value in changes.items():
     op, field = key.split(".")

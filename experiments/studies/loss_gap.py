@@ -6,7 +6,10 @@ bf16 seeds, the reference whose mean every gap is taken against) and what it mea
 ``python -m experiments.study --list`` prints this table.
 """
 
+import dataclasses
+
 from experiments.studies import Arm
+from fp4jax.recipe import PRESETS
 
 _FWD_ONLY = {"recipe.matmul.dgrad": False, "recipe.matmul.wgrad": False,
              "recipe.matmul.hadamard": False}
@@ -40,7 +43,7 @@ def _group(group: str, *arms: Arm) -> tuple[Arm, ...]:
   return tuple(Arm(a.name, a.preset, a.changes, a.seed, a.baseline, a.what, group) for a in arms)
 
 
-ARMS: tuple[Arm, ...] = (
+_ARMS: tuple[Arm, ...] = (
     *_group(
         "bf16",
         Arm("bf16_s0", "bf16", {}, 0, None, "the reference, seed 0: the seeds' spread is the noise floor"),
@@ -395,3 +398,19 @@ ARMS: tuple[Arm, ...] = (
             "linear_states", "EDEN-calibrated nearest m, √v rounded stochastically in the preconditioner's space"),
     ),
 )
+
+
+# This study's runs (experiments/results/20m_h100, 20m_h200) drew the linear layers' stochastic-rounding bits
+# from jax.random.bits: every arm with NVFP4 linear layers names that stream, and the `stream` arms read the
+# counter hash (MatmulConfig's default) against it, one change at the same seed.
+_STUDY_STREAM = {"recipe.matmul.rounding_bits": "random"}
+
+
+def _study_stream(arm: Arm) -> Arm:
+  if (arm.changes.get("recipe.linear", PRESETS[arm.preset].linear) == "bf16"
+      or "recipe.matmul.rounding_bits" in arm.changes):
+    return arm
+  return dataclasses.replace(arm, changes={**arm.changes, **_STUDY_STREAM})
+
+
+ARMS: tuple[Arm, ...] = tuple(map(_study_stream, _ARMS))

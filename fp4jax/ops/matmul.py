@@ -168,11 +168,11 @@ class MatmulConfig:
     hadamard: random Hadamard transform H on the token axis of both wgrad operands (also applied,
       in f32, when ``wgrad`` is False, where it only changes rounding).
     rounding_bits: the random bits of stochastic rounding, in every implementation alike:
-      ``"random"`` (``jax.random.bits`` of the operand's key: 22 bits per element, threefry2x32,
-      the default) or ``"counter"`` (``numerics.counter_bits``: one keyed integer hash per pair of
+      ``"counter"`` (the default: ``numerics.counter_bits``, one keyed integer hash per pair of
       elements, 8 bits per element, so each rounding probability is a multiple of 1/256, as on
-      Blackwell's stochastic-rounding conversions). ``"counter"`` is a different random stream, not
-      the same bits, and cheaper in the quantizer kernels (no threefry rounds).
+      Blackwell's stochastic-rounding conversions; cheap in the quantizer kernels) or ``"random"``
+      (``jax.random.bits`` of the operand's key: 22 bits per element, threefry2x32). The two are
+      different random streams, not the same bits.
     split: the low-rank split of ``x`` and/or ``dy`` (``Split``); ``Split()`` splits nothing.
   """
 
@@ -185,7 +185,7 @@ class MatmulConfig:
   x_wgrad: Operand = Operand()
   dy_wgrad: Operand = Operand(rounding="stochastic")
   hadamard: bool = True
-  rounding_bits: str = "random"
+  rounding_bits: str = "counter"
   split: Split = Split()
 
   def __post_init__(self):
