@@ -24,8 +24,10 @@ def test_presets_and_their_modules():
   assert (bf16.linear, bf16.attention, bf16.optimizer_states, bf16.newton_schulz) == (
       "bf16", "bf16", "fp32", "bf16")
   assert lin == dataclasses.replace(bf16, linear="nvfp4")
-  assert full == dataclasses.replace(bf16, linear="nvfp4_lorasvd", attention="nvfp4", optimizer_states="nvfp4",
-                                     newton_schulz="nvfp4")
+  # The full stack of the study's winners: the linear preset, the centered √v, the method's attention.
+  assert full == get_recipe("fp4_linear_w1x16_4over6_fwd_bf16_last10").replace(
+      attention="nvfp4", optimizer_states="nvfp4", newton_schulz="nvfp4", moments={"nu_transform": "mean_hadamard"},
+      attention_op={"q": {"scale_rule": "4over6_mse"}, "k": {"scale_rule": "4over6_mse"}, "k_smooth": True})
   # LoRA-SVD the method's way: on the method's baseline, re-aligned by a randomized SVD with aligned moments.
   assert lora == get_recipe("fp4_linear_w1x16_4over6").replace(
       linear="nvfp4_lorasvd", lora_resplit_every=300, lora_resplit_moments="aligned", lora_resplit_svd="randomized")
@@ -73,7 +75,7 @@ def test_bf16_exempt_blocks():
 def test_op_configs_nest_in_the_recipe():
   """Each NVFP4 module's numerics is its op's config, one field of the recipe; a nested change is
   one field in one place, validated by the op config itself."""
-  full = get_recipe("fp4_full_stack")
+  full = Recipe(linear="nvfp4", attention="nvfp4", optimizer_states="nvfp4", newton_schulz="nvfp4")
   assert (full.matmul, full.attention_op, full.moments) == (
       MatmulConfig.nvfp4(), AttentionConfig.nvfp4(), AdamNvfp4Options())
   r = full.replace(attention_op={"ds": Operand(format="bf16"), "reuse": False}, matmul={"hadamard": False})
@@ -109,8 +111,9 @@ def test_operands_are_sections_of_the_experiment_config():
   cfg.recipe.attention_op.do.format = "nvfp4"
   cfg.recipe.moments.mu.rounding = "nearest"
   _, recipe, *_ = from_config(cfg, vocab_size=257)
-  assert recipe.attention_op == AttentionConfig.nvfp4(v=Operand(), do=Operand(rounding="stochastic"))
-  assert recipe.moments == AdamNvfp4Options(mu=Operand())
+  full = get_recipe("fp4_full_stack")
+  assert recipe.attention_op == dataclasses.replace(full.attention_op, v=Operand(), do=Operand(rounding="stochastic"))
+  assert recipe.moments == dataclasses.replace(full.moments, mu=Operand())
   cfg.recipe.attention_op.v.terms = 2
   with pytest.raises(ValueError, match="AttentionConfig.v.terms must be 1"):
     from_config(cfg, vocab_size=257)
@@ -183,7 +186,8 @@ def test_a_recipe_saved_in_the_flat_layout_resumes_as_the_same_recipe():
   from fp4jax.experiment import Experiment
   from fp4jax.recipe import upgrade_dict
 
-  same = get_recipe("fp4_full_stack", matmul={
+  stack = Recipe(linear="nvfp4_lorasvd", attention="nvfp4", optimizer_states="nvfp4", newton_schulz="nvfp4")
+  same = stack.replace(matmul={
       "x": {"terms": 2}, "w": {"terms": 2}, "dy_dgrad": {"format": "bf16"},
       "split": {"tensors": ("dy",), "rank": 8}, "rounding_bits": "random"}, attention_op={"v": {"format": "nvfp4"}},
       moments={"mu": {"rounding": "nearest"}})
@@ -359,6 +363,19 @@ def test_the_methods_baseline_preset_is_the_studys_arm():
   assert get_recipe("fp4_linear_w1x16_4over6_fwd_bf16_last10") == get_recipe("fp4_linear_w1x16_4over6").replace(
       bf16_fwd_last=0.1)
 
+
+
+def test_the_full_stack_preset_is_what_its_study_arms_ran():
+  """The preset ``fp4_full_stack`` is the recipe the 20m arms ``full_stack_winners`` (and ``_s1``) recorded
+  in their ``config.json``, but for the rounding stream (theirs ``jax.random``; the counter-stream arms
+  measured no difference)."""
+  from fp4jax.experiment import Experiment
+
+  for arm in ("full_stack_winners", "full_stack_winners_s1"):
+    run = json.loads((ROOT / f"experiments/results/20m_h100/{arm}/config.json").read_text())["config"]
+    assert Experiment.from_config(run).recipe == get_recipe("fp4_full_stack", matmul={"rounding_bits": "random"})
+  run = json.loads((ROOT / "experiments/results/20m_h100/full_stack_winners_counter/config.json").read_text())
+  assert Experiment.from_config(run["config"]).recipe == get_recipe("fp4_full_stack")
 
 @pytest.mark.slow
 def test_full_stack_with_muon_updates_every_parameter():

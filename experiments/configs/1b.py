@@ -9,7 +9,8 @@ Hardware: 8 x H200 (FSDP 8); several hosts with ``--distributed`` (see experimen
 Tokens: 20000 steps x 512 x 2048 = 21B (~21 tokens/parameter).
 Expected time and loss: not measured. The measured neighbour is the 20m study (``20m_study.py``:
 the same mix corpus with BPE 8k, 49M tokens; experiments/results/20m_h200/table.md): bf16 held-out
-eval loss 2.449, fp4_linear +1.42%, fp4_full_stack +2.86%. A larger model on more tokens should land
+eval loss 2.449, fp4_linear +1.42%, the LoRA-SVD full stack (the arm fp4_full_stack) +2.86%;
+experiments/results/20m_h100: the preset fp4_full_stack +1.19%. A larger model on more tokens should land
 below its loss (not directly comparable: a 32k vocabulary); the gaps are what to compare.
 """
 

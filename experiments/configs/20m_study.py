@@ -17,7 +17,7 @@ tokens (2,048 windows of 512).
 Expected loss (measured on one H200, experiments/results/20m_h200: ``table.md`` and each arm's
 ``metrics.jsonl``): 9.09–9.11 at step 1; bf16 (seeds 0–2) held-out eval loss 2.4467–2.4518 (mean
 2.4491, spread 0.21%) and in-loop ``eval_loss`` 2.801–2.805 at step 1500; fp4_linear 2.4838
-(+1.42%), LoRA-SVD split once (the arm lorasvd_once) 2.4836 (+1.41%), fp4_full_stack 2.5191 (+2.86%)
+(+1.42%), LoRA-SVD split once (the arm lorasvd_once) 2.4836 (+1.41%), the arm fp4_full_stack 2.5191 (+2.86%)
 against the bf16 mean.
 """
 

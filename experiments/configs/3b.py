@@ -12,7 +12,8 @@ Tokens: 30500 steps x 1024 x 2048 = 64B.
 Expected time and loss: not measured here (the paper measured a full-stack gap of 1.47% at this
 scale). The measured neighbour is the 20m study (``20m_study.py``: the same mix corpus with BPE 8k,
 49M tokens; experiments/results/20m_h200/table.md): bf16 held-out eval loss 2.449, fp4_linear
-+1.42%, fp4_full_stack +2.86%. A larger model on more tokens should land below its loss (not
++1.42%, the LoRA-SVD full stack (the arm fp4_full_stack) +2.86%; experiments/results/20m_h100: the preset
+fp4_full_stack +1.19%. A larger model on more tokens should land below its loss (not
 directly comparable: a 32k vocabulary); the gaps are what to compare.
 """
 

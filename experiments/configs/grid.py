@@ -37,8 +37,8 @@ Hardware: one H100 per arm (or several arms of the small points side by side). P
 (``python -m experiments.configs.grid`` prints the table, ``plan_table``; experiments/STUDY.md,
 "Scaling grid"): the 20m step times measured on one H100 (experiments/results/20m_h100) scaled by
 training FLOPs per token, plus 90 s of compile and evaluation; every recipe's arms, the slowest (the full
-stack) included, fit a 10-minute command at every point (l25's full stack within a minute of it: 9.1 and
-9.8 predicted).
+stack) included, fit a 10-minute command at every point (l25's full stack within a minute of it: 9.8
+predicted).
 Expected loss: not measured.
 """
 
@@ -106,16 +106,16 @@ def get_config(arg: str | None = None):
 # Step times of the 20m model (64 × 512 tokens) on one H100, alone on the device: the first logged steps
 # of experiments/results/20m_h100 (bf16_s0, bf16_s2: 12.6–12.9 ms; fp4_linear: 27.4 ms; w1x16_4over6_s1,
 # trained alone: 30.7 ms). The LoRA-SVD and full-stack steps have no H100 measurement alone: their ratio to
-# fp4_linear in the first logged steps of experiments/results/20m_h200 (31.9 and 36.2 against 28.1 ms)
-# times the H100's fp4_linear; a recipe on the 1x16/Four-over-Six forward (fp4_linear_lorasvd, the
-# full stack's variant) adds w1x16_4over6's 3.3 ms over fp4_linear.
+# fp4_linear in the first logged steps of experiments/results/20m_h200 (31.9 and 36.2 against 28.1 ms;
+# the full stack there: LoRA-SVD linear layers, NVFP4 moments and attention) times the H100's fp4_linear;
+# a recipe on the 1x16/Four-over-Six forward (fp4_linear_lorasvd, the preset fp4_full_stack) adds
+# w1x16_4over6's 3.3 ms over fp4_linear (for fp4_full_stack, which has no LoRA-SVD branch, an upper bound).
 STEP_MS_20M_H100 = {
     "bf16": 12.8,
     "fp4_linear": 27.4,
     "fp4_linear_w1x16_4over6": 30.7,
     "fp4_linear_lorasvd": 27.4 * 31.9 / 28.1 + 30.7 - 27.4,  # on the method's baseline (1x16, Four-over-Six)
-    "fp4_full_stack": 27.4 * 36.2 / 28.1,
-    "fp4_full_stack_w1x16_4over6": 27.4 * 36.2 / 28.1 + 30.7 - 27.4,
+    "fp4_full_stack": 27.4 * 36.2 / 28.1 + 30.7 - 27.4,
 }
 OVERHEAD_S = 90.0  # launch, compile (~60 s for the NVFP4 steps), evaluation and checkpoints
 CALL_LIMIT_MIN = 10.0  # one device command

@@ -23,16 +23,14 @@ _REALIGN = {"recipe.lora_resplit_moments": "aligned", "recipe.lora_resplit_svd":
 # fp4_linear_lorasvd is the method's: on its baseline, re-aligned).
 _ONCE = {"recipe.linear": "nvfp4_lorasvd"}
 _STATES = {"recipe.optimizer_states": "nvfp4"}
+# The full stack on NVIDIA's recipe: LoRA-SVD linear layers (split once), NVFP4 moments, NVIDIA's NVFP4
+# attention, NVFP4 Newton-Schulz (the arm fp4_full_stack; the preset fp4_full_stack is the winners' stack).
+_LORASVD_STACK = {**_ONCE, **_STATES, "recipe.attention": "nvfp4", "recipe.newton_schulz": "nvfp4"}
 _FULL_STACK_METHOD = {**_W1X16_4OVER6, **_REALIGN, "recipe.lora_resplit_every": -2,
                       "recipe.moments.nu_transform": "mean_hadamard", **_ATTN_QK_4OVER6,
                       "recipe.attention_op.k_smooth": True}
 _STATES_NEAREST = {**_STATES, "recipe.moments.mu.rounding": "nearest", "recipe.moments.nu.rounding": "nearest"}
 _STATES_MEAN_HADAMARD = {**_STATES, "recipe.moments.nu_transform": "mean_hadamard"}
-# The winners of the 20m H100 arms, stacked: the linear preset fp4_linear_w1x16_4over6_fwd_bf16_last10 (no
-# LoRA-SVD), the centered √v, K smoothing and Four-over-Six on q and k.
-_FULL_STACK_WINNERS = {"recipe.linear": "nvfp4", **_W1X16_4OVER6, "recipe.bf16_fwd_last": 0.1,
-                       "recipe.moments.nu_transform": "mean_hadamard", **_ATTN_QK_4OVER6,
-                       "recipe.attention_op.k_smooth": True}
 # On the linear preset, the full stack without the attention remedies: NVFP4 moments with the centered √v,
 # NVIDIA's NVFP4 attention, NVFP4 Newton-Schulz (used by Muon only).
 _WINNERS_STATES_ATTN = {**_STATES_MEAN_HADAMARD, "recipe.attention": "nvfp4", "recipe.newton_schulz": "nvfp4"}
@@ -59,9 +57,9 @@ _ARMS: tuple[Arm, ...] = (
             "the same with the BF16 low-rank branch (LoRA-SVD, rank 16, split once at init)"),
         Arm("lorasvd_states", "fp4_linear", {**_ONCE, "recipe.optimizer_states": "nvfp4"}, 0,
             "lorasvd_once", "LoRA-SVD linear layers + AdamW moments in NVFP4"),
-        Arm("fp4_full_stack", "fp4_full_stack", {}, 0, "lorasvd_states",
+        Arm("fp4_full_stack", "fp4_linear", _LORASVD_STACK, 0, "lorasvd_states",
             "LoRA-SVD linear + NVFP4 AdamW states + NVFP4 attention (QK^T and dS, tensor reuse)"),
-        Arm("full_stack_w1x16_4over6", "fp4_full_stack", _W1X16_4OVER6, 0, "fp4_full_stack",
+        Arm("full_stack_w1x16_4over6", "fp4_linear", {**_LORASVD_STACK, **_W1X16_4OVER6}, 0, "fp4_full_stack",
             "the full stack on the method's linear baseline: W in 1x16 blocks along K, Four-over-Six on x, W, H.x"),
     ),
     *_group(
@@ -71,20 +69,20 @@ _ARMS: tuple[Arm, ...] = (
         Arm("muon_nvfp4", "bf16", {"recipe.newton_schulz": "nvfp4", "optimizer.name": "muon"}, 0,
             "muon_bf16", "Muon with NVFP4 Newton-Schulz operands (fp32 accumulation)"),
         Arm("muon_bf16_s1", "bf16", {"optimizer.name": "muon"}, 1, "bf16_s1", "Muon with BF16 operands, seed 1"),
-        Arm("full_stack_muon", "fp4_full_stack", {"optimizer.name": "muon"}, 0, "muon_bf16",
+        Arm("full_stack_muon", "fp4_linear", {**_LORASVD_STACK, "optimizer.name": "muon"}, 0, "muon_bf16",
             "the full stack with Muon: NVFP4 Newton-Schulz on the blocks' matrices, NVFP4 AdamW moments on the rest"),
-        Arm("full_stack_muon_s1", "fp4_full_stack", {"optimizer.name": "muon"}, 1, "muon_bf16_s1",
+        Arm("full_stack_muon_s1", "fp4_linear", {**_LORASVD_STACK, "optimizer.name": "muon"}, 1, "muon_bf16_s1",
             "the full stack with Muon, seed 1"),
     ),
     *_group(
         "attention",
-        Arm("pv_quantized", "fp4_full_stack", {"recipe.attention_op.v.format": "nvfp4",
-                                               "recipe.attention_op.p.format": "nvfp4",
-                                               "recipe.attention_op.do.format": "nvfp4"}, 0, "fp4_full_stack",
+        Arm("pv_quantized", "fp4_linear", {**_LORASVD_STACK, "recipe.attention_op.v.format": "nvfp4",
+                                           "recipe.attention_op.p.format": "nvfp4",
+                                           "recipe.attention_op.do.format": "nvfp4"}, 0, "fp4_full_stack",
             "V, P, dO in NVFP4 too: P.V, dO.V^T, P^T.dO quantized, not protected"),
-        Arm("ds_bf16", "fp4_full_stack", {"recipe.attention_op.ds.format": "bf16"}, 0, "fp4_full_stack",
+        Arm("ds_bf16", "fp4_linear", {**_LORASVD_STACK, "recipe.attention_op.ds.format": "bf16"}, 0, "fp4_full_stack",
             "dS in BF16: dQ = dS.K and dK = dS^T.Q unquantized"),
-        Arm("no_reuse", "fp4_full_stack", {"recipe.attention_op.reuse": False}, 0, "fp4_full_stack",
+        Arm("no_reuse", "fp4_linear", {**_LORASVD_STACK, "recipe.attention_op.reuse": False}, 0, "fp4_full_stack",
             "the backward on the unquantized q, k instead of the forward's Q(q), Q(k)"),
     ),
     *_group(
@@ -260,12 +258,11 @@ _ARMS: tuple[Arm, ...] = (
             "stochastic rounding of dy and H·dy from the counter hash instead of jax.random.bits"),
         Arm("counter_bits_s1", "fp4_linear", {"recipe.matmul.rounding_bits": "counter"}, 1, "fp4_linear_s1",
             "stochastic rounding from the counter hash, seed 1"),
-        Arm("full_stack_winners_counter", "fp4_full_stack", {**_FULL_STACK_WINNERS, "recipe.matmul.rounding_bits":
-            "counter"}, 0, "full_stack_winners", "the full stack of the measured winners with the linear layers' "
-            "stochastic rounding from the counter hash"),
-        Arm("full_stack_winners_counter_s1", "fp4_full_stack", {**_FULL_STACK_WINNERS, "recipe.matmul.rounding_bits":
-            "counter"}, 1, "full_stack_winners_s1", "the full stack of the measured winners, counter-hash rounding, "
-            "seed 1"),
+        Arm("full_stack_winners_counter", "fp4_full_stack", {"recipe.matmul.rounding_bits": "counter"}, 0,
+            "full_stack_winners", "the full stack of the measured winners with the linear layers' stochastic "
+            "rounding from the counter hash"),
+        Arm("full_stack_winners_counter_s1", "fp4_full_stack", {"recipe.matmul.rounding_bits": "counter"}, 1,
+            "full_stack_winners_s1", "the full stack of the measured winners, counter-hash rounding, seed 1"),
     ),
     # The method's baseline (1x16 W, Four-over-Six) with the forward GEMMs in BF16 at the end of training,
     # read against that baseline at the same seed.
@@ -297,15 +294,15 @@ _ARMS: tuple[Arm, ...] = (
     # twice, √v mean-removed and Hadamard-rotated, K smoothing and Four-over-Six on q and k.
     *_group(
         "module",
-        Arm("full_stack_method", "fp4_full_stack", _FULL_STACK_METHOD, 0, "fp4_full_stack",
+        Arm("full_stack_method", "fp4_linear", {**_LORASVD_STACK, **_FULL_STACK_METHOD}, 0, "fp4_full_stack",
             "the full stack with the method's remedies: W 1x16 + Four-over-Six, LoRA-SVD re-aligned every 750 "
             "steps, √v mean-removed and rotated, K smoothing and Four-over-Six on q, k"),
-        Arm("full_stack_method_s1", "fp4_full_stack", _FULL_STACK_METHOD, 1, "bf16_s1",
+        Arm("full_stack_method_s1", "fp4_linear", {**_LORASVD_STACK, **_FULL_STACK_METHOD}, 1, "bf16_s1",
             "the full stack with the method's remedies, seed 1"),
-        Arm("full_stack_winners", "fp4_full_stack", _FULL_STACK_WINNERS, 0, "bf16_s0",
+        Arm("full_stack_winners", "fp4_full_stack", {}, 0, "bf16_s0",
             "the full stack of the measured winners: fp4_linear_w1x16_4over6_fwd_bf16_last10, √v mean-removed "
             "and rotated, K smoothing and Four-over-Six on q, k"),
-        Arm("full_stack_winners_s1", "fp4_full_stack", _FULL_STACK_WINNERS, 1, "bf16_s1",
+        Arm("full_stack_winners_s1", "fp4_full_stack", {}, 1, "bf16_s1",
             "the full stack of the measured winners, seed 1"),
         Arm("winners_states", "fp4_linear_w1x16_4over6_fwd_bf16_last10", _STATES_MEAN_HADAMARD, 0,
             "w1x16_4over6_last10", "the linear preset + NVFP4 AdamW moments, √v mean-removed and rotated"),
@@ -324,10 +321,10 @@ _ARMS: tuple[Arm, ...] = (
         Arm("winners_states_attn_s1", "fp4_linear_w1x16_4over6_fwd_bf16_last10",
             _WINNERS_STATES_ATTN, 1, "winners_states_s1",
             "the linear preset + NVFP4 moments (centered √v) + NVFP4 attention, seed 1"),
-        Arm("full_stack_winners_muon", "fp4_full_stack", {**_FULL_STACK_WINNERS, "optimizer.name": "muon"}, 0,
+        Arm("full_stack_winners_muon", "fp4_full_stack", {"optimizer.name": "muon"}, 0,
             "muon_bf16", "the full stack of the measured winners with Muon: NVFP4 Newton-Schulz on the blocks' "
             "matrices, NVFP4 AdamW moments (centered √v) on the rest"),
-        Arm("full_stack_winners_muon_s1", "fp4_full_stack", {**_FULL_STACK_WINNERS, "optimizer.name": "muon"}, 1,
+        Arm("full_stack_winners_muon_s1", "fp4_full_stack", {"optimizer.name": "muon"}, 1,
             "muon_bf16_s1", "the full stack of the measured winners with Muon, seed 1"),
     ),
     # LoRA-SVD re-aligned the method's way: a randomized SVD of the effective weight every k steps, the new
