@@ -287,9 +287,10 @@ def _saved_diff(saved: Mapping, current: Mapping) -> list[tuple[str, object, obj
   from fp4jax.recipe import upgrade_config  # the recipe imports the ops; identities stay light
 
   saved = upgrade_config({k: v for k, v in saved.items() if k != CODE_KEY})  # CODE_KEY: what ran it, not what it is
-  matmul = saved.get("recipe", {}).get("matmul")
+  recipe = saved.get("recipe")
+  matmul = recipe.get("matmul") if isinstance(recipe, dict) else None
   if isinstance(matmul, dict) and "rounding_bits" not in matmul:  # saved before the field: jax.random.bits
-    saved["recipe"] = {**saved["recipe"], "matmul": {**matmul, "rounding_bits": "random"}}
+    saved["recipe"] = {**recipe, "matmul": {**matmul, "rounding_bits": "random"}}
   return [d for d in diff(saved, current) if d[1] is not ABSENT]
 
 

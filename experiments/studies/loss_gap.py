@@ -289,6 +289,8 @@ _ARMS: tuple[Arm, ...] = (
             "w1x16_4over6", "the method's baseline + rank-32 branch re-aligned every 300 steps"),
         Arm("lorasvd_method300_s1", "fp4_linear_lorasvd", {"recipe.lora_resplit_every": -5},
             1, "w1x16_4over6_s1", "the method's baseline + rank-16 branch re-aligned every 300 steps, seed 1"),
+        Arm("lorasvd_method300_r32_s1", "fp4_linear_lorasvd", {"recipe.lora_resplit_every": -5, "recipe.lora_rank": 32},
+            1, "w1x16_4over6_s1", "the method's baseline + rank-32 branch re-aligned every 300 steps, seed 1"),
     ),
     # Every remedy of the method at once: the full stack on the method's linear baseline, LoRA-SVD re-aligned
     # twice, √v mean-removed and Hadamard-rotated, K smoothing and Four-over-Six on q and k.
