@@ -325,9 +325,9 @@ PRESETS: dict[str, Recipe] = {
                                      x=Operand(scale_rule="4over6_mse"), w=Operand(scale_rule="4over6_mse"),
                                      x_wgrad=Operand(scale_rule="4over6_mse"))),
     # Every module in NVFP4 with the remedies that measured a gain: the linear layers of
-    # fp4_linear_w1x16_4over6_fwd_bf16_last10 (no LoRA-SVD), √v mean-removed and Hadamard-rotated,
-    # attention with K smoothing and Four-over-Six on q and k, NVFP4 Newton-Schulz (docs/DESIGN.md,
-    # "The full stack", has the evidence).
+    # fp4_linear_w1x16_4over6_fwd_bf16_last10 (no LoRA-SVD), √v mean-removed and Hadamard-rotated; attention
+    # with the method's K smoothing and Four-over-Six on q and k (no measured cost); NVFP4 Newton-Schulz
+    # (docs/DESIGN.md, "The full stack", has the evidence).
     "fp4_full_stack": Recipe(linear="nvfp4", attention="nvfp4", optimizer_states="nvfp4", newton_schulz="nvfp4",
                              bf16_fwd_last=0.1, matmul=MatmulConfig.nvfp4(
                                  x=Operand(scale_rule="4over6_mse"), w=Operand(scale_rule="4over6_mse"),
