@@ -53,6 +53,7 @@ from experiments import train as launcher
 from fp4jax import data
 from fp4jax import price as price_lib
 from fp4jax.experiment import DataSpec, Experiment
+from fp4jax.recipe import recorded_rounding_bits
 from fp4jax.metrics import read_jsonl
 from fp4jax.optim.factory import make_optimizer
 from fp4jax.optim.state import state_nbytes
@@ -123,13 +124,13 @@ def _state_bytes_per_param(model, recipe, optimizer, steps) -> float:
 def rounding_bits(config: Mapping) -> str | None:
   """The random stream of the NVFP4 linear layers' stochastic rounding in a run's recorded config
   (``config.json``'s ``config``): ``MatmulConfig.rounding_bits`` (``"random"``: ``jax.random.bits``;
-  ``"counter"``: ``fp4jax.numerics.counter_bits``), ``"random"`` for a run recorded before the field
-  existed, None where the linear layers are not NVFP4. Attention's dS and the NVFP4 moments always
-  take the counter hash."""
+  ``"counter"``: ``fp4jax.numerics.counter_bits``; ``fp4jax.recipe.recorded_rounding_bits`` for a run
+  recorded before the field existed), None where the linear layers are not NVFP4. Attention's dS and
+  the NVFP4 moments always take the counter hash."""
   recipe = config.get("recipe", {})
   if not str(recipe.get("linear", "bf16")).startswith("nvfp4"):
     return None
-  return recipe.get("matmul", {}).get("rounding_bits", "random")
+  return recorded_rounding_bits(recipe.get("matmul", {}))
 
 
 def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping | None,

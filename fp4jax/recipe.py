@@ -304,39 +304,46 @@ def _replaced(obj, changes: dict):
   return dataclasses.replace(obj, **changes)
 
 
+# The method's baseline GEMMs: W in 1x16 blocks along K (the dgrad's W re-quantized along N) and
+# Four-over-Six scales (MSE) on every nearest-rounded operand: x, W and the wgrad's H·x.
+_METHOD_MATMUL = MatmulConfig.nvfp4(x=Operand(scale_rule="4over6_mse"), w=Operand(scale_rule="4over6_mse"),
+                                    x_wgrad=Operand(scale_rule="4over6_mse"))
+
 PRESETS: dict[str, Recipe] = {
     "bf16": Recipe(),
     "fp4_linear": Recipe(linear="nvfp4"),
-    # The method's baseline: W in 1x16 blocks along K (the dgrad's W re-quantized along N) and
-    # Four-over-Six scales (MSE) on every nearest-rounded operand: x, W and the wgrad's H·x.
-    "fp4_linear_w1x16_4over6": Recipe(linear="nvfp4", matmul=MatmulConfig.nvfp4(
-        x=Operand(scale_rule="4over6_mse"), w=Operand(scale_rule="4over6_mse"),
-        x_wgrad=Operand(scale_rule="4over6_mse"))),
+    # The method's baseline (_METHOD_MATMUL).
+    "fp4_linear_w1x16_4over6": Recipe(linear="nvfp4", matmul=_METHOD_MATMUL),
     # The method's baseline with its forward GEMMs in BF16 for the last 10% of steps (the backward
     # still NVFP4; docs/DESIGN.md, "The linear recipe", has the evidence).
-    "fp4_linear_w1x16_4over6_fwd_bf16_last10": Recipe(linear="nvfp4", bf16_fwd_last=0.1, matmul=MatmulConfig.nvfp4(
-        x=Operand(scale_rule="4over6_mse"), w=Operand(scale_rule="4over6_mse"),
-        x_wgrad=Operand(scale_rule="4over6_mse"))),
-    # LoRA-SVD the method's way: on the method's baseline (1x16 W, Four-over-Six), a rank-16 BF16 branch
-    # re-aligned by a randomized SVD every 300 steps, the new factors rotated onto the old ones so that
-    # their moments carry over (docs/DESIGN.md, "LoRA-SVD", has the cadence and the evidence).
+    "fp4_linear_w1x16_4over6_fwd_bf16_last10": Recipe(linear="nvfp4", bf16_fwd_last=0.1, matmul=_METHOD_MATMUL),
+    # LoRA-SVD the method's way: on the method's baseline, a rank-16 BF16 branch re-aligned by a
+    # randomized SVD every 300 steps, the new factors rotated onto the old ones so that their moments
+    # carry over (docs/DESIGN.md, "LoRA-SVD", has the cadence and the evidence).
     "fp4_linear_lorasvd": Recipe(linear="nvfp4_lorasvd", lora_resplit_every=300, lora_resplit_moments="aligned",
-                                 lora_resplit_svd="randomized", matmul=MatmulConfig.nvfp4(
-                                     x=Operand(scale_rule="4over6_mse"), w=Operand(scale_rule="4over6_mse"),
-                                     x_wgrad=Operand(scale_rule="4over6_mse"))),
+                                 lora_resplit_svd="randomized", matmul=_METHOD_MATMUL),
     # Every module in NVFP4 with the remedies that measured a gain: the linear layers of
     # fp4_linear_w1x16_4over6_fwd_bf16_last10 (no LoRA-SVD), √v mean-removed and Hadamard-rotated; attention
     # with the method's K smoothing and Four-over-Six on q and k (no measured cost); NVFP4 Newton-Schulz
     # (docs/DESIGN.md, "The full stack", has the evidence).
     "fp4_full_stack": Recipe(linear="nvfp4", attention="nvfp4", optimizer_states="nvfp4", newton_schulz="nvfp4",
-                             bf16_fwd_last=0.1, matmul=MatmulConfig.nvfp4(
-                                 x=Operand(scale_rule="4over6_mse"), w=Operand(scale_rule="4over6_mse"),
-                                 x_wgrad=Operand(scale_rule="4over6_mse")),
+                             bf16_fwd_last=0.1, matmul=_METHOD_MATMUL,
                              moments=AdamNvfp4Options(nu_transform="mean_hadamard"),
                              attention_op=AttentionConfig.nvfp4(
                                  q=Operand(scale_rule="4over6_mse"), k=Operand(scale_rule="4over6_mse"),
                                  k_smooth=True)),
 }
+
+
+# What a recipe recorded before ``MatmulConfig.rounding_bits`` existed drew its stochastic-rounding bits
+# from: the field's default then (``jax.random.bits``).
+RECORDED_ROUNDING_BITS = "random"
+
+
+def recorded_rounding_bits(matmul: Mapping) -> str:
+  """The stochastic-rounding stream of a recorded ``recipe.matmul`` (a run's ``config.json`` or
+  checkpoint identity): its ``rounding_bits``, else ``RECORDED_ROUNDING_BITS``."""
+  return matmul.get("rounding_bits", RECORDED_ROUNDING_BITS)
 
 
 def preset_changes(name: str) -> dict[str, object]:

@@ -284,13 +284,14 @@ def _saved_diff(saved: Mapping, current: Mapping) -> list[tuple[str, object, obj
   re-split's fields of an identity that held them under ``optimizer`` are the recipe's), and a saved
   ``recipe.matmul`` without ``rounding_bits`` as ``"random"``, the stream it ran (the field's
   default then), so that such a run does not resume on another stream."""
-  from fp4jax.recipe import upgrade_config  # the recipe imports the ops; identities stay light
+  # the recipe imports the ops; identities stay light
+  from fp4jax.recipe import recorded_rounding_bits, upgrade_config
 
   saved = upgrade_config({k: v for k, v in saved.items() if k != CODE_KEY})  # CODE_KEY: what ran it, not what it is
   recipe = saved.get("recipe")
   matmul = recipe.get("matmul") if isinstance(recipe, dict) else None
-  if isinstance(matmul, dict) and "rounding_bits" not in matmul:  # saved before the field: jax.random.bits
-    saved["recipe"] = {**recipe, "matmul": {**matmul, "rounding_bits": "random"}}
+  if isinstance(matmul, dict) and "rounding_bits" not in matmul:  # saved before the field existed
+    saved["recipe"] = {**recipe, "matmul": {**matmul, "rounding_bits": recorded_rounding_bits(matmul)}}
   return [d for d in diff(saved, current) if d[1] is not ABSENT]
 
 
