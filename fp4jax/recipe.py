@@ -322,10 +322,9 @@ PRESETS: dict[str, Recipe] = {
     # carry over (docs/DESIGN.md, "LoRA-SVD", has the cadence and the evidence).
     "fp4_linear_lorasvd": Recipe(linear="nvfp4_lorasvd", lora_resplit_every=300, lora_resplit_moments="aligned",
                                  lora_resplit_svd="randomized", matmul=_METHOD_MATMUL),
-    # Every module in NVFP4 with the remedies that measured a gain: the linear layers of
-    # fp4_linear_w1x16_4over6_fwd_bf16_last10 (no LoRA-SVD), √v mean-removed and Hadamard-rotated; attention
-    # with the method's K smoothing and Four-over-Six on q and k (no measured cost); NVFP4 Newton-Schulz
-    # (docs/DESIGN.md, "The full stack", has the evidence).
+    # Every module in NVFP4: the linear layers of fp4_linear_w1x16_4over6_fwd_bf16_last10 (no LoRA-SVD),
+    # NVFP4 moments with √v mean-removed and Hadamard-rotated, attention with the method's K smoothing and
+    # Four-over-Six on q and k, NVFP4 Newton-Schulz (docs/DESIGN.md, "The full stack", says why).
     "fp4_full_stack": Recipe(linear="nvfp4", attention="nvfp4", optimizer_states="nvfp4", newton_schulz="nvfp4",
                              bf16_fwd_last=0.1, matmul=_METHOD_MATMUL,
                              moments=AdamNvfp4Options(nu_transform="mean_hadamard"),
