@@ -188,6 +188,10 @@ class _Loop:
     # GEMMs in BF16): a second graphdef of the same parameters, its steps compiled at first use.
     # The telemetry keeps measuring the recipe's own quantization.
     self.switch, self.bf16_fwd_last = recipe.bf16_fwd_from(tc.steps), recipe.bf16_fwd_last
+    late_recipe = recipe.at_step(tc.steps - 1, tc.steps)
+    self.late_what = " and ".join(
+        w for w, changed in (("the forward GEMMs", late_recipe.matmul != recipe.matmul),
+                             ("attention's scores", late_recipe.attention_op != recipe.attention_op)) if changed)
     self.late_steps = None
     if recipe.at_step(tc.steps - 1, tc.steps) != recipe:
       late, _ = abstract_model(model_cfg, recipe.at_step(self.switch, tc.steps), execution)
@@ -253,7 +257,7 @@ class _Loop:
       self.writer.message(f"step {n}: compiling the train step ({self.num_params / 1e6:.2f}M "
                           f"parameters, {self.mesh.devices.size} device(s))")
     if self.late(n) and (n == self.first or not self.late(n - 1)):
-      self.writer.message(f"step {n}: the forward GEMMs run in BF16 from here to step {self.tc.steps} "
+      self.writer.message(f"step {n}: {self.late_what} run in BF16 from here to step {self.tc.steps} "
                           f"(recipe.bf16_fwd_last={self.bf16_fwd_last})"
                           + ("" if n == self.first else "; compiling that train step"))
 

@@ -11,8 +11,8 @@ Embeddings, the LM head, norms and softmax always stay high precision. ``bf16_fi
 ``bf16_last_blocks`` keep the linear layers of the first/last k Transformer blocks in BF16 (NVIDIA
 keeps ~15% of the linear layers, mostly the last blocks, in BF16). ``bf16_fwd_last`` runs the
 forward GEMMs of the NVFP4 projections in BF16 for the last fraction of a run's steps, the backward
-still NVFP4 (``at_step``); ``down_x`` changes the MLP down-projection's forward input alone
-(``projection_matmul``).
+still NVFP4 (``at_step``), and with ``bf16_fwd_attention`` attention's score product too;
+``down_x`` changes the MLP down-projection's forward input alone (``projection_matmul``).
 
 What each NVFP4 module computes is the config of its op, nested as one field, so an ablation is one
 field in one place: ``matmul`` (``fp4jax.ops.MatmulConfig``: the NVFP4 projections' GEMMs, e.g.
@@ -111,6 +111,11 @@ class Recipe:
       recipe. The random bits of the backward are the same either way (``nvfp4_matmul`` assigns its
       keys by operand), and the model is evaluated as it trains at the step it is evaluated after.
       0.0 (the default): no switch; 1.0: every step.
+    bf16_fwd_attention: the late phase of ``bf16_fwd_last`` also computes NVFP4 attention's score
+      product in BF16: q and k unquantized (``attention_op.q``/``k.format="bf16"``), so the forward's
+      ``S = q·kᵀ`` and the backward's recomputed scores are BF16 while dS (``dQ = dS·K``,
+      ``dK = dSᵀ·Q``) stays as ``attention_op`` says: the attention counterpart of the projections'
+      BF16 forward. Applies where ``attention="nvfp4"`` and ``bf16_fwd_last > 0``. Default: False.
     lora_rank: rank of the BF16 low-rank branch when ``linear == "nvfp4_lorasvd"``.
     lora_resplit_every: re-split every LoRA-SVD projection (new top-r SVD of ``W_res + A·B``) every
       this many steps; 0 splits once at init (Metis). What happens to the optimizer state of the
@@ -169,6 +174,7 @@ class Recipe:
   bf16_first_blocks: int = 0
   bf16_last_blocks: int = 0
   bf16_fwd_last: float = 0.0
+  bf16_fwd_attention: bool = False
   lora_rank: int = DEFAULT_LORA_RANK
   lora_resplit_every: int = 0
   lora_resplit_moments: str = "keep"
@@ -209,6 +215,8 @@ class Recipe:
     f = self.bf16_fwd_last
     if isinstance(f, bool) or not isinstance(f, int | float) or not 0 <= f <= 1:
       raise ValueError(f"Recipe.bf16_fwd_last={f!r}: expected a fraction of the run's steps in [0, 1]")
+    if not isinstance(self.bf16_fwd_attention, bool):
+      raise ValueError(f"Recipe.bf16_fwd_attention={self.bf16_fwd_attention!r}: expected True or False")
     try:
       self.projection_matmul("down")
     except ValueError as e:
@@ -249,8 +257,8 @@ class Recipe:
   def at_step(self, step: int, steps: int) -> Recipe:
     """The recipe that step ``step`` (0-based) of a run of ``steps`` steps computes with: this one
     before ``bf16_fwd_from(steps)``, from there on ``bf16_forward()`` (every NVFP4 projection's
-    forward GEMM in BF16, the dgrad and wgrad unchanged). The two build models of the same
-    parameters.
+    forward GEMM in BF16, the dgrad and wgrad unchanged; with ``bf16_fwd_attention``, attention's
+    q and k too). The two build models of the same parameters.
 
     Args:
       step: the step's index (the train state's ``step`` before it runs).
@@ -263,11 +271,16 @@ class Recipe:
 
   def bf16_forward(self) -> Recipe:
     """The late phase of ``bf16_fwd_last``: this recipe with ``matmul.fwd=False`` (every NVFP4
-    projection's forward GEMM in BF16), or this one where that changes nothing (no NVFP4
-    projection, or no quantized forward)."""
-    if not self.matmul.fwd or self.linear == "bf16":
-      return self
-    return self.replace(matmul={"fwd": False})
+    projection's forward GEMM in BF16) and, with ``bf16_fwd_attention``, NVFP4 attention's q and k
+    in BF16 (dS unchanged); this one where that changes nothing (no NVFP4 projection or quantized
+    forward, no NVFP4 attention or quantized q, k)."""
+    changes = {}
+    if self.matmul.fwd and self.linear != "bf16":
+      changes["matmul"] = {"fwd": False}
+    op = self.attention_op
+    if self.bf16_fwd_attention and self.attention == "nvfp4" and (op.q.quantized or op.k.quantized):
+      changes["attention_op"] = {"q": {"format": "bf16"}, "k": {"format": "bf16"}}
+    return self.replace(**changes) if changes else self
 
   def block_linear(self, block: int, n_blocks: int) -> str:
     """The linear precision of Transformer block ``block`` (0-based) in a model of ``n_blocks``.

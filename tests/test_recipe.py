@@ -274,6 +274,34 @@ def test_bf16_forward_tail_is_a_schedule_of_the_run():
     r.bf16_fwd_from(0)
 
 
+def test_bf16_forward_tail_of_attention_unquantizes_q_and_k_alone():
+  """``bf16_fwd_attention``: the late phase also takes attention's q and k to BF16, dS and the rest
+  of ``attention_op`` unchanged; nothing changes before the switch, without the tail, or where
+  attention is BF16."""
+  r = get_recipe("fp4_full_stack", bf16_fwd_attention=True)
+  assert r.at_step(1349, 1500) is r
+  late = r.at_step(1350, 1500)
+  op, late_op = r.attention_op, late.attention_op
+  assert (late_op.q.format, late_op.k.format) == ("bf16", "bf16") and op.q.quantized and op.k.quantized
+  assert late_op == dataclasses.replace(op, q=dataclasses.replace(op.q, format="bf16"),
+                                        k=dataclasses.replace(op.k, format="bf16"))
+  assert late_op.ds == op.ds and late_op.ds.quantized and late_op.k_smooth == op.k_smooth
+  assert late.matmul == r.bf16_forward().matmul == dataclasses.replace(r.matmul, fwd=False)
+  # Without the flag the late phase leaves attention alone (the preset's own tail).
+  plain = get_recipe("fp4_full_stack")
+  assert plain.at_step(1499, 1500).attention_op == plain.attention_op
+  # BF16 attention, or no tail: nothing to switch.
+  for same in (get_recipe("fp4_full_stack", attention="bf16", bf16_fwd_attention=True, matmul={"fwd": False}),
+               get_recipe("fp4_full_stack", bf16_fwd_attention=True, bf16_fwd_last=0.0)):
+    assert same.at_step(1499, 1500) is same
+  # Attention alone switches where the projections are BF16.
+  attn = get_recipe("bf16", attention="nvfp4", bf16_fwd_attention=True, bf16_fwd_last=0.5)
+  assert attn.at_step(9, 10) == attn.replace(attention_op={"q": {"format": "bf16"}, "k": {"format": "bf16"}})
+  for bad in (1, "True", None):
+    with pytest.raises(ValueError, match="Recipe.bf16_fwd_attention"):
+      Recipe(bf16_fwd_attention=bad)
+
+
 def test_down_x_overrides_the_down_projection_input_alone():
   r = get_recipe("fp4_linear", down_x={"terms": 2})
   assert r.down_x == recipe_lib.OperandOverride(terms=2)

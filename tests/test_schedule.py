@@ -105,6 +105,25 @@ def test_bf16_forward_tail_switches_at_its_step_resumes_exactly_and_evaluates_as
   assert r["step"] == 6 and r["loss"] == pytest.approx(straight[6][2], abs=1e-5)
 
 
+def test_the_late_phase_builds_bf16_scores_with_bf16_fwd_attention():
+  """With ``bf16_fwd_attention`` the late phase's model computes NVFP4 attention with q and k
+  unquantized (dS as before); the early phase's and the plain tail's attention are the recipe's."""
+  from fp4jax.model import NVFP4Attention
+  recipe = get_recipe("fp4_linear", attention="nvfp4", bf16_fwd_last=0.5, bf16_fwd_attention=True)
+  configs = {}
+  for phase, step in (("early", 0), ("late", 9)):
+    model = nnx.eval_shape(lambda s=step: Transformer(MODEL, recipe.at_step(s, 10), rngs=nnx.Rngs(0)))
+    ops = [b.attn.attention_op for b in model.blocks]
+    assert all(isinstance(op, NVFP4Attention) for op in ops)
+    configs[phase] = ops[0].config
+  assert configs["early"] == recipe.attention_op
+  assert (configs["late"].q.format, configs["late"].k.format, configs["late"].ds) == (
+      "bf16", "bf16", recipe.attention_op.ds)
+  tail = get_recipe("fp4_linear", attention="nvfp4", bf16_fwd_last=0.5)
+  model = nnx.eval_shape(lambda: Transformer(MODEL, tail.at_step(9, 10), rngs=nnx.Rngs(0)))
+  assert model.blocks[0].attn.attention_op.config == tail.attention_op
+
+
 def test_down_x_changes_the_down_projection_alone():
   recipe = get_recipe("fp4_linear", down_x=OperandOverride(format="bf16"))
   model = nnx.eval_shape(lambda: Transformer(MODEL, recipe, rngs=nnx.Rngs(0)))

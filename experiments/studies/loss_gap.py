@@ -75,6 +75,13 @@ _ARMS: tuple[Arm, ...] = (
             "Muon (BF16 Newton-Schulz, float32 AdamW moments) on the linear preset's NVFP4 layers"),
         Arm("muon_linear_s1", "fp4_linear_w1x16_4over6_fwd_bf16_last10", {"optimizer.name": "muon"}, 1,
             "muon_bf16_s1", "Muon on the linear preset's NVFP4 layers, seed 1"),
+        Arm("muon_winners_states", "fp4_linear_w1x16_4over6_fwd_bf16_last10",
+            {**_STATES_MEAN_HADAMARD, "optimizer.name": "muon"}, 0, "muon_linear",
+            "Muon on the linear preset with NVFP4 states: Muon's momentum and the AdamW moments (centered √v) of "
+            "the embedding, head and vectors"),
+        Arm("muon_winners_states_s1", "fp4_linear_w1x16_4over6_fwd_bf16_last10",
+            {**_STATES_MEAN_HADAMARD, "optimizer.name": "muon"}, 1, "muon_linear_s1",
+            "Muon on the linear preset with NVFP4 states, seed 1"),
         Arm("full_stack_muon", "fp4_linear", {**_LORASVD_STACK, "optimizer.name": "muon"}, 0, "muon_bf16",
             "the full stack with Muon: NVFP4 Newton-Schulz on the blocks' matrices, NVFP4 AdamW moments on the rest"),
         Arm("full_stack_muon_s1", "fp4_linear", {**_LORASVD_STACK, "optimizer.name": "muon"}, 1, "muon_bf16_s1",
@@ -316,6 +323,12 @@ _ARMS: tuple[Arm, ...] = (
             "full_stack_winners", "the full stack of the winners with attention's dS in BF16 (dQ, dK unquantized)"),
         Arm("full_stack_ds_bf16_s1", "fp4_full_stack", {"recipe.attention_op.ds.format": "bf16"}, 1,
             "full_stack_winners_s1", "the full stack of the winners with attention's dS in BF16, seed 1"),
+        Arm("full_stack_attn_fwd_bf16", "fp4_full_stack", {"recipe.bf16_fwd_attention": True}, 0,
+            "full_stack_winners", "the full stack of the winners with attention's scores (q, k) in BF16 in the "
+            "last 10% of steps, beside the projections' BF16 forward (dS still NVFP4)"),
+        Arm("full_stack_attn_fwd_bf16_s1", "fp4_full_stack", {"recipe.bf16_fwd_attention": True}, 1,
+            "full_stack_winners_s1", "the full stack of the winners with attention's scores in BF16 in the last "
+            "10% of steps, seed 1"),
         Arm("winners_states", "fp4_linear_w1x16_4over6_fwd_bf16_last10", _STATES_MEAN_HADAMARD, 0,
             "w1x16_4over6_last10", "the linear preset + NVFP4 AdamW moments, √v mean-removed and rotated"),
         Arm("winners_states_s1", "fp4_linear_w1x16_4over6_fwd_bf16_last10", _STATES_MEAN_HADAMARD, 1,
