@@ -134,14 +134,15 @@ def rounding_bits(config: Mapping) -> str | None:
 
 
 def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping | None,
-            eval_tokens: int | None, **fields) -> dict:
+            eval_tokens: int | None, *, text: str | None = None, **fields) -> dict:
   """One row of the table: the run in ``run_dir`` of experiment ``exp`` (its steps, batch, sequence
   length, seed and corpus), its evaluation ``ev`` (``experiments.evaluate``; None: it diverged) and
   ``fields`` (``reference``, ``baseline``, ``seed``, ...). ``comparable`` says the evaluation is
-  the one asked for: step ``exp.train.steps``, the experiment's corpus, at most ``eval_tokens``
-  tokens. The run's ``config.json`` gives the vocabulary and the training split's size, so a
-  run folder copied away from its data is read alike (a run recorded without the split's size reads
-  it from the data folder where that still exists; the epochs are NaN where it does not)."""
+  the one asked for: step ``exp.train.steps``, the experiment's corpus (or ``text``, for an
+  evaluation on another text), at most ``eval_tokens`` tokens. The run's ``config.json`` gives the
+  vocabulary and the training split's size, so a run folder copied away from its data is read alike
+  (a run recorded without the split's size reads it from the data folder where that still exists;
+  the epochs are NaN where it does not)."""
   s = run_summary(run_dir)
   run = evaluate_lib.read_run(run_dir)
   train_tokens = run.get("train_tokens")
@@ -156,7 +157,7 @@ def run_row(exp: Experiment, run_dir: Path, name: str, recipe: str, ev: Mapping 
   if exp.model.vocab_size is None:
     exp = dataclasses.replace(exp, model=dataclasses.replace(exp.model, vocab_size=run["vocab_size"]))
   comparable = (status == "ok" and ev.get("step") == tc.steps
-                and ev.get("text") == exp.data.corpus and ev.get("max_tokens") == eval_tokens)
+                and ev.get("text") == (text or exp.data.corpus) and ev.get("max_tokens") == eval_tokens)
   return {"arm": name, "recipe": recipe, "status": status, "reference": False, "baseline": None,
           "seed": tc.seed, **fields,
           "eval_loss": ev.get("loss", math.nan), "eval_loss_se": ev.get("loss_se", math.nan),

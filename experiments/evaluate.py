@@ -26,7 +26,9 @@ Evaluation runs on one device.
 
 The launchers (``experiments.compare``, ``experiments.study``) evaluate each run's final checkpoint
 here, on ``eval_tokens(cfg)`` held-out tokens (the whole held-out split unless the config says
-otherwise), and keep the result in ``<run>/eval.json`` (``evaluate_cached``).
+otherwise), and keep the result in ``<run>/eval.json`` (``evaluate_cached``); a study evaluates each
+arm on other texts too where its config names them (``study.eval_also``), each kept in
+``<run>/eval_<name>.json`` (``eval_file``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -53,6 +56,18 @@ from fp4jax.train import abstract_model, jit_steps, make_optimizer, make_schedul
 
 SPLITS = ("validation", "all")
 EVAL_FILE = "eval.json"
+EVAL_ALSO_GLOB = "eval_*.json"  # a run's evaluations on other texts (eval_file)
+
+
+def eval_file(text: str | None = None) -> str:
+  """The file of a run folder that keeps its evaluation on ``text``: ``eval.json`` for the run's own
+  corpus (None), ``eval_<name>.json`` for another text, ``<name>`` the built-in corpus's name or
+  the folder's or file's name (characters other than letters, digits, ``.``, ``-`` and ``_``
+  replaced by ``_``)."""
+  if text is None:
+    return EVAL_FILE
+  name = text if text in corpus_lib.CORPORA else Path(text).name
+  return f"eval_{re.sub(r'[^A-Za-z0-9._-]+', '_', name) or '_'}.json"
 
 
 def define_flags() -> None:
@@ -281,9 +296,11 @@ def eval_tokens(cfg, tokens: int | None = None, batch_size: int | None = None) -
 
 
 def evaluate_cached(workdir: str | os.PathLike, text: str, steps: int, max_tokens: int | None,
-                    batch_size: int | None = None, exp: Experiment | None = None) -> dict:
+                    batch_size: int | None = None, exp: Experiment | None = None,
+                    file: str = EVAL_FILE) -> dict:
   """``evaluate`` of a finished run on the ``validation`` split of ``text``, kept in
-  ``<workdir>/eval.json`` and reused while what it measured is what is asked: the step, text,
+  ``<workdir>/<file>`` (``eval.json``; ``eval_file`` names those of other texts than the run's
+  corpus) and reused while what it measured is what is asked: the step, text,
   ``max_tokens``, batch size (``batch_size``, else the run's) and the checkpoint itself (its
   digest: a run trained again to the same step is evaluated again). Settings out of range are
   refused before anything is evaluated or written.
@@ -293,7 +310,7 @@ def evaluate_cached(workdir: str | os.PathLike, text: str, steps: int, max_token
   launcher does not compare it).
   """
   workdir = Path(workdir)
-  path = workdir / EVAL_FILE
+  path = workdir / file
   run_batch = exp.train.batch_size if exp is not None else read_run(workdir)["config"]["batch_size"]
   key = {"text": text, "max_tokens": max_tokens, "batch_size": batch_size or run_batch,
          "checkpoint": checkpoint_digest(workdir / "checkpoints" / str(steps))}
@@ -309,7 +326,7 @@ def evaluate_cached(workdir: str | os.PathLike, text: str, steps: int, max_token
   if r["step"] != steps:
     print(f"{workdir.name}: evaluated at step {r['step']}, not {steps}: the final checkpoint is "
           "not intact; the row says so and is not compared", flush=True)
-  tmp = path.with_name(EVAL_FILE + ".tmp")
+  tmp = path.with_name(file + ".tmp")
   tmp.write_text(json.dumps(r, indent=1) + "\n")
   os.replace(tmp, path)
   return r

@@ -15,14 +15,18 @@ with the study's telemetry: ``arm_experiment``), completed by one data step shar
 ``<workdir>/<arm>``: a finished arm is reused, an interrupted one resumes. It logs the per-module
 quantization error every ``telemetry_every`` steps (``fp4jax.telemetry``; the config's value, or
 ``steps // 10`` when it is 0), and its final checkpoint is evaluated on the held-out split of the
-corpus (``experiments.evaluate``; cached in ``<workdir>/<arm>/eval.json``).
+corpus (``experiments.evaluate``; cached in ``<workdir>/<arm>/eval.json``), and on each text that the
+config's ``study.eval_also`` names (built-in corpora or folders, separated by commas: e.g. the ``mix``
+prose for a study of a code corpus; ``<workdir>/<arm>/eval_<name>.json``, ``eval_texts``).
 
 After the arms of the command, every finished arm of the workdir goes into
 ``<workdir>/study.jsonl`` (one line per arm) and ``<workdir>/table.md``, printed too. The gap of an
 arm is ``100 · (L − L̄) / L̄`` on the held-out loss, against the mean ``L̄`` of the bf16 seeds; the
 spread of those seeds (min–max and standard deviation, in % of ``L̄``) is the noise floor, and each
 loss and gap carries its standard error over the evaluated batches (``experiments.compare.table``,
-the table ``experiments.compare`` writes too). ``--collect=DIR`` copies the small logs (each arm's
+the table ``experiments.compare`` writes too); each other text evaluated gets a table and summary of
+its own, ``table_<name>.md`` and ``summary_<name>.md``, its gaps against the bf16 seeds' mean on that
+text. ``--collect=DIR`` copies the small logs (each arm's
 ``metrics.jsonl``, ``config.json``, ``eval.json`` and its output under ``--parallel``;
 ``study.json``, ``study.jsonl``, ``table.md``) into ``DIR`` (e.g. ``experiments/results/<name>``,
 read by ``notebooks/loss_gap.ipynb``): results enter the repository this way only.
@@ -75,9 +79,10 @@ from experiments import evaluate as evaluate_lib
 from experiments import scaling
 from experiments import train as launcher
 from experiments.compare import BETWEEN_RUNS, add_gaps, run_row, seed_summary, table, with_data
-from experiments.evaluate import EVAL_FILE
+from experiments.evaluate import EVAL_ALSO_GLOB, EVAL_FILE, eval_file
 from experiments.studies import Arm
 from experiments.studies.loss_gap import ARMS
+from fp4jax import corpus as corpus_lib
 from fp4jax.experiment import Experiment, TrainConfig
 from fp4jax.preemption import StopSignals, TrainingInterrupted
 from fp4jax.recipe import upgrade_config
@@ -162,20 +167,47 @@ def check_workdir(cfg, workdir: Path) -> None:
                      f": use another --workdir, or the study's settings ({path})")
 
 
+def eval_texts(cfg) -> tuple[str, ...]:
+  """The other texts each arm is evaluated on (``study.eval_also``: built-in corpus names or folders,
+  separated by commas; none by default), checked before any arm trains.
+
+  Raises:
+    ValueError: a text named twice, the run's own corpus, or one whose text is not on this machine
+      (the message names the fix).
+  """
+  texts = [t.strip() for t in str(cfg.get("study", {}).get("eval_also", "") or "").split(",") if t.strip()]
+  for i, t in enumerate(texts):
+    where = f"config study.eval_also={t!r}"
+    if t in texts[:i]:
+      raise ValueError(f"{where} is named twice: name each text once")
+    if t == cfg.data.corpus:
+      raise ValueError(f"{where} is the study's own corpus, which every arm is evaluated on already "
+                       "(eval.json): drop it from study.eval_also")
+    if not corpus_lib.text_is_here(t):
+      raise ValueError(f"{where}: its text is not on this machine, so the arms could not be evaluated "
+                       f"on it after training: a built-in corpus ({', '.join(sorted(corpus_lib.CORPORA))}) "
+                       "fetched or packed into the data root (`python -m fp4jax.corpus fetch` or `pack`, "
+                       "$FP4JAX_DATA_DIR), or an existing folder of .txt files; or drop it from "
+                       "study.eval_also")
+  return tuple(texts)
+
+
 def is_finished(workdir: Path, steps: int) -> bool:
   return (workdir / "checkpoints" / str(steps)).is_dir()
 
 
 def run_arm(exp: Experiment, arm: Arm, workdir: Path, eval_tokens: int | None = None,
-            eval_batch_size: int | None = None, keep_other_code: bool = False) -> str:
+            eval_batch_size: int | None = None, keep_other_code: bool = False,
+            also: Sequence[str] = ()) -> str:
   """Trains (or reuses, or resumes) one arm, ``exp`` being its experiment (``arm_experiment``,
-  completed by ``compare.with_data``), and evaluates it; returns its status ("trained", "reused" or
-  "diverged")."""
+  completed by ``compare.with_data``), and evaluates it on its corpus and on each text of ``also``
+  (``eval_texts``); returns its status ("trained", "reused" or "diverged")."""
   run_dir = workdir / arm.name
   status = "reused"
   if not launcher.finished_run(exp, run_dir, keep_other_code):
     status = "trained"
-    (run_dir / EVAL_FILE).unlink(missing_ok=True)  # of an earlier checkpoint
+    for old in (EVAL_FILE, *(p.name for p in run_dir.glob(EVAL_ALSO_GLOB))):  # of an earlier checkpoint
+      (run_dir / old).unlink(missing_ok=True)
     if not os.environ.get(_pool.CHILD_ENV):  # trained alone: its throughput is its own
       (run_dir / SHARED_FILE).unlink(missing_ok=True)
     try:
@@ -187,27 +219,33 @@ def run_arm(exp: Experiment, arm: Arm, workdir: Path, eval_tokens: int | None = 
   (run_dir / "diverged.json").unlink(missing_ok=True)
   evaluate_lib.evaluate_cached(run_dir, exp.data.corpus, exp.train.steps, eval_tokens, eval_batch_size,
                                exp=exp)
+  for text in also:
+    evaluate_lib.evaluate_cached(run_dir, text, exp.train.steps, eval_tokens, eval_batch_size, exp=exp,
+                                 file=eval_file(text))
   return status
 
 
-def arm_row(exp: Experiment, arm: Arm, workdir: Path, eval_tokens: int | None = None) -> dict | None:
+def arm_row(exp: Experiment, arm: Arm, workdir: Path, eval_tokens: int | None = None,
+            text: str | None = None) -> dict | None:
   """The study's row of one arm (None if it has not run), ``exp`` being the study's experiment
   (its steps, batch, sequence length and corpus): ``compare.run_row`` of its run (with the arm's
   experiment, ``Arm.apply``: its recipe prices the row), with
   the arm's preset, ``changes`` (the ``recipe`` column prints exactly those), seed, group and
-  baseline; the bf16 seeds (no baseline) are the reference."""
+  baseline; the bf16 seeds (no baseline) are the reference. ``text``: the row of its evaluation on
+  that other text (``eval_file(text)``; None if it has none)."""
   run_dir = workdir / arm.name
+  file = run_dir / eval_file(text)
   diverged = (run_dir / "diverged.json").is_file()
-  if not diverged and not (run_dir / EVAL_FILE).is_file():
+  if not diverged and not file.is_file():
     return None
   try:
-    ev = None if diverged else json.loads((run_dir / EVAL_FILE).read_text())
+    ev = None if diverged else json.loads(file.read_text())
   except ValueError as e:  # a study command evaluates a damaged one again; a collected folder cannot
-    raise ValueError(f"{run_dir / EVAL_FILE} is damaged ({e}): put back a copy, or run the arm's study "
+    raise ValueError(f"{file} is damaged ({e}): put back a copy, or run the arm's study "
                      "command again where its checkpoint is (it evaluates the arm again)") from e
   shared = run_dir / SHARED_FILE
   parallel = json.loads(shared.read_text())["parallel"] if shared.is_file() else 1
-  return run_row(arm.apply(exp), run_dir, arm.name, arm.recipe_text(), ev, eval_tokens, seed=arm.seed,
+  return run_row(arm.apply(exp), run_dir, arm.name, arm.recipe_text(), ev, eval_tokens, text=text, seed=arm.seed,
                  reference=arm.baseline is None, baseline=arm.baseline, group=arm.group,
                  preset=arm.preset, changes=dict(arm.changes), shared_device=parallel)
 
@@ -216,7 +254,8 @@ def write_results(exp: Experiment, workdir: Path, eval_tokens: int | None = None
   """Writes ``study.jsonl``, ``table.md`` and ``summary.md`` (``compare.seed_summary``: each recipe
   over its seeds) from every finished arm of ``workdir`` (``exp``: the study's experiment); rows
   evaluated on other than ``eval_tokens`` held-out tokens (at most; None: the whole split) are not
-  compared."""
+  compared. Each other text that arms were evaluated on (their ``eval_<name>.json``) gets
+  ``table_<name>.md`` and ``summary_<name>.md`` alike (``other_texts``)."""
   rows = [r for a in ARMS if (r := arm_row(exp, a, workdir, eval_tokens)) is not None]
   floor = add_gaps(rows)
   with open(workdir / ROWS_FILE, "w") as f:
@@ -233,19 +272,46 @@ def write_results(exp: Experiment, workdir: Path, eval_tokens: int | None = None
   text = table(rows, floor, title)
   (workdir / TABLE_FILE).write_text(text + "\n")
   (workdir / SUMMARY_FILE).write_text(seed_summary(rows, floor) + "\n")
+  for other in other_texts(workdir):
+    o_rows = [r for a in ARMS if (r := arm_row(exp, a, workdir, eval_tokens, other)) is not None]
+    o_floor = add_gaps(o_rows)
+    o_title = (f"The same arms (corpus {exp.data.corpus}) evaluated on {held_out} of another text: "
+               f"{other}; gaps against the bf16 seeds' mean on it.")
+    table_file, summary_file = other_files(other)
+    (workdir / table_file).write_text(table(o_rows, o_floor, o_title) + "\n")
+    (workdir / summary_file).write_text(seed_summary(o_rows, o_floor) + "\n")
   return rows, text
+
+
+def other_texts(workdir: Path) -> list[str]:
+  """The other texts that arms of ``workdir`` were evaluated on: the ``text`` of each
+  ``<arm>/eval_<name>.json`` (a damaged one is skipped here; its row names it)."""
+  texts = set()
+  for path in workdir.glob(f"*/{EVAL_ALSO_GLOB}"):
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+      texts.add(json.loads(path.read_text()).get("text"))
+  return sorted(t for t in texts if isinstance(t, str))
+
+
+def other_files(text: str) -> tuple[str, str]:
+  """``(table_<name>.md, summary_<name>.md)``: the table and summary of the evaluations on ``text``."""
+  name = eval_file(text)[len("eval_"):-len(".json")]
+  return f"table_{name}.md", f"summary_{name}.md"
 
 
 def collect(workdir: Path, dest: Path) -> list[Path]:
   """Copies the study's small logs into ``dest`` (replacing its arm folders); returns the files.
 
-  ``dest`` gets ``study.json``, ``study.jsonl``, ``table.md``, ``summary.md`` and, per arm that has run,
-  ``<arm>/`` with its ``ARM_LOGS`` and, for an arm run under ``--parallel``, its process's output
-  as ``<arm>/train.log``. This is the one layout of ``experiments/results/``.
+  ``dest`` gets ``study.json``, ``study.jsonl``, ``table.md``, ``summary.md`` (and the tables and
+  summaries of other texts, ``other_files``) and, per arm that has run, ``<arm>/`` with its
+  ``ARM_LOGS``, its evaluations on other texts (``eval_<name>.json``) and, for an arm run under
+  ``--parallel``, its process's output as ``<arm>/train.log``. This is the one layout of
+  ``experiments/results/``.
   """
   make_folder(dest, "collection")
   out = []
-  for name in (STUDY_FILE, ROWS_FILE, TABLE_FILE, SUMMARY_FILE):
+  others = [f for t in other_texts(workdir) for f in other_files(t)]
+  for name in (STUDY_FILE, ROWS_FILE, TABLE_FILE, SUMMARY_FILE, *others):
     if (workdir / name).is_file():
       out.append(Path(shutil.copy2(workdir / name, dest / name)))
   for arm in ARM_NAMES:
@@ -255,6 +321,7 @@ def collect(workdir: Path, dest: Path) -> list[Path]:
     shutil.rmtree(dest / arm, ignore_errors=True)
     (dest / arm).mkdir()
     out += [Path(shutil.copy2(src / f, dest / arm / f)) for f in ARM_LOGS if (src / f).is_file()]
+    out += [Path(shutil.copy2(p, dest / arm / p.name)) for p in sorted(src.glob(EVAL_ALSO_GLOB))]
     if (log := workdir / "logs" / f"{arm}.log").is_file():
       out.append(Path(shutil.copy2(log, dest / arm / PROCESS_LOG)))
   return out
@@ -305,6 +372,7 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
   # The study's experiment is typed once; each arm's is made from it and checked before any trains.
   base = Experiment.from_config(cfg)
   eval_tokens = evaluate_lib.eval_tokens(cfg, eval_tokens, eval_batch_size)
+  also = eval_texts(cfg)
   exps = {arm.name: arm_experiment(base, arm, telemetry) for arm in selected}
   child = bool(os.environ.get(_pool.CHILD_ENV))  # an arm of --parallel: the parent holds the lock
   make_folder(workdir, "study")
@@ -337,7 +405,7 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
         t0 = time.perf_counter()
         try:
           status = run_arm(exps[arm.name], arm, workdir, eval_tokens, eval_batch_size,
-                           keep_other_code)
+                           keep_other_code, also)
         except TrainingInterrupted as e:
           if child:
             raise
@@ -347,6 +415,10 @@ def study(cfg, workdir: str | Path, arms: str | Sequence[str], eval_tokens: int 
               f"{_eval_loss(workdir / arm.name):.4f}", flush=True)
     rows, text = write_results(base, workdir, eval_tokens)
   print("\n" + text + "\n\n" + (workdir / SUMMARY_FILE).read_text().rstrip(), flush=True)
+  for other in also:
+    table_file, _ = other_files(other)
+    if (workdir / table_file).is_file():
+      print("\n" + (workdir / table_file).read_text().rstrip(), flush=True)
   if collect_to is not None:
     files = collect(workdir, Path(collect_to))
     print(f"\ncollected {len(files)} files into {collect_to}", flush=True)

@@ -359,6 +359,58 @@ def test_two_arms_collect_and_reuse(tmp_path, capsys, monkeypatch):
   st.check_workdir(cfg, work)
 
 
+def test_other_texts_are_named_once_and_checked_before_training(tmp_path):
+  """``study.eval_also``: each other text named once, not the study's corpus, its text here; each
+  gets its own file in the run folder (``eval_file``)."""
+  import ml_collections
+  text = tmp_path / "prose notes"
+  text.mkdir()
+  cfg = _small_config()
+  assert st.eval_texts(cfg) == ()  # none by default
+  cfg.study = ml_collections.ConfigDict({"eval_also": f" {text}, shakespeare "})
+  cfg.data.corpus = str(tmp_path / "code")
+  assert st.eval_texts(cfg) == (str(text), "shakespeare")
+  assert ev.eval_file(str(text)) == "eval_prose_notes.json" and ev.eval_file("mix") == "eval_mix.json"
+  assert ev.eval_file() == ev.EVAL_FILE == "eval.json"
+  assert st.other_files("mix") == ("table_mix.md", "summary_mix.md")
+  for also, match in ((f"{text},{text}", "is named twice"), (str(tmp_path / "code"), "the study's own corpus"),
+                      (str(tmp_path / "gone"), "its text is not on this machine")):
+    cfg.study.eval_also = also
+    with pytest.raises(ValueError, match=f"study.eval_also=.*{match}"):
+      st.eval_texts(cfg)
+
+
+@pytest.mark.slow
+def test_arms_evaluated_on_another_text_get_its_table(tmp_path, capsys):
+  """An arm is evaluated on each ``study.eval_also`` text too (its ``eval_<name>.json``, the same
+  held-out tokens), and the study writes, prints and collects that text's table and summary."""
+  import ml_collections
+  from conftest import write_pydoc_text
+  prose = write_pydoc_text(tmp_path / "prose", n_docs=30)
+  cfg = _small_config()
+  cfg.study = ml_collections.ConfigDict({"eval_also": str(prose)})
+  work, dest = tmp_path / "study", tmp_path / "results"
+  st.study(cfg, work, "bf16_s0,bf16_s1", eval_tokens=128, collect_to=dest, telemetry=False)
+  out = capsys.readouterr().out
+  for arm in ("bf16_s0", "bf16_s1"):
+    own = json.loads((work / arm / ev.EVAL_FILE).read_text())
+    other = json.loads((work / arm / "eval_prose.json").read_text())
+    assert own["text"] == cfg.data.corpus and other["text"] == str(prose)
+    assert other["tokens"] == own["tokens"] == 128 and other["step"] == own["step"] == 3
+    assert other["loss"] != own["loss"] and math.isfinite(other["loss"])
+    assert (dest / arm / "eval_prose.json").read_text() == (work / arm / "eval_prose.json").read_text()
+  losses = [json.loads((work / a / "eval_prose.json").read_text())["loss"] for a in ("bf16_s0", "bf16_s1")]
+  mean = sum(losses) / 2
+  table = (dest / "table_prose.md").read_text()
+  assert f"evaluated on the first 128 held-out tokens of another text: {prose}" in table
+  assert f"mean eval loss {mean:.4f} over 2 seed(s)" in table and table.count("| bf16_s") == 2
+  assert (dest / "summary_prose.md").read_text().strip().endswith("| reference |")
+  assert table.strip() in out
+  # Rewritten from the collected folder alone: the same table.
+  st.write_results(Experiment.from_config(cfg), dest, 128)
+  assert (dest / "table_prose.md").read_text() == table
+
+
 def test_child_command_keeps_the_flags_but_arms_parallel_and_collect():
   argv = ["--config=c.py", "--config.steps=3", "--arms", "a,b", "--parallel=2", "--collect", "out",
           "--workdir=w", "--notelemetry"]

@@ -14,7 +14,8 @@ A point is a size letter and a number of tokens per parameter, named after ``:``
 rate 2e-3, 200 warmup steps, cosine to 10%, 64 × 512 tokens per step) on the corpus ``data.corpus``
 (default ``pycode_mix``: the code and documentation of the installed Python distributions and the
 standard library with the ``mix`` prose; BPE 8k; a name like any ``--config.data.corpus``), evaluated on the first
-1,048,576 held-out tokens of that corpus (``study.eval_tokens``). Each point is a study of its own
+1,048,576 held-out tokens of that corpus (``study.eval_tokens``) and as many of the ``mix`` prose's held-out
+documents (``study.eval_also``: its table is ``table_mix.md``). Each point is a study of its own
 (its own workdir), e.g.::
 
   python -m experiments.study --config=experiments/configs/grid.py:m25 --workdir=runs/grid/m25 \
@@ -99,7 +100,7 @@ def get_config(arg: str | None = None):
   c.eval_every = 2000
   c.checkpoint_every = 2000
   # Read by experiments.study only (not TrainConfig fields).
-  c.study = ml_collections.ConfigDict({"eval_tokens": 1_048_576})
+  c.study = ml_collections.ConfigDict({"eval_tokens": 1_048_576, "eval_also": "mix"})
   return c
 
 
