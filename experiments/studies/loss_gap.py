@@ -77,8 +77,8 @@ _ARMS: tuple[Arm, ...] = (
             "muon_bf16_s1", "Muon on the linear preset's NVFP4 layers, seed 1"),
         Arm("muon_winners_states", "fp4_linear_w1x16_4over6_fwd_bf16_last10",
             {**_STATES_MEAN_HADAMARD, "optimizer.name": "muon"}, 0, "muon_linear",
-            "Muon on the linear preset with NVFP4 states: Muon's momentum and the AdamW moments (centered √v) of "
-            "the embedding, head and vectors"),
+            "Muon on the linear preset with NVFP4 AdamW moments (centered √v) on the embedding, head and vectors "
+            "(Muon's momentum float32)"),
         Arm("muon_winners_states_s1", "fp4_linear_w1x16_4over6_fwd_bf16_last10",
             {**_STATES_MEAN_HADAMARD, "optimizer.name": "muon"}, 1, "muon_linear_s1",
             "Muon on the linear preset with NVFP4 states, seed 1"),
