@@ -129,6 +129,7 @@ def test_config_defaults_and_validation():
                      (dict(ds=Operand(block=(16, 16), scale_rule="4over6_mae")),
                       "AttentionConfig.ds.scale_rule must be 'max'"),
                      (dict(k_smooth=1), "AttentionConfig.k_smooth must be a bool"),
+                     (dict(hadamard="yes"), "AttentionConfig.hadamard must be a bool"),
                      (dict(reuse=1), "reuse"), (dict(ds_tile=(64, 40)), "multiples of 16"),
                      (dict(ds_tile=(48, 64)), "powers of two"), (dict(ds_tile=64), "rows, cols")):
     with pytest.raises(ValueError, match=match):
@@ -405,9 +406,9 @@ _PV = _switched(v="nvfp4", p="nvfp4", do="nvfp4")
 @pytest.mark.parametrize("config", [
     NVFP4, NVFP4.nvfp4(reuse=False), _PV, dataclasses.replace(_PV, p=Operand(rounding="stochastic")),
     AttentionConfig.nvfp4(v=Operand()), dataclasses.replace(FOUR_OVER_SIX, k_smooth=True),
-    AttentionConfig.nvfp4(ds_tile=(16, 16)),
+    AttentionConfig.nvfp4(ds_tile=(16, 16)), AttentionConfig.nvfp4(hadamard=True),
 ], ids=["reuse", "no reuse", "V P dO nvfp4", "V P dO nvfp4, P stochastic", "V nvfp4",
-        "K smoothing, 4/6 q k v", "dS tile 16"])
+        "K smoothing, 4/6 q k v", "dS tile 16", "Hadamard q k"])
 @pytest.mark.slow
 def test_pallas_interpret_runs_the_kernels_on_the_same_operands(config):
   """The op's kernel path (interpret mode) against its XLA path: O to bf16 rounding and dV exact; dQ
@@ -534,6 +535,55 @@ def test_kernel_path_lowers_with_k_smooth_four_over_six_and_fine_ds_tiles():
                "nvfp4_attention_dkdv", "nvfp4_attention_dq"):
     assert name in hlo, name
   assert not re.search(r"nvfp4_quantize_pairs(?!_4over6)", hlo)  # no amax-scaled quantizer
+
+
+# ----------------------------------------------------------------------------------------------
+# The Hadamard rotation of q and k
+
+
+def _outlier_channels(x, channels=(3, 17, 40, 41), scale=8.0):
+  """x with a few channels of D scaled up, as the queries and keys of trained models have."""
+  return x.at[..., list(channels)].multiply(scale)
+
+
+def test_hadamard_rotation_is_exact_and_spreads_outlier_channels():
+  """``hadamard``: ``(q·H)·(k·H)ᵀ = q·kᵀ`` (H orthonormal, symmetric), so without quantization of
+  q and k nothing is rotated and the op is the plain one; with outlier channels the quantized
+  attention's output and gradients are closer to exact attention than without the rotation, and on
+  plain Gaussian data no further; the op's gradient is the reference VJP's, rotated back."""
+  h = attn.hadamard_matrix(D)
+  np.testing.assert_array_equal(_f32(h), _f32(h.T))
+  np.testing.assert_allclose(_f32(h @ h.T), np.eye(D), atol=1e-6)
+  q, k, v, do = _data(dtype=jnp.float32)
+  rot = AttentionConfig.nvfp4(hadamard=True)
+  qr, kr = attn.rotated(q, rot), attn.rotated(k, rot)
+  np.testing.assert_allclose(_f32(jnp.einsum("btd,bsd->bts", qr[:, :, 0], kr[:, :, 0])),
+                             _f32(jnp.einsum("btd,bsd->bts", q[:, :, 0], k[:, :, 0])), rtol=1e-4, atol=1e-4)
+  assert not AttentionConfig.bf16(hadamard=True).rotates and not AttentionConfig.nvfp4().rotates
+  plain = AttentionConfig.bf16(ds=NVFP4.ds)  # q and k unquantized: no rotation, same bits
+  for got, want in zip(_op(q, k, v, do, KEY, config=dataclasses.replace(plain, hadamard=True)),
+                       _op(q, k, v, do, KEY, config=plain), strict=True):
+    np.testing.assert_array_equal(_f32(got), _f32(want))
+  q, k, v, do = _data()
+  exact = _dpa(q, k, v, do)
+  for data, better in (((_outlier_channels(q), _outlier_channels(k)), True), ((q, k), False)):
+    errors = {}
+    for hadamard in (False, True):
+      config = dataclasses.replace(FOUR_OVER_SIX, k_smooth=True, hadamard=hadamard)
+      got = _op(*data, v, do, KEY, config=config)
+      want = _dpa(*data, v, do) if better else exact
+      errors[hadamard] = [_rel(g, w) for g, w in zip(got, want, strict=True)]
+    if better:  # O and dV through P; dQ, dK through the scores (dS noise beside them)
+      assert all(r < 0.85 * p for r, p in zip(errors[True], errors[False], strict=True)), errors
+    else:
+      assert all(r < 1.1 * p for r, p in zip(errors[True], errors[False], strict=True)), errors
+  config = dataclasses.replace(FOUR_OVER_SIX, k_smooth=True, hadamard=True)
+  for got, want in zip(_op(q, k, v, do, KEY, config=config)[1:],
+                       _ref_vjp(q, k, v, do, key=KEY, config=config), strict=True):
+    np.testing.assert_array_equal(_f32(got), _f32(want))
+  with pytest.raises(ValueError, match="hadamard .* power of two; D = 48"):
+    x = jnp.zeros((1, 16, 1, 48), jnp.bfloat16)
+    nvfp4_attention(x, x, x, key=KEY, config=config, implementation="xla")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,8 +19,10 @@ stochastic rounding, and its second-level (float32) scale is set per ``ds_tile``
 softmax is float32. ``AttentionConfig`` holds one ``fp4jax.quant.Operand`` for each operand of the seven
 products: NVFP4 or the plain input, its rounding and (q, k, v) its block scale rule (Four over Six).
 With ``k_smooth``, k's mean over the keys is subtracted before Q(k) (K smoothing: exact under the
-softmax, and the packed Q(k − k̄) serves forward and backward). Gradients reach q, k, v straight
-through their quantizers (k̄ held constant).
+softmax, and the packed Q(k − k̄) serves forward and backward). With ``hadamard``, q and k are
+rotated along D by the same orthonormal Hadamard matrix before anything else (``rotated``; exact in
+``q·kᵀ``). Gradients reach q, k, v straight through their quantizers (k̄ held constant) and back
+through the rotation.
 
 ``nvfp4_attention_reference`` / ``nvfp4_attention_vjp_reference`` are the same numerics in plain jnp
 with S, P and dS materialized; they are the op's ``implementation="xla"``. ``"pallas"`` runs the flash
@@ -112,6 +114,12 @@ class AttentionConfig:
       drops. Under the causal mask k̄ includes later keys, which reach an earlier query's scores
       through the rounding of Q(k − k̄) only (as they already do through the global scale's amax),
       never through a gradient. Default: False.
+    hadamard: rotate q and k along D by the orthonormal Sylvester Hadamard matrix ``H_D``
+      (``H_D·H_Dᵀ = I``; D a power of two) before they are smoothed and quantized, where q or k is
+      quantized: ``(q·H_D)·(k·H_D)ᵀ = q·kᵀ``, so the function is unchanged (up to the rounding of the
+      rotated operands to their dtype) while a few channels of large magnitude, which set their
+      blocks' scales, are spread over all D (FlashAttention-3's incoherent processing). An XLA
+      product before the op; its gradient rotates dQ and dK back (``·H_Dᵀ``). Default: False.
   """
 
   q: Operand = Operand()
@@ -123,6 +131,7 @@ class AttentionConfig:
   reuse: bool = True
   ds_tile: tuple[int, int] = (64, 64)
   k_smooth: bool = False
+  hadamard: bool = False
 
   def __post_init__(self):
     for name in OPERANDS:
@@ -143,7 +152,7 @@ class AttentionConfig:
         raise ValueError(f"AttentionConfig.{name}.scale_rule must be 'max' (its quantizer runs inside the "
                          f"attention kernels and scales each block by its amax; q, k and v take Four "
                          f"over Six), got {op.scale_rule!r}")
-    for flag in ("reuse", "k_smooth"):
+    for flag in ("reuse", "k_smooth", "hadamard"):
       if not isinstance(getattr(self, flag), bool):
         raise ValueError(f"AttentionConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
     tile = _check_tile(self.ds_tile, "AttentionConfig.ds_tile")
@@ -170,6 +179,11 @@ class AttentionConfig:
   def stochastic(self, operand: str) -> bool:
     """True if ``operand`` is quantized with stochastic rounding."""
     return getattr(self, operand).stochastic
+
+  @property
+  def rotates(self) -> bool:
+    """True if q and k are rotated (``hadamard``, with q or k quantized)."""
+    return self.hadamard and (self.quantizes("q") or self.quantizes("k"))
 
   @property
   def needs_key(self) -> bool:
@@ -244,6 +258,27 @@ def smoothed_k(k, config):
   k32 = k.astype(_F32)
   d = k32 - lax.stop_gradient(jnp.mean(k32, axis=1, keepdims=True))
   return (numerics.bf16_rn(d) if k.dtype == jnp.bfloat16 else d).astype(k.dtype)
+
+
+def hadamard_matrix(d: int) -> jax.Array:
+  """The orthonormal Sylvester Hadamard matrix of order ``d`` (a power of two), float32:
+  ``H = [[H', H'], [H', −H']] / √2`` from ``[[1]]``; symmetric, ``H·Hᵀ = I``."""
+  if d < 1 or d & (d - 1):
+    raise ValueError(f"a Hadamard matrix of order {d}: the order must be a power of two")
+  h = jnp.ones((1, 1), _F32)
+  while h.shape[0] < d:
+    h = jnp.block([[h, h], [h, -h]])
+  return h / jnp.sqrt(jnp.asarray(d, _F32))
+
+
+def rotated(x, config):
+  """``x·H_D`` along the last axis in x's dtype (``AttentionConfig.hadamard``, where q or k is
+  quantized: ``config.rotates``); ``x`` itself otherwise. The product is float32 at the highest
+  precision; a bfloat16 result is rounded by ``numerics.bf16_rn`` (see ``smoothed_k``)."""
+  if not config.rotates:
+    return x
+  r = _dot("...d,de->...e", x.astype(_F32), hadamard_matrix(x.shape[-1]))
+  return (numerics.bf16_rn(r) if x.dtype == jnp.bfloat16 else r).astype(x.dtype)
 
 
 def _decoded(x, dtype):
@@ -526,6 +561,10 @@ def _check(q, k, v, key, causal, config) -> None:
   if causal and t != s:
     raise ValueError(f"nvfp4_attention: causal attention needs as many keys as queries (T == S); got "
                      f"{shapes}")
+  if config.rotates and d & (d - 1):
+    raise ValueError(f"nvfp4_attention: AttentionConfig.hadamard rotates q and k along D by a Hadamard "
+                     f"matrix, whose order is a power of two; D = {d} is not (set hadamard=False); got "
+                     f"{shapes}")
   if config.needs_key and key is None:
     _keys(None, config)  # raises the key error
 
@@ -545,7 +584,8 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
   ``dQ = deq(Q(dS))·deq(Q(k))`` and ``dK = deq(Q(dS))ᵀ·deq(Q(q))`` with dS quantized per
   ``config.ds_tile`` (see the module docstring); q, k, v get those gradients
   straight through their quantizers. With ``config.k_smooth``, k is ``k − mean_s(k)`` (per batch and
-  head) wherever it appears above: the same function, other quantization errors.
+  head) wherever it appears above, and with ``config.hadamard`` q and k are ``q·H_D`` and ``k·H_D``
+  (``rotated``): the same function, other quantization errors.
 
   Args:
     q: ``[B, T, H, D]`` queries (bf16 in a model; any float dtype shared with k and v).
@@ -597,7 +637,7 @@ def nvfp4_attention(q, k, v, *, causal: bool = True, key=None,
   elif impl != "xla" and head_dim not in _HEAD_DIMS:
     raise ValueError(f"nvfp4_attention: implementation={impl!r} takes head dims {_HEAD_DIMS}, got "
                      f"D = {head_dim}; use implementation='xla'")
-  return _attention(q, k, v, key, causal, config, impl)
+  return _attention(rotated(q, config), rotated(k, config), v, key, causal, config, impl)
 
 
 def nvfp4_attention_reference(q, k, v, *, causal: bool = True, key=None,
@@ -614,7 +654,7 @@ def nvfp4_attention_reference(q, k, v, *, causal: bool = True, key=None,
   """
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   _check(q, k, v, key, causal, config)
-  o, res, p = _forward(q, k, v, _keys(key, config), causal, config)
+  o, res, p = _forward(rotated(q, config), rotated(k, config), v, _keys(key, config), causal, config)
   if not return_stats:
     return o
   b, t, h, _ = q.shape
@@ -636,12 +676,17 @@ def nvfp4_attention_vjp_reference(q, k, v, do, *, causal: bool = True, key=None,
       backward's recomputed P and the unquantized dS (``1/√D`` folded in) before its quantization.
 
   Returns:
-    ``(dq, dk, dv)`` in the dtypes of q, k, v; with ``return_intermediates``, ``((dq, dk, dv), dict)``.
+    ``(dq, dk, dv)`` in the dtypes of q, k, v (with ``config.hadamard``, dQ and dK rotated back:
+    ``·H_Dᵀ``, the rotation's own gradient); with ``return_intermediates``, ``((dq, dk, dv), dict)``.
   """
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   _check(q, k, v, key, causal, config)
   keys = _keys(key, config)
-  _, res, _ = _forward(q, k, v, keys, causal, config)
+  _, res, _ = _forward(rotated(q, config), rotated(k, config), v, keys, causal, config)
   grads, intermediates = _backward(res, jnp.asarray(do), keys, causal, config)
+  if config.rotates:  # as the op's autodiff: dQ, dK in q's dtype, rotated back in float32
+    back = hadamard_matrix(q.shape[-1]).T
+    grads = (*(_dot("...d,de->...e", g.astype(x.dtype).astype(_F32), back)
+               for g, x in ((grads[0], q), (grads[1], k))), grads[2])
   grads = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
   return (grads, intermediates) if return_intermediates else grads
