@@ -78,9 +78,11 @@ def ds_scale_error(q, k, v, do, *, causal: bool = True, key=None,
   keys = dict.fromkeys(attention.OPERANDS) if key is None else dict(
       zip(attention.OPERANDS, jax.random.split(key, len(attention.OPERANDS)), strict=True))
   bits = attention._ds_bits(keys["ds"], ds.shape) if stochastic else None
-  # dK per query head (before GQA's sum over a group): the error of each head's contribution.
-  kd = jnp.repeat(_decoded_operand(k, config, "k", keys["k"]), q.shape[2] // k.shape[2], axis=2)
-  qd = _decoded_operand(q, config, "q", keys["q"])
+  # dK per query head (before GQA's sum over a group): the error of each head's contribution. The
+  # products take q and k as the op quantizes them (rotated, smoothed: quantized_inputs).
+  q_in, k_in = attention.quantized_inputs(q, k, config)
+  kd = jnp.repeat(_decoded_operand(k_in, config, "k", keys["k"]), q.shape[2] // k.shape[2], axis=2)
+  qd = _decoded_operand(q_in, config, "q", keys["q"])
   dq = _dot("bhts,bshd->bthd", ds, kd)
   dk = _dot("bhts,bthd->bshd", ds, qd)
   quantized = {scope: attention._fake_quant_ds(ds, scope=scope, ds_tile=config.ds_tile,

@@ -241,9 +241,9 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
     for name, attn in _attentions(model):
       config = _attention_config(attn.attention_op)
       q, k, v = (seen[name][t] for t in ("q", "k", "v"))
-      quant.add(f"{name}/q", _rows(q, -1), _measured(config, default_attn, "q"), next(keys))
-      k_op = _measured(config, default_attn, "k")
-      quant.add(f"{name}/k", _rows(attention_ops.smoothed_k(k, config), -1), k_op, next(keys))
+      q_in, k_in = attention_ops.quantized_inputs(q, k, config)  # rotated, smoothed: what Q(·) sees
+      quant.add(f"{name}/q", _rows(q_in, -1), _measured(config, default_attn, "q"), next(keys))
+      quant.add(f"{name}/k", _rows(k_in, -1), _measured(config, default_attn, "k"), next(keys))
       if config.v.quantized:  # V in NVFP4 (an ablation: the method keeps it BF16)
         quant.add(f"{name}/v", _rows(v, -1), config.v, next(keys))
       if hdim_ok:

@@ -581,6 +581,11 @@ def test_hadamard_rotation_is_exact_and_spreads_outlier_channels():
   for got, want in zip(_op(q, k, v, do, KEY, config=config)[1:],
                        _ref_vjp(q, k, v, do, key=KEY, config=config), strict=True):
     np.testing.assert_array_equal(_f32(got), _f32(want))
+  # quantized_inputs is what the op quantizes: the op on them without rotation and smoothing is the op.
+  q_in, k_in = attn.quantized_inputs(q, k, config)
+  bare = dataclasses.replace(config, hadamard=False, k_smooth=False)
+  np.testing.assert_array_equal(_f32(_ref_fwd(q, k, v, key=KEY, config=config)),
+                                _f32(_ref_fwd(q_in, k_in, v, key=KEY, config=bare)))
   with pytest.raises(ValueError, match="hadamard .* power of two; D = 48"):
     x = jnp.zeros((1, 16, 1, 48), jnp.bfloat16)
     nvfp4_attention(x, x, x, key=KEY, config=config, implementation="xla")

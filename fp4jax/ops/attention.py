@@ -281,6 +281,12 @@ def rotated(x, config):
   return (numerics.bf16_rn(r) if x.dtype == jnp.bfloat16 else r).astype(x.dtype)
 
 
+def quantized_inputs(q, k, config):
+  """``(q, k)`` as the op quantizes them: rotated (``rotated``) and k smoothed (``smoothed_k``) as
+  ``config`` says; attention with ``hadamard`` and ``k_smooth`` off on these is the op's."""
+  return rotated(q, config), smoothed_k(rotated(k, config), config)
+
+
 def _decoded(x, dtype):
   """An operand as the product sees it: ``deq(Q(x))`` in ``dtype``, or the plain input."""
   return x.dequantize(dtype) if isinstance(x, nvfp4.NVFP4Tensor) else x.astype(dtype)
