@@ -3,6 +3,9 @@
 - ``ds_scale_error``: the error of attention's dS quantization for each second-level scale scope
   (``"tile"``, ``"matrix"``, ``"tensor"``), on one attention backward; ``fp4jax.telemetry`` measures
   dS with its ``"tile"`` scope.
+- ``probs_error``: the error of attention's probabilities P from the quantized scores, on one
+  attention forward (``fp4jax.telemetry`` measures it with the op's config and with q and k
+  Hadamard-rotated).
 - ``orthogonality_error``: the singular-value spread of a Newton–Schulz output
   (``fp4jax.optim.newton_schulz``), on the host.
 - ``top_energy_share`` and ``mean_energy_share``: how much of a matrix's energy its top singular
@@ -99,6 +102,27 @@ def ds_scale_error(q, k, v, do, *, causal: bool = True, key=None,
         "vs_matrix": _rel(dsq - quantized["matrix"], ds),
     }
   return out
+
+
+def probs_error(q, k, v, *, causal: bool = True, key=None,
+                config: attention.AttentionConfig = attention.AttentionConfig()) -> jax.Array:
+  """``‖P̂ − P‖ / ‖P‖``: the forward's probabilities from ``config``'s quantized q and k
+  (``nvfp4_attention_reference``: rotated, smoothed and quantized as the op does) against those of
+  the unquantized scores, over every ``[B, H, T, S]`` entry (masked entries are 0 in both).
+
+  Args:
+    q, k, v, causal, key, config: as ``fp4jax.ops.nvfp4_attention_reference`` (only q's and k's
+      quantization changes P; v enters neither).
+
+  Returns:
+    A float32 scalar.
+  """
+  _, p, _ = attention.nvfp4_attention_reference(q, k, v, causal=causal, key=key, config=config,
+                                                return_stats=True)
+  _, p_exact, _ = attention.nvfp4_attention_reference(q, k, v, causal=causal,
+                                                      config=attention.AttentionConfig.bf16(),
+                                                      return_stats=True)
+  return _rel(p - p_exact, p_exact)
 
 
 def orthogonality_error(x_MxN) -> dict[str, float]:

@@ -32,6 +32,10 @@ what quantizing it would cost. Names are ``telemetry/<module>/<tensor>_{rel_err,
                                  ``_ATTENTION_EXAMPLES`` sequences   ``fp4jax.analysis``'s
                          ds_dq,  dS·K and dSᵀ·Q from Q(dS)          ``ds_scale_error``, "tile" scope
                          ds_dk
+                         p       the forward's P, on those          the op's q and k quantization
+                                 sequences                          (``probs_error``)
+                         p_hadamard  the same with q and k          ``hadamard=True`` (where the op
+                                 Hadamard-rotated                   does not rotate; D a power of two)
   <parameter module>     mu, nu  Adam's m and √v of the update      as the run's ``AdamNvfp4Options``
                                  this batch makes                   store them (``encode_moment``)
 
@@ -222,7 +226,7 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
     base = jax.random.fold_in(key, 0x7E1E)
     keys = (jax.random.fold_in(base, i) for i in itertools.count())
     model = nnx.merge(graphdef, _unstack(params, segments) if model_cfg.scan_layers else params)
-    quant, products, ds, shares = _Jobs(), [], [], {}
+    quant, products, ds, probs, shares = _Jobs(), [], [], [], {}
     default, default_attn = MatmulConfig.nvfp4(), attention_ops.AttentionConfig.nvfp4()
     for name, dense in _projections(model):
       config = _matmul_config(dense)
@@ -250,12 +254,14 @@ def make_telemetry(model_cfg: ModelConfig, recipe: Recipe, opt_cfg=None, *,
         n = min(attention_examples, inputs.shape[0])
         do = dys[name]["out"][:n].astype(q.dtype)
         ds.append((name, config, (q[:n], k[:n], v[:n], do, next(keys))))
+        probs.append((name, config, (q[:n], k[:n], v[:n], next(keys))))
     moments = {}
     if opt_cfg is not None:
       moments = _moments(state["opt_state"], grads, opt_cfg, storage, next(keys),
                          segments if model_cfg.scan_layers else None)
     out = {PREFIX + "loss": loss.astype(_F32)}
-    for metric, (err, ref) in {**quant.run(), **_run_products(products), **_run_ds(ds), **moments}.items():
+    measured = {**quant.run(), **_run_products(products), **_run_ds(ds), **_run_probs(probs), **moments}
+    for metric, (err, ref) in measured.items():
       rel = jnp.where(ref > 0, err / jnp.where(ref > 0, ref, 1.0), 0.0)
       out[f"{PREFIX}{metric}_rel_err"] = rel
       out[f"{PREFIX}{metric}_snr_db"] = -20.0 * jnp.log10(rel)
@@ -429,6 +435,33 @@ def _run_ds(ds) -> dict:
     for i, (name, _, _) in enumerate(jobs):
       for j, metric in enumerate(("ds", "ds_dq", "ds_dk")):
         out[f"{name}/{metric}"] = (r[j][i], jnp.ones((), _F32))
+  return out
+
+
+def _run_probs(probs) -> dict:
+  """``p``: the forward's P from the op's quantized q and k (``analysis.probs_error``), per block;
+  ``p_hadamard``: the same with q and k Hadamard-rotated (``AttentionConfig.hadamard``), where the op
+  does not rotate them and the head dim is a power of two: what the rotation would change."""
+  out = {}
+  for config in dict.fromkeys(c for _, c, _ in probs):
+    jobs = [p for p in probs if p[1] == config]
+    d = jobs[0][2][0].shape[-1]
+    rotated = dataclasses.replace(config, hadamard=True)
+    other = rotated if not config.rotates and rotated.rotates and not d & (d - 1) else None
+
+    def one(a, config=config, other=other):
+      q, k, v, key = a
+      errs = [analysis.probs_error(q, k, v, key=key, config=config)]
+      if other is not None:
+        errs.append(analysis.probs_error(q, k, v, key=key, config=other))
+      return tuple(errs)
+
+    args = tuple(jnp.stack(xs) for xs in zip(*(a for _, _, a in jobs), strict=True))
+    r = lax.map(one, args)
+    for i, (name, _, _) in enumerate(jobs):
+      out[f"{name}/p"] = (r[0][i], jnp.ones((), _F32))
+      if other is not None:
+        out[f"{name}/p_hadamard"] = (r[1][i], jnp.ones((), _F32))
   return out
 
 

@@ -77,9 +77,9 @@ def test_train_loop_logs_telemetry_every_n_steps(data_dir, tmp_path):
     for m in ("embed", "lm_head"):
       assert 0.03 < row[f"telemetry/{m}/mu_rel_err"] < 0.3
   names = {re.sub(r"_(rel_err|snr_db)$", "", k) for k in rows[2] if k.startswith("telemetry/")}
-  assert len(names) == 1 + model.n_layers * (4 * (7 + 6) + 5) + 2 * 2  # loss; per block 4 projections x
-  # (w, x, dy, dx, dw, mu, nu; w, x, dy x top16, mean energy) and q, k, ds, ds_dq, ds_dk; embed and
-  # lm_head mu, nu
+  assert len(names) == 1 + model.n_layers * (4 * (7 + 6) + 7) + 2 * 2  # loss; per block 4 projections x
+  # (w, x, dy, dx, dw, mu, nu; w, x, dy x top16, mean energy) and q, k, ds, ds_dq, ds_dk, p, p_hadamard;
+  # embed and lm_head mu, nu
   tb = list((tmp_path / "tb").glob("events.out.tfevents.*"))
   assert tb and b"telemetry/blocks.0.mlp.down/w_rel_err" in tb[0].read_bytes()
 
@@ -116,6 +116,10 @@ def test_nvfp4_adam_states_attention_and_scanned_blocks():
       assert lo < row[f"{attn}/{t}_rel_err"] < hi, (i, t)
     assert 0.08 < row[f"{attn}.qkv/w_rel_err"] < 0.13
     assert 0.05 < row[f"{attn}/v_rel_err"] < 0.15
+    # P from the quantized scores, and what a Hadamard rotation of q and k would give (random init:
+    # no outlier channels, so about the same).
+    assert 0.03 < row[f"{attn}/p_rel_err"] < 0.2, row[f"{attn}/p_rel_err"]
+    assert 0.8 < row[f"{attn}/p_hadamard_rel_err"] / row[f"{attn}/p_rel_err"] < 1.25
   # The stacked moments of blocks 0-1 (one leaf, one global scale).
   for t in ("mu", "nu"):
     assert 0.05 < row[f"telemetry/blocks.0-1.attn.qkv/{t}_rel_err"] < 0.3
