@@ -406,9 +406,9 @@ _PV = _switched(v="nvfp4", p="nvfp4", do="nvfp4")
 @pytest.mark.parametrize("config", [
     NVFP4, NVFP4.nvfp4(reuse=False), _PV, dataclasses.replace(_PV, p=Operand(rounding="stochastic")),
     AttentionConfig.nvfp4(v=Operand()), dataclasses.replace(FOUR_OVER_SIX, k_smooth=True),
-    AttentionConfig.nvfp4(ds_tile=(16, 16)), AttentionConfig.nvfp4(hadamard=True),
+    AttentionConfig.nvfp4(ds_tile=(16, 16)), AttentionConfig.nvfp4(hadamard=True), _switched(q="bf16", k="bf16"),
 ], ids=["reuse", "no reuse", "V P dO nvfp4", "V P dO nvfp4, P stochastic", "V nvfp4",
-        "K smoothing, 4/6 q k v", "dS tile 16", "Hadamard q k"])
+        "K smoothing, 4/6 q k v", "dS tile 16", "Hadamard q k", "q k bf16, dS nvfp4"])
 @pytest.mark.slow
 def test_pallas_interpret_runs_the_kernels_on_the_same_operands(config):
   """The op's kernel path (interpret mode) against its XLA path: O to bf16 rounding and dV exact; dQ

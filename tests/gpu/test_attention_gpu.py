@@ -74,6 +74,8 @@ _CONFIGS = {
                                              v=Operand(scale_rule="4over6_mae")),
     # The finest second-level dS scales: 16×16 tiles, so 16×16 blocks in the backward's kernels.
     "ds_tile_16": AttentionConfig.nvfp4(ds_tile=(16, 16)),
+    # q and k in BF16 with dS in NVFP4: the late phase of Recipe.bf16_fwd_attention.
+    "qk_bf16": AttentionConfig.nvfp4(q=Operand(format="bf16"), k=Operand(format="bf16")),
     # q and k rotated along D (an XLA product before either path) with the method's options.
     "hadamard": AttentionConfig.nvfp4(hadamard=True, k_smooth=True, q=Operand(scale_rule="4over6_mse"),
                                       k=Operand(scale_rule="4over6_mse")),
