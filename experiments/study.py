@@ -98,6 +98,8 @@ ARM_LOGS = ("metrics.jsonl", "config.json", EVAL_FILE, SHARED_FILE)
 PROCESS_LOG = "train.log"  # an arm's output under --parallel (<workdir>/logs/<arm>.log), collected
 # Config fields that do not change what a run computes: a study may resume with others.
 VOLATILE = ("progress", "tensorboard")
+# What else each arm is evaluated on (eval_texts): a later command of the study may name other texts.
+EVALUATED_ALSO = ("study.eval_also",)
 ARM_NAMES = tuple(a.name for a in ARMS)
 _BY_NAME = {a.name: a for a in ARMS}
 
@@ -148,7 +150,8 @@ def arm_experiment(exp: Experiment, arm: Arm, telemetry: bool = True) -> Experim
 
 def check_workdir(cfg, workdir: Path) -> None:
   """Records the study's config in ``<workdir>/study.json``, or checks it against the recorded one
-  (a field absent from the recorded config is not compared: the recorded study predates it).
+  (a field absent from the recorded config is not compared: the recorded study predates it; nor is
+  ``study.eval_also``, which changes no arm's training).
 
   Raises:
     ValueError: the workdir holds a study of another config (the differing fields are named).
@@ -160,7 +163,7 @@ def check_workdir(cfg, workdir: Path) -> None:
     path.write_text(json.dumps({"config": mine}, indent=1) + "\n")
     return
   theirs = upgrade_config(json.loads(path.read_text())["config"])  # a study recorded in an older layout
-  diffs = [d for d in diff(theirs, mine) if d[1] is not ABSENT]
+  diffs = [d for d in diff(theirs, mine) if d[1] is not ABSENT and d[0] not in EVALUATED_ALSO]
   if diffs:
     shown = "; ".join(f"{k}: study {a!r}, this command {b!r}" for k, a, b in diffs[:6])
     raise ValueError(f"{workdir} holds a study of another config ({shown}{' ...' * (len(diffs) > 6)})"

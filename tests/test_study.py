@@ -373,6 +373,12 @@ def test_other_texts_are_named_once_and_checked_before_training(tmp_path):
   assert ev.eval_file(str(text)) == "eval_prose_notes.json" and ev.eval_file("mix") == "eval_mix.json"
   assert ev.eval_file() == ev.EVAL_FILE == "eval.json"
   assert st.other_files("mix") == ("table_mix.md", "summary_mix.md")
+  # A later command of the same study may evaluate on other texts: not another study.
+  work = tmp_path / "study"
+  cfg.study.eval_also = "shakespeare"
+  st.check_workdir(cfg, work)
+  cfg.study.eval_also = str(text)
+  st.check_workdir(cfg, work)
   for also, match in ((f"{text},{text}", "is named twice"), (str(tmp_path / "code"), "the study's own corpus"),
                       (str(tmp_path / "gone"), "its text is not on this machine")):
     cfg.study.eval_also = also
