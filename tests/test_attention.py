@@ -546,6 +546,7 @@ def _outlier_channels(x, channels=(3, 17, 40, 41), scale=8.0):
   return x.at[..., list(channels)].multiply(scale)
 
 
+@pytest.mark.slow
 def test_hadamard_rotation_is_exact_and_spreads_outlier_channels():
   """``hadamard``: ``(q·H)·(k·H)ᵀ = q·kᵀ`` (H orthonormal, symmetric), so without quantization of
   q and k nothing is rotated and the op is the plain one; with outlier channels the quantized
