@@ -185,7 +185,8 @@ class _Loop:
     self.train_step, self.eval_step = jit_steps(graphdef, tx, schedule, shardings, mesh,
                                                 tc.grad_accum, execution=execution)
     # Steps from `switch` on (0-based) run the recipe's late phase (Recipe.at_step: the forward
-    # GEMMs in BF16): a second graphdef of the same parameters, its steps compiled at first use.
+    # GEMMs in BF16, and attention's q, k with bf16_fwd_attention): a second graphdef of the same
+    # parameters, its steps compiled at first use.
     # The telemetry keeps measuring the recipe's own quantization.
     self.switch, self.bf16_fwd_last = recipe.bf16_fwd_from(tc.steps), recipe.bf16_fwd_last
     late_recipe = recipe.at_step(tc.steps - 1, tc.steps)
