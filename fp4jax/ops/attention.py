@@ -260,24 +260,37 @@ def smoothed_k(k, config):
   return (numerics.bf16_rn(d) if k.dtype == jnp.bfloat16 else d).astype(k.dtype)
 
 
-def hadamard_matrix(d: int) -> jax.Array:
-  """The orthonormal Sylvester Hadamard matrix of order ``d`` (a power of two), float32:
-  ``H = [[H', H'], [H', −H']] / √2`` from ``[[1]]``; symmetric, ``H·Hᵀ = I``."""
+def _sylvester(d: int) -> jax.Array:
+  """The Sylvester Hadamard matrix of order ``d`` (a power of two) with entries ±1, float32:
+  ``[[H', H'], [H', −H']]`` from ``[[1]]``; symmetric, ``H·Hᵀ = d·I``."""
   if d < 1 or d & (d - 1):
     raise ValueError(f"a Hadamard matrix of order {d}: the order must be a power of two")
   h = jnp.ones((1, 1), _F32)
   while h.shape[0] < d:
     h = jnp.block([[h, h], [h, -h]])
-  return h / jnp.sqrt(jnp.asarray(d, _F32))
+  return h
+
+
+def hadamard_matrix(d: int) -> jax.Array:
+  """The orthonormal Sylvester Hadamard matrix ``H_D`` of order ``d`` (a power of two), float32:
+  the ±1 matrix times ``1/√d``; symmetric, ``H_D·H_Dᵀ = I``."""
+  return _sylvester(d) * _F32(d ** -0.5)
+
+
+def _rotate(x32, d: int) -> jax.Array:
+  """``x32·H_D`` in float32 as the op computes it: the ±1 products summed (exact where the partial
+  sums fit float32's mantissa, as for bfloat16 inputs of similar magnitudes, so in any order), then
+  one multiplication by ``1/√d``."""
+  return _dot("...d,de->...e", x32, _sylvester(d)) * _F32(d ** -0.5)
 
 
 def rotated(x, config):
   """``x·H_D`` along the last axis in x's dtype (``AttentionConfig.hadamard``, where q or k is
-  quantized: ``config.rotates``); ``x`` itself otherwise. The product is float32 at the highest
-  precision; a bfloat16 result is rounded by ``numerics.bf16_rn`` (see ``smoothed_k``)."""
+  quantized: ``config.rotates``); ``x`` itself otherwise. The product is float32 (``_rotate``); a
+  bfloat16 result is rounded by ``numerics.bf16_rn`` (see ``smoothed_k``)."""
   if not config.rotates:
     return x
-  r = _dot("...d,de->...e", x.astype(_F32), hadamard_matrix(x.shape[-1]))
+  r = _rotate(x.astype(_F32), x.shape[-1])
   return (numerics.bf16_rn(r) if x.dtype == jnp.bfloat16 else r).astype(x.dtype)
 
 
@@ -690,9 +703,9 @@ def nvfp4_attention_vjp_reference(q, k, v, do, *, causal: bool = True, key=None,
   keys = _keys(key, config)
   _, res, _ = _forward(rotated(q, config), rotated(k, config), v, keys, causal, config)
   grads, intermediates = _backward(res, jnp.asarray(do), keys, causal, config)
-  if config.rotates:  # as the op's autodiff: dQ, dK in q's dtype, rotated back in float32
-    back = hadamard_matrix(q.shape[-1]).T
-    grads = (*(_dot("...d,de->...e", g.astype(x.dtype).astype(_F32), back)
+  if config.rotates:  # as the op's autodiff: dQ, dK in q's dtype, rotated back in float32 (H symmetric)
+    d = q.shape[-1]
+    grads = (*(_dot("...d,de->...e", g.astype(x.dtype).astype(_F32) * _F32(d ** -0.5), _sylvester(d))
                for g, x in ((grads[0], q), (grads[1], k))), grads[2])
   grads = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
   return (grads, intermediates) if return_intermediates else grads
