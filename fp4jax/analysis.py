@@ -104,25 +104,29 @@ def ds_scale_error(q, k, v, do, *, causal: bool = True, key=None,
   return out
 
 
-def probs_error(q, k, v, *, causal: bool = True, key=None,
-                config: attention.AttentionConfig = attention.AttentionConfig()) -> jax.Array:
-  """``‖P̂ − P‖ / ‖P‖``: the forward's probabilities from ``config``'s quantized q and k
-  (``nvfp4_attention_reference``: rotated, smoothed and quantized as the op does) against those of
-  the unquantized scores, over every ``[B, H, T, S]`` entry (masked entries are 0 in both).
+def probs_error(q, k, v, configs, *, causal: bool = True, key=None) -> jax.Array:
+  """``‖P̂ − P‖ / ‖P‖`` for each config of ``configs``: the forward's probabilities from its quantized
+  q and k (``nvfp4_attention_reference``: rotated, smoothed and quantized as the op does) against
+  those of the unquantized scores (computed once), over every ``[B, H, T, S]`` entry (masked entries
+  are 0 in both).
 
   Args:
-    q, k, v, causal, key, config: as ``fp4jax.ops.nvfp4_attention_reference`` (only q's and k's
-      quantization changes P; v enters neither).
+    q, k, v, causal, key: as ``fp4jax.ops.nvfp4_attention_reference`` (only q's and k's
+      quantization changes P).
+    configs: a sequence of ``AttentionConfig``.
 
   Returns:
-    A float32 scalar.
+    float32 ``[len(configs)]``.
   """
-  _, p, _ = attention.nvfp4_attention_reference(q, k, v, causal=causal, key=key, config=config,
-                                                return_stats=True)
   _, p_exact, _ = attention.nvfp4_attention_reference(q, k, v, causal=causal,
                                                       config=attention.AttentionConfig.bf16(),
                                                       return_stats=True)
-  return _rel(p - p_exact, p_exact)
+  errs = []
+  for config in configs:
+    _, p, _ = attention.nvfp4_attention_reference(q, k, v, causal=causal, key=key, config=config,
+                                                  return_stats=True)
+    errs.append(_rel(p - p_exact, p_exact))
+  return jnp.stack(errs)
 
 
 def orthogonality_error(x_MxN) -> dict[str, float]:

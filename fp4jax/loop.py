@@ -194,8 +194,8 @@ class _Loop:
         w for w, changed in (("the forward GEMMs", late_recipe.matmul != recipe.matmul),
                              ("attention's scores", late_recipe.attention_op != recipe.attention_op)) if changed)
     self.late_steps = None
-    if recipe.at_step(tc.steps - 1, tc.steps) != recipe:
-      late, _ = abstract_model(model_cfg, recipe.at_step(self.switch, tc.steps), execution)
+    if late_recipe != recipe:
+      late, _ = abstract_model(model_cfg, late_recipe, execution)
       self.late_steps = jit_steps(late, tx, schedule, shardings, mesh, tc.grad_accum,
                                   execution=execution)
     self.tele = (telemetry.jit_telemetry(model_cfg, recipe, exp.optimizer, shardings, mesh,

@@ -449,19 +449,16 @@ def _run_probs(probs) -> dict:
     rotated = dataclasses.replace(config, hadamard=True)
     other = rotated if not config.rotates and rotated.rotates and not d & (d - 1) else None
 
-    def one(a, config=config, other=other):
+    def one(a, configs=(config,) if other is None else (config, other)):
       q, k, v, key = a
-      errs = [analysis.probs_error(q, k, v, key=key, config=config)]
-      if other is not None:
-        errs.append(analysis.probs_error(q, k, v, key=key, config=other))
-      return tuple(errs)
+      return analysis.probs_error(q, k, v, configs, key=key)
 
     args = tuple(jnp.stack(xs) for xs in zip(*(a for _, _, a in jobs), strict=True))
-    r = lax.map(one, args)
+    r = lax.map(one, args)  # [jobs, configs]
     for i, (name, _, _) in enumerate(jobs):
-      out[f"{name}/p"] = (r[0][i], jnp.ones((), _F32))
+      out[f"{name}/p"] = (r[i, 0], jnp.ones((), _F32))
       if other is not None:
-        out[f"{name}/p_hadamard"] = (r[1][i], jnp.ones((), _F32))
+        out[f"{name}/p_hadamard"] = (r[i, 1], jnp.ones((), _F32))
   return out
 
 

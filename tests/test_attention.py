@@ -552,7 +552,7 @@ def test_hadamard_rotation_is_exact_and_spreads_outlier_channels():
   q and k nothing is rotated and the op is the plain one; with outlier channels the quantized
   attention's output and gradients are closer to exact attention than without the rotation, and on
   plain Gaussian data no further; the op's gradient is the reference VJP's, rotated back."""
-  h = attn.hadamard_matrix(D)
+  h = attn._sylvester(D) / 8.0  # H_D, D = 64
   np.testing.assert_array_equal(_f32(h), _f32(h.T))
   np.testing.assert_allclose(_f32(h @ h.T), np.eye(D), atol=1e-6)
   q, k, v, do = _data(dtype=jnp.float32)

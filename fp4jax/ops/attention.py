@@ -271,16 +271,10 @@ def _sylvester(d: int) -> jax.Array:
   return h
 
 
-def hadamard_matrix(d: int) -> jax.Array:
-  """The orthonormal Sylvester Hadamard matrix ``H_D`` of order ``d`` (a power of two), float32:
-  the ±1 matrix times ``1/√d``; symmetric, ``H_D·H_Dᵀ = I``."""
-  return _sylvester(d) * _F32(d ** -0.5)
-
-
 def _rotate(x32, d: int) -> jax.Array:
-  """``x32·H_D`` in float32 as the op computes it: the ±1 products summed (exact where the partial
-  sums fit float32's mantissa, as for bfloat16 inputs of similar magnitudes, so in any order), then
-  one multiplication by ``1/√d``."""
+  """``x32·H_D`` in float32, ``H_D = _sylvester(d)/√d`` (orthonormal, symmetric): the ±1 products
+  summed (exact where the partial sums fit float32's mantissa, as for bfloat16 inputs of similar
+  magnitudes, so in any order), then one multiplication by ``1/√d``."""
   return _dot("...d,de->...e", x32, _sylvester(d)) * _F32(d ** -0.5)
 
 
